@@ -1,0 +1,787 @@
+//! The cache: namespaces of radix trees over one set of pools, with the KV component's
+//! match, insert, locks and LRU eviction.
+//!
+//! [`Cache`] is the single-threaded core (`&mut self` methods, lock receipts as plain
+//! [`LockId`]s). [`crate::HybridCache`] wraps it for sharing and gives owned receipts.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt::Write as _;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::pool::{as_i64, page_of_slot, page_u32, Pages, Pool, PoolCounts};
+use crate::stats::Stats;
+use crate::tree::{NodeId, Probe, Tree, NONE};
+
+/// A lock receipt: the only way to release a lock. Releasing it twice fails loudly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LockId {
+    index: u32,
+    generation: u32,
+}
+
+impl std::fmt::Display for LockId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}.{}", self.index, self.generation)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LockSlot {
+    generation: u32,
+    /// Arena index of the node the receipt locked (its path to the root is locked).
+    node: Option<u32>,
+}
+
+/// The answer of [`Cache::match_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    /// Tokens reusable from device memory now (a multiple of the page size).
+    pub device_len: usize,
+    /// Device slots of the first `device_len` tokens.
+    pub kv_indices: Vec<i64>,
+    /// Further tokens present only on the host tier.
+    pub host_len: usize,
+    /// The last device node of the match (a root when nothing matched).
+    pub node: NodeId,
+    /// The last node counting host data (`node` when `host_len == 0`).
+    pub host_node: NodeId,
+    /// Device state slot at `device_len`, if the model has Mamba layers.
+    pub mamba_slot: Option<u32>,
+    /// The deepest page-aligned KV match on any tier, ignoring states (the branch point).
+    pub kv_len: usize,
+}
+
+/// The answer of [`Cache::insert`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Insert {
+    /// Tokens that were already cached (their passed slots were freed, except the
+    /// caller's own prefix below `owned_from`).
+    pub prefix_len: usize,
+    /// The node where the insert ended (a root when no whole page was given).
+    pub node: NodeId,
+    /// Whether that node already had a Mamba state (always false without Mamba layers).
+    pub mamba_existed: bool,
+}
+
+/// What [`Cache::evict`] actually evicted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Evicted {
+    /// Device KV tokens freed.
+    pub kv_tokens: usize,
+    /// Device Mamba states freed.
+    pub mamba_states: usize,
+}
+
+/// One node as seen by [`Cache::snapshot`] (tests, tools and pretty printing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The node's handle.
+    pub id: NodeId,
+    /// Its namespace (`None` for the default one).
+    pub namespace: Option<String>,
+    /// Every token from the root to the end of this node.
+    pub prefix: Vec<u32>,
+    /// Tokens of this node alone (the tail of `prefix`).
+    pub key_len: usize,
+    /// Device slots of this node's tokens, if it has device KV.
+    pub kv_indices: Option<Vec<i64>>,
+    /// Live receipts covering the node.
+    pub lock: u32,
+    /// Logical time of the last access.
+    pub last_access: u64,
+}
+
+/// The single-threaded cache core.
+pub struct Cache {
+    config: Config,
+    tree: Tree,
+    kv_pool: Pool,
+    roots: HashMap<Option<String>, u32>,
+    /// KV eviction candidates: unlocked device leaves, by (last access, index).
+    kv_lru: BTreeSet<(u64, u32)>,
+    evictable_tokens: usize,
+    protected_tokens: usize,
+    clock: u64,
+    locks: Vec<LockSlot>,
+    free_locks: Vec<u32>,
+    live_locks: usize,
+    stats: Stats,
+    probe: Probe,
+}
+
+impl std::fmt::Debug for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.summary())
+    }
+}
+
+impl Cache {
+    /// A cache with the given configuration (validated; errors name the argument).
+    pub fn new(config: Config) -> Result<Cache> {
+        config.validate()?;
+        let kv_pool = Pool::new("kv_slots", config.kv_slots, config.page_size)?;
+        let tree = Tree::new(config.page_size);
+        let mut cache = Cache {
+            config,
+            tree,
+            kv_pool,
+            roots: HashMap::new(),
+            kv_lru: BTreeSet::new(),
+            evictable_tokens: 0,
+            protected_tokens: 0,
+            clock: 0,
+            locks: Vec::new(),
+            free_locks: Vec::new(),
+            live_locks: 0,
+            stats: Stats::default(),
+            probe: Probe::default(),
+        };
+        cache.root(None);
+        Ok(cache)
+    }
+
+    /// The configuration the cache was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.config.page_size
+    }
+
+    /// The device KV pool.
+    pub fn kv_pool(&self) -> &Pool {
+        &self.kv_pool
+    }
+
+    fn root(&mut self, namespace: Option<&str>) -> u32 {
+        if let Some(&r) = self.roots.get(&namespace.map(str::to_owned)) {
+            return r;
+        }
+        let r = self.tree.alloc_node(NONE, Vec::new());
+        self.tree.node_mut(r).kv.device = Some(Vec::new());
+        self.roots.insert(namespace.map(str::to_owned), r);
+        r
+    }
+
+    fn aligned(&self, n: usize) -> usize {
+        n / self.config.page_size * self.config.page_size
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Marks `i` as accessed now, keeping its place in the eviction set right.
+    fn touch(&mut self, i: u32) {
+        let now = self.tick();
+        let n = self.tree.node_mut(i);
+        let old = std::mem::replace(&mut n.last_access, now);
+        if n.kv.in_lru {
+            self.kv_lru.remove(&(old, i));
+            self.kv_lru.insert((now, i));
+        }
+    }
+
+    /// Puts `i` in or out of the KV eviction set according to what it is now.
+    fn refresh_candidate(&mut self, i: u32) {
+        let n = self.tree.node(i);
+        let should =
+            !n.is_root() && n.kv.device.is_some() && n.kv.lock == 0 && n.device_children == 0;
+        if should != n.kv.in_lru {
+            let key = (n.last_access, i);
+            if should {
+                self.kv_lru.insert(key);
+            } else {
+                self.kv_lru.remove(&key);
+            }
+            self.tree.node_mut(i).kv.in_lru = should;
+        }
+    }
+
+    fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
+        let ps = self.config.page_size;
+        if ps == 1 {
+            out.extend(pages.iter().map(|&p| i64::from(p)));
+        } else {
+            for &p in pages {
+                let base = i64::from(p) * as_i64(ps);
+                out.extend(base..base + as_i64(ps));
+            }
+        }
+    }
+
+    /// Longest cached prefix of `tokens` in `namespace`. Splits the last node when the
+    /// match ends inside it (so `Match.node` ends exactly at `device_len`) and refreshes
+    /// the LRU position of every node on the path, ancestors older than descendants.
+    pub fn match_prefix(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Match {
+        let root = self.root(namespace);
+        let key = &tokens[..self.aligned(tokens.len())];
+        let mut probe = std::mem::take(&mut self.probe);
+        self.tree.probe(root, key, &mut probe);
+        let mut end = root;
+        let mut kv_indices = Vec::with_capacity(probe.matched);
+        for &(i, n) in &probe.path {
+            let node = if n < self.tree.node(i).key.len() {
+                self.split(i, n)
+            } else {
+                i
+            };
+            if let Some(pages) = &self.tree.node(node).kv.device {
+                self.expand_into(pages, &mut kv_indices);
+            }
+            self.touch(node);
+            self.tree.node_mut(node).hits += 1;
+            end = node;
+        }
+        let device_len = probe.matched;
+        self.probe = probe;
+        self.stats.match_calls += 1;
+        self.stats.match_tokens += key.len() as u64;
+        self.stats.hit_tokens += device_len as u64;
+        let node = self.tree.id(end);
+        Match {
+            device_len,
+            kv_indices,
+            host_len: 0,
+            node,
+            host_node: node,
+            mamba_slot: None,
+            kv_len: device_len,
+        }
+    }
+
+    /// Splits node `i` after `at` tokens; returns the new upper node.
+    fn split(&mut self, i: u32, at: usize) -> u32 {
+        self.stats.splits += 1;
+        self.tree.split(i, at)
+    }
+
+    /// Caches `tokens` whose slots are `kv_indices` (one per token).
+    ///
+    /// `kv_indices[..owned_from]` must be the tree's own slots for that prefix (from an
+    /// earlier match) and are left alone; the caller hands over `kv_indices[owned_from..]`
+    /// and must hold them. Slots of tokens the tree already caches, and the slots of an
+    /// unaligned tail, are freed by the cache: the caller never frees after an insert.
+    /// Any bad argument fails the call and changes nothing.
+    pub fn insert(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        kv_indices: &[i64],
+        owned_from: usize,
+    ) -> Result<Insert> {
+        let ps = self.config.page_size;
+        if kv_indices.len() != tokens.len() {
+            return Err(Error::arg(
+                "kv_indices",
+                format!(
+                    "has {} entries for {} tokens",
+                    kv_indices.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+        if owned_from > tokens.len() {
+            return Err(Error::arg(
+                "owned_from",
+                format!("{owned_from} is past the end of {} tokens", tokens.len()),
+            ));
+        }
+        if owned_from % ps != 0 {
+            return Err(Error::arg(
+                "owned_from",
+                format!("{owned_from} is not a multiple of page_size {ps}"),
+            ));
+        }
+        let owned_pages = self.pages_of(&kv_indices[owned_from..], owned_from)?;
+        let root = self.root(namespace);
+        let aligned = self.aligned(tokens.len());
+        let mut probe = std::mem::take(&mut self.probe);
+        self.tree.probe(root, &tokens[..aligned], &mut probe);
+        let checked = self.check_owned_prefix(&probe, kv_indices, owned_from);
+        let claimed = checked.and_then(|()| self.kv_pool.claim_caller(&owned_pages, "kv_indices"));
+        let mut owned = match claimed {
+            Ok(p) => p,
+            Err(e) => {
+                self.probe = probe;
+                return Err(e);
+            }
+        };
+        // From here on nothing can fail.
+        let matched = probe.matched;
+        let mut end = root;
+        for &(i, n) in &probe.path {
+            end = if n < self.tree.node(i).key.len() {
+                self.split(i, n)
+            } else {
+                i
+            };
+            self.touch(end);
+        }
+        self.probe = probe;
+        // Pages of owned tokens the tree already has are duplicates: freed on drop.
+        let dup_pages = matched.saturating_sub(owned_from) / ps;
+        let mut new_pages = owned.split_off(dup_pages.min(owned.len()));
+        drop(owned);
+        let tail = new_pages.split_off((aligned - matched.max(owned_from)) / ps);
+        drop(tail);
+        if aligned > matched {
+            end = self.add_leaf(end, tokens[matched..aligned].to_vec(), new_pages);
+        } else {
+            drop(new_pages);
+        }
+        self.stats.insert_calls += 1;
+        self.stats.inserted_tokens += (aligned - matched) as u64;
+        self.stats.duplicate_tokens += matched.saturating_sub(owned_from) as u64;
+        Ok(Insert {
+            prefix_len: matched,
+            node: self.tree.id(end),
+            mamba_existed: false,
+        })
+    }
+
+    /// Validates the page structure of caller slots for positions starting at `start`
+    /// (page-aligned): each page's slots are consecutive and start at a page boundary, in
+    /// range. Returns the page numbers.
+    fn pages_of(&self, slots: &[i64], start: usize) -> Result<Vec<u32>> {
+        let ps = self.config.page_size;
+        let capacity = as_i64(self.config.kv_slots);
+        let mut pages = Vec::with_capacity(slots.len().div_ceil(ps));
+        for (c, chunk) in slots.chunks(ps).enumerate() {
+            let first = chunk[0];
+            if !(0..capacity).contains(&first) {
+                return Err(Error::arg(
+                    "kv_indices",
+                    format!("slot {first} is out of range [0, {capacity})"),
+                ));
+            }
+            let ps_i = as_i64(ps);
+            let pos = start + c * ps;
+            if first % ps_i != 0 || chunk.iter().zip(first..).any(|(&s, want)| s != want) {
+                return Err(Error::arg(
+                    "kv_indices",
+                    format!(
+                        "slots for tokens {pos}..{} are not one page (page_size {ps}): {:?}",
+                        pos + chunk.len(),
+                        chunk
+                    ),
+                ));
+            }
+            pages.push(page_of_slot(first, ps));
+        }
+        Ok(pages)
+    }
+
+    /// Checks that `kv_indices[..owned_from]` are the tree's slots for that prefix.
+    fn check_owned_prefix(
+        &self,
+        probe: &Probe,
+        kv_indices: &[i64],
+        owned_from: usize,
+    ) -> Result<()> {
+        if owned_from == 0 {
+            return Ok(());
+        }
+        if probe.matched < owned_from {
+            return Err(Error::arg(
+                "owned_from",
+                format!(
+                    "the first {owned_from} tokens are not cached (only {} are): \
+                     kv_indices[:owned_from] must come from a match of this prefix",
+                    probe.matched
+                ),
+            ));
+        }
+        let mut tree_slots = Vec::with_capacity(owned_from);
+        for &(i, n) in &probe.path {
+            if tree_slots.len() >= owned_from {
+                break;
+            }
+            if let Some(pages) = &self.tree.node(i).kv.device {
+                self.expand_into(&pages[..n / self.config.page_size], &mut tree_slots);
+            }
+        }
+        tree_slots.truncate(owned_from);
+        if tree_slots.len() < owned_from || tree_slots != kv_indices[..owned_from] {
+            return Err(Error::arg(
+                "kv_indices",
+                "kv_indices[:owned_from] are not the cache's slots for that prefix".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Adds a device leaf under `parent` holding `pages`; returns it.
+    fn add_leaf(&mut self, parent: u32, key: Vec<u32>, pages: Pages) -> u32 {
+        let len = key.len();
+        let leaf = self.tree.alloc_node(parent, key);
+        self.tree.node_mut(leaf).kv.device = Some(pages.into_tree());
+        self.tree.link_child(parent, leaf);
+        self.tree.node_mut(parent).device_children += 1;
+        self.evictable_tokens += len;
+        self.touch(leaf);
+        self.refresh_candidate(parent);
+        self.refresh_candidate(leaf);
+        leaf
+    }
+
+    /// Locks the path from `node` to its root against eviction; returns the receipt.
+    pub fn lock(&mut self, node: NodeId) -> Result<LockId> {
+        let i = self.tree.resolve(node)?;
+        let mut cur = i;
+        while cur != NONE {
+            let n = self.tree.node_mut(cur);
+            n.kv.lock += 1;
+            let (first, len, parent, root) = (n.kv.lock == 1, n.key.len(), n.parent, n.is_root());
+            if first && !root {
+                self.evictable_tokens -= len;
+                self.protected_tokens += len;
+                self.refresh_candidate(cur);
+            }
+            cur = parent;
+        }
+        let index = if let Some(index) = self.free_locks.pop() {
+            index
+        } else {
+            self.locks.push(LockSlot {
+                generation: 0,
+                node: None,
+            });
+            page_u32(self.locks.len() - 1)
+        };
+        let slot = &mut self.locks[index as usize];
+        slot.node = Some(i);
+        self.live_locks += 1;
+        self.stats.locks += 1;
+        Ok(LockId {
+            index,
+            generation: slot.generation,
+        })
+    }
+
+    /// Releases a receipt. A receipt released already (or never issued here) raises
+    /// [`Error::Lock`] and changes nothing.
+    pub fn unlock(&mut self, receipt: LockId) -> Result<()> {
+        let node = match self.locks.get(receipt.index as usize) {
+            Some(LockSlot {
+                generation,
+                node: Some(i),
+            }) if *generation == receipt.generation => *i,
+            _ => {
+                return Err(Error::Lock(format!(
+                    "lock receipt {receipt} was already released or does not belong to this cache"
+                )))
+            }
+        };
+        let slot = &mut self.locks[receipt.index as usize];
+        slot.node = None;
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free_locks.push(receipt.index);
+        self.live_locks -= 1;
+        let mut cur = node;
+        while cur != NONE {
+            let n = self.tree.node_mut(cur);
+            n.kv.lock -= 1;
+            let (last, len, parent, root) = (n.kv.lock == 0, n.key.len(), n.parent, n.is_root());
+            if last && !root {
+                self.protected_tokens -= len;
+                self.evictable_tokens += len;
+                self.refresh_candidate(cur);
+            }
+            cur = parent;
+        }
+        self.stats.unlocks += 1;
+        Ok(())
+    }
+
+    /// The node a live receipt locks.
+    pub fn lock_node(&self, receipt: LockId) -> Result<NodeId> {
+        match self.locks.get(receipt.index as usize) {
+            Some(LockSlot {
+                generation,
+                node: Some(i),
+            }) if *generation == receipt.generation => Ok(self.tree.id(*i)),
+            _ => Err(Error::Lock(format!(
+                "lock receipt {receipt} was already released"
+            ))),
+        }
+    }
+
+    /// Evicts at least `kv_tokens` device KV tokens (or everything evictable), least
+    /// recently used leaves first. A parent left as an unlocked leaf joins the candidates
+    /// in the same pass. Locked nodes are never touched. O(log n) per evicted node.
+    pub fn evict(&mut self, kv_tokens: usize) -> Evicted {
+        let mut freed = 0;
+        while freed < kv_tokens {
+            let Some((_, i)) = self.kv_lru.pop_first() else {
+                break;
+            };
+            self.tree.node_mut(i).kv.in_lru = false;
+            freed += self.remove_leaf(i);
+        }
+        self.stats.evict_calls += 1;
+        self.stats.evicted_kv_tokens += freed as u64;
+        Evicted {
+            kv_tokens: freed,
+            mamba_states: 0,
+        }
+    }
+
+    /// Deletes an unlocked device leaf, freeing its pages; returns its token count.
+    fn remove_leaf(&mut self, i: u32) -> usize {
+        let n = self.tree.node_mut(i);
+        let len = n.key.len();
+        let parent = n.parent;
+        let pages = n.kv.device.take().unwrap_or_default();
+        self.kv_pool.release_tree(&pages);
+        self.evictable_tokens -= len;
+        self.tree.unlink_child(parent, i);
+        self.tree.free_node(i);
+        self.tree.node_mut(parent).device_children -= 1;
+        self.refresh_candidate(parent);
+        self.stats.evicted_nodes += 1;
+        len
+    }
+
+    /// `n` device KV slots (whole pages) as raw indices the caller now holds, evicting
+    /// first when the pool is short; `None` (nothing taken) when it cannot.
+    pub fn alloc_kv(&mut self, n: usize) -> Result<Option<Vec<i64>>> {
+        let ps = self.config.page_size;
+        if n % ps != 0 {
+            return Err(Error::arg(
+                "n",
+                format!("{n} is not a multiple of page_size {ps}"),
+            ));
+        }
+        let pages = n / ps;
+        self.stats.alloc_calls += 1;
+        let free = self.kv_pool.free_pages();
+        if free < pages {
+            self.evict((pages - free) * ps);
+        }
+        let Some(owned) = self.kv_pool.try_alloc(pages) else {
+            self.stats.alloc_failures += 1;
+            return Ok(None);
+        };
+        let mut out = Vec::with_capacity(n);
+        self.expand_into(&owned.into_caller(), &mut out);
+        Ok(Some(out))
+    }
+
+    /// Gives back slots the caller holds (from `alloc_kv`). The pages containing them
+    /// are freed; a page named more than once is freed once. A slot that is free,
+    /// owned by the cache or out of range fails the call, which then changes nothing.
+    pub fn free_kv(&mut self, indices: &[i64]) -> Result<usize> {
+        let ps = self.config.page_size;
+        let capacity = as_i64(self.config.kv_slots);
+        let mut pages = Vec::with_capacity(indices.len());
+        for &s in indices {
+            if !(0..capacity).contains(&s) {
+                return Err(Error::arg(
+                    "indices",
+                    format!("slot {s} is out of range [0, {capacity})"),
+                ));
+            }
+            let p = page_of_slot(s, ps);
+            if pages.last() != Some(&p) {
+                pages.push(p);
+            }
+        }
+        let freed = self.kv_pool.free_caller(&pages, "indices")?;
+        Ok(freed * self.config.page_size)
+    }
+
+    /// Device KV tokens in the tree that eviction may take (unlocked).
+    pub fn evictable_size(&self) -> usize {
+        self.evictable_tokens
+    }
+
+    /// Device KV tokens in the tree protected by locks.
+    pub fn protected_size(&self) -> usize {
+        self.protected_tokens
+    }
+
+    /// Device KV tokens in the tree.
+    pub fn total_size(&self) -> usize {
+        self.evictable_tokens + self.protected_tokens
+    }
+
+    /// Free device KV slots.
+    pub fn available_kv(&self) -> usize {
+        self.kv_pool.free_pages() * self.config.page_size
+    }
+
+    /// Counters and gauges, in a fixed order.
+    pub fn stats(&self) -> Vec<(&'static str, u64)> {
+        let c = self.kv_pool.counts();
+        let ps = self.config.page_size as u64;
+        let mut out = self.stats.entries();
+        out.extend([
+            ("nodes", (self.tree.live_nodes - self.roots.len()) as u64),
+            ("namespaces", self.roots.len() as u64),
+            ("live_locks", self.live_locks as u64),
+            ("kv_cached_tokens", self.total_size() as u64),
+            ("kv_evictable_tokens", self.evictable_tokens as u64),
+            ("kv_protected_tokens", self.protected_tokens as u64),
+            ("kv_free_slots", c.free as u64 * ps),
+            ("kv_caller_slots", c.caller as u64 * ps),
+            ("kv_capacity_slots", self.config.kv_slots as u64),
+        ]);
+        out
+    }
+
+    /// Every live node (roots included), per namespace, parents before children.
+    pub fn snapshot(&self) -> Vec<NodeInfo> {
+        let mut roots: Vec<_> = self.roots.iter().collect();
+        roots.sort();
+        let mut out = Vec::new();
+        for (ns, &root) in roots {
+            let mut prefix_at: HashMap<u32, Vec<u32>> = HashMap::new();
+            for i in self.tree.preorder(root) {
+                let n = self.tree.node(i);
+                let mut prefix = if n.is_root() {
+                    Vec::new()
+                } else {
+                    prefix_at.get(&n.parent).cloned().unwrap_or_default()
+                };
+                prefix.extend_from_slice(&n.key);
+                let kv_indices = n.kv.device.as_ref().map(|pages| {
+                    let mut v = Vec::new();
+                    self.expand_into(pages, &mut v);
+                    v
+                });
+                out.push(NodeInfo {
+                    id: self.tree.id(i),
+                    namespace: ns.clone(),
+                    prefix: prefix.clone(),
+                    key_len: n.key.len(),
+                    kv_indices,
+                    lock: n.kv.lock,
+                    last_access: n.last_access,
+                });
+                prefix_at.insert(i, prefix);
+            }
+        }
+        out
+    }
+
+    /// A one-line summary.
+    pub fn summary(&self) -> String {
+        format!(
+            "HybridCache(kv_slots={}, page_size={}, cached_tokens={}, evictable={}, protected={}, \
+             free_kv={}, nodes={})",
+            self.config.kv_slots,
+            self.config.page_size,
+            self.total_size(),
+            self.evictable_tokens,
+            self.protected_tokens,
+            self.available_kv(),
+            self.tree.live_nodes - self.roots.len()
+        )
+    }
+
+    /// The tree as indented text: one line per node with its tokens (the first
+    /// `max_tokens` of them), slots and lock count; at most `max_nodes` nodes.
+    pub fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
+        let mut s = self.summary();
+        let mut shown = 0;
+        let mut roots: Vec<_> = self.roots.iter().collect();
+        roots.sort();
+        for (ns, &root) in roots {
+            let _ = write!(
+                s,
+                "\n{}",
+                ns.as_deref()
+                    .map_or("<default>".to_owned(), |n| format!("namespace {n:?}"))
+            );
+            let mut stack = vec![(root, 0usize)];
+            while let Some((i, depth)) = stack.pop() {
+                let n = self.tree.node(i);
+                if !n.is_root() {
+                    if shown == max_nodes {
+                        s.push_str("\n  ...");
+                        return s;
+                    }
+                    shown += 1;
+                    let toks: Vec<String> =
+                        n.key.iter().take(max_tokens).map(u32::to_string).collect();
+                    let more = if n.key.len() > max_tokens {
+                        ", ..."
+                    } else {
+                        ""
+                    };
+                    let kv = match &n.kv.device {
+                        Some(p) if !p.is_empty() => {
+                            let first = i64::from(p[0]) * as_i64(self.config.page_size);
+                            format!("kv@{first}..")
+                        }
+                        _ => "no device kv".to_owned(),
+                    };
+                    let lock = if n.kv.lock > 0 {
+                        format!(" locked×{}", n.kv.lock)
+                    } else {
+                        String::new()
+                    };
+                    let _ = write!(
+                        s,
+                        "\n{}└ {} [{}{}] {} tokens, {kv}{lock}",
+                        "  ".repeat(depth),
+                        self.tree.id(i),
+                        toks.join(", "),
+                        more,
+                        n.key.len()
+                    );
+                }
+                let mut kids: Vec<u32> = n.children.iter().map(|&(_, c)| c).collect();
+                kids.sort_unstable_by(|a, b| self.tree.node(*b).key.cmp(&self.tree.node(*a).key));
+                let d = if n.is_root() { 1 } else { depth + 1 };
+                stack.extend(kids.into_iter().map(|c| (c, d)));
+            }
+        }
+        s
+    }
+
+    /// Checks every invariant of ARCHITECTURE.md §5 that applies (slot conservation,
+    /// tree shape, lock counts and sizes, eviction candidates). Raises
+    /// [`Error::Invariant`] naming the first broken one.
+    pub fn audit(&self) -> Result<()> {
+        crate::audit::audit(self)
+    }
+
+    // Accessors for the audit module.
+    pub(crate) fn parts(&self) -> AuditView<'_> {
+        AuditView {
+            tree: &self.tree,
+            kv_pool: &self.kv_pool,
+            roots: &self.roots,
+            kv_lru: &self.kv_lru,
+            evictable_tokens: self.evictable_tokens,
+            protected_tokens: self.protected_tokens,
+            locks: self.locks.iter().filter_map(|l| l.node).collect(),
+            live_locks: self.live_locks,
+            page_size: self.config.page_size,
+        }
+    }
+
+    /// Pool counts of the device KV pool (pages).
+    pub fn kv_counts(&self) -> PoolCounts {
+        self.kv_pool.counts()
+    }
+}
+
+/// Read-only view of the cache's internals for `audit()`.
+pub(crate) struct AuditView<'a> {
+    pub tree: &'a Tree,
+    pub kv_pool: &'a Pool,
+    pub roots: &'a HashMap<Option<String>, u32>,
+    pub kv_lru: &'a BTreeSet<(u64, u32)>,
+    pub evictable_tokens: usize,
+    pub protected_tokens: usize,
+    pub locks: Vec<u32>,
+    pub live_locks: usize,
+    pub page_size: usize,
+}

@@ -1,0 +1,187 @@
+//! Cache configuration and its validation.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// When device data is backed up to the host tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WritePolicy {
+    /// Back up on insert (threshold 1).
+    #[default]
+    WriteThrough,
+    /// Back up a node once it was hit `write_through_threshold` times.
+    WriteThroughSelective,
+    /// Back up only the node being evicted, just before eviction.
+    WriteBack,
+}
+
+impl WritePolicy {
+    /// The name used in the Python API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WritePolicy::WriteThrough => "write_through",
+            WritePolicy::WriteThroughSelective => "write_through_selective",
+            WritePolicy::WriteBack => "write_back",
+        }
+    }
+}
+
+impl fmt::Display for WritePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for WritePolicy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<WritePolicy> {
+        match s {
+            "write_through" => Ok(WritePolicy::WriteThrough),
+            "write_through_selective" => Ok(WritePolicy::WriteThroughSelective),
+            "write_back" => Ok(WritePolicy::WriteBack),
+            other => Err(Error::arg(
+                "write_policy",
+                format!(
+                    "unknown policy {other:?}; expected \"write_through\", \
+                     \"write_through_selective\" or \"write_back\""
+                ),
+            )),
+        }
+    }
+}
+
+/// Sizes and policies of a cache. Field names match the Python constructor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Device KV token slots (a multiple of `page_size`).
+    pub kv_slots: usize,
+    /// Tokens per page; keys are matched and inserted in whole pages.
+    pub page_size: usize,
+    /// Device Mamba state slots; 0 for an attention-only model.
+    pub mamba_slots: usize,
+    /// Host-tier KV token slots; 0 for no host tier.
+    pub host_kv_slots: usize,
+    /// Host-tier Mamba state slots.
+    pub host_mamba_slots: usize,
+    /// When to back up to the host tier.
+    pub write_policy: WritePolicy,
+    /// Hits before a selective backup.
+    pub write_through_threshold: u32,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            kv_slots: 8192,
+            page_size: 1,
+            mamba_slots: 0,
+            host_kv_slots: 0,
+            host_mamba_slots: 0,
+            write_policy: WritePolicy::WriteThrough,
+            write_through_threshold: 2,
+        }
+    }
+}
+
+impl Config {
+    /// An attention-only configuration with `kv_slots` slots and pages of `page_size`.
+    pub fn kv(kv_slots: usize, page_size: usize) -> Config {
+        Config {
+            kv_slots,
+            page_size,
+            ..Config::default()
+        }
+    }
+
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        if self.page_size == 0 {
+            return Err(Error::arg("page_size", "must be at least 1"));
+        }
+        for (name, slots) in [
+            ("kv_slots", self.kv_slots),
+            ("host_kv_slots", self.host_kv_slots),
+        ] {
+            if slots % self.page_size != 0 {
+                return Err(Error::arg(
+                    name,
+                    format!("{slots} is not a multiple of page_size {}", self.page_size),
+                ));
+            }
+        }
+        if self.kv_slots == 0 {
+            return Err(Error::arg("kv_slots", "must be at least one page"));
+        }
+        if self.write_through_threshold == 0 {
+            return Err(Error::arg("write_through_threshold", "must be at least 1"));
+        }
+        // The Mamba component and the host tier are separate components of the core that
+        // are not part of this release; refuse rather than silently ignore them.
+        for (name, n) in [
+            ("mamba_slots", self.mamba_slots),
+            ("host_kv_slots", self.host_kv_slots),
+            ("host_mamba_slots", self.host_mamba_slots),
+        ] {
+            if n != 0 {
+                return Err(Error::arg(
+                    name,
+                    format!("{n} requested, but this version of radixcache caches attention KV only; pass 0"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_names_policies() {
+        for p in [
+            WritePolicy::WriteThrough,
+            WritePolicy::WriteThroughSelective,
+            WritePolicy::WriteBack,
+        ] {
+            assert_eq!(p.as_str().parse::<WritePolicy>(), Ok(p));
+        }
+        let err = "lru".parse::<WritePolicy>().unwrap_err();
+        assert!(matches!(
+            err,
+            Error::InvalidArgument {
+                arg: "write_policy",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn validation_names_the_argument() {
+        let arg_of = |c: Config| match c.validate() {
+            Err(Error::InvalidArgument { arg, .. }) => arg,
+            other => panic!("expected an argument error, got {other:?}"),
+        };
+        assert_eq!(arg_of(Config::kv(10, 4)), "kv_slots");
+        assert_eq!(arg_of(Config::kv(8, 0)), "page_size");
+        assert_eq!(arg_of(Config::kv(0, 1)), "kv_slots");
+        assert_eq!(
+            arg_of(Config {
+                write_through_threshold: 0,
+                ..Config::kv(8, 1)
+            }),
+            "write_through_threshold"
+        );
+        assert_eq!(
+            arg_of(Config {
+                mamba_slots: 4,
+                ..Config::kv(8, 1)
+            }),
+            "mamba_slots"
+        );
+        assert!(Config::kv(64, 4).validate().is_ok());
+    }
+}

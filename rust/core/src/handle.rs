@@ -1,0 +1,176 @@
+//! [`HybridCache`]: the shareable handle over the core, and [`Lock`], the owned receipt.
+//!
+//! The handle puts the single-threaded [`Cache`] behind a mutex so that receipts (and,
+//! later, requests and load-back guards) can own what they took and give it back when
+//! dropped, from any thread. Rule that keeps this deadlock-free: nothing that owns a
+//! receipt is dropped while the cache mutex is held, and the mutex is never held while
+//! calling into user code (in Python: while creating Python objects).
+
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::cache::{Cache, LockId};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::tree::NodeId;
+
+/// A cache that can be shared between owners. Cloning shares the same cache.
+#[derive(Clone)]
+pub struct HybridCache {
+    core: Arc<Mutex<Cache>>,
+}
+
+impl fmt::Debug for HybridCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.core.lock().summary())
+    }
+}
+
+impl HybridCache {
+    /// A cache with the given configuration (errors name the bad argument).
+    pub fn new(config: Config) -> Result<HybridCache> {
+        Ok(HybridCache {
+            core: Arc::new(Mutex::new(Cache::new(config)?)),
+        })
+    }
+
+    /// Runs `f` with exclusive access to the core. `f` must not drop a [`Lock`] of this
+    /// cache (it would wait on the mutex `f` holds).
+    pub fn with<R>(&self, f: impl FnOnce(&mut Cache) -> R) -> R {
+        f(&mut self.core.lock())
+    }
+
+    /// True when both handles share one cache.
+    pub fn same_cache(&self, other: &HybridCache) -> bool {
+        Arc::ptr_eq(&self.core, &other.core)
+    }
+
+    /// Locks the path from `node` to its root; the lock is released when the returned
+    /// receipt is released or dropped.
+    pub fn lock(&self, node: NodeId) -> Result<Lock> {
+        let id = self.core.lock().lock(node)?;
+        Ok(Lock {
+            core: Arc::clone(&self.core),
+            id: Some(id),
+            node,
+        })
+    }
+
+    /// Releases the receipt in `slot` and empties it. An empty slot (released already)
+    /// or a receipt of another cache raises [`Error::Lock`]; the receipt then stays
+    /// where it was.
+    pub fn unlock(&self, slot: &mut Option<Lock>) -> Result<()> {
+        match slot {
+            None => Err(Error::Lock("this lock was already released".to_owned())),
+            Some(lock) if !Arc::ptr_eq(&lock.core, &self.core) => {
+                Err(Error::Lock("this lock belongs to another cache".to_owned()))
+            }
+            Some(_) => slot.take().map_or(Ok(()), Lock::release),
+        }
+    }
+}
+
+/// An owned lock receipt: the path from `node` to the root stays protected from
+/// eviction until it is released, explicitly or by dropping it.
+#[must_use = "dropping a Lock releases it at once"]
+#[clippy::has_significant_drop]
+pub struct Lock {
+    core: Arc<Mutex<Cache>>,
+    id: Option<LockId>,
+    node: NodeId,
+}
+
+impl fmt::Debug for Lock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lock")
+            .field("node", &self.node)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lock {
+    /// The node whose path is locked (as it was when locked; a split above it keeps the
+    /// handle valid).
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// Releases the lock.
+    pub fn release(mut self) -> Result<()> {
+        match self.id.take() {
+            Some(id) => self.core.lock().unlock(id),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            // Cannot fail: this receipt is live (only `release` or this drop ends it).
+            let _ = self.core.lock().unlock(id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache() -> HybridCache {
+        HybridCache::new(Config::kv(16, 1)).unwrap()
+    }
+
+    fn cached(c: &HybridCache, toks: &[u32]) -> NodeId {
+        c.with(|core| {
+            let slots = core.alloc_kv(toks.len()).unwrap().unwrap();
+            core.insert(None, toks, &slots, 0).unwrap().node
+        })
+    }
+
+    #[test]
+    fn dropping_a_lock_releases_it() {
+        let c = cache();
+        let node = cached(&c, &[1, 2, 3]);
+        {
+            let _l = c.lock(node).unwrap();
+            assert_eq!(c.with(|core| core.protected_size()), 3);
+        }
+        assert_eq!(c.with(|core| core.protected_size()), 0);
+        c.with(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn panic_inside_a_lock_scope_releases_it() {
+        let c = cache();
+        let node = cached(&c, &[1, 2]);
+        let c2 = c.clone();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _l = c2.lock(node).unwrap();
+            panic!("scheduler bug");
+        }));
+        assert!(r.is_err());
+        assert_eq!(
+            c.with(|core| (core.protected_size(), core.evictable_size())),
+            (0, 2)
+        );
+        c.with(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn second_unlock_and_foreign_unlock_fail() {
+        let c = cache();
+        let other = cache();
+        let node = cached(&c, &[4, 5]);
+        let mut slot = Some(c.lock(node).unwrap());
+        let err = other.unlock(&mut slot).unwrap_err();
+        assert!(matches!(err, Error::Lock(_)));
+        assert!(slot.is_some(), "a foreign unlock leaves the receipt alone");
+        c.unlock(&mut slot).unwrap();
+        assert!(matches!(c.unlock(&mut slot), Err(Error::Lock(_))));
+        c.with(|core| core.audit()).unwrap();
+    }
+}

@@ -1,0 +1,541 @@
+//! Slot pools and the owned [`Pages`] value.
+//!
+//! A pool hands out slots in whole pages (`page_size` consecutive slots starting at a
+//! multiple of `page_size`; Mamba state pools use `page_size == 1`). Every page is, at
+//! every moment, in exactly one [`PageState`]; the pool keeps a per-page state byte and
+//! counts per state, which is what `audit()` checks slot conservation against.
+//!
+//! Allocation returns [`Pages`], an owned value that is neither `Copy` nor `Clone`. It
+//! ends in exactly one of three ways: published into the tree (the tree then owns the
+//! pages and frees them on eviction), handed to a caller as raw indices (the caller then
+//! owns them by contract and gives them back with `free_kv` or `insert`), or dropped,
+//! which returns the pages to the free list. Nothing is "allocated, then hopefully
+//! freed later".
+
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// Where a page is. Exactly one state per page at every moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PageState {
+    /// On the free list.
+    Free,
+    /// Held by a live [`Pages`] value (a request, a guard, an operation in progress).
+    Owned,
+    /// Handed to a caller as raw indices; the caller gives it back by `free` or `insert`.
+    Caller,
+    /// Published into the radix tree.
+    Tree,
+}
+
+/// Page counts per state, as reported by [`Pool::counts`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolCounts {
+    /// Pages on the free list.
+    pub free: usize,
+    /// Pages held by live [`Pages`] values.
+    pub owned: usize,
+    /// Pages held by callers as raw indices.
+    pub caller: usize,
+    /// Pages owned by the tree.
+    pub tree: usize,
+}
+
+impl PoolCounts {
+    fn slot(&mut self, state: PageState) -> &mut usize {
+        match state {
+            PageState::Free => &mut self.free,
+            PageState::Owned => &mut self.owned,
+            PageState::Caller => &mut self.caller,
+            PageState::Tree => &mut self.tree,
+        }
+    }
+}
+
+struct PoolInner {
+    /// Stack of free pages: O(1) alloc and free per page.
+    free: Vec<u32>,
+    state: Vec<PageState>,
+    counts: PoolCounts,
+}
+
+impl PoolInner {
+    fn set(&mut self, page: u32, to: PageState) {
+        let from = std::mem::replace(&mut self.state[page as usize], to);
+        *self.counts.slot(from) -= 1;
+        *self.counts.slot(to) += 1;
+    }
+}
+
+struct PoolShared {
+    name: &'static str,
+    page_size: usize,
+    pages: usize,
+    inner: Mutex<PoolInner>,
+}
+
+/// A pool of slots allocated in pages. Cloning the handle shares the pool.
+///
+/// The pool has its own small lock, separate from the cache's, so that a [`Pages`]
+/// value can be dropped anywhere (another thread, a Python finaliser) and still find its
+/// way home. Pool methods never drop a [`Pages`] while holding that lock.
+#[derive(Clone)]
+pub struct Pool {
+    shared: Arc<PoolShared>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = self.counts();
+        f.debug_struct("Pool")
+            .field("name", &self.shared.name)
+            .field("page_size", &self.shared.page_size)
+            .field("pages", &self.shared.pages)
+            .field("counts", &c)
+            .finish()
+    }
+}
+
+impl Pool {
+    /// A pool of `slots` slots in pages of `page_size`. `name` is the argument that
+    /// configured it, used in error messages (`"kv_slots"`, `"mamba_slots"`, ...).
+    pub fn new(name: &'static str, slots: usize, page_size: usize) -> Result<Pool> {
+        if page_size == 0 {
+            return Err(Error::arg("page_size", "must be at least 1"));
+        }
+        if slots % page_size != 0 {
+            return Err(Error::arg(
+                name,
+                format!("{slots} is not a multiple of page_size {page_size}"),
+            ));
+        }
+        if u32::try_from(slots).is_err() {
+            return Err(Error::arg(name, format!("{slots} exceeds 2**32 - 1 slots")));
+        }
+        let pages = slots / page_size;
+        // Reversed so that pops hand out pages in ascending order: easier to read in tests
+        // and in dumps, and friendlier to the memory that backs them.
+        let free: Vec<u32> = (0..pages).rev().map(page_u32).collect();
+        let inner = PoolInner {
+            free,
+            state: vec![PageState::Free; pages],
+            counts: PoolCounts {
+                free: pages,
+                ..PoolCounts::default()
+            },
+        };
+        Ok(Pool {
+            shared: Arc::new(PoolShared {
+                name,
+                page_size,
+                pages,
+                inner: Mutex::new(inner),
+            }),
+        })
+    }
+
+    /// Slots per page.
+    pub fn page_size(&self) -> usize {
+        self.shared.page_size
+    }
+
+    /// Pages in the pool.
+    pub fn capacity_pages(&self) -> usize {
+        self.shared.pages
+    }
+
+    /// Pages on the free list now.
+    pub fn free_pages(&self) -> usize {
+        self.shared.inner.lock().counts.free
+    }
+
+    /// Page counts per state.
+    pub fn counts(&self) -> PoolCounts {
+        self.shared.inner.lock().counts
+    }
+
+    /// The state of one page (`None` when out of range).
+    pub fn state(&self, page: u32) -> Option<PageState> {
+        self.shared.inner.lock().state.get(page as usize).copied()
+    }
+
+    /// True when both handles share one pool.
+    pub fn same_pool(&self, other: &Pool) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// `n` pages, or `None` (and nothing taken) when fewer than `n` are free.
+    pub fn try_alloc(&self, n: usize) -> Option<Pages> {
+        let mut inner = self.shared.inner.lock();
+        if inner.free.len() < n {
+            return None;
+        }
+        let at = inner.free.len() - n;
+        let mut pages = inner.free.split_off(at);
+        pages.reverse();
+        for &p in &pages {
+            inner.set(p, PageState::Owned);
+        }
+        drop(inner);
+        Some(Pages {
+            pool: self.clone(),
+            pages,
+        })
+    }
+
+    /// An empty owned value of this pool (to extend later).
+    pub fn empty(&self) -> Pages {
+        Pages {
+            pool: self.clone(),
+            pages: Vec::new(),
+        }
+    }
+
+    /// Takes back pages a caller holds as raw indices, as an owned value. Every page must
+    /// be held by the caller and listed once; otherwise nothing changes and the error
+    /// names `arg`.
+    pub fn claim_caller(&self, pages: &[u32], arg: &'static str) -> Result<Pages> {
+        let mut inner = self.shared.inner.lock();
+        for (i, &p) in pages.iter().enumerate() {
+            let state = inner.state.get(p as usize).copied();
+            if state != Some(PageState::Caller) {
+                // Roll back what this call already claimed, so nothing changes.
+                for &q in &pages[..i] {
+                    inner.set(q, PageState::Caller);
+                }
+                let what = self.describe(p, state);
+                return Err(Error::arg(arg, what));
+            }
+            inner.set(p, PageState::Owned);
+        }
+        drop(inner);
+        Ok(Pages {
+            pool: self.clone(),
+            pages: pages.to_vec(),
+        })
+    }
+
+    /// Gives pages a caller holds as raw indices back to the free list. A page listed
+    /// several times is freed once. Any page not held by the caller (free, owned by the
+    /// tree, out of range) fails the whole call, which then changes nothing.
+    pub fn free_caller(&self, pages: &[u32], arg: &'static str) -> Result<usize> {
+        let mut inner = self.shared.inner.lock();
+        for &p in pages {
+            let state = inner.state.get(p as usize).copied();
+            if state != Some(PageState::Caller) {
+                return Err(Error::arg(arg, self.describe(p, state)));
+            }
+        }
+        let mut freed = 0;
+        for &p in pages {
+            // A page listed twice is Free by its second mention.
+            if inner.state[p as usize] == PageState::Caller {
+                inner.set(p, PageState::Free);
+                inner.free.push(p);
+                freed += 1;
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Frees pages the tree owned (eviction). Crate-internal: the tree is the only owner
+    /// that frees by raw index, and `audit()` checks it never frees what it does not own.
+    pub(crate) fn release_tree(&self, pages: &[u32]) {
+        let mut inner = self.shared.inner.lock();
+        for &p in pages {
+            debug_assert_eq!(inner.state[p as usize], PageState::Tree);
+            inner.set(p, PageState::Free);
+            inner.free.push(p);
+        }
+    }
+
+    fn describe(&self, page: u32, state: Option<PageState>) -> String {
+        let ps = self.shared.page_size;
+        let what = if ps == 1 {
+            format!("slot {page}")
+        } else {
+            format!(
+                "page {page} (slots {}..{})",
+                page as usize * ps,
+                (page as usize + 1) * ps
+            )
+        };
+        match state {
+            None => format!(
+                "{what} is out of range for a pool of {} slots",
+                self.shared.pages * ps
+            ),
+            Some(PageState::Free) => format!("{what} is not allocated (double free?)"),
+            Some(PageState::Tree) => format!("{what} is owned by the cache, not by the caller"),
+            Some(PageState::Owned) => format!("{what} is held by a request or transfer"),
+            Some(PageState::Caller) => format!("{what} is listed twice"),
+        }
+    }
+
+    /// Checks the pool's own bookkeeping: the free list holds exactly the free pages, once
+    /// each, and the counts match the states.
+    pub(crate) fn audit(&self) -> Result<PoolCounts> {
+        let inner = self.shared.inner.lock();
+        let name = self.shared.name;
+        let mut counts = PoolCounts::default();
+        for &s in &inner.state {
+            *counts.slot(s) += 1;
+        }
+        if counts != inner.counts {
+            return Err(Error::Invariant(format!(
+                "{name}: state counts {counts:?} differ from the pool's tally {:?}",
+                inner.counts
+            )));
+        }
+        if inner.free.len() != counts.free {
+            return Err(Error::Invariant(format!(
+                "{name}: free list has {} pages, {} pages are free",
+                inner.free.len(),
+                counts.free
+            )));
+        }
+        let mut seen = vec![false; inner.state.len()];
+        for &p in &inner.free {
+            let i = p as usize;
+            if inner.state.get(i) != Some(&PageState::Free) || seen[i] {
+                return Err(Error::Invariant(format!(
+                    "{name}: page {p} on the free list is not free or is listed twice"
+                )));
+            }
+            seen[i] = true;
+        }
+        Ok(counts)
+    }
+
+    pub(crate) fn snapshot_states(&self) -> Vec<PageState> {
+        self.shared.inner.lock().state.clone()
+    }
+
+    fn transition(&self, pages: &[u32], to: PageState) {
+        let mut inner = self.shared.inner.lock();
+        for &p in pages {
+            inner.set(p, to);
+        }
+    }
+}
+
+/// Pages owned by a value: published into the tree, handed to a caller, or returned to
+/// the pool when dropped.
+#[must_use = "dropping Pages returns them to the pool at once"]
+#[clippy::has_significant_drop]
+pub struct Pages {
+    pool: Pool,
+    pages: Vec<u32>,
+}
+
+impl fmt::Debug for Pages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pages")
+            .field("pool", &self.pool.shared.name)
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+impl Pages {
+    /// The page numbers held.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
+    }
+
+    /// Number of pages held.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// True when no page is held.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// The pool the pages belong to.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Moves the pages of `other` (same pool) into `self`.
+    pub fn append(&mut self, mut other: Pages) {
+        debug_assert!(self.pool.same_pool(&other.pool));
+        self.pages.append(&mut other.pages);
+    }
+
+    /// Splits off the pages from `at` on into a second owned value.
+    pub fn split_off(&mut self, at: usize) -> Pages {
+        Pages {
+            pool: self.pool.clone(),
+            pages: self.pages.split_off(at),
+        }
+    }
+
+    /// Hands the pages to a caller as raw page numbers; the caller now owns them by
+    /// contract and gives them back through the pool's `free_caller` or an insert.
+    pub fn into_caller(mut self) -> Vec<u32> {
+        let pages = std::mem::take(&mut self.pages);
+        self.pool.transition(&pages, PageState::Caller);
+        pages
+    }
+
+    /// Publishes the pages into the tree, which owns them from now on.
+    pub(crate) fn into_tree(mut self) -> Vec<u32> {
+        let pages = std::mem::take(&mut self.pages);
+        self.pool.transition(&pages, PageState::Tree);
+        pages
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        if self.pages.is_empty() {
+            return;
+        }
+        let mut inner = self.pool.shared.inner.lock();
+        for &p in &self.pages {
+            inner.set(p, PageState::Free);
+            inner.free.push(p);
+        }
+        self.pages.clear();
+    }
+}
+
+/// A count or index as `i64` (slot indices cross into Python as int64).
+pub(crate) fn as_i64(x: usize) -> i64 {
+    i64::try_from(x).unwrap_or(i64::MAX)
+}
+
+/// The page of a slot index already checked to be in range.
+pub(crate) fn page_of_slot(slot: i64, page_size: usize) -> u32 {
+    page_u32(usize::try_from(slot).unwrap_or(usize::MAX) / page_size)
+}
+
+/// Converts a page index that is known to fit (pools are capped at `u32::MAX` slots).
+pub(crate) fn page_u32(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(slots: usize, ps: usize) -> Pool {
+        Pool::new("kv_slots", slots, ps).unwrap()
+    }
+
+    #[test]
+    fn rejects_bad_configuration() {
+        assert!(matches!(
+            Pool::new("kv_slots", 10, 4),
+            Err(Error::InvalidArgument {
+                arg: "kv_slots",
+                ..
+            })
+        ));
+        assert!(matches!(
+            Pool::new("kv_slots", 8, 0),
+            Err(Error::InvalidArgument {
+                arg: "page_size",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn alloc_hands_out_ascending_pages_and_drop_returns_them() {
+        let p = pool(16, 4);
+        let a = p.try_alloc(3).unwrap();
+        assert_eq!(a.pages(), &[0, 1, 2]);
+        assert_eq!(p.free_pages(), 1);
+        assert!(p.try_alloc(2).is_none(), "not enough pages: nothing taken");
+        assert_eq!(p.free_pages(), 1);
+        drop(a);
+        assert_eq!(p.free_pages(), 4);
+        assert_eq!(p.audit().unwrap().free, 4);
+    }
+
+    #[test]
+    fn accounting_free_plus_held_equals_capacity() {
+        let p = pool(32, 1);
+        let a = p.try_alloc(5).unwrap();
+        let b = p.try_alloc(7).unwrap().into_caller();
+        let c = p.counts();
+        assert_eq!(c.free + c.owned + c.caller + c.tree, 32);
+        assert_eq!((c.owned, c.caller), (5, 7));
+        drop(a);
+        p.free_caller(&b, "indices").unwrap();
+        assert_eq!(p.counts().free, 32);
+    }
+
+    #[test]
+    fn double_free_and_foreign_free_change_nothing() {
+        let p = pool(8, 1);
+        let held = p.try_alloc(2).unwrap().into_caller();
+        p.free_caller(&held, "indices").unwrap();
+        let before = p.counts();
+        let err = p.free_caller(&held, "indices").unwrap_err();
+        assert!(err.to_string().contains("not allocated"), "{err}");
+        assert_eq!(p.counts(), before);
+        let out = p.free_caller(&[99], "indices").unwrap_err();
+        assert!(out.to_string().contains("out of range"), "{out}");
+        // A call naming one good and one bad page frees neither.
+        let good = p.try_alloc(1).unwrap().into_caller();
+        let before = p.counts();
+        assert!(p.free_caller(&[good[0], 7], "indices").is_err());
+        assert_eq!(p.counts(), before);
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn claim_rolls_back_on_error() {
+        let p = pool(8, 1);
+        let held = p.try_alloc(3).unwrap().into_caller();
+        let before = p.counts();
+        let err = p
+            .claim_caller(&[held[0], held[1], held[0]], "kv_indices")
+            .unwrap_err();
+        assert!(err.to_string().contains("held by a request"), "{err}");
+        assert_eq!(p.counts(), before);
+        let claimed = p.claim_caller(&held, "kv_indices").unwrap();
+        assert_eq!(p.counts().owned, 3);
+        drop(claimed);
+        assert_eq!(p.counts().free, 8);
+    }
+
+    #[test]
+    fn panic_inside_a_scope_returns_pages() {
+        let p = pool(8, 1);
+        let p2 = p.clone();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = p2.try_alloc(4).unwrap();
+            panic!("boom");
+        }));
+        assert!(r.is_err());
+        assert_eq!(p.free_pages(), 8);
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn split_and_append_keep_ownership_exact() {
+        let p = pool(8, 1);
+        let mut a = p.try_alloc(6).unwrap();
+        let b = a.split_off(2);
+        assert_eq!((a.len(), b.len()), (2, 4));
+        drop(b);
+        assert_eq!(p.free_pages(), 6);
+        let c = p.try_alloc(1).unwrap();
+        a.append(c);
+        assert_eq!(a.len(), 3);
+        let tree = a.into_tree();
+        assert_eq!(p.counts().tree, 3);
+        p.release_tree(&tree);
+        assert_eq!(p.free_pages(), 8);
+    }
+}

@@ -1,0 +1,426 @@
+//! The radix tree: a node arena with generation-checked ids, children keyed by their
+//! first page, page-aligned keys, prefix walks over slices, and splits.
+//!
+//! The tree knows nothing about eviction policy or pools; it stores, per node, the data
+//! of each component ([`KvNode`] for the attention KV cache) and the bookkeeping the
+//! components need (last access, hit count, how many children hold device KV).
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use hashbrown::HashTable;
+
+use crate::error::{Error, Result};
+
+/// Index value meaning "no node" (the parent of a root).
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// A node handle: arena index plus the generation of the node that lived there when the
+/// handle was made, plus the id of the cache it came from. A handle whose node is gone
+/// (or that belongs to another cache) is rejected with [`Error::StaleNode`] and never
+/// touches another node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId {
+    cache: u32,
+    index: u32,
+    generation: u32,
+}
+
+impl NodeId {
+    /// Arena index (stable for the node's lifetime; reused after it is gone).
+    pub fn index(self) -> u32 {
+        self.index
+    }
+
+    /// Generation of the arena slot when the handle was made.
+    pub fn generation(self) -> u32 {
+        self.generation
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}.{}", self.index, self.generation)
+    }
+}
+
+/// Per-node data of the KV component.
+#[derive(Debug, Default)]
+pub(crate) struct KvNode {
+    /// Device pages holding this node's tokens (`key.len() / page_size` of them), or
+    /// `None` when the node has no device KV (a host-only node, from the host tier on).
+    pub device: Option<Vec<u32>>,
+    /// Number of live lock receipts whose path covers this node.
+    pub lock: u32,
+    /// Whether the node is in the KV eviction set (an unlocked device leaf).
+    pub in_lru: bool,
+}
+
+/// One node of the tree.
+pub(crate) struct Node {
+    pub generation: u32,
+    pub live: bool,
+    pub parent: u32,
+    /// Tokens of this node (a non-empty multiple of the page size, except for roots).
+    pub key: Vec<u32>,
+    /// Children keyed by a hash of their first page; entries carry the hash so that the
+    /// table can grow without reading the arena, and lookups compare the real page.
+    pub children: HashTable<(u64, u32)>,
+    /// Children that hold device KV: a node with none is a device leaf.
+    pub device_children: u32,
+    pub kv: KvNode,
+    /// Logical time of the last access (larger is more recent).
+    pub last_access: u64,
+    pub hits: u64,
+}
+
+impl Node {
+    fn vacant(generation: u32) -> Node {
+        Node {
+            generation,
+            live: false,
+            parent: NONE,
+            key: Vec::new(),
+            children: HashTable::new(),
+            device_children: 0,
+            kv: KvNode::default(),
+            last_access: 0,
+            hits: 0,
+        }
+    }
+
+    pub fn is_root(&self) -> bool {
+        self.parent == NONE
+    }
+}
+
+/// How far a walk got: the nodes passed, each with how many of its tokens matched.
+/// Every entry but possibly the last matched its whole key.
+#[derive(Debug, Default)]
+pub(crate) struct Probe {
+    pub path: Vec<(u32, usize)>,
+    /// Tokens matched (a multiple of the page size).
+    pub matched: usize,
+}
+
+/// Cache ids, so that a handle from one cache is never taken for a node of another.
+static NEXT_CACHE_ID: AtomicU32 = AtomicU32::new(1);
+
+/// The node arena and the walks over it.
+pub(crate) struct Tree {
+    pub cache_id: u32,
+    pub page_size: usize,
+    pub nodes: Vec<Node>,
+    free: Vec<u32>,
+    pub live_nodes: usize,
+}
+
+impl Tree {
+    pub fn new(page_size: usize) -> Tree {
+        Tree {
+            cache_id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            page_size,
+            nodes: Vec::new(),
+            free: Vec::new(),
+            live_nodes: 0,
+        }
+    }
+
+    pub fn id(&self, index: u32) -> NodeId {
+        NodeId {
+            cache: self.cache_id,
+            index,
+            generation: self.nodes[index as usize].generation,
+        }
+    }
+
+    /// The arena index of a live node, or `StaleNode`.
+    pub fn resolve(&self, id: NodeId) -> Result<u32> {
+        match self.nodes.get(id.index as usize) {
+            Some(n) if id.cache == self.cache_id && n.live && n.generation == id.generation => {
+                Ok(id.index)
+            }
+            _ => Err(Error::StaleNode(id)),
+        }
+    }
+
+    pub fn node(&self, i: u32) -> &Node {
+        &self.nodes[i as usize]
+    }
+
+    pub fn node_mut(&mut self, i: u32) -> &mut Node {
+        &mut self.nodes[i as usize]
+    }
+
+    /// A new live node with the given key and parent (not yet linked as a child).
+    pub fn alloc_node(&mut self, parent: u32, key: Vec<u32>) -> u32 {
+        let i = if let Some(i) = self.free.pop() {
+            i
+        } else {
+            let i = crate::pool::page_u32(self.nodes.len());
+            self.nodes.push(Node::vacant(0));
+            i
+        };
+        let n = &mut self.nodes[i as usize];
+        n.live = true;
+        n.parent = parent;
+        n.key = key;
+        self.live_nodes += 1;
+        i
+    }
+
+    /// Retires a node: its handles go stale, its slot is reused later.
+    pub fn free_node(&mut self, i: u32) {
+        let n = &mut self.nodes[i as usize];
+        let generation = n.generation.wrapping_add(1);
+        *n = Node::vacant(generation);
+        self.free.push(i);
+        self.live_nodes -= 1;
+    }
+
+    pub fn hash_page(page: &[u32]) -> u64 {
+        // FxHash-style fold: fast, and collisions only cost a page comparison.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &t in page {
+            h = (h.rotate_left(5) ^ u64::from(t)).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+        h
+    }
+
+    /// The child of `parent` whose key starts with `page`.
+    pub fn child(&self, parent: u32, page: &[u32]) -> Option<u32> {
+        let h = Tree::hash_page(page);
+        let ps = self.page_size;
+        self.nodes[parent as usize]
+            .children
+            .find(h, |&(ch, c)| {
+                ch == h && self.nodes[c as usize].key[..ps] == *page
+            })
+            .map(|&(_, c)| c)
+    }
+
+    pub fn link_child(&mut self, parent: u32, child: u32) {
+        let h = Tree::hash_page(&self.nodes[child as usize].key[..self.page_size]);
+        self.nodes[parent as usize]
+            .children
+            .insert_unique(h, (h, child), |&(ch, _)| ch);
+    }
+
+    pub fn unlink_child(&mut self, parent: u32, child: u32) {
+        let h = Tree::hash_page(&self.nodes[child as usize].key[..self.page_size]);
+        if let Ok(entry) = self.nodes[parent as usize]
+            .children
+            .find_entry(h, |&(_, c)| c == child)
+        {
+            entry.remove();
+        }
+    }
+
+    /// Walks from `root` along `key` (page-aligned) without changing anything.
+    pub fn probe(&self, root: u32, key: &[u32], out: &mut Probe) {
+        out.path.clear();
+        out.matched = 0;
+        let ps = self.page_size;
+        let mut node = root;
+        let mut pos = 0;
+        while pos < key.len() {
+            let Some(child) = self.child(node, &key[pos..pos + ps]) else {
+                break;
+            };
+            let ckey = &self.nodes[child as usize].key;
+            let n = common_prefix(ckey, &key[pos..]) / ps * ps;
+            out.path.push((child, n));
+            pos += n;
+            if n < ckey.len() {
+                break;
+            }
+            node = child;
+        }
+        out.matched = pos;
+    }
+
+    /// Splits node `i` after its first `at` tokens (`0 < at < key.len()`, page-aligned).
+    /// The lower part keeps the node's identity (handles stay valid and still end where
+    /// they did); a new upper node takes the first `at` tokens, the parent link and a
+    /// copy of the lock count, so that receipts below it stay balanced.
+    pub fn split(&mut self, i: u32, at: usize) -> u32 {
+        let ps = self.page_size;
+        let (parent, key_hi, kv_hi, lock, last_access, hits, has_kv) = {
+            let n = &mut self.nodes[i as usize];
+            let rest = n.key.split_off(at);
+            let upper_key = std::mem::replace(&mut n.key, rest);
+            let upper_kv = n.kv.device.as_mut().map(|pages| {
+                let rest = pages.split_off(at / ps);
+                std::mem::replace(pages, rest)
+            });
+            let has_kv = n.kv.device.is_some();
+            (
+                n.parent,
+                upper_key,
+                upper_kv,
+                n.kv.lock,
+                n.last_access,
+                n.hits,
+                has_kv,
+            )
+        };
+        // The parent's child entry is keyed by the first page, which the upper node
+        // shares: unlink by identity before the new node takes the slot.
+        self.unlink_child_with_page(parent, i, &key_hi[..ps]);
+        let u = self.alloc_node(parent, key_hi);
+        {
+            let un = &mut self.nodes[u as usize];
+            un.kv.device = kv_hi;
+            un.kv.lock = lock;
+            un.last_access = last_access;
+            un.hits = hits;
+            un.device_children = u32::from(has_kv);
+        }
+        self.nodes[i as usize].parent = u;
+        self.link_child(parent, u);
+        self.link_child(u, i);
+        u
+    }
+
+    fn unlink_child_with_page(&mut self, parent: u32, child: u32, page: &[u32]) {
+        let h = Tree::hash_page(page);
+        if let Ok(entry) = self.nodes[parent as usize]
+            .children
+            .find_entry(h, |&(_, c)| c == child)
+        {
+            entry.remove();
+        }
+    }
+
+    /// Node indices of the subtree under `root`, parents before children.
+    pub fn preorder(&self, root: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut stack = vec![root];
+        while let Some(i) = stack.pop() {
+            out.push(i);
+            let mut kids: Vec<u32> = self.nodes[i as usize]
+                .children
+                .iter()
+                .map(|&(_, c)| c)
+                .collect();
+            // Deterministic order (by first token) for dumps and pretty printing.
+            kids.sort_unstable_by(|a, b| {
+                self.nodes[*b as usize]
+                    .key
+                    .cmp(&self.nodes[*a as usize].key)
+            });
+            stack.extend(kids);
+        }
+        out
+    }
+}
+
+/// Length of the common prefix of two token slices. Compares blocks of 16 tokens as
+/// slices (a memcmp the compiler vectorises) and only looks token by token inside the
+/// block where they differ.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    const BLOCK: usize = 16;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leaf(t: &mut Tree, parent: u32, key: &[u32]) -> u32 {
+        let i = t.alloc_node(parent, key.to_vec());
+        t.link_child(parent, i);
+        i
+    }
+
+    #[test]
+    fn common_prefix_handles_blocks_and_tails() {
+        let a: Vec<u32> = (0..40).collect();
+        let mut b = a.clone();
+        assert_eq!(common_prefix(&a, &b), 40);
+        b[17] = 99;
+        assert_eq!(common_prefix(&a, &b), 17);
+        assert_eq!(common_prefix(&a[..5], &b), 5);
+        assert_eq!(common_prefix(&[], &b), 0);
+    }
+
+    #[test]
+    fn probe_stops_inside_a_node_and_at_page_granularity() {
+        let mut t = Tree::new(2);
+        let root = t.alloc_node(NONE, Vec::new());
+        let a = leaf(&mut t, root, &[1, 2, 3, 4, 5, 6]);
+        let mut p = Probe::default();
+        // Diverges inside page 2 (token 4 vs 9): matches one page only.
+        t.probe(root, &[1, 2, 3, 9], &mut p);
+        assert_eq!(p.matched, 2);
+        assert_eq!(p.path, vec![(a, 2)]);
+        t.probe(root, &[1, 2, 3, 4, 5, 6, 7, 8], &mut p);
+        assert_eq!(p.matched, 6);
+        t.probe(root, &[7, 7], &mut p);
+        assert_eq!(p.matched, 0);
+        assert!(p.path.is_empty());
+    }
+
+    #[test]
+    fn children_sharing_a_first_token_are_told_apart_by_the_whole_page() {
+        let mut t = Tree::new(2);
+        let root = t.alloc_node(NONE, Vec::new());
+        let a = leaf(&mut t, root, &[1, 2]);
+        let b = leaf(&mut t, root, &[1, 3]);
+        assert_eq!(t.child(root, &[1, 2]), Some(a));
+        assert_eq!(t.child(root, &[1, 3]), Some(b));
+        assert_eq!(t.child(root, &[1, 4]), None);
+    }
+
+    #[test]
+    fn split_keeps_the_lower_identity_and_relinks() {
+        let mut t = Tree::new(1);
+        let root = t.alloc_node(NONE, Vec::new());
+        let a = leaf(&mut t, root, &[1, 2, 3, 4]);
+        t.node_mut(a).kv.device = Some(vec![10, 11, 12, 13]);
+        t.node_mut(a).kv.lock = 2;
+        let id_before = t.id(a);
+        let u = t.split(a, 1);
+        assert_eq!(t.resolve(id_before), Ok(a), "lower node keeps its handle");
+        assert_eq!(t.node(u).key, vec![1]);
+        assert_eq!(t.node(a).key, vec![2, 3, 4]);
+        assert_eq!(t.node(u).kv.device.as_deref(), Some(&[10][..]));
+        assert_eq!(t.node(a).kv.device.as_deref(), Some(&[11, 12, 13][..]));
+        assert_eq!(
+            t.node(u).kv.lock,
+            2,
+            "the upper node inherits the lock count"
+        );
+        assert_eq!(t.child(root, &[1]), Some(u));
+        assert_eq!(t.child(u, &[2]), Some(a));
+        assert_eq!(t.node(a).parent, u);
+        assert_eq!(t.node(u).device_children, 1);
+    }
+
+    #[test]
+    fn freed_node_handles_go_stale_even_when_the_slot_is_reused() {
+        let mut t = Tree::new(1);
+        let root = t.alloc_node(NONE, Vec::new());
+        let a = leaf(&mut t, root, &[5]);
+        let old = t.id(a);
+        t.unlink_child(root, a);
+        t.free_node(a);
+        assert_eq!(t.resolve(old), Err(Error::StaleNode(old)));
+        let b = leaf(&mut t, root, &[6]);
+        assert_eq!(b, a, "slot reused");
+        assert_eq!(t.resolve(old), Err(Error::StaleNode(old)));
+        let other = Tree::new(1);
+        assert!(
+            other.resolve(t.id(b)).is_err(),
+            "handles of another cache are rejected"
+        );
+    }
+}
