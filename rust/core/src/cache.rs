@@ -298,10 +298,17 @@ impl Cache {
             ));
         }
         let owned_pages = self.pages_of(&kv_indices[owned_from..], owned_from)?;
-        let root = self.root(namespace);
+        // An unseen namespace gets its root only once the call cannot fail (a failed
+        // insert changes nothing); until then it matches nothing.
+        let existing_root = self.roots.get(&namespace.map(str::to_owned)).copied();
         let aligned = self.aligned(tokens.len());
         let mut probe = std::mem::take(&mut self.probe);
-        self.tree.probe(root, &tokens[..aligned], &mut probe);
+        if let Some(root) = existing_root {
+            self.tree.probe(root, &tokens[..aligned], &mut probe);
+        } else {
+            probe.path.clear();
+            probe.matched = 0;
+        }
         let checked = self.check_owned_prefix(&probe, kv_indices, owned_from);
         let claimed = checked.and_then(|()| self.kv_pool.claim_caller(&owned_pages, "kv_indices"));
         let mut owned = match claimed {
@@ -312,6 +319,10 @@ impl Cache {
             }
         };
         // From here on nothing can fail.
+        let root = match existing_root {
+            Some(root) => root,
+            None => self.root(namespace),
+        };
         let matched = probe.matched;
         let mut end = root;
         for &(i, n) in &probe.path {
@@ -342,6 +353,25 @@ impl Cache {
             node: self.tree.id(end),
             mamba_existed: false,
         })
+    }
+
+    /// [`Cache::insert`] that also hands over a Mamba state slot to land on the end node.
+    /// This cache has no Mamba pool, so any `mamba_slot` is refused (and nothing changes).
+    pub fn insert_with_state(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        kv_indices: &[i64],
+        owned_from: usize,
+        mamba_slot: Option<i64>,
+    ) -> Result<Insert> {
+        if let Some(s) = mamba_slot {
+            return Err(Error::arg(
+                "mamba_slot",
+                format!("this cache has no Mamba state pool (mamba_slots=0), got {s}"),
+            ));
+        }
+        self.insert(namespace, tokens, kv_indices, owned_from)
     }
 
     /// Validates the page structure of caller slots for positions starting at `start`
@@ -615,6 +645,11 @@ impl Cache {
         self.kv_pool.free_pages() * self.config.page_size
     }
 
+    /// Free device Mamba state slots (0: this cache has no Mamba pool).
+    pub fn available_mamba(&self) -> usize {
+        0
+    }
+
     /// Counters and gauges, in a fixed order.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
         let c = self.kv_pool.counts();
@@ -667,6 +702,30 @@ impl Cache {
             }
         }
         out
+    }
+
+    /// A short description of a node for handles' `repr`: its id, depth, the end of its
+    /// key and its lock count. A stale handle gives [`Error::StaleNode`].
+    pub fn describe(&self, node: NodeId) -> Result<String> {
+        let i = self.tree.resolve(node)?;
+        let n = self.tree.node(i);
+        if n.is_root() {
+            return Ok(format!("{node} root"));
+        }
+        let mut depth = 0;
+        let mut cur = i;
+        while cur != NONE {
+            depth += self.tree.node(cur).key.len();
+            cur = self.tree.node(cur).parent;
+        }
+        let shown: Vec<String> = n.key.iter().rev().take(4).rev().map(u32::to_string).collect();
+        let more = if n.key.len() > 4 { "..., " } else { "" };
+        let lock = if n.kv.lock > 0 { format!(" locked×{}", n.kv.lock) } else { String::new() };
+        Ok(format!(
+            "{node} depth={depth} key=[{more}{}] ({} tokens){lock}",
+            shown.join(", "),
+            n.key.len()
+        ))
     }
 
     /// A one-line summary.
@@ -784,4 +843,44 @@ pub(crate) struct AuditView<'a> {
     pub locks: Vec<u32>,
     pub live_locks: usize,
     pub page_size: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn namespaces(c: &Cache) -> u64 {
+        c.stats()
+            .into_iter()
+            .find(|&(k, _)| k == "namespaces")
+            .map(|(_, v)| v)
+            .unwrap()
+    }
+
+    #[test]
+    fn failed_insert_into_an_unseen_namespace_creates_no_root() {
+        let mut c = Cache::new(Config::kv(16, 1)).unwrap();
+        let slots = c.alloc_kv(2).unwrap().unwrap();
+        let before = c.snapshot();
+        // The same caller slot twice: refused when the pages are claimed.
+        let err = c
+            .insert(Some("a"), &[0, 0], &[slots[0], slots[0]], 0)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            Error::InvalidArgument {
+                arg: "kv_indices",
+                ..
+            }
+        ));
+        assert_eq!(c.snapshot(), before, "a failed insert changed the tree");
+        assert_eq!(namespaces(&c), 1);
+        c.audit().unwrap();
+        // A good insert still makes the namespace.
+        let ins = c.insert(Some("a"), &[0, 1], &slots, 0).unwrap();
+        assert_eq!(ins.prefix_len, 0);
+        assert_eq!(namespaces(&c), 2);
+        assert_eq!(c.match_prefix(Some("a"), &[0, 1]).kv_indices, slots);
+        c.audit().unwrap();
+    }
 }

@@ -208,8 +208,9 @@ impl Pool {
                 for &q in &pages[..i] {
                     inner.set(q, PageState::Caller);
                 }
-                let what = self.describe(p, state);
-                return Err(Error::arg(arg, what));
+                // A page this call claimed already is a duplicate, not someone else's.
+                let state = if pages[..i].contains(&p) { Some(PageState::Caller) } else { state };
+                return Err(Error::arg(arg, self.describe(p, state)));
             }
             inner.set(p, PageState::Owned);
         }
@@ -501,7 +502,7 @@ mod tests {
         let err = p
             .claim_caller(&[held[0], held[1], held[0]], "kv_indices")
             .unwrap_err();
-        assert!(err.to_string().contains("held by a request"), "{err}");
+        assert!(err.to_string().contains("listed twice"), "{err}");
         assert_eq!(p.counts(), before);
         let claimed = p.claim_caller(&held, "kv_indices").unwrap();
         assert_eq!(p.counts().owned, 3);

@@ -1,1 +1,543 @@
+//! `radixcache._core`: the Python bindings of radixcache-core.
+//!
+//! This crate converts types and errors and holds no cache logic: every method takes
+//! its arguments apart, calls the core once, and builds Python values from the plain
+//! Rust result after the core's lock is released (never create Python objects while
+//! holding it: a garbage collection could run a finaliser that needs the same lock).
 
+use std::ffi::CString;
+
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyResourceWarning, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
+use radixcache_core as core;
+
+create_exception!(
+    _core,
+    CacheError,
+    PyException,
+    "Root of the errors radixcache raises (argument errors stay ValueError/TypeError)."
+);
+create_exception!(_core, InvariantError, CacheError, "audit() found a broken invariant.");
+create_exception!(
+    _core,
+    StaleNodeError,
+    CacheError,
+    "A Node handle whose node no longer exists (evicted, or from another cache)."
+);
+create_exception!(
+    _core,
+    LockError,
+    CacheError,
+    "A lock receipt released twice, or given to a cache it does not belong to."
+);
+
+/// Maps every core error to its Python exception. Exhaustive on purpose: a new core
+/// variant does not compile until it is mapped here.
+fn err(e: core::Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        core::Error::InvalidArgument { .. } => PyValueError::new_err(msg),
+        core::Error::StaleNode(_) => StaleNodeError::new_err(msg),
+        core::Error::Lock(_) => LockError::new_err(msg),
+        core::Error::Invariant(_) => InvariantError::new_err(msg),
+    }
+}
+
+/// Work above this many tokens runs with the GIL released.
+const DETACH_TOKENS: usize = 4096;
+
+/// Runs `f` with the GIL released when the input is long enough for it to pay off.
+fn run<T: Send>(py: Python<'_>, n: usize, f: impl FnOnce() -> T + Send) -> T {
+    if n >= DETACH_TOKENS {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
+fn out_of_range(arg: &str, what: &str, v: impl std::fmt::Display, pos: usize, hi: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{arg}: {what} {v} at position {pos} is out of range [0, {hi})"
+    ))
+}
+
+/// Reads a 1-D integer numpy array of any integer dtype into `Vec<i128>`-free values:
+/// `conv` checks and converts each element (in Rust, no Python object per element).
+macro_rules! read_array {
+    ($obj:expr, $conv:expr, $($t:ty),+) => {{
+        $(
+            if let Ok(a) = $obj.cast::<PyArray1<$t>>() {
+                let ro = a.readonly();
+                let view = ro.as_array();
+                let mut out = Vec::with_capacity(view.len());
+                for (pos, &v) in view.iter().enumerate() {
+                    #[allow(clippy::cast_lossless, clippy::cast_possible_wrap)]
+                    out.push($conv(v as i128, pos)?);
+                }
+                return Ok(out);
+            }
+        )+
+    }};
+}
+
+/// A 1-D integer sequence (list, tuple, or numpy array of any integer dtype), each
+/// element converted by `conv(value, position)`. Non-integers raise `TypeError`, a
+/// 2-D array `ValueError`; both name `arg`.
+fn int_seq<T>(
+    obj: &Bound<'_, PyAny>,
+    arg: &str,
+    conv: impl Fn(i128, usize) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            return Err(PyValueError::new_err(format!(
+                "{arg}: expected a 1-D sequence of integers, got a {}-D array",
+                arr.ndim()
+            )));
+        }
+        read_array!(obj, &conv, i64, i32, u32, u64, i16, u16, i8, u8);
+        return Err(PyTypeError::new_err(format!(
+            "{arg}: expected integers, got an array of dtype {}",
+            arr.dtype()
+        )));
+    }
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
+        return Err(PyTypeError::new_err(format!(
+            "{arg}: expected a sequence of integers, got {}",
+            obj.get_type().name()?
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{arg}: expected a sequence of integers, got {}",
+            obj.get_type().name()?
+        )));
+    };
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for (pos, item) in iter.enumerate() {
+        let item = item?;
+        let v: i128 = match item.extract::<i64>() {
+            Ok(v) => i128::from(v),
+            Err(_) => match item.extract::<u64>() {
+                Ok(v) => i128::from(v),
+                Err(_) if item.hasattr("__index__")? => {
+                    return Err(PyValueError::new_err(format!(
+                        "{arg}: value at position {pos} is out of the 64-bit range"
+                    )))
+                }
+                Err(_) => {
+                    return Err(PyTypeError::new_err(format!(
+                        "{arg}: expected integers, got {} at position {pos}",
+                        item.get_type().name()?
+                    )))
+                }
+            },
+        };
+        out.push(conv(v, pos)?);
+    }
+    Ok(out)
+}
+
+/// Token ids: `0 <= t < 2**32`.
+fn tokens_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
+    int_seq(obj, arg, |v, pos| {
+        u32::try_from(v).map_err(|_| out_of_range(arg, "token id", v, pos, "2**32"))
+    })
+}
+
+/// Slot indices as int64 (range against the pool is the core's check).
+fn indices_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<i64>> {
+    int_seq(obj, arg, |v, pos| {
+        i64::try_from(v).map_err(|_| out_of_range(arg, "slot", v, pos, "2**63"))
+    })
+}
+
+fn count_arg(v: i64, arg: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{arg}: must be >= 0, got {v}")))
+}
+
+fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
+    PyArray1::from_vec(py, v).unbind()
+}
+
+/// Emits a `ResourceWarning` from a finaliser; if warnings are errors, reports it as
+/// unraisable (a finaliser cannot raise).
+fn resource_warning(py: Python<'_>, msg: &str) {
+    let msg = CString::new(msg).unwrap_or_default();
+    let category = py.get_type::<PyResourceWarning>();
+    if let Err(e) = PyErr::warn(py, category.as_any(), &msg, 1) {
+        e.write_unraisable(py, None);
+    }
+}
+
+/// A prefix cache for hybrid LLMs: radix tree, slot pools, locks and eviction.
+#[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
+struct PyHybridCache {
+    inner: core::HybridCache,
+}
+
+#[pymethods]
+impl PyHybridCache {
+    #[new]
+    #[pyo3(signature = (kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0,
+                        host_mamba_slots=0, write_policy="write_through",
+                        write_through_threshold=2))]
+    fn new(
+        kv_slots: i64,
+        page_size: i64,
+        mamba_slots: i64,
+        host_kv_slots: i64,
+        host_mamba_slots: i64,
+        write_policy: &str,
+        write_through_threshold: i64,
+    ) -> PyResult<Self> {
+        let config = core::Config {
+            kv_slots: count_arg(kv_slots, "kv_slots")?,
+            page_size: count_arg(page_size, "page_size")?,
+            mamba_slots: count_arg(mamba_slots, "mamba_slots")?,
+            host_kv_slots: count_arg(host_kv_slots, "host_kv_slots")?,
+            host_mamba_slots: count_arg(host_mamba_slots, "host_mamba_slots")?,
+            write_policy: write_policy.parse().map_err(err)?,
+            write_through_threshold: u32::try_from(write_through_threshold).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "write_through_threshold: must be in [1, 2**32), got {write_through_threshold}"
+                ))
+            })?,
+        };
+        Ok(PyHybridCache {
+            inner: core::HybridCache::new(config).map_err(err)?,
+        })
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.with(|c| c.page_size())
+    }
+
+    /// Device KV token slots.
+    #[getter]
+    fn kv_slots(&self) -> usize {
+        self.inner.with(|c| c.config().kv_slots)
+    }
+
+    #[pyo3(signature = (tokens, *, namespace=None))]
+    fn match_prefix(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<PyMatch> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let m = run(py, tokens.len(), || {
+            self.inner.with(|c| c.match_prefix(namespace, &tokens))
+        });
+        Ok(PyMatch {
+            device_len: m.device_len,
+            kv_indices: array(py, m.kv_indices),
+            host_len: m.host_len,
+            node: self.node(py, m.node)?,
+            host_node: self.node(py, m.host_node)?,
+            mamba_slot: m.mamba_slot,
+            kv_len: m.kv_len,
+        })
+    }
+
+    #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None))]
+    fn insert(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        kv_indices: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+        owned_from: i64,
+        mamba_slot: Option<i64>,
+    ) -> PyResult<PyInsert> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let kv = indices_arg(kv_indices, "kv_indices")?;
+        let owned_from = count_arg(owned_from, "owned_from")?;
+        let r = run(py, tokens.len(), || {
+            self.inner
+                .with(|c| c.insert_with_state(namespace, &tokens, &kv, owned_from, mamba_slot))
+        })
+        .map_err(err)?;
+        Ok(PyInsert {
+            prefix_len: r.prefix_len,
+            node: self.node(py, r.node)?,
+            mamba_existed: r.mamba_existed,
+        })
+    }
+
+    fn lock(&self, node: &Bound<'_, PyNode>) -> PyResult<PyLock> {
+        let lock = self.inner.lock(node.get().id).map_err(err)?;
+        Ok(PyLock {
+            node: node.clone().unbind(),
+            slot: Mutex::new(Some(lock)),
+            cache: self.inner.clone(),
+        })
+    }
+
+    fn unlock(&self, lock: &Bound<'_, PyLock>) -> PyResult<()> {
+        let mut slot = lock.get().slot.lock();
+        self.inner.unlock(&mut slot).map_err(err)
+    }
+
+    #[pyo3(signature = (*, kv_tokens=0, mamba_states=0))]
+    fn evict(&self, kv_tokens: i64, mamba_states: i64) -> PyResult<PyEvicted> {
+        let kv_tokens = count_arg(kv_tokens, "kv_tokens")?;
+        count_arg(mamba_states, "mamba_states")?;
+        let e = self.inner.with(|c| c.evict(kv_tokens));
+        Ok(PyEvicted {
+            kv_tokens: e.kv_tokens,
+            mamba_states: e.mamba_states,
+        })
+    }
+
+    fn alloc_kv(&self, py: Python<'_>, n: i64) -> PyResult<Option<Py<PyArray1<i64>>>> {
+        let n = count_arg(n, "n")?;
+        let r = self.inner.with(|c| c.alloc_kv(n)).map_err(err)?;
+        Ok(r.map(|v| array(py, v)))
+    }
+
+    fn free_kv(&self, indices: &Bound<'_, PyAny>) -> PyResult<()> {
+        let idx = indices_arg(indices, "indices")?;
+        self.inner.with(|c| c.free_kv(&idx)).map_err(err)?;
+        Ok(())
+    }
+
+    fn evictable_size(&self) -> usize {
+        self.inner.with(|c| c.evictable_size())
+    }
+
+    fn protected_size(&self) -> usize {
+        self.inner.with(|c| c.protected_size())
+    }
+
+    fn total_size(&self) -> usize {
+        self.inner.with(|c| c.total_size())
+    }
+
+    fn available_kv(&self) -> usize {
+        self.inner.with(|c| c.available_kv())
+    }
+
+    fn available_mamba(&self) -> usize {
+        self.inner.with(|c| c.available_mamba())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let entries = self.inner.with(|c| c.stats());
+        let d = PyDict::new(py);
+        for (k, v) in entries {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    fn audit(&self) -> PyResult<()> {
+        self.inner.with(|c| c.audit()).map_err(err)
+    }
+
+    #[pyo3(signature = (max_nodes=200, max_tokens=8))]
+    fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
+        self.inner.with(|c| c.pretty(max_nodes, max_tokens))
+    }
+
+    fn __repr__(&self) -> String {
+        self.inner.with(|c| c.summary())
+    }
+
+    fn __str__(&self) -> String {
+        self.pretty(200, 8)
+    }
+}
+
+impl PyHybridCache {
+    fn node(&self, py: Python<'_>, id: core::NodeId) -> PyResult<Py<PyNode>> {
+        Py::new(
+            py,
+            PyNode {
+                id,
+                cache: self.inner.clone(),
+            },
+        )
+    }
+}
+
+/// An opaque handle to a tree node: hashable, equal for the same live node.
+#[pyclass(frozen, module = "radixcache._core", name = "Node")]
+struct PyNode {
+    id: core::NodeId,
+    cache: core::HybridCache,
+}
+
+#[pymethods]
+impl PyNode {
+    fn __repr__(&self) -> String {
+        match self.cache.with(|c| c.describe(self.id)) {
+            Ok(s) => format!("<Node {s}>"),
+            Err(_) => format!("<Node {} (gone)>", self.id),
+        }
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyNode>()
+            .is_ok_and(|o| o.get().id == self.id && o.get().cache.same_cache(&self.cache))
+    }
+
+    fn __hash__(&self) -> u64 {
+        (u64::from(self.id.index()) << 32) | u64::from(self.id.generation())
+    }
+}
+
+/// The answer of `match_prefix`.
+#[pyclass(frozen, module = "radixcache._core", name = "Match", get_all)]
+struct PyMatch {
+    device_len: usize,
+    kv_indices: Py<PyArray1<i64>>,
+    host_len: usize,
+    node: Py<PyNode>,
+    host_node: Py<PyNode>,
+    mamba_slot: Option<u32>,
+    kv_len: usize,
+}
+
+#[pymethods]
+impl PyMatch {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Match(device_len={}, host_len={}, kv_len={}, mamba_slot={}, node={}, kv_indices={})",
+            self.device_len,
+            self.host_len,
+            self.kv_len,
+            self.mamba_slot.map_or("None".to_owned(), |s| s.to_string()),
+            self.node.get().__repr__(),
+            self.kv_indices.bind(py).repr()?
+        ))
+    }
+}
+
+/// The answer of `insert`.
+#[pyclass(frozen, module = "radixcache._core", name = "Insert", get_all)]
+struct PyInsert {
+    prefix_len: usize,
+    node: Py<PyNode>,
+    mamba_existed: bool,
+}
+
+#[pymethods]
+impl PyInsert {
+    fn __repr__(&self) -> String {
+        format!(
+            "Insert(prefix_len={}, mamba_existed={}, node={})",
+            self.prefix_len,
+            if self.mamba_existed { "True" } else { "False" },
+            self.node.get().__repr__()
+        )
+    }
+}
+
+/// What `evict` actually evicted.
+#[pyclass(frozen, module = "radixcache._core", name = "Evicted", get_all)]
+struct PyEvicted {
+    kv_tokens: usize,
+    mamba_states: usize,
+}
+
+#[pymethods]
+impl PyEvicted {
+    fn __repr__(&self) -> String {
+        format!(
+            "Evicted(kv_tokens={}, mamba_states={})",
+            self.kv_tokens, self.mamba_states
+        )
+    }
+}
+
+/// A lock receipt. Release it once with `cache.unlock(lock)` or by leaving its `with`
+/// block; a receipt collected while still held is released and warns.
+#[pyclass(frozen, module = "radixcache._core", name = "Lock")]
+struct PyLock {
+    node: Py<PyNode>,
+    slot: Mutex<Option<core::Lock>>,
+    cache: core::HybridCache,
+}
+
+#[pymethods]
+impl PyLock {
+    /// The node whose path to the root is locked.
+    #[getter]
+    fn node(&self, py: Python<'_>) -> Py<PyNode> {
+        self.node.clone_ref(py)
+    }
+
+    /// True while the lock is held.
+    #[getter]
+    fn held(&self) -> bool {
+        self.slot.lock().is_some()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        let mut slot = self.slot.lock();
+        if slot.is_some() {
+            self.cache.unlock(&mut slot).map_err(err)?;
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<Lock {} on {}>",
+            if self.held() { "held" } else { "released" },
+            self.node.get().__repr__()
+        )
+    }
+}
+
+impl Drop for PyLock {
+    fn drop(&mut self) {
+        if let Some(lock) = self.slot.get_mut().take() {
+            let node = lock.node();
+            // Release first (the receipt's drop), then warn: the warning must not be able
+            // to stop the release.
+            drop(lock);
+            Python::attach(|py| {
+                resource_warning(
+                    py,
+                    &format!("Lock on node {node} was garbage-collected while held; released it"),
+                );
+            });
+        }
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyHybridCache>()?;
+    m.add_class::<PyNode>()?;
+    m.add_class::<PyMatch>()?;
+    m.add_class::<PyInsert>()?;
+    m.add_class::<PyEvicted>()?;
+    m.add_class::<PyLock>()?;
+    m.add("CacheError", py.get_type::<CacheError>())?;
+    m.add("InvariantError", py.get_type::<InvariantError>())?;
+    m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
+    m.add("LockError", py.get_type::<LockError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
