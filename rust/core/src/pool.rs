@@ -209,7 +209,11 @@ impl Pool {
                     inner.set(q, PageState::Caller);
                 }
                 // A page this call claimed already is a duplicate, not someone else's.
-                let state = if pages[..i].contains(&p) { Some(PageState::Caller) } else { state };
+                let state = if pages[..i].contains(&p) {
+                    Some(PageState::Caller)
+                } else {
+                    state
+                };
                 return Err(Error::arg(arg, self.describe(p, state)));
             }
             inner.set(p, PageState::Owned);

@@ -21,7 +21,12 @@ create_exception!(
     PyException,
     "Root of the errors radixcache raises (argument errors stay ValueError/TypeError)."
 );
-create_exception!(_core, InvariantError, CacheError, "audit() found a broken invariant.");
+create_exception!(
+    _core,
+    InvariantError,
+    CacheError,
+    "audit() found a broken invariant."
+);
 create_exception!(
     _core,
     StaleNodeError,
@@ -37,6 +42,7 @@ create_exception!(
 
 /// Maps every core error to its Python exception. Exhaustive on purpose: a new core
 /// variant does not compile until it is mapped here.
+#[allow(clippy::needless_pass_by_value)] // by value so that it reads `.map_err(err)`
 fn err(e: core::Error) -> PyErr {
     let msg = e.to_string();
     match e {
