@@ -131,7 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         toks, kv, owned_from = list(tokens), list(owned), len(owned)
         if flaw == "length":
-            kv = [*kv, 0]
+            kv = [*owned, *([0] * (len(toks) - len(owned) + 1))]
         elif flaw == "unaligned" and ps > 1:
             owned_from = 1
             toks, kv = [*toks, 0], [*kv, 0]
