@@ -234,6 +234,7 @@ impl PyHybridCache {
         self.inner.with(|c| c.config().kv_slots)
     }
 
+    /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.
     #[pyo3(signature = (tokens, *, namespace=None))]
     fn match_prefix(
         &self,
@@ -256,6 +257,7 @@ impl PyHybridCache {
         })
     }
 
+    /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
     #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None))]
     fn insert(
         &self,
@@ -281,6 +283,7 @@ impl PyHybridCache {
         })
     }
 
+    /// Protect the path from `node` to the root from eviction; returns the receipt.
     fn lock(&self, node: &Bound<'_, PyNode>) -> PyResult<PyLock> {
         let lock = self.inner.lock(node.get().id).map_err(err)?;
         Ok(PyLock {
@@ -290,11 +293,13 @@ impl PyHybridCache {
         })
     }
 
+    /// Release a receipt (exactly once; `LockError` otherwise).
     fn unlock(&self, lock: &Bound<'_, PyLock>) -> PyResult<()> {
         let mut slot = lock.get().slot.lock();
         self.inner.unlock(&mut slot).map_err(err)
     }
 
+    /// Evict at least that much (or all that is evictable), LRU leaves first.
     #[pyo3(signature = (*, kv_tokens=0, mamba_states=0))]
     fn evict(&self, kv_tokens: i64, mamba_states: i64) -> PyResult<PyEvicted> {
         let kv_tokens = count_arg(kv_tokens, "kv_tokens")?;
@@ -306,38 +311,46 @@ impl PyHybridCache {
         })
     }
 
+    /// `n` device KV slots (whole pages), evicting first when short; None if impossible.
     fn alloc_kv(&self, py: Python<'_>, n: i64) -> PyResult<Option<Py<PyArray1<i64>>>> {
         let n = count_arg(n, "n")?;
         let r = self.inner.with(|c| c.alloc_kv(n)).map_err(err)?;
         Ok(r.map(|v| array(py, v)))
     }
 
+    /// Give back slots the caller holds; a bad slot fails the call, which frees nothing.
     fn free_kv(&self, indices: &Bound<'_, PyAny>) -> PyResult<()> {
         let idx = indices_arg(indices, "indices")?;
         self.inner.with(|c| c.free_kv(&idx)).map_err(err)?;
         Ok(())
     }
 
+    /// Device KV tokens in the tree that eviction may take.
     fn evictable_size(&self) -> usize {
         self.inner.with(|c| c.evictable_size())
     }
 
+    /// Device KV tokens in the tree protected by locks.
     fn protected_size(&self) -> usize {
         self.inner.with(|c| c.protected_size())
     }
 
+    /// Device KV tokens in the tree.
     fn total_size(&self) -> usize {
         self.inner.with(|c| c.total_size())
     }
 
+    /// Free device KV slots.
     fn available_kv(&self) -> usize {
         self.inner.with(|c| c.available_kv())
     }
 
+    /// Free device Mamba state slots.
     fn available_mamba(&self) -> usize {
         self.inner.with(|c| c.available_mamba())
     }
 
+    /// Counters and gauges as a dict of ints.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let entries = self.inner.with(|c| c.stats());
         let d = PyDict::new(py);
@@ -347,10 +360,12 @@ impl PyHybridCache {
         Ok(d)
     }
 
+    /// Check every invariant; raises `InvariantError` naming the first broken one.
     fn audit(&self) -> PyResult<()> {
         self.inner.with(|c| c.audit()).map_err(err)
     }
 
+    /// Return the tree as indented text, one line per node.
     #[pyo3(signature = (max_nodes=200, max_tokens=8))]
     fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
         self.inner.with(|c| c.pretty(max_nodes, max_tokens))
