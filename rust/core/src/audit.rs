@@ -31,7 +31,7 @@ pub(crate) fn audit(cache: &Cache) -> Result<()> {
     let mut protected = 0usize;
     let mut candidates = BTreeSet::new();
     let mut reached = 0usize;
-    for &root in v.roots.values() {
+    for &root in &v.roots {
         let r = tree.node(root);
         if !r.live || !r.is_root() || !r.key.is_empty() {
             return broken(format!("root slot {root} is not a live, empty-keyed root"));

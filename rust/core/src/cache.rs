@@ -97,7 +97,10 @@ pub struct Cache {
     config: Config,
     tree: Tree,
     kv_pool: Pool,
-    roots: HashMap<Option<String>, u32>,
+    /// Root of the default namespace.
+    default_root: u32,
+    /// Roots of named namespaces (looked up by `&str`, no allocation per call).
+    named_roots: HashMap<String, u32>,
     /// KV eviction candidates: unlocked device leaves, by (last access, index).
     kv_lru: BTreeSet<(u64, u32)>,
     evictable_tokens: usize,
@@ -126,7 +129,8 @@ impl Cache {
             config,
             tree,
             kv_pool,
-            roots: HashMap::new(),
+            default_root: NONE,
+            named_roots: HashMap::new(),
             kv_lru: BTreeSet::new(),
             evictable_tokens: 0,
             protected_tokens: 0,
@@ -137,7 +141,7 @@ impl Cache {
             stats: Stats::default(),
             probe: Probe::default(),
         };
-        cache.root(None);
+        cache.default_root = cache.new_root();
         Ok(cache)
     }
 
@@ -156,14 +160,42 @@ impl Cache {
         &self.kv_pool
     }
 
-    fn root(&mut self, namespace: Option<&str>) -> u32 {
-        if let Some(&r) = self.roots.get(&namespace.map(str::to_owned)) {
-            return r;
-        }
+    fn new_root(&mut self) -> u32 {
         let r = self.tree.alloc_node(NONE, Vec::new());
         self.tree.node_mut(r).kv.device = Some(Vec::new());
-        self.roots.insert(namespace.map(str::to_owned), r);
         r
+    }
+
+    /// The root of `namespace`, if it exists.
+    fn existing_root(&self, namespace: Option<&str>) -> Option<u32> {
+        match namespace {
+            None => Some(self.default_root),
+            Some(ns) => self.named_roots.get(ns).copied(),
+        }
+    }
+
+    /// The root of `namespace`, made on first use.
+    fn root(&mut self, namespace: Option<&str>) -> u32 {
+        if let Some(r) = self.existing_root(namespace) {
+            return r;
+        }
+        let r = self.new_root();
+        self.named_roots
+            .insert(namespace.unwrap_or_default().to_owned(), r);
+        r
+    }
+
+    /// Every namespace with its root: the default one first, then by name.
+    pub(crate) fn roots(&self) -> Vec<(Option<&str>, u32)> {
+        let mut named: Vec<_> = self
+            .named_roots
+            .iter()
+            .map(|(k, &r)| (Some(k.as_str()), r))
+            .collect();
+        named.sort_unstable();
+        let mut out = vec![(None, self.default_root)];
+        out.extend(named);
+        out
     }
 
     fn aligned(&self, n: usize) -> usize {
@@ -207,9 +239,15 @@ impl Cache {
         if ps == 1 {
             out.extend(pages.iter().map(|&p| i64::from(p)));
         } else {
-            for &p in pages {
+            // Filled page by page in place: the inner loop over a fixed-size chunk
+            // vectorises, where extending from a range per page does not.
+            let start = out.len();
+            out.resize(start + pages.len() * ps, 0);
+            for (chunk, &p) in out[start..].chunks_exact_mut(ps).zip(pages) {
                 let base = i64::from(p) * as_i64(ps);
-                out.extend(base..base + as_i64(ps));
+                for (slot, offset) in chunk.iter_mut().zip(0..) {
+                    *slot = base + offset;
+                }
             }
         }
     }
@@ -300,7 +338,7 @@ impl Cache {
         let owned_pages = self.pages_of(&kv_indices[owned_from..], owned_from)?;
         // An unseen namespace gets its root only once the call cannot fail (a failed
         // insert changes nothing); until then it matches nothing.
-        let existing_root = self.roots.get(&namespace.map(str::to_owned)).copied();
+        let existing_root = self.existing_root(namespace);
         let aligned = self.aligned(tokens.len());
         let mut probe = std::mem::take(&mut self.probe);
         if let Some(root) = existing_root {
@@ -380,6 +418,23 @@ impl Cache {
     fn pages_of(&self, slots: &[i64], start: usize) -> Result<Vec<u32>> {
         let ps = self.config.page_size;
         let capacity = as_i64(self.config.kv_slots);
+        if ps == 1 {
+            // Page = slot: one range check per token, no divisions.
+            return slots
+                .iter()
+                .map(|&s| {
+                    u32::try_from(s)
+                        .ok()
+                        .filter(|_| s < capacity)
+                        .ok_or_else(|| {
+                            Error::arg(
+                                "kv_indices",
+                                format!("slot {s} is out of range [0, {capacity})"),
+                            )
+                        })
+                })
+                .collect();
+        }
         let mut pages = Vec::with_capacity(slots.len().div_ceil(ps));
         for (c, chunk) in slots.chunks(ps).enumerate() {
             let first = chunk[0];
@@ -426,20 +481,37 @@ impl Cache {
                 ),
             ));
         }
-        let mut tree_slots = Vec::with_capacity(owned_from);
+        // Compared page by page against the caller's slots, without materialising the
+        // tree's slots. Every page below `owned_from` has device KV (it matched).
+        let ps = self.config.page_size;
+        let mut pos = 0;
         for &(i, n) in &probe.path {
-            if tree_slots.len() >= owned_from {
+            let Some(pages) = &self.tree.node(i).kv.device else {
                 break;
-            }
-            if let Some(pages) = &self.tree.node(i).kv.device {
-                self.expand_into(&pages[..n / self.config.page_size], &mut tree_slots);
+            };
+            for &p in &pages[..n / ps] {
+                if pos >= owned_from {
+                    return Ok(());
+                }
+                let base = i64::from(p) * as_i64(ps);
+                let theirs = &kv_indices[pos..pos + ps];
+                if theirs.iter().zip(base..).any(|(&a, b)| a != b) {
+                    return Err(Error::arg(
+                        "kv_indices",
+                        format!(
+                            "kv_indices[:owned_from] are not the cache's slots for that prefix \
+                             (first difference in tokens {pos}..{})",
+                            pos + ps
+                        ),
+                    ));
+                }
+                pos += ps;
             }
         }
-        tree_slots.truncate(owned_from);
-        if tree_slots.len() < owned_from || tree_slots != kv_indices[..owned_from] {
+        if pos < owned_from {
             return Err(Error::arg(
-                "kv_indices",
-                "kv_indices[:owned_from] are not the cache's slots for that prefix".to_owned(),
+                "owned_from",
+                format!("only {pos} of the first {owned_from} tokens have device KV"),
             ));
         }
         Ok(())
@@ -664,8 +736,11 @@ impl Cache {
         let ps = self.config.page_size as u64;
         let mut out = self.stats.entries();
         out.extend([
-            ("nodes", (self.tree.live_nodes - self.roots.len()) as u64),
-            ("namespaces", self.roots.len() as u64),
+            (
+                "nodes",
+                (self.tree.live_nodes - self.named_roots.len() - 1) as u64,
+            ),
+            ("namespaces", self.named_roots.len() as u64 + 1),
             ("live_locks", self.live_locks as u64),
             ("kv_cached_tokens", self.total_size() as u64),
             ("kv_evictable_tokens", self.evictable_tokens as u64),
@@ -679,10 +754,8 @@ impl Cache {
 
     /// Every live node (roots included), per namespace, parents before children.
     pub fn snapshot(&self) -> Vec<NodeInfo> {
-        let mut roots: Vec<_> = self.roots.iter().collect();
-        roots.sort();
         let mut out = Vec::new();
-        for (ns, &root) in roots {
+        for (ns, root) in self.roots() {
             let mut prefix_at: HashMap<u32, Vec<u32>> = HashMap::new();
             for i in self.tree.preorder(root) {
                 let n = self.tree.node(i);
@@ -699,7 +772,7 @@ impl Cache {
                 });
                 out.push(NodeInfo {
                     id: self.tree.id(i),
-                    namespace: ns.clone(),
+                    namespace: ns.map(str::to_owned),
                     prefix: prefix.clone(),
                     key_len: n.key.len(),
                     kv_indices,
@@ -758,7 +831,7 @@ impl Cache {
             self.evictable_tokens,
             self.protected_tokens,
             self.available_kv(),
-            self.tree.live_nodes - self.roots.len()
+            self.tree.live_nodes - self.named_roots.len() - 1
         )
     }
 
@@ -767,14 +840,11 @@ impl Cache {
     pub fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
         let mut s = self.summary();
         let mut shown = 0;
-        let mut roots: Vec<_> = self.roots.iter().collect();
-        roots.sort();
-        for (ns, &root) in roots {
+        for (ns, root) in self.roots() {
             let _ = write!(
                 s,
                 "\n{}",
-                ns.as_deref()
-                    .map_or("<default>".to_owned(), |n| format!("namespace {n:?}"))
+                ns.map_or("<default>".to_owned(), |n| format!("namespace {n:?}"))
             );
             let mut stack = vec![(root, 0usize)];
             while let Some((i, depth)) = stack.pop() {
@@ -835,7 +905,7 @@ impl Cache {
         AuditView {
             tree: &self.tree,
             kv_pool: &self.kv_pool,
-            roots: &self.roots,
+            roots: self.roots().into_iter().map(|(_, r)| r).collect(),
             kv_lru: &self.kv_lru,
             evictable_tokens: self.evictable_tokens,
             protected_tokens: self.protected_tokens,
@@ -855,7 +925,7 @@ impl Cache {
 pub(crate) struct AuditView<'a> {
     pub tree: &'a Tree,
     pub kv_pool: &'a Pool,
-    pub roots: &'a HashMap<Option<String>, u32>,
+    pub roots: Vec<u32>,
     pub kv_lru: &'a BTreeSet<(u64, u32)>,
     pub evictable_tokens: usize,
     pub protected_tokens: usize,
@@ -1015,7 +1085,7 @@ mod tests {
                 assert_eq!(leaked.len(), 1);
             }),
             ("device children", |c| {
-                let root = c.roots[&None];
+                let root = c.default_root;
                 c.tree.node_mut(root).device_children += 1;
             }),
         ];

@@ -70,6 +70,22 @@ impl PoolInner {
         *self.counts.slot(from) -= 1;
         *self.counts.slot(to) += 1;
     }
+
+    /// Moves pages that are all in state `from` to `to`, updating the counts once.
+    fn move_all(&mut self, pages: &[u32], from: PageState, to: PageState) {
+        for &p in pages {
+            debug_assert_eq!(self.state[p as usize], from);
+            self.state[p as usize] = to;
+        }
+        *self.counts.slot(from) -= pages.len();
+        *self.counts.slot(to) += pages.len();
+    }
+
+    /// Frees pages that are all in state `from`.
+    fn free_all(&mut self, pages: &[u32], from: PageState) {
+        self.move_all(pages, from, PageState::Free);
+        self.free.extend_from_slice(pages);
+    }
 }
 
 struct PoolShared {
@@ -178,9 +194,7 @@ impl Pool {
         let at = inner.free.len() - n;
         let mut pages = inner.free.split_off(at);
         pages.reverse();
-        for &p in &pages {
-            inner.set(p, PageState::Owned);
-        }
+        inner.move_all(&pages, PageState::Free, PageState::Owned);
         drop(inner);
         Some(Pages {
             pool: self.clone(),
@@ -206,7 +220,7 @@ impl Pool {
             if state != Some(PageState::Caller) {
                 // Roll back what this call already claimed, so nothing changes.
                 for &q in &pages[..i] {
-                    inner.set(q, PageState::Caller);
+                    inner.state[q as usize] = PageState::Caller;
                 }
                 // A page this call claimed already is a duplicate, not someone else's.
                 let state = if pages[..i].contains(&p) {
@@ -216,8 +230,11 @@ impl Pool {
                 };
                 return Err(Error::arg(arg, self.describe(p, state)));
             }
-            inner.set(p, PageState::Owned);
+            // Marked at once, so that a second mention of the page is caught.
+            inner.state[p as usize] = PageState::Owned;
         }
+        inner.counts.caller -= pages.len();
+        inner.counts.owned += pages.len();
         drop(inner);
         Ok(Pages {
             pool: self.clone(),
@@ -251,12 +268,7 @@ impl Pool {
     /// Frees pages the tree owned (eviction). Crate-internal: the tree is the only owner
     /// that frees by raw index, and `audit()` checks it never frees what it does not own.
     pub(crate) fn release_tree(&self, pages: &[u32]) {
-        let mut inner = self.shared.inner.lock();
-        for &p in pages {
-            debug_assert_eq!(inner.state[p as usize], PageState::Tree);
-            inner.set(p, PageState::Free);
-            inner.free.push(p);
-        }
+        self.shared.inner.lock().free_all(pages, PageState::Tree);
     }
 
     fn describe(&self, page: u32, state: Option<PageState>) -> String {
@@ -321,11 +333,8 @@ impl Pool {
         self.shared.inner.lock().state.clone()
     }
 
-    fn transition(&self, pages: &[u32], to: PageState) {
-        let mut inner = self.shared.inner.lock();
-        for &p in pages {
-            inner.set(p, to);
-        }
+    fn transition(&self, pages: &[u32], from: PageState, to: PageState) {
+        self.shared.inner.lock().move_all(pages, from, to);
     }
 }
 
@@ -386,14 +395,16 @@ impl Pages {
     /// contract and gives them back through the pool's `free_caller` or an insert.
     pub fn into_caller(mut self) -> Vec<u32> {
         let pages = std::mem::take(&mut self.pages);
-        self.pool.transition(&pages, PageState::Caller);
+        self.pool
+            .transition(&pages, PageState::Owned, PageState::Caller);
         pages
     }
 
     /// Publishes the pages into the tree, which owns them from now on.
     pub(crate) fn into_tree(mut self) -> Vec<u32> {
         let pages = std::mem::take(&mut self.pages);
-        self.pool.transition(&pages, PageState::Tree);
+        self.pool
+            .transition(&pages, PageState::Owned, PageState::Tree);
         pages
     }
 }
@@ -403,11 +414,11 @@ impl Drop for Pages {
         if self.pages.is_empty() {
             return;
         }
-        let mut inner = self.pool.shared.inner.lock();
-        for &p in &self.pages {
-            inner.set(p, PageState::Free);
-            inner.free.push(p);
-        }
+        self.pool
+            .shared
+            .inner
+            .lock()
+            .free_all(&self.pages, PageState::Owned);
         self.pages.clear();
     }
 }

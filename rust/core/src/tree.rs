@@ -321,6 +321,10 @@ impl Tree {
 pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     const BLOCK: usize = 16;
     let n = a.len().min(b.len());
+    // Most walks match whole nodes: one comparison of the full overlap settles those.
+    if a[..n] == b[..n] {
+        return n;
+    }
     let mut i = 0;
     while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
         i += BLOCK;
