@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import radixcache as rc
+
 from conftest import cached, fingerprint
 
 # --------------------------------------------------------------------------- construction

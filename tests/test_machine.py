@@ -4,7 +4,6 @@ against the naive model in model.py, with audit() and exact sizes after every st
 from __future__ import annotations
 
 import numpy as np
-from conftest import fingerprint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -14,9 +13,11 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from model import Key, Model
 
 import radixcache as rc
+
+from conftest import fingerprint
+from model import Key, Model
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 NAMESPACES = st.sampled_from([None, "a"])
@@ -220,9 +221,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def bad_free(self, data: st.DataObject) -> None:
         ps = self.model.page_size
-        candidates = [
-            p for p in range(self.model.kv_slots // ps) if p not in self.model.caller
-        ] + [self.model.kv_slots // ps]
+        candidates = [p for p in range(self.model.kv_slots // ps) if p not in self.model.caller] + [
+            self.model.kv_slots // ps
+        ]
         page = data.draw(st.sampled_from(candidates))
         before = fingerprint(self.cache)
         try:
