@@ -22,6 +22,7 @@ def test_defaults_and_repr() -> None:
     assert c.kv_slots == 64
     assert c.available_kv() == 64
     assert c.available_mamba() == 0
+    assert c.mamba_slots == 0
     assert "kv_slots=64" in repr(c)
     assert str(c).startswith("HybridCache(")
     c.audit()
@@ -38,7 +39,6 @@ def test_defaults_and_repr() -> None:
         ({"write_policy": "lru"}, "write_policy"),
         ({"write_through_threshold": 0}, "write_through_threshold"),
         ({"write_through_threshold": -3}, "write_through_threshold"),
-        ({"mamba_slots": 4}, "mamba_slots"),
         ({"host_kv_slots": 64}, "host_kv_slots"),
         ({"host_mamba_slots": 2}, "host_mamba_slots"),
         ({"mamba_slots": -1}, "mamba_slots"),

@@ -3,6 +3,18 @@
 //!
 //! [`Cache`] is the single-threaded core (`&mut self` methods, lock receipts as plain
 //! [`LockId`]s). [`crate::HybridCache`] wraps it for sharing and gives owned receipts.
+//!
+//! Components: every node carries KV data (device pages, a path lock count) and Mamba
+//! data (at most one device state slot, a single-node lock count). Each component has
+//! its own eviction set; evicting a leaf's KV cascades to its state, evicting an
+//! internal node's state leaves a tombstone. Transfer batches (`batch`) and the
+//! request-level API (`request`) live in submodules.
+
+pub(crate) mod batch;
+pub(crate) mod request;
+
+pub use batch::{BatchId, BatchKind, Copy, PoolKind, Tier, TransferBatch};
+pub use request::{RequestId, RequestView};
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -27,10 +39,12 @@ impl std::fmt::Display for LockId {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct LockSlot {
+pub(crate) struct LockSlot {
     generation: u32,
     /// Arena index of the node the receipt locked (its path to the root is locked).
-    node: Option<u32>,
+    pub(crate) node: Option<u32>,
+    /// Whether the receipt also holds the node's Mamba state (single-node lock).
+    pub(crate) mamba: bool,
 }
 
 /// The answer of [`Cache::match_prefix`].
@@ -90,26 +104,38 @@ pub struct NodeInfo {
     pub lock: u32,
     /// Logical time of the last access.
     pub last_access: u64,
+    /// Device Mamba state slot at the node's end, if any.
+    pub mamba_slot: Option<u32>,
+    /// Receipts holding that state.
+    pub mamba_lock: u32,
 }
 
-/// The single-threaded cache core.
+/// The single-threaded cache core. Fields are crate-visible for `audit()`.
 pub struct Cache {
-    config: Config,
-    tree: Tree,
-    kv_pool: Pool,
+    pub(crate) config: Config,
+    pub(crate) tree: Tree,
+    pub(crate) kv_pool: Pool,
+    /// Device state pool (`page_size` 1; no pages for an attention-only model).
+    pub(crate) mamba_pool: Pool,
     /// Root of the default namespace.
-    default_root: u32,
+    pub(crate) default_root: u32,
     /// Roots of named namespaces (looked up by `&str`, no allocation per call).
-    named_roots: HashMap<String, u32>,
+    pub(crate) named_roots: HashMap<String, u32>,
     /// KV eviction candidates: unlocked device leaves, by (last access, index).
-    kv_lru: BTreeSet<(u64, u32)>,
-    evictable_tokens: usize,
-    protected_tokens: usize,
+    pub(crate) kv_lru: BTreeSet<(u64, u32)>,
+    /// Mamba eviction candidates: unlocked device states, by (last use, index).
+    pub(crate) mamba_lru: BTreeSet<(u64, u32)>,
+    pub(crate) evictable_tokens: usize,
+    pub(crate) protected_tokens: usize,
+    pub(crate) evictable_states: usize,
+    pub(crate) protected_states: usize,
     clock: u64,
-    locks: Vec<LockSlot>,
+    pub(crate) locks: Vec<LockSlot>,
     free_locks: Vec<u32>,
-    live_locks: usize,
-    stats: Stats,
+    pub(crate) live_locks: usize,
+    pub(crate) requests: request::Requests,
+    pub(crate) batches: batch::Batches,
+    pub(crate) stats: Stats,
     probe: Probe,
 }
 
@@ -124,20 +150,27 @@ impl Cache {
     pub fn new(config: Config) -> Result<Cache> {
         config.validate()?;
         let kv_pool = Pool::new("kv_slots", config.kv_slots, config.page_size)?;
+        let mamba_pool = Pool::new("mamba_slots", config.mamba_slots, 1)?;
         let tree = Tree::new(config.page_size);
         let mut cache = Cache {
             config,
             tree,
             kv_pool,
+            mamba_pool,
             default_root: NONE,
             named_roots: HashMap::new(),
             kv_lru: BTreeSet::new(),
+            mamba_lru: BTreeSet::new(),
             evictable_tokens: 0,
             protected_tokens: 0,
+            evictable_states: 0,
+            protected_states: 0,
             clock: 0,
             locks: Vec::new(),
             free_locks: Vec::new(),
             live_locks: 0,
+            requests: request::Requests::default(),
+            batches: batch::Batches::default(),
             stats: Stats::default(),
             probe: Probe::default(),
         };
@@ -158,6 +191,17 @@ impl Cache {
     /// The device KV pool.
     pub fn kv_pool(&self) -> &Pool {
         &self.kv_pool
+    }
+
+    /// The device Mamba state pool (empty for an attention-only model).
+    pub fn mamba_pool(&self) -> &Pool {
+        &self.mamba_pool
+    }
+
+    /// True when the model has Mamba layers (`mamba_slots > 0`): matches are then cut
+    /// at the deepest node with a state.
+    pub fn is_hybrid(&self) -> bool {
+        self.config.mamba_slots > 0
     }
 
     fn new_root(&mut self) -> u32 {
@@ -218,20 +262,48 @@ impl Cache {
         }
     }
 
-    /// Puts `i` in or out of the KV eviction set according to what it is now.
-    fn refresh_candidate(&mut self, i: u32) {
-        let n = self.tree.node(i);
-        let should =
-            !n.is_root() && n.kv.device.is_some() && n.kv.lock == 0 && n.device_children == 0;
-        if should != n.kv.in_lru {
-            let key = (n.last_access, i);
-            if should {
-                self.kv_lru.insert(key);
-            } else {
-                self.kv_lru.remove(&key);
-            }
-            self.tree.node_mut(i).kv.in_lru = should;
+    /// Marks `i`'s Mamba state as used now (only the state a match actually uses).
+    fn touch_state(&mut self, i: u32) {
+        let now = self.tick();
+        let n = self.tree.node_mut(i);
+        let old = std::mem::replace(&mut n.mamba.last_access, now);
+        if n.mamba.in_lru {
+            self.mamba_lru.remove(&(old, i));
+            self.mamba_lru.insert((now, i));
         }
+    }
+
+    /// Puts `i` in or out of both eviction sets according to what it is now.
+    ///
+    /// KV: an unlocked device leaf whose state (if any) is unlocked too, since evicting
+    /// the leaf's KV takes its state with it. Mamba: a device state, unlocked.
+    pub(crate) fn refresh_candidate(&mut self, i: u32) {
+        let n = self.tree.node(i);
+        let kv = !n.is_root()
+            && n.kv.device.is_some()
+            && n.kv.lock == 0
+            && n.mamba.lock == 0
+            && n.device_children == 0;
+        let mamba = n.mamba.device.is_some() && n.mamba.lock == 0;
+        let (kv_key, mamba_key) = ((n.last_access, i), (n.mamba.last_access, i));
+        let (kv_was, mamba_was) = (n.kv.in_lru, n.mamba.in_lru);
+        if kv != kv_was {
+            if kv {
+                self.kv_lru.insert(kv_key);
+            } else {
+                self.kv_lru.remove(&kv_key);
+            }
+        }
+        if mamba != mamba_was {
+            if mamba {
+                self.mamba_lru.insert(mamba_key);
+            } else {
+                self.mamba_lru.remove(&mamba_key);
+            }
+        }
+        let n = self.tree.node_mut(i);
+        n.kv.in_lru = kv;
+        n.mamba.in_lru = mamba;
     }
 
     fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
@@ -253,30 +325,46 @@ impl Cache {
     }
 
     /// Longest cached prefix of `tokens` in `namespace`. Splits the last node when the
-    /// match ends inside it (so `Match.node` ends exactly at `device_len`) and refreshes
-    /// the LRU position of every node on the path, ancestors older than descendants.
+    /// KV match ends inside it and refreshes the LRU position of every node on the path,
+    /// ancestors older than descendants. With Mamba layers the usable match is cut back
+    /// to the deepest node that has a state (`kv_len` keeps the full KV match, the branch
+    /// point), and only that state's LRU position is refreshed.
     pub fn match_prefix(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Match {
         let root = self.root(namespace);
         let key = &tokens[..self.aligned(tokens.len())];
         let mut probe = std::mem::take(&mut self.probe);
         self.tree.probe(root, key, &mut probe);
-        let mut end = root;
+        let hybrid = self.is_hybrid();
         let mut kv_indices = Vec::with_capacity(probe.matched);
+        // (node, length) of the deepest node valid for every component.
+        let mut valid = (root, 0);
+        let mut depth = 0;
         for &(i, n) in &probe.path {
             let node = if n < self.tree.node(i).key.len() {
                 self.split(i, n)
             } else {
                 i
             };
+            depth += n;
             if let Some(pages) = &self.tree.node(node).kv.device {
                 self.expand_into(pages, &mut kv_indices);
             }
             self.touch(node);
-            self.tree.node_mut(node).hits += 1;
-            end = node;
+            let nd = self.tree.node_mut(node);
+            nd.hits += 1;
+            if !hybrid || nd.mamba.device.is_some() {
+                valid = (node, depth);
+            }
         }
-        let device_len = probe.matched;
+        let kv_len = probe.matched;
         self.probe = probe;
+        let (end, device_len) = valid;
+        kv_indices.truncate(device_len);
+        let mamba_slot = self.tree.node(end).mamba.device;
+        if mamba_slot.is_some() {
+            self.touch_state(end);
+            self.stats.state_hits += 1;
+        }
         self.stats.match_calls += 1;
         self.stats.match_tokens += key.len() as u64;
         self.stats.hit_tokens += device_len as u64;
@@ -287,9 +375,27 @@ impl Cache {
             host_len: 0,
             node,
             host_node: node,
-            mamba_slot: None,
-            kv_len: device_len,
+            mamba_slot,
+            kv_len,
         }
+    }
+
+    /// Device slots of the `len` tokens from the root to the end of node `end`.
+    pub(crate) fn path_slots(&self, end: u32, len: usize) -> Vec<i64> {
+        let mut nodes = Vec::new();
+        let mut cur = end;
+        while cur != NONE && !self.tree.node(cur).is_root() {
+            nodes.push(cur);
+            cur = self.tree.node(cur).parent;
+        }
+        let mut out = Vec::with_capacity(len);
+        for &i in nodes.iter().rev() {
+            if let Some(pages) = &self.tree.node(i).kv.device {
+                self.expand_into(pages, &mut out);
+            }
+        }
+        debug_assert_eq!(out.len(), len);
+        out
     }
 
     /// Splits node `i` after `at` tokens; returns the new upper node.
@@ -311,6 +417,22 @@ impl Cache {
         tokens: &[u32],
         kv_indices: &[i64],
         owned_from: usize,
+    ) -> Result<Insert> {
+        self.insert_with_state(namespace, tokens, kv_indices, owned_from, None)
+    }
+
+    /// [`Cache::insert`] that also hands over the Mamba state slot `mamba_slot` (from
+    /// `alloc_mamba`), taken at the end of `tokens`. It lands on the node where the insert
+    /// ends; if that node has a state already the slot is freed and
+    /// `Insert::mamba_existed` is true. A state cannot sit anywhere but at a node's end,
+    /// so with an unaligned tail, or with no whole page, the slot is freed too.
+    pub fn insert_with_state(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        kv_indices: &[i64],
+        owned_from: usize,
+        mamba_slot: Option<i64>,
     ) -> Result<Insert> {
         let ps = self.config.page_size;
         if kv_indices.len() != tokens.len() {
@@ -335,6 +457,16 @@ impl Cache {
                 format!("{owned_from} is not a multiple of page_size {ps}"),
             ));
         }
+        let state_page = match mamba_slot {
+            None => None,
+            Some(s) if !self.is_hybrid() => {
+                return Err(Error::arg(
+                    "mamba_slot",
+                    format!("this cache has no Mamba state pool (mamba_slots=0), got {s}"),
+                ))
+            }
+            Some(s) => Some(self.state_slot_arg(s, "mamba_slot")?),
+        };
         let owned_pages = self.pages_of(&kv_indices[owned_from..], owned_from)?;
         // An unseen namespace gets its root only once the call cannot fail (a failed
         // insert changes nothing); until then it matches nothing.
@@ -348,9 +480,22 @@ impl Cache {
             probe.matched = 0;
         }
         let checked = self.check_owned_prefix(&probe, kv_indices, owned_from);
-        let claimed = checked.and_then(|()| self.kv_pool.claim_caller(&owned_pages, "kv_indices"));
-        let mut owned = match claimed {
-            Ok(p) => p,
+        let claimed = checked.and_then(|()| {
+            let kv = self.kv_pool.claim_caller(&owned_pages, "kv_indices")?;
+            let Some(p) = state_page else {
+                return Ok((kv, None));
+            };
+            match self.mamba_pool.claim_caller(&[p], "mamba_slot") {
+                Ok(state) => Ok((kv, Some(state))),
+                Err(e) => {
+                    // Back to the caller, as if the KV claim had not happened.
+                    let _ = kv.into_caller();
+                    Err(e)
+                }
+            }
+        });
+        let (owned, state) = match claimed {
+            Ok(c) => c,
             Err(e) => {
                 self.probe = probe;
                 return Err(e);
@@ -361,6 +506,38 @@ impl Cache {
             Some(root) => root,
             None => self.root(namespace),
         };
+        let out = self.publish(root, &probe, tokens, owned_from, owned, state);
+        self.probe = probe;
+        Ok(out)
+    }
+
+    /// A state slot argument: in range of the Mamba pool.
+    fn state_slot_arg(&self, s: i64, arg: &'static str) -> Result<u32> {
+        u32::try_from(s)
+            .ok()
+            .filter(|&p| (p as usize) < self.config.mamba_slots)
+            .ok_or_else(|| {
+                Error::arg(
+                    arg,
+                    format!("slot {s} is out of range [0, {})", self.config.mamba_slots),
+                )
+            })
+    }
+
+    /// The part of an insert that cannot fail: splits along the probed path, frees the
+    /// duplicate and tail pages of `owned` (pages for tokens from `owned_from` on), adds
+    /// the new leaf and places `state`.
+    pub(crate) fn publish(
+        &mut self,
+        root: u32,
+        probe: &Probe,
+        tokens: &[u32],
+        owned_from: usize,
+        mut owned: Pages,
+        state: Option<Pages>,
+    ) -> Insert {
+        let ps = self.config.page_size;
+        let aligned = self.aligned(tokens.len());
         let matched = probe.matched;
         let mut end = root;
         for &(i, n) in &probe.path {
@@ -371,7 +548,6 @@ impl Cache {
             };
             self.touch(end);
         }
-        self.probe = probe;
         // Pages of owned tokens the tree already has are duplicates: freed on drop.
         let dup_pages = matched.saturating_sub(owned_from) / ps;
         let mut new_pages = owned.split_off(dup_pages.min(owned.len()));
@@ -383,33 +559,42 @@ impl Cache {
         } else {
             drop(new_pages);
         }
+        let mut mamba_existed = false;
+        if let Some(state) = state {
+            if end == root || aligned != tokens.len() {
+                // The state was taken at tokens.len(), which is no node's end.
+                drop(state);
+            } else if self.tree.node(end).mamba.device.is_some() {
+                mamba_existed = true;
+                drop(state);
+            } else {
+                self.set_state(end, state);
+            }
+        }
         self.stats.insert_calls += 1;
         self.stats.inserted_tokens += (aligned - matched) as u64;
         self.stats.duplicate_tokens += matched.saturating_sub(owned_from) as u64;
-        Ok(Insert {
+        Insert {
             prefix_len: matched,
             node: self.tree.id(end),
-            mamba_existed: false,
-        })
+            mamba_existed,
+        }
     }
 
-    /// [`Cache::insert`] that also hands over a Mamba state slot to land on the end node.
-    /// This cache has no Mamba pool, so any `mamba_slot` is refused (and nothing changes).
-    pub fn insert_with_state(
-        &mut self,
-        namespace: Option<&str>,
-        tokens: &[u32],
-        kv_indices: &[i64],
-        owned_from: usize,
-        mamba_slot: Option<i64>,
-    ) -> Result<Insert> {
-        if let Some(s) = mamba_slot {
-            return Err(Error::arg(
-                "mamba_slot",
-                format!("this cache has no Mamba state pool (mamba_slots=0), got {s}"),
-            ));
+    /// Publishes a state slot on node `i` (which has device KV and no state).
+    pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
+        let slot = state.into_tree();
+        let n = self.tree.node_mut(i);
+        debug_assert!(n.mamba.device.is_none() && n.kv.device.is_some() && slot.len() == 1);
+        n.mamba.device = slot.first().copied();
+        if n.mamba.lock == 0 {
+            self.evictable_states += 1;
+        } else {
+            self.protected_states += 1;
         }
-        self.insert(namespace, tokens, kv_indices, owned_from)
+        self.stats.states_cached += 1;
+        self.touch_state(i);
+        self.refresh_candidate(i);
     }
 
     /// Validates the page structure of caller slots for positions starting at `start`
@@ -531,9 +716,14 @@ impl Cache {
         leaf
     }
 
-    /// Locks the path from `node` to its root against eviction; returns the receipt.
+    /// Locks the path from `node` to its root against eviction, and the node's Mamba
+    /// state if it has one (single-node lock); returns the receipt.
     pub fn lock(&mut self, node: NodeId) -> Result<LockId> {
         let i = self.tree.resolve(node)?;
+        Ok(self.lock_index(i))
+    }
+
+    pub(crate) fn lock_index(&mut self, i: u32) -> LockId {
         let mut cur = i;
         while cur != NONE {
             let n = self.tree.node_mut(cur);
@@ -546,33 +736,46 @@ impl Cache {
             }
             cur = parent;
         }
+        let n = self.tree.node_mut(i);
+        let mamba = n.mamba.device.is_some();
+        if mamba {
+            n.mamba.lock += 1;
+            if n.mamba.lock == 1 {
+                self.evictable_states -= 1;
+                self.protected_states += 1;
+            }
+            self.refresh_candidate(i);
+        }
         let index = if let Some(index) = self.free_locks.pop() {
             index
         } else {
             self.locks.push(LockSlot {
                 generation: 0,
                 node: None,
+                mamba: false,
             });
             page_u32(self.locks.len() - 1)
         };
         let slot = &mut self.locks[index as usize];
         slot.node = Some(i);
+        slot.mamba = mamba;
         self.live_locks += 1;
         self.stats.locks += 1;
-        Ok(LockId {
+        LockId {
             index,
             generation: slot.generation,
-        })
+        }
     }
 
     /// Releases a receipt. A receipt released already (or never issued here) raises
     /// [`Error::Lock`] and changes nothing.
     pub fn unlock(&mut self, receipt: LockId) -> Result<()> {
-        let node = match self.locks.get(receipt.index as usize) {
-            Some(LockSlot {
+        let (node, mamba) = match self.locks.get(receipt.index as usize) {
+            Some(&LockSlot {
                 generation,
                 node: Some(i),
-            }) if *generation == receipt.generation => *i,
+                mamba,
+            }) if generation == receipt.generation => (i, mamba),
             _ => {
                 return Err(Error::Lock(format!(
                     "lock receipt {receipt} was already released or does not belong to this cache"
@@ -581,9 +784,19 @@ impl Cache {
         };
         let slot = &mut self.locks[receipt.index as usize];
         slot.node = None;
+        slot.mamba = false;
         slot.generation = slot.generation.wrapping_add(1);
         self.free_locks.push(receipt.index);
         self.live_locks -= 1;
+        if mamba {
+            // A locked state is never evicted: it is still there.
+            let n = self.tree.node_mut(node);
+            n.mamba.lock -= 1;
+            if n.mamba.lock == 0 {
+                self.protected_states -= 1;
+                self.evictable_states += 1;
+            }
+        }
         let mut cur = node;
         while cur != NONE {
             let n = self.tree.node_mut(cur);
@@ -592,6 +805,8 @@ impl Cache {
             if last && !root {
                 self.protected_tokens -= len;
                 self.evictable_tokens += len;
+            }
+            if cur == node || last {
                 self.refresh_candidate(cur);
             }
             cur = parent;
@@ -606,6 +821,7 @@ impl Cache {
             Some(LockSlot {
                 generation,
                 node: Some(i),
+                ..
             }) if *generation == receipt.generation => Ok(self.tree.id(*i)),
             _ => Err(Error::Lock(format!(
                 "lock receipt {receipt} was already released"
@@ -613,40 +829,89 @@ impl Cache {
         }
     }
 
-    /// Evicts at least `kv_tokens` device KV tokens (or everything evictable), least
-    /// recently used leaves first. A parent left as an unlocked leaf joins the candidates
-    /// in the same pass. Locked nodes are never touched. O(log n) per evicted node.
-    pub fn evict(&mut self, kv_tokens: usize) -> Evicted {
-        let mut freed = 0;
-        while freed < kv_tokens {
+    /// Evicts at least `kv_tokens` device KV tokens and `mamba_states` device states (or
+    /// everything evictable), least recently used first. Locked nodes are never touched.
+    ///
+    /// KV: unlocked device leaves; a parent left as an unlocked leaf joins the
+    /// candidates in the same pass; a leaf's state goes with its KV. Mamba: unlocked
+    /// states by last use; an internal node's (or a KV-locked leaf's) state is dropped
+    /// and the node kept as a tombstone, an unlocked leaf is deleted with its KV. A leaf
+    /// left without a state can never be matched again and is deleted too. O(log n) per
+    /// evicted node.
+    pub fn evict(&mut self, kv_tokens: usize, mamba_states: usize) -> Evicted {
+        let mut out = Evicted::default();
+        while out.kv_tokens < kv_tokens {
             let Some((_, i)) = self.kv_lru.pop_first() else {
                 break;
             };
             self.tree.node_mut(i).kv.in_lru = false;
-            freed += self.remove_leaf(i);
+            self.remove_leaf(i, &mut out);
+        }
+        while out.mamba_states < mamba_states {
+            let Some((_, i)) = self.mamba_lru.pop_first() else {
+                break;
+            };
+            self.tree.node_mut(i).mamba.in_lru = false;
+            let n = self.tree.node(i);
+            if n.kv.in_lru {
+                // An unlocked leaf: the node goes, KV and all.
+                self.kv_lru.remove(&(n.last_access, i));
+                self.tree.node_mut(i).kv.in_lru = false;
+                self.remove_leaf(i, &mut out);
+            } else {
+                self.drop_state(i, &mut out);
+                self.stats.tombstones += 1;
+                self.refresh_candidate(i);
+            }
         }
         self.stats.evict_calls += 1;
-        self.stats.evicted_kv_tokens += freed as u64;
-        Evicted {
-            kv_tokens: freed,
-            mamba_states: 0,
+        self.stats.evicted_kv_tokens += out.kv_tokens as u64;
+        self.stats.evicted_mamba_states += out.mamba_states as u64;
+        out
+    }
+
+    /// Frees node `i`'s device state (evictable: unlocked).
+    fn drop_state(&mut self, i: u32, out: &mut Evicted) {
+        let n = self.tree.node_mut(i);
+        debug_assert_eq!(n.mamba.lock, 0);
+        if let Some(slot) = n.mamba.device.take() {
+            if n.mamba.in_lru {
+                self.mamba_lru.remove(&(n.mamba.last_access, i));
+                n.mamba.in_lru = false;
+            }
+            self.mamba_pool.release_tree(&[slot]);
+            self.evictable_states -= 1;
+            out.mamba_states += 1;
         }
     }
 
-    /// Deletes an unlocked device leaf, freeing its pages; returns its token count.
-    fn remove_leaf(&mut self, i: u32) -> usize {
-        let n = self.tree.node_mut(i);
-        let len = n.key.len();
-        let parent = n.parent;
-        let pages = n.kv.device.take().unwrap_or_default();
-        self.kv_pool.release_tree(&pages);
-        self.evictable_tokens -= len;
-        self.tree.unlink_child(parent, i);
-        self.tree.free_node(i);
-        self.tree.node_mut(parent).device_children -= 1;
-        self.refresh_candidate(parent);
-        self.stats.evicted_nodes += 1;
-        len
+    /// Deletes an unlocked device leaf (out of the KV set already), freeing its pages and
+    /// its state; then deletes ancestors left as stateless unlocked leaves of a hybrid
+    /// tree (unmatchable dead weight).
+    fn remove_leaf(&mut self, mut i: u32, out: &mut Evicted) {
+        loop {
+            self.drop_state(i, out);
+            let n = self.tree.node_mut(i);
+            let len = n.key.len();
+            let parent = n.parent;
+            let pages = n.kv.device.take().unwrap_or_default();
+            self.kv_pool.release_tree(&pages);
+            self.evictable_tokens -= len;
+            out.kv_tokens += len;
+            self.tree.unlink_child(parent, i);
+            self.tree.free_node(i);
+            self.tree.node_mut(parent).device_children -= 1;
+            self.refresh_candidate(parent);
+            self.stats.evicted_nodes += 1;
+            let p = self.tree.node(parent);
+            if self.is_hybrid() && p.kv.in_lru && p.mamba.device.is_none() {
+                self.kv_lru.remove(&(p.last_access, parent));
+                self.tree.node_mut(parent).kv.in_lru = false;
+                i = parent;
+            } else {
+                return;
+            }
+        }
     }
 
     /// `n` device KV slots (whole pages) as raw indices the caller now holds, evicting
@@ -660,26 +925,62 @@ impl Cache {
                 format!("{n} is not a multiple of page_size {ps}"),
             ));
         }
-        let pages = n / ps;
         self.stats.alloc_calls += 1;
-        let free = self.kv_pool.free_pages();
-        if free < pages {
-            // Every unlocked node is reclaimable (locks cover whole paths, so an unlocked
-            // node has no locked descendant): if even that is not enough, fail without
-            // throwing the cache away.
-            if free * ps + self.evictable_tokens < n {
-                self.stats.alloc_failures += 1;
-                return Ok(None);
-            }
-            self.evict((pages - free) * ps);
-        }
-        let Some(owned) = self.kv_pool.try_alloc(pages) else {
-            self.stats.alloc_failures += 1;
+        let Some(owned) = self.alloc_pages(n / ps) else {
             return Ok(None);
         };
         let mut out = Vec::with_capacity(n);
         self.expand_into(&owned.into_caller(), &mut out);
         Ok(Some(out))
+    }
+
+    /// `pages` device KV pages as an owned value, evicting LRU leaves first when short.
+    /// `None` when even evicting everything evictable would not do, and then nothing is
+    /// evicted: every unlocked node is reclaimable (locks cover whole paths, so an
+    /// unlocked node has no locked descendant), so the check is exact.
+    pub(crate) fn alloc_pages(&mut self, pages: usize) -> Option<Pages> {
+        let ps = self.config.page_size;
+        let free = self.kv_pool.free_pages();
+        if free < pages {
+            if free * ps + self.evictable_tokens < pages * ps {
+                self.stats.alloc_failures += 1;
+                return None;
+            }
+            self.evict((pages - free) * ps, 0);
+        }
+        let got = self.kv_pool.try_alloc(pages);
+        if got.is_none() {
+            self.stats.alloc_failures += 1;
+        }
+        got
+    }
+
+    /// One device state slot the caller now holds, evicting the least recently used
+    /// unlocked state first when the pool is empty; `None` when none can be had.
+    pub fn alloc_mamba(&mut self) -> Option<u32> {
+        self.alloc_state()
+            .and_then(|s| s.into_caller().first().copied())
+    }
+
+    /// One device state slot as an owned value (see [`Cache::alloc_mamba`]).
+    pub(crate) fn alloc_state(&mut self) -> Option<Pages> {
+        // A state freed while a transfer still reads it drains instead of coming back,
+        // so evict until one is really free or nothing is left to evict.
+        while self.mamba_pool.free_pages() == 0 && !self.mamba_lru.is_empty() {
+            self.evict(0, 1);
+        }
+        let got = self.mamba_pool.try_alloc(1);
+        if got.is_none() {
+            self.stats.mamba_alloc_failures += 1;
+        }
+        got
+    }
+
+    /// Gives back a state slot the caller holds (from `alloc_mamba`). A slot that is
+    /// free, owned by the cache or out of range fails, and nothing changes.
+    pub fn free_mamba(&mut self, slot: i64) -> Result<()> {
+        let p = self.state_slot_arg(slot, "slot")?;
+        self.mamba_pool.free_caller(&[p], "slot").map(|_| ())
     }
 
     /// Gives back slots the caller holds (from `alloc_kv`). The pages containing them
@@ -725,14 +1026,25 @@ impl Cache {
         self.kv_pool.free_pages() * self.config.page_size
     }
 
-    /// Free device Mamba state slots (0: this cache has no Mamba pool).
+    /// Free device Mamba state slots.
     pub fn available_mamba(&self) -> usize {
-        0
+        self.mamba_pool.free_pages()
+    }
+
+    /// Device states in the tree that eviction may take (unlocked).
+    pub fn evictable_states(&self) -> usize {
+        self.evictable_states
+    }
+
+    /// Device states in the tree protected by locks.
+    pub fn protected_states(&self) -> usize {
+        self.protected_states
     }
 
     /// Counters and gauges, in a fixed order.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
         let c = self.kv_pool.counts();
+        let m = self.mamba_pool.counts();
         let ps = self.config.page_size as u64;
         let mut out = self.stats.entries();
         out.extend([
@@ -742,12 +1054,26 @@ impl Cache {
             ),
             ("namespaces", self.named_roots.len() as u64 + 1),
             ("live_locks", self.live_locks as u64),
+            ("live_requests", self.requests.live() as u64),
+            ("batches_in_flight", self.batches.len() as u64),
             ("kv_cached_tokens", self.total_size() as u64),
             ("kv_evictable_tokens", self.evictable_tokens as u64),
             ("kv_protected_tokens", self.protected_tokens as u64),
             ("kv_free_slots", c.free as u64 * ps),
             ("kv_caller_slots", c.caller as u64 * ps),
+            ("kv_request_slots", c.owned as u64 * ps),
             ("kv_capacity_slots", self.config.kv_slots as u64),
+            (
+                "mamba_cached_states",
+                (self.evictable_states + self.protected_states) as u64,
+            ),
+            ("mamba_evictable_states", self.evictable_states as u64),
+            ("mamba_protected_states", self.protected_states as u64),
+            ("mamba_free_slots", m.free as u64),
+            ("mamba_caller_slots", m.caller as u64),
+            ("mamba_request_slots", m.owned as u64),
+            ("mamba_draining_slots", m.draining as u64),
+            ("mamba_capacity_slots", self.config.mamba_slots as u64),
         ]);
         out
     }
@@ -778,6 +1104,8 @@ impl Cache {
                     kv_indices,
                     lock: n.kv.lock,
                     last_access: n.last_access,
+                    mamba_slot: n.mamba.device,
+                    mamba_lock: n.mamba.lock,
                 });
                 prefix_at.insert(i, prefix);
             }
@@ -813,8 +1141,12 @@ impl Cache {
         } else {
             String::new()
         };
+        let state = n
+            .mamba
+            .device
+            .map_or(String::new(), |s| format!(" state={s}"));
         Ok(format!(
-            "{node} depth={depth} key=[{more}{}] ({} tokens){lock}",
+            "{node} depth={depth} key=[{more}{}] ({} tokens){state}{lock}",
             shown.join(", "),
             n.key.len()
         ))
@@ -822,9 +1154,19 @@ impl Cache {
 
     /// A one-line summary.
     pub fn summary(&self) -> String {
+        let states = if self.is_hybrid() {
+            format!(
+                ", mamba_slots={}, cached_states={}, free_mamba={}",
+                self.config.mamba_slots,
+                self.evictable_states + self.protected_states,
+                self.available_mamba()
+            )
+        } else {
+            String::new()
+        };
         format!(
             "HybridCache(kv_slots={}, page_size={}, cached_tokens={}, evictable={}, protected={}, \
-             free_kv={}, nodes={})",
+             free_kv={}, nodes={}{states})",
             self.config.kv_slots,
             self.config.page_size,
             self.total_size(),
@@ -874,9 +1216,14 @@ impl Cache {
                     } else {
                         String::new()
                     };
+                    let state = match (n.mamba.device, self.is_hybrid()) {
+                        (Some(slot), _) => format!(", state@{slot}"),
+                        (None, true) => ", no state".to_owned(),
+                        (None, false) => String::new(),
+                    };
                     let _ = write!(
                         s,
-                        "\n{}└ {} [{}{}] {} tokens, {kv}{lock}",
+                        "\n{}└ {} [{}{}] {} tokens, {kv}{state}{lock}",
                         "  ".repeat(depth),
                         self.tree.id(i),
                         toks.join(", "),
@@ -900,38 +1247,15 @@ impl Cache {
         crate::audit::audit(self)
     }
 
-    // Accessors for the audit module.
-    pub(crate) fn parts(&self) -> AuditView<'_> {
-        AuditView {
-            tree: &self.tree,
-            kv_pool: &self.kv_pool,
-            roots: self.roots().into_iter().map(|(_, r)| r).collect(),
-            kv_lru: &self.kv_lru,
-            evictable_tokens: self.evictable_tokens,
-            protected_tokens: self.protected_tokens,
-            locks: self.locks.iter().filter_map(|l| l.node).collect(),
-            live_locks: self.live_locks,
-            page_size: self.config.page_size,
-        }
-    }
-
     /// Pool counts of the device KV pool (pages).
     pub fn kv_counts(&self) -> PoolCounts {
         self.kv_pool.counts()
     }
-}
 
-/// Read-only view of the cache's internals for `audit()`.
-pub(crate) struct AuditView<'a> {
-    pub tree: &'a Tree,
-    pub kv_pool: &'a Pool,
-    pub roots: Vec<u32>,
-    pub kv_lru: &'a BTreeSet<(u64, u32)>,
-    pub evictable_tokens: usize,
-    pub protected_tokens: usize,
-    pub locks: Vec<u32>,
-    pub live_locks: usize,
-    pub page_size: usize,
+    /// Pool counts of the device Mamba pool (slots).
+    pub fn mamba_counts(&self) -> PoolCounts {
+        self.mamba_pool.counts()
+    }
 }
 
 #[cfg(test)]
@@ -990,12 +1314,12 @@ mod tests {
         cached(&mut c, &[2, 2]);
         cached(&mut c, &[3, 3]);
         c.match_prefix(None, &[1, 1]);
-        assert_eq!(c.evict(1).kv_tokens, 2);
+        assert_eq!(c.evict(1, 0).kv_tokens, 2);
         assert_eq!(c.match_prefix(None, &[2, 2]).device_len, 0);
         assert_eq!(c.match_prefix(None, &[3, 3]).device_len, 2);
         assert_eq!(c.match_prefix(None, &[1, 1]).device_len, 2);
         // [3, 3] is now the oldest
-        assert_eq!(c.evict(1).kv_tokens, 2);
+        assert_eq!(c.evict(1, 0).kv_tokens, 2);
         assert_eq!(c.match_prefix(None, &[3, 3]).device_len, 0);
         c.audit().unwrap();
     }
@@ -1008,7 +1332,7 @@ mod tests {
         cached(&mut c, &[9, 9]); // youngest
                                  // Evicting 4 tokens takes [3], [4] and then their parent [1, 2] (older than
                                  // [9, 9]), never the younger unrelated leaf.
-        assert_eq!(c.evict(4).kv_tokens, 4);
+        assert_eq!(c.evict(4, 0).kv_tokens, 4);
         assert_eq!(c.match_prefix(None, &[9, 9]).device_len, 2);
         assert_eq!(c.match_prefix(None, &[1, 2]).device_len, 0);
         c.audit().unwrap();

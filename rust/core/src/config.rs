@@ -118,17 +118,18 @@ impl Config {
         if self.write_through_threshold == 0 {
             return Err(Error::arg("write_through_threshold", "must be at least 1"));
         }
-        // The Mamba component and the host tier are separate components of the core that
-        // are not part of this release; refuse rather than silently ignore them.
+        // The host tier is a part of the core that is not in this release; refuse rather
+        // than silently ignore it.
         for (name, n) in [
-            ("mamba_slots", self.mamba_slots),
             ("host_kv_slots", self.host_kv_slots),
             ("host_mamba_slots", self.host_mamba_slots),
         ] {
             if n != 0 {
                 return Err(Error::arg(
                     name,
-                    format!("{n} requested, but this version of radixcache caches attention KV only; pass 0"),
+                    format!(
+                        "{n} requested, but this version of radixcache has no host tier; pass 0"
+                    ),
                 ));
             }
         }
@@ -177,11 +178,17 @@ mod tests {
         );
         assert_eq!(
             arg_of(Config {
-                mamba_slots: 4,
+                host_kv_slots: 4,
                 ..Config::kv(8, 1)
             }),
-            "mamba_slots"
+            "host_kv_slots"
         );
+        assert!(Config {
+            mamba_slots: 4,
+            ..Config::kv(8, 1)
+        }
+        .validate()
+        .is_ok());
         assert!(Config::kv(64, 4).validate().is_ok());
     }
 }

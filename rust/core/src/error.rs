@@ -24,6 +24,10 @@ pub enum Error {
     /// (Python: `LockError`).
     #[error("{0}")]
     Lock(String),
+    /// A request handle that is finished, aborted or from another cache, or a request
+    /// call that its state does not allow (Python: `CacheError`).
+    #[error("{0}")]
+    Request(String),
     /// `audit()` found a broken invariant (Python: `InvariantError`).
     #[error("invariant broken: {0}")]
     Invariant(String),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cache::{Cache, LockId};
+use crate::cache::{Cache, LockId, RequestId};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::tree::NodeId;
@@ -56,6 +56,28 @@ impl HybridCache {
             id: Some(id),
             node,
         })
+    }
+
+    /// Admits a request (see [`Cache::admit`]); the returned handle aborts the request if
+    /// it is dropped while the request is live. `None`: no state slot for its copy.
+    pub fn admit(&self, namespace: Option<&str>, tokens: &[u32]) -> Option<Request> {
+        let id = self.core.lock().admit(namespace, tokens)?;
+        Some(Request {
+            core: Arc::clone(&self.core),
+            id,
+        })
+    }
+
+    /// The request's id in this cache, or an error for a request of another cache.
+    pub fn request_id(&self, request: &Request) -> Result<RequestId> {
+        if Arc::ptr_eq(&self.core, &request.core) {
+            Ok(request.id)
+        } else {
+            Err(Error::Request(format!(
+                "request {} belongs to another cache",
+                request.id
+            )))
+        }
     }
 
     /// Releases the receipt in `slot` and empties it. An empty slot (released already)
@@ -112,6 +134,56 @@ impl Drop for Lock {
         if let Some(id) = self.id.take() {
             // Cannot fail: this receipt is live (only `release` or this drop ends it).
             let _ = self.core.lock().unlock(id);
+        }
+    }
+}
+
+/// An owned request handle: while its request is live, dropping the handle aborts it
+/// (everything it holds goes back). Finish or abort it through the cache.
+#[must_use = "dropping a Request aborts it"]
+#[clippy::has_significant_drop]
+pub struct Request {
+    core: Arc<Mutex<Cache>>,
+    id: RequestId,
+}
+
+impl fmt::Debug for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Request")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Request {
+    /// The request's id (stale once it is finished or aborted).
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Whether the request still holds anything.
+    pub fn is_live(&self) -> bool {
+        self.core.lock().request_live(self.id)
+    }
+
+    /// Runs `f` with read access to the request's cache.
+    pub fn with<R>(&self, f: impl FnOnce(&Cache) -> R) -> R {
+        f(&self.core.lock())
+    }
+
+    /// A handle to the request's cache.
+    pub fn cache(&self) -> HybridCache {
+        HybridCache {
+            core: Arc::clone(&self.core),
+        }
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        let mut core = self.core.lock();
+        if core.request_live(self.id) {
+            core.drop_request(self.id);
         }
     }
 }

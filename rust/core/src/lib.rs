@@ -19,9 +19,12 @@ mod pool;
 mod stats;
 mod tree;
 
-pub use cache::{Cache, Evicted, Insert, LockId, Match, NodeInfo};
+pub use cache::{
+    BatchId, BatchKind, Cache, Copy, Evicted, Insert, LockId, Match, NodeInfo, PoolKind, RequestId,
+    RequestView, Tier, TransferBatch,
+};
 pub use config::{Config, WritePolicy};
 pub use error::{Error, Result};
-pub use handle::{HybridCache, Lock};
+pub use handle::{HybridCache, Lock, Request};
 pub use pool::{PageState, Pages, Pool, PoolCounts};
 pub use tree::NodeId;

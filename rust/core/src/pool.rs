@@ -31,6 +31,9 @@ pub enum PageState {
     Caller,
     /// Published into the radix tree.
     Tree,
+    /// Given back by its owner while a transfer may still read or write it (the page is
+    /// pinned): it returns to the free list when the last pin goes.
+    Draining,
 }
 
 /// Page counts per state, as reported by [`Pool::counts`].
@@ -44,6 +47,8 @@ pub struct PoolCounts {
     pub caller: usize,
     /// Pages owned by the tree.
     pub tree: usize,
+    /// Pages given back while pinned by a transfer, free once it ends.
+    pub draining: usize,
 }
 
 impl PoolCounts {
@@ -53,6 +58,7 @@ impl PoolCounts {
             PageState::Owned => &mut self.owned,
             PageState::Caller => &mut self.caller,
             PageState::Tree => &mut self.tree,
+            PageState::Draining => &mut self.draining,
         }
     }
 }
@@ -61,6 +67,9 @@ struct PoolInner {
     /// Stack of free pages: O(1) alloc and free per page.
     free: Vec<u32>,
     state: Vec<PageState>,
+    /// Transfers that may read or write each page. A pinned page never reaches the free
+    /// list: freeing it only marks it `Draining`.
+    pins: Vec<u32>,
     counts: PoolCounts,
 }
 
@@ -81,10 +90,22 @@ impl PoolInner {
         *self.counts.slot(to) += pages.len();
     }
 
-    /// Frees pages that are all in state `from`.
+    /// Frees pages that are all in state `from` (pinned ones start draining instead).
     fn free_all(&mut self, pages: &[u32], from: PageState) {
-        self.move_all(pages, from, PageState::Free);
-        self.free.extend_from_slice(pages);
+        for &p in pages {
+            debug_assert_eq!(self.state[p as usize], from);
+            self.free_one(p);
+        }
+    }
+
+    /// Frees one page, or marks it draining while a transfer still pins it.
+    fn free_one(&mut self, p: u32) {
+        if self.pins[p as usize] > 0 {
+            self.set(p, PageState::Draining);
+        } else {
+            self.set(p, PageState::Free);
+            self.free.push(p);
+        }
     }
 }
 
@@ -140,6 +161,7 @@ impl Pool {
         let inner = PoolInner {
             free,
             state: vec![PageState::Free; pages],
+            pins: vec![0; pages],
             counts: PoolCounts {
                 free: pages,
                 ..PoolCounts::default()
@@ -255,10 +277,9 @@ impl Pool {
         }
         let mut freed = 0;
         for &p in pages {
-            // A page listed twice is Free by its second mention.
+            // A page listed twice is no longer the caller's by its second mention.
             if inner.state[p as usize] == PageState::Caller {
-                inner.set(p, PageState::Free);
-                inner.free.push(p);
+                inner.free_one(p);
                 freed += 1;
             }
         }
@@ -269,6 +290,41 @@ impl Pool {
     /// that frees by raw index, and `audit()` checks it never frees what it does not own.
     pub(crate) fn release_tree(&self, pages: &[u32]) {
         self.shared.inner.lock().free_all(pages, PageState::Tree);
+    }
+
+    /// Pins pages for a transfer that may read or write them: until [`Pool::unpin`], none
+    /// of them can reach the free list, whoever gives them back meanwhile.
+    pub(crate) fn pin(&self, pages: &[u32]) {
+        let mut inner = self.shared.inner.lock();
+        for &p in pages {
+            debug_assert_ne!(inner.state[p as usize], PageState::Free);
+            inner.pins[p as usize] += 1;
+        }
+    }
+
+    /// Drops a transfer's pins; a page that was given back meanwhile becomes free now.
+    pub(crate) fn unpin(&self, pages: &[u32]) {
+        let mut inner = self.shared.inner.lock();
+        for &p in pages {
+            let pins = &mut inner.pins[p as usize];
+            debug_assert!(*pins > 0);
+            *pins = pins.saturating_sub(1);
+            if *pins == 0 && inner.state[p as usize] == PageState::Draining {
+                inner.set(p, PageState::Free);
+                inner.free.push(p);
+            }
+        }
+    }
+
+    /// Pins on one page (audit and tests).
+    pub(crate) fn pins(&self, page: u32) -> u32 {
+        self.shared
+            .inner
+            .lock()
+            .pins
+            .get(page as usize)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn describe(&self, page: u32, state: Option<PageState>) -> String {
@@ -291,6 +347,7 @@ impl Pool {
             Some(PageState::Tree) => format!("{what} is owned by the cache, not by the caller"),
             Some(PageState::Owned) => format!("{what} is held by a request or transfer"),
             Some(PageState::Caller) => format!("{what} is listed twice"),
+            Some(PageState::Draining) => format!("{what} is not allocated (it is being freed)"),
         }
     }
 
@@ -315,6 +372,13 @@ impl Pool {
                 inner.free.len(),
                 counts.free
             )));
+        }
+        for (p, (&s, &pins)) in inner.state.iter().zip(&inner.pins).enumerate() {
+            if (s == PageState::Draining && pins == 0) || (s == PageState::Free && pins > 0) {
+                return Err(Error::Invariant(format!(
+                    "{name}: page {p} is {s:?} with {pins} transfer pins"
+                )));
+            }
         }
         let mut seen = vec![false; inner.state.len()];
         for &p in &inner.free {

@@ -56,6 +56,21 @@ pub(crate) struct KvNode {
     pub in_lru: bool,
 }
 
+/// Per-node data of the Mamba component: at most one state, for the prefix that ends
+/// exactly at this node's end.
+#[derive(Debug, Default)]
+pub(crate) struct MambaNode {
+    /// Device state slot, or `None` (a tombstone for this component).
+    pub device: Option<u32>,
+    /// Single-node lock count (receipts that copy or use this state).
+    pub lock: u32,
+    /// Whether the node is in the Mamba eviction set (a state, unlocked).
+    pub in_lru: bool,
+    /// Logical time the state was last used by a match (only the state actually used
+    /// is refreshed, never every state on the path).
+    pub last_access: u64,
+}
+
 /// One node of the tree.
 pub(crate) struct Node {
     pub generation: u32,
@@ -69,6 +84,7 @@ pub(crate) struct Node {
     /// Children that hold device KV: a node with none is a device leaf.
     pub device_children: u32,
     pub kv: KvNode,
+    pub mamba: MambaNode,
     /// Logical time of the last access (larger is more recent).
     pub last_access: u64,
     pub hits: u64,
@@ -84,6 +100,7 @@ impl Node {
             children: HashTable::new(),
             device_children: 0,
             kv: KvNode::default(),
+            mamba: MambaNode::default(),
             last_access: 0,
             hits: 0,
         }
@@ -242,7 +259,9 @@ impl Tree {
     /// Splits node `i` after its first `at` tokens (`0 < at < key.len()`, page-aligned).
     /// The lower part keeps the node's identity (handles stay valid and still end where
     /// they did); a new upper node takes the first `at` tokens, the parent link and a
-    /// copy of the lock count, so that receipts below it stay balanced.
+    /// copy of the KV lock count, so that receipts below it stay balanced. A Mamba state
+    /// (and its single-node lock) stays with the lower node, which still ends where the
+    /// state was taken; the upper node is a Mamba tombstone.
     pub fn split(&mut self, i: u32, at: usize) -> u32 {
         let ps = self.page_size;
         let (parent, key_hi, kv_hi, lock, last_access, hits, has_kv) = {

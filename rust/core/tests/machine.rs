@@ -530,6 +530,7 @@ impl Machine {
                 owned: 0,
                 caller: self.m.held.len(),
                 tree: self.m.cached.len(),
+                draining: 0,
             }
         );
         for l in &self.m.locks {
@@ -685,7 +686,7 @@ impl Machine {
     fn do_evict(&mut self, n: usize) {
         let evictable = self.m.unlocked().len() * self.m.ps;
         let before = self.cache.snapshot();
-        let r = self.cache.evict(n);
+        let r = self.cache.evict(n, 0);
         let removed = self.sync_eviction(&before, n);
         assert_eq!(r.kv_tokens, removed.len() * self.m.ps, "evict reported");
         assert_eq!(r.mamba_states, 0);

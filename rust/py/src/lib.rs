@@ -14,6 +14,7 @@ use pyo3::exceptions::{PyException, PyResourceWarning, PyTypeError, PyValueError
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
 use radixcache_core as core;
+use radixcache_core::Cache;
 
 create_exception!(
     _core,
@@ -49,6 +50,7 @@ fn err(e: core::Error) -> PyErr {
         core::Error::InvalidArgument { .. } => PyValueError::new_err(msg),
         core::Error::StaleNode(_) => StaleNodeError::new_err(msg),
         core::Error::Lock(_) => LockError::new_err(msg),
+        core::Error::Request(_) => CacheError::new_err(msg),
         core::Error::Invariant(_) => InvariantError::new_err(msg),
     }
 }
@@ -234,6 +236,12 @@ impl PyHybridCache {
         self.inner.with(|c| c.config().kv_slots)
     }
 
+    /// Device Mamba state slots (0 for an attention-only model).
+    #[getter]
+    fn mamba_slots(&self) -> usize {
+        self.inner.with(|c| c.config().mamba_slots)
+    }
+
     /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.
     #[pyo3(signature = (tokens, *, namespace=None))]
     fn match_prefix(
@@ -303,8 +311,8 @@ impl PyHybridCache {
     #[pyo3(signature = (*, kv_tokens=0, mamba_states=0))]
     fn evict(&self, kv_tokens: i64, mamba_states: i64) -> PyResult<PyEvicted> {
         let kv_tokens = count_arg(kv_tokens, "kv_tokens")?;
-        count_arg(mamba_states, "mamba_states")?;
-        let e = self.inner.with(|c| c.evict(kv_tokens));
+        let mamba_states = count_arg(mamba_states, "mamba_states")?;
+        let e = self.inner.with(|c| c.evict(kv_tokens, mamba_states));
         Ok(PyEvicted {
             kv_tokens: e.kv_tokens,
             mamba_states: e.mamba_states,
@@ -323,6 +331,90 @@ impl PyHybridCache {
         let idx = indices_arg(indices, "indices")?;
         self.inner.with(|c| c.free_kv(&idx)).map_err(err)?;
         Ok(())
+    }
+
+    /// One device state slot, evicting the least recently used state first when short.
+    fn alloc_mamba(&self) -> Option<u32> {
+        self.inner.with(Cache::alloc_mamba)
+    }
+
+    /// Give back a state slot the caller holds.
+    fn free_mamba(&self, slot: i64) -> PyResult<()> {
+        self.inner.with(|c| c.free_mamba(slot)).map_err(err)
+    }
+
+    /// Admit a request: match, lock the reused prefix, copy-on-write its state.
+    #[pyo3(signature = (tokens, *, namespace=None))]
+    fn admit(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<Option<PyRequest>> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let r = run(py, tokens.len(), || self.inner.admit(namespace, &tokens));
+        Ok(r.map(|inner| PyRequest { inner }))
+    }
+
+    /// One KV slot per token (and a state slot if the request has none); None if full.
+    fn extend(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyRequest>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Py<PyArray1<i64>>>> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
+        let r = self.inner.with(|c| c.extend(id, &tokens)).map_err(err)?;
+        Ok(r.map(|v| array(py, v)))
+    }
+
+    /// Cache what the request holds so far; forks its state for the tree.
+    fn checkpoint(&self, request: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
+        self.inner.with(|c| c.checkpoint(id)).map_err(err)
+    }
+
+    /// Cache every token fed, donate the state, unlock: the request holds nothing after.
+    fn finish(&self, request: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
+        self.inner.with(|c| c.finish(id)).map_err(err)
+    }
+
+    /// Give back everything the request holds and cache nothing.
+    fn abort(&self, request: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
+        self.inner.with(|c| c.abort(id)).map_err(err)
+    }
+
+    /// The data movement the cache needs (copy-on-write, backups) since the last call.
+    fn take_batches(&self, py: Python<'_>) -> PyResult<Vec<PyTransferBatch>> {
+        let batches = self.inner.with(Cache::take_batches);
+        batches
+            .into_iter()
+            .map(|b| PyTransferBatch::new(py, b))
+            .collect()
+    }
+
+    /// The engine is about to run a batch's copies.
+    fn start(&self, batch_id: u64) -> PyResult<()> {
+        self.inner
+            .with(|c| c.start(core::BatchId(batch_id)))
+            .map_err(err)
+    }
+
+    /// A batch's copies are done: releases what it held.
+    fn complete(&self, batch_id: u64) -> PyResult<()> {
+        self.inner
+            .with(|c| c.complete(core::BatchId(batch_id)))
+            .map_err(err)
+    }
+
+    /// A batch's copies failed: undoes what it would have published.
+    fn fail(&self, batch_id: u64) -> PyResult<()> {
+        self.inner
+            .with(|c| c.fail(core::BatchId(batch_id)))
+            .map_err(err)
     }
 
     /// Device KV tokens in the tree that eviction may take.
@@ -545,6 +637,184 @@ impl Drop for PyLock {
     }
 }
 
+/// A request admitted by `HybridCache.admit`: it owns its slots until finished or
+/// aborted; one collected while live is aborted and warns.
+#[pyclass(frozen, module = "radixcache._core", name = "Request")]
+struct PyRequest {
+    inner: core::Request,
+}
+
+impl PyRequest {
+    fn view(&self) -> PyResult<core::RequestView> {
+        let id = self.inner.id();
+        self.inner_cache(|c| c.request(id))
+    }
+
+    fn inner_cache<T>(&self, f: impl FnOnce(&Cache) -> core::Result<T>) -> PyResult<T> {
+        self.inner.with(f).map_err(err)
+    }
+}
+
+#[pymethods]
+impl PyRequest {
+    /// Every token the request holds KV for: the reused prefix, then what was extended.
+    #[getter]
+    fn tokens(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        let id = self.inner.id();
+        let t = self.inner_cache(|c| c.request_tokens(id))?;
+        Ok(array(py, t.into_iter().map(i64::from).collect()))
+    }
+
+    /// Tokens reusable on the device now (the locked cached prefix).
+    #[getter]
+    fn prefix_len(&self) -> PyResult<usize> {
+        Ok(self.view()?.prefix_len)
+    }
+
+    /// Further tokens loadable from the host tier.
+    #[getter]
+    fn host_len(&self) -> PyResult<usize> {
+        Ok(self.view()?.host_len)
+    }
+
+    /// `Match.kv_len` at admission: checkpoint here during prefill.
+    #[getter]
+    fn branch_len(&self) -> PyResult<usize> {
+        Ok(self.view()?.branch_len)
+    }
+
+    /// Device KV slots of every token the request holds, in order.
+    #[getter]
+    fn kv_indices(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        let id = self.inner.id();
+        Ok(array(py, self.inner_cache(|c| c.request_kv_indices(id))?))
+    }
+
+    /// The request's own state slot, or None.
+    #[getter]
+    fn mamba_slot(&self) -> PyResult<Option<u32>> {
+        Ok(self.view()?.mamba_slot)
+    }
+
+    /// The end node of the locked prefix.
+    #[getter]
+    fn node(&self) -> PyResult<PyNode> {
+        Ok(PyNode {
+            id: self.view()?.node,
+            cache: self.inner.cache(),
+        })
+    }
+
+    /// The admission copy-on-write batch id until it is acknowledged, else None.
+    #[getter]
+    fn copy_pending(&self) -> PyResult<Option<u64>> {
+        Ok(self.view()?.copy_pending.map(|b| b.0))
+    }
+
+    /// True until the request is finished or aborted.
+    #[getter]
+    fn live(&self) -> bool {
+        self.inner.is_live()
+    }
+
+    fn __repr__(&self) -> String {
+        match self.view() {
+            Ok(v) => format!(
+                "<Request {} tokens, prefix_len={}, mamba_slot={}>",
+                v.len,
+                v.prefix_len,
+                v.mamba_slot.map_or("None".to_owned(), |s| s.to_string())
+            ),
+            Err(_) => "<Request (finished)>".to_owned(),
+        }
+    }
+}
+
+impl Drop for PyRequest {
+    fn drop(&mut self) {
+        if self.inner.is_live() {
+            let id = self.inner.id();
+            // The handle's own drop (right after this) aborts the request.
+            Python::attach(|py| {
+                resource_warning(
+                    py,
+                    &format!("Request {id} was garbage-collected while live; aborted it"),
+                );
+            });
+        }
+    }
+}
+
+/// One copy of a transfer batch: `src[i]` of `src_tier` to `dst[i]` of `dst_tier`.
+#[pyclass(frozen, module = "radixcache._core", name = "Copy", get_all)]
+struct PyCopy {
+    pool: &'static str,
+    src_tier: &'static str,
+    dst_tier: &'static str,
+    src: Py<PyArray1<i64>>,
+    dst: Py<PyArray1<i64>>,
+}
+
+#[pymethods]
+impl PyCopy {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Copy({}, {}->{}, src={}, dst={})",
+            self.pool,
+            self.src_tier,
+            self.dst_tier,
+            self.src.bind(py).repr()?,
+            self.dst.bind(py).repr()?
+        ))
+    }
+}
+
+/// Data movement the cache needs; run it, then `complete(id)` or `fail(id)`.
+#[pyclass(frozen, module = "radixcache._core", name = "TransferBatch", get_all)]
+struct PyTransferBatch {
+    id: u64,
+    kind: &'static str,
+    copies: Vec<Py<PyCopy>>,
+}
+
+impl PyTransferBatch {
+    fn new(py: Python<'_>, b: core::TransferBatch) -> PyResult<Self> {
+        let copies = b
+            .copies
+            .into_iter()
+            .map(|c| {
+                Py::new(
+                    py,
+                    PyCopy {
+                        pool: c.pool.as_str(),
+                        src_tier: c.src_tier.as_str(),
+                        dst_tier: c.dst_tier.as_str(),
+                        src: array(py, c.src),
+                        dst: array(py, c.dst),
+                    },
+                )
+            })
+            .collect::<PyResult<_>>()?;
+        Ok(PyTransferBatch {
+            id: b.id.0,
+            kind: b.kind.as_str(),
+            copies,
+        })
+    }
+}
+
+#[pymethods]
+impl PyTransferBatch {
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferBatch(id={}, kind={:?}, copies={})",
+            self.id,
+            self.kind,
+            self.copies.len()
+        )
+    }
+}
+
 /// The extension module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -555,6 +825,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyInsert>()?;
     m.add_class::<PyEvicted>()?;
     m.add_class::<PyLock>()?;
+    m.add_class::<PyRequest>()?;
+    m.add_class::<PyCopy>()?;
+    m.add_class::<PyTransferBatch>()?;
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;

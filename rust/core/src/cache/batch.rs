@@ -1,0 +1,247 @@
+//! Transfer batches: the data movement the core needs, emitted for an engine to run.
+//!
+//! The core never touches tensor memory. When it needs bytes moved (a copy-on-write of a
+//! Mamba state now; backups and load-backs with the host tier) it emits a batch of
+//! copies between pool slots and keeps, until the engine says `complete` or `fail`,
+//! everything the batch needs: every slot a batch reads or writes is pinned in its pool
+//! from emission on, so that whoever gives such a slot back meanwhile only marks it
+//! draining, and no copy ever reads a reused slot or writes one handed to someone else.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::pool::Pages;
+use crate::tree::NodeId;
+
+use super::request::RequestId;
+use super::Cache;
+
+/// Identifies a batch; ids are never reused within a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchId(pub u64);
+
+impl fmt::Display for BatchId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Why a batch exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchKind {
+    /// Copy-on-write of a Mamba state (device to device).
+    Cow,
+    /// Device to host backup.
+    Backup,
+    /// Host to device load.
+    LoadBack,
+}
+
+impl BatchKind {
+    /// The name used in the Python API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchKind::Cow => "cow",
+            BatchKind::Backup => "backup",
+            BatchKind::LoadBack => "load_back",
+        }
+    }
+}
+
+/// Which pool a copy moves slots of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolKind {
+    /// The attention KV pool (token slots).
+    Kv,
+    /// The Mamba state pool (one slot per state).
+    Mamba,
+}
+
+impl PoolKind {
+    /// The name used in the Python API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolKind::Kv => "kv",
+            PoolKind::Mamba => "mamba",
+        }
+    }
+}
+
+/// Which memory a slot index refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// GPU memory.
+    Device,
+    /// Host (pinned CPU) memory.
+    Host,
+}
+
+impl Tier {
+    /// The name used in the Python API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+        }
+    }
+}
+
+/// One copy: slot `src[i]` of `src_tier` to slot `dst[i]` of `dst_tier`, in `pool`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Copy {
+    /// The pool whose slots move.
+    pub pool: PoolKind,
+    /// Where the data is read.
+    pub src_tier: Tier,
+    /// Where the data is written.
+    pub dst_tier: Tier,
+    /// Source slots.
+    pub src: Vec<i64>,
+    /// Destination slots, one per source slot.
+    pub dst: Vec<i64>,
+}
+
+/// A batch of copies for the engine to run, then `complete` or `fail`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferBatch {
+    /// The id to acknowledge.
+    pub id: BatchId,
+    /// Why it exists.
+    pub kind: BatchKind,
+    /// The copies, in the order they may run.
+    pub copies: Vec<Copy>,
+}
+
+/// What acknowledging a batch does besides dropping its pins.
+pub(crate) enum Action {
+    /// A request's own state slot receives a copy of a cached node's state (admission).
+    /// On failure the request drops back to `prefix_len == 0` and recomputes.
+    AdmitCow { request: RequestId },
+    /// `dst` receives a copy of a request's state; on success it is published on `node`
+    /// (if that node still exists and has no state), on failure it is freed.
+    CheckpointCow { node: NodeId, dst: Pages },
+}
+
+pub(crate) struct Pending {
+    pub batch: TransferBatch,
+    pub started: bool,
+    /// Mamba slots pinned for this batch (its sources and destinations).
+    pub mamba_pins: Vec<u32>,
+    pub action: Action,
+}
+
+/// Batches emitted and not yet acknowledged.
+#[derive(Default)]
+pub(crate) struct Batches {
+    next: u64,
+    pub pending: BTreeMap<BatchId, Pending>,
+    /// Emitted, not yet taken by `take_batches`.
+    outbox: Vec<BatchId>,
+}
+
+impl Batches {
+    /// Batches not yet acknowledged.
+    pub fn len(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl Cache {
+    /// Emits a batch: pins the Mamba slots it touches and queues it for `take_batches`.
+    pub(crate) fn emit(
+        &mut self,
+        kind: BatchKind,
+        copies: Vec<Copy>,
+        mamba_pins: Vec<u32>,
+        action: Action,
+    ) -> BatchId {
+        let id = BatchId(self.batches.next);
+        self.batches.next += 1;
+        self.mamba_pool.pin(&mamba_pins);
+        if kind == BatchKind::Cow {
+            self.stats.cow_copies += 1;
+        }
+        self.batches.pending.insert(
+            id,
+            Pending {
+                batch: TransferBatch { id, kind, copies },
+                started: false,
+                mamba_pins,
+                action,
+            },
+        );
+        self.batches.outbox.push(id);
+        id
+    }
+
+    /// The batches emitted since the last call, for the engine to run and acknowledge.
+    pub fn take_batches(&mut self) -> Vec<TransferBatch> {
+        let ids = std::mem::take(&mut self.batches.outbox);
+        ids.iter()
+            .filter_map(|id| self.batches.pending.get(id).map(|p| p.batch.clone()))
+            .collect()
+    }
+
+    fn pending_mut(&mut self, id: BatchId) -> Result<&mut Pending> {
+        self.batches.pending.get_mut(&id).ok_or_else(|| {
+            Error::arg(
+                "batch_id",
+                format!("no batch {id} in flight (unknown, or completed or failed already)"),
+            )
+        })
+    }
+
+    /// The engine is about to run the batch's copies.
+    pub fn start(&mut self, id: BatchId) -> Result<()> {
+        self.pending_mut(id)?.started = true;
+        Ok(())
+    }
+
+    /// Whether a batch in flight was started.
+    pub fn started(&self, id: BatchId) -> Option<bool> {
+        self.batches.pending.get(&id).map(|p| p.started)
+    }
+
+    /// The batch's copies are done: publish what it carried and drop its pins.
+    pub fn complete(&mut self, id: BatchId) -> Result<()> {
+        self.pending_mut(id)?;
+        let Some(p) = self.batches.pending.remove(&id) else {
+            return Ok(());
+        };
+        self.batches.outbox.retain(|&b| b != id);
+        match p.action {
+            Action::AdmitCow { request } => self.admit_copy_done(request, id),
+            Action::CheckpointCow { node, dst } => {
+                let live = self.tree.resolve(node).ok().filter(|&i| {
+                    let n = self.tree.node(i);
+                    n.kv.device.is_some() && n.mamba.device.is_none()
+                });
+                match live {
+                    Some(i) => self.set_state(i, dst),
+                    None => drop(dst),
+                }
+            }
+        }
+        self.mamba_pool.unpin(&p.mamba_pins);
+        self.stats.batches_completed += 1;
+        Ok(())
+    }
+
+    /// The batch's copies failed: undo what it would have published (a failed copy is a
+    /// miss, never a hit) and drop its pins.
+    pub fn fail(&mut self, id: BatchId) -> Result<()> {
+        self.pending_mut(id)?;
+        let Some(p) = self.batches.pending.remove(&id) else {
+            return Ok(());
+        };
+        self.batches.outbox.retain(|&b| b != id);
+        match p.action {
+            Action::AdmitCow { request } => self.admit_copy_failed(request, id),
+            Action::CheckpointCow { dst, .. } => drop(dst),
+        }
+        self.mamba_pool.unpin(&p.mamba_pins);
+        self.stats.batches_failed += 1;
+        Ok(())
+    }
+}

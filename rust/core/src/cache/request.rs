@@ -1,0 +1,462 @@
+//! The request-level API a serving scheduler uses: `admit`, `extend`, `checkpoint`,
+//! `finish`, `abort`.
+//!
+//! A request owns what it holds: a lock receipt on the cached prefix it reuses, owned
+//! KV pages for every token it added, and its own Mamba state slot. All of it lives in
+//! the cache's request table (so `audit()` sees it), and every way out publishes or
+//! returns it: `finish` caches everything and donates the state, `abort` gives
+//! everything back, and a dropped handle aborts.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::pool::Pages;
+use crate::tree::{NodeId, NONE};
+
+use super::batch::{Action, BatchId, BatchKind, Copy, PoolKind, Tier};
+use super::{Cache, LockId};
+
+/// Identifies a request of one cache; stale once the request is finished or aborted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestId {
+    cache: u32,
+    index: u32,
+    generation: u32,
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}.{}", self.index, self.generation)
+    }
+}
+
+pub(crate) struct RequestState {
+    pub namespace: Option<String>,
+    /// Every token the request holds KV for: the reused prefix, then what it extended.
+    pub tokens: Vec<u32>,
+    /// Tokens covered by the tree path to `node` (page-aligned, locked by `lock`).
+    pub prefix_len: usize,
+    pub node: u32,
+    pub lock: Option<LockId>,
+    /// Pages for `tokens[prefix_len..]`, in order.
+    pub kv: Pages,
+    /// The request's own state slot.
+    pub mamba: Option<Pages>,
+    pub branch_len: usize,
+    pub host_len: usize,
+    /// The admission copy-on-write, until it is acknowledged.
+    pub cow: Option<BatchId>,
+}
+
+/// The request table (a slab with generations).
+#[derive(Default)]
+pub(crate) struct Requests {
+    slots: Vec<(u32, Option<RequestState>)>,
+    free: Vec<u32>,
+    live: usize,
+}
+
+impl Requests {
+    pub fn live(&self) -> usize {
+        self.live
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &RequestState> {
+        self.slots.iter().filter_map(|(_, r)| r.as_ref())
+    }
+
+    fn insert(&mut self, cache: u32, r: RequestState) -> RequestId {
+        let index = self.free.pop().unwrap_or_else(|| {
+            self.slots.push((0, None));
+            crate::pool::page_u32(self.slots.len() - 1)
+        });
+        let slot = &mut self.slots[index as usize];
+        slot.1 = Some(r);
+        self.live += 1;
+        RequestId {
+            cache,
+            index,
+            generation: slot.0,
+        }
+    }
+
+    fn get(&self, cache: u32, id: RequestId) -> Option<&RequestState> {
+        match self.slots.get(id.index as usize) {
+            Some((g, Some(r))) if *g == id.generation && id.cache == cache => Some(r),
+            _ => None,
+        }
+    }
+
+    fn get_mut(&mut self, cache: u32, id: RequestId) -> Option<&mut RequestState> {
+        match self.slots.get_mut(id.index as usize) {
+            Some((g, Some(r))) if *g == id.generation && id.cache == cache => Some(r),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, cache: u32, id: RequestId) -> Option<RequestState> {
+        self.get(cache, id)?;
+        let slot = &mut self.slots[id.index as usize];
+        slot.0 = slot.0.wrapping_add(1);
+        self.free.push(id.index);
+        self.live -= 1;
+        slot.1.take()
+    }
+}
+
+/// What a request holds, as seen from outside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestView {
+    /// Tokens reusable from the cache (the locked prefix).
+    pub prefix_len: usize,
+    /// Further tokens loadable from the host tier at admission.
+    pub host_len: usize,
+    /// `Match::kv_len` at admission: checkpoint here during prefill.
+    pub branch_len: usize,
+    /// Every token the request holds KV for.
+    pub len: usize,
+    /// The request's own state slot.
+    pub mamba_slot: Option<u32>,
+    /// The end node of the locked prefix.
+    pub node: NodeId,
+    /// The admission copy-on-write batch, until acknowledged.
+    pub copy_pending: Option<BatchId>,
+}
+
+impl Cache {
+    fn request_ref(&self, id: RequestId) -> Result<&RequestState> {
+        self.requests
+            .get(self.tree.cache_id, id)
+            .ok_or_else(|| stale_request(id))
+    }
+
+    fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestState> {
+        let cache = self.tree.cache_id;
+        self.requests
+            .get_mut(cache, id)
+            .ok_or_else(|| stale_request(id))
+    }
+
+    /// Whether `id` is a live request of this cache.
+    pub fn request_live(&self, id: RequestId) -> bool {
+        self.requests.get(self.tree.cache_id, id).is_some()
+    }
+
+    /// Admits a request for `tokens`: matches, locks the reused prefix, and (with Mamba
+    /// layers) gives the request its own state slot with a copy of the cached state
+    /// (a `cow` batch). `None`, having taken nothing, when no state slot can be had
+    /// even after eviction. The request then holds only the reused prefix; `extend`
+    /// adds the rest.
+    pub fn admit(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Option<RequestId> {
+        let m = self.match_prefix(namespace, tokens);
+        // Resolves: the match just returned it.
+        let node = self.tree.resolve(m.node).ok()?;
+        let lock = self.lock_index(node);
+        let mut state = None;
+        let mut cow = None;
+        if let Some(src) = m.mamba_slot {
+            // Our lock holds the source state: eviction for the copy cannot take it.
+            let Some(dst) = self.alloc_state() else {
+                let _ = self.unlock(lock);
+                self.stats.admits_refused += 1;
+                return None;
+            };
+            let dst_slot = dst.pages()[0];
+            state = Some(dst);
+            cow = Some((src, dst_slot));
+        }
+        let r = RequestState {
+            namespace: namespace.map(str::to_owned),
+            tokens: tokens[..m.device_len].to_vec(),
+            prefix_len: m.device_len,
+            node,
+            lock: Some(lock),
+            kv: self.kv_pool.empty(),
+            mamba: state,
+            branch_len: m.kv_len,
+            host_len: m.host_len,
+            cow: None,
+        };
+        let id = self.requests.insert(self.tree.cache_id, r);
+        if let Some((src, dst)) = cow {
+            let batch = self.emit(
+                BatchKind::Cow,
+                vec![state_copy(src, dst)],
+                vec![src, dst],
+                Action::AdmitCow { request: id },
+            );
+            if let Some(r) = self.requests.get_mut(self.tree.cache_id, id) {
+                r.cow = Some(batch);
+            }
+        }
+        self.stats.admits += 1;
+        Some(id)
+    }
+
+    /// Gives the request one KV slot for each of `tokens` (filling its last partial page
+    /// first), plus a state slot if it has none. Returns the new tokens' slots, or
+    /// `None` (nothing taken) when they cannot be had even after eviction.
+    pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
+        let ps = self.config.page_size;
+        let r = self.request_ref(id)?;
+        let own = r.tokens.len() - r.prefix_len;
+        let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
+        let wants_state = self.is_hybrid() && r.mamba.is_none();
+        let pages = if need > 0 {
+            let Some(p) = self.alloc_pages(need) else {
+                self.stats.extends_refused += 1;
+                return Ok(None);
+            };
+            p
+        } else {
+            self.kv_pool.empty()
+        };
+        let state = if wants_state {
+            let Some(s) = self.alloc_state() else {
+                // `pages` go back to the pool as they drop.
+                self.stats.extends_refused += 1;
+                return Ok(None);
+            };
+            Some(s)
+        } else {
+            None
+        };
+        let r = self.request_mut(id)?;
+        r.kv.append(pages);
+        if state.is_some() {
+            r.mamba = state;
+        }
+        let start = r.tokens.len() - r.prefix_len;
+        r.tokens.extend_from_slice(tokens);
+        let slots = (start..start + tokens.len())
+            .map(|q| {
+                i64::from(r.kv.pages()[q / ps]) * crate::pool::as_i64(ps)
+                    + crate::pool::as_i64(q % ps)
+            })
+            .collect();
+        self.stats.extends += 1;
+        Ok(Some(slots))
+    }
+
+    /// Caches what the request holds so far (chunked prefill): inserts its whole pages,
+    /// moves its lock to the new end node, and (with Mamba layers, at a page-aligned
+    /// length) gives the tree a copy of the request's state through a `cow` batch. The
+    /// unaligned tail stays with the request. Re-read the request's `kv_indices`
+    /// afterwards: tokens another request cached meanwhile now use the cache's slots.
+    pub fn checkpoint(&mut self, id: RequestId) -> Result<()> {
+        self.refuse_while_copying(id, "checkpoint")?;
+        let (end, aligned) = self.cache_request(id, false)?;
+        let hybrid = self.is_hybrid();
+        let r = self.request_ref(id)?;
+        let src = r.mamba.as_ref().map(|s| s.pages()[0]);
+        let at_node_end = r.tokens.len() == aligned && end != self.root_of(r);
+        if hybrid {
+            match src {
+                Some(src) if at_node_end && self.tree.node(end).mamba.device.is_none() => {
+                    if let Some(dst) = self.alloc_state() {
+                        let dst_slot = dst.pages()[0];
+                        let node = self.tree.id(end);
+                        self.emit(
+                            BatchKind::Cow,
+                            vec![state_copy(src, dst_slot)],
+                            vec![src, dst_slot],
+                            Action::CheckpointCow { node, dst },
+                        );
+                    } else {
+                        self.stats.checkpoint_states_skipped += 1;
+                    }
+                }
+                Some(_) if !at_node_end => self.stats.checkpoint_states_skipped += 1,
+                _ => {}
+            }
+        }
+        self.stats.checkpoints += 1;
+        Ok(())
+    }
+
+    /// Caches every whole page the request holds, donates its state slot to the end node
+    /// (freed instead when the node has one, or when the request's length is not
+    /// page-aligned), releases its lock and frees the rest. The request holds nothing
+    /// afterwards.
+    pub fn finish(&mut self, id: RequestId) -> Result<()> {
+        self.refuse_while_copying(id, "finish")?;
+        let (end, aligned) = self.cache_request(id, true)?;
+        let mut r = self
+            .requests
+            .remove(self.tree.cache_id, id)
+            .ok_or_else(|| stale_request(id))?;
+        if let Some(lock) = r.lock.take() {
+            let _ = self.unlock(lock);
+        }
+        if let Some(state) = r.mamba.take() {
+            let n = self.tree.node(end);
+            if r.tokens.len() == aligned && !n.is_root() && n.mamba.device.is_none() {
+                self.set_state(end, state);
+            } else {
+                drop(state);
+            }
+        }
+        drop(r);
+        self.stats.finishes += 1;
+        Ok(())
+    }
+
+    /// Gives back everything the request holds and caches nothing.
+    pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        let mut r = self
+            .requests
+            .remove(self.tree.cache_id, id)
+            .ok_or_else(|| stale_request(id))?;
+        if let Some(lock) = r.lock.take() {
+            let _ = self.unlock(lock);
+        }
+        // KV pages and the state slot return as `r` drops (a slot a copy may still
+        // write drains until the copy is acknowledged).
+        drop(r);
+        self.stats.aborts += 1;
+        Ok(())
+    }
+
+    /// [`Cache::abort`] for a handle dropped while its request was live.
+    pub(crate) fn drop_request(&mut self, id: RequestId) {
+        if self.abort(id).is_ok() {
+            self.stats.requests_dropped += 1;
+        }
+    }
+
+    fn refuse_while_copying(&self, id: RequestId, what: &str) -> Result<()> {
+        if let Some(batch) = self.request_ref(id)?.cow {
+            return Err(Error::Request(format!(
+                "cannot {what} request {id}: its state copy (batch {batch}) is not \
+                 acknowledged yet; complete or fail it first"
+            )));
+        }
+        Ok(())
+    }
+
+    fn root_of(&self, r: &RequestState) -> u32 {
+        self.existing_root(r.namespace.as_deref()).unwrap_or(NONE)
+    }
+
+    /// Inserts the request's whole pages; the lock moves to the end node (unless the
+    /// request is finishing). Returns the end node and the aligned length.
+    fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
+        let ps = self.config.page_size;
+        let r = self.request_mut(id)?;
+        let tokens = std::mem::take(&mut r.tokens);
+        let aligned = tokens.len() / ps * ps;
+        let prefix_len = r.prefix_len;
+        let give = (aligned - prefix_len) / ps;
+        let rest = r.kv.split_off(give);
+        let given = std::mem::replace(&mut r.kv, rest);
+        let namespace = r.namespace.clone();
+        let root = self.root(namespace.as_deref());
+        let mut probe = std::mem::take(&mut self.probe);
+        self.tree.probe(root, &tokens[..aligned], &mut probe);
+        // The request's prefix is locked, so the probe passes it: the pages given cover
+        // exactly tokens[prefix_len..aligned].
+        let ins = self.publish(root, &probe, &tokens[..aligned], prefix_len, given, None);
+        self.probe = probe;
+        let end = self.tree.resolve(ins.node).unwrap_or(root);
+        let new_lock = if finishing {
+            None
+        } else {
+            Some(self.lock_index(end))
+        };
+        let r = self.request_mut(id)?;
+        r.tokens = tokens;
+        let old = if finishing {
+            None
+        } else {
+            r.node = end;
+            r.prefix_len = aligned;
+            std::mem::replace(&mut r.lock, new_lock)
+        };
+        if let Some(old) = old {
+            let _ = self.unlock(old);
+        }
+        Ok((end, aligned))
+    }
+
+    /// The admission copy landed: the request's state is good.
+    pub(crate) fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
+        if let Some(r) = self.requests.get_mut(self.tree.cache_id, id) {
+            if r.cow == Some(batch) {
+                r.cow = None;
+            }
+        }
+    }
+
+    /// The admission copy failed: the request's state is garbage, so the request drops
+    /// back to nothing reused (`prefix_len == 0`, no tokens, no slots) and recomputes.
+    pub(crate) fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
+        let cache = self.tree.cache_id;
+        let Some(r) = self.requests.get_mut(cache, id) else {
+            return;
+        };
+        if r.cow != Some(batch) {
+            return;
+        }
+        r.cow = None;
+        r.tokens.clear();
+        r.prefix_len = 0;
+        r.branch_len = 0;
+        r.host_len = 0;
+        let kv = std::mem::replace(&mut r.kv, self.kv_pool.empty());
+        let state = r.mamba.take();
+        let lock = r.lock.take();
+        let namespace = r.namespace.clone();
+        drop((kv, state));
+        if let Some(lock) = lock {
+            let _ = self.unlock(lock);
+        }
+        let root = self.root(namespace.as_deref());
+        if let Some(r) = self.requests.get_mut(cache, id) {
+            r.node = root;
+        }
+    }
+
+    /// What the request holds.
+    pub fn request(&self, id: RequestId) -> Result<RequestView> {
+        let r = self.request_ref(id)?;
+        Ok(RequestView {
+            prefix_len: r.prefix_len,
+            host_len: r.host_len,
+            branch_len: r.branch_len,
+            len: r.tokens.len(),
+            mamba_slot: r.mamba.as_ref().map(|s| s.pages()[0]),
+            node: self.tree.id(r.node),
+            copy_pending: r.cow,
+        })
+    }
+
+    /// Every token the request holds KV for.
+    pub fn request_tokens(&self, id: RequestId) -> Result<Vec<u32>> {
+        Ok(self.request_ref(id)?.tokens.clone())
+    }
+
+    /// The device KV slot of every token the request holds, in order.
+    pub fn request_kv_indices(&self, id: RequestId) -> Result<Vec<i64>> {
+        let r = self.request_ref(id)?;
+        let mut out = self.path_slots(r.node, r.prefix_len);
+        self.expand_into(r.kv.pages(), &mut out);
+        out.truncate(r.tokens.len());
+        Ok(out)
+    }
+}
+
+fn state_copy(src: u32, dst: u32) -> Copy {
+    Copy {
+        pool: PoolKind::Mamba,
+        src_tier: Tier::Device,
+        dst_tier: Tier::Device,
+        src: vec![i64::from(src)],
+        dst: vec![i64::from(dst)],
+    }
+}
+
+fn stale_request(id: RequestId) -> Error {
+    Error::Request(format!(
+        "request {id} is not live in this cache (finished, aborted, or from another cache)"
+    ))
+}
