@@ -6,6 +6,7 @@ Everything here is re-exported from the compiled extension ``radixcache._core``;
 
 from radixcache._core import (
     CacheError,
+    Copy,
     Evicted,
     HybridCache,
     Insert,
@@ -14,12 +15,15 @@ from radixcache._core import (
     LockError,
     Match,
     Node,
+    Request,
     StaleNodeError,
+    TransferBatch,
     __version__,
 )
 
 __all__ = [
     "CacheError",
+    "Copy",
     "Evicted",
     "HybridCache",
     "Insert",
@@ -28,6 +32,8 @@ __all__ = [
     "LockError",
     "Match",
     "Node",
+    "Request",
     "StaleNodeError",
+    "TransferBatch",
     "__version__",
 ]

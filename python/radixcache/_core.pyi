@@ -10,6 +10,7 @@ import numpy.typing as npt
 __version__: Final[str]
 __all__ = [
     "CacheError",
+    "Copy",
     "Evicted",
     "HybridCache",
     "Insert",
@@ -18,7 +19,9 @@ __all__ = [
     "LockError",
     "Match",
     "Node",
+    "Request",
     "StaleNodeError",
+    "TransferBatch",
     "__version__",
 ]
 
@@ -28,7 +31,11 @@ _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 _Indices: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 
 class CacheError(Exception):
-    """Root of the errors radixcache raises (argument errors stay ValueError/TypeError)."""
+    """Root of the errors radixcache raises (argument errors stay ValueError/TypeError).
+
+    Raised as such for request misuse: a finished, aborted or foreign request, or a
+    checkpoint/finish while the request's admission copy is unacknowledged.
+    """
 
 class InvariantError(CacheError):
     """audit() found a broken invariant."""
@@ -124,13 +131,94 @@ class Lock:
     ) -> Literal[False]: ...
 
 @final
+class Request:
+    """A request admitted by ``HybridCache.admit``; it owns its slots.
+
+    Every way out returns or publishes them: ``finish`` caches everything and donates
+    the state, ``abort`` gives everything back, and a request garbage-collected while
+    live is aborted with a ``ResourceWarning``. After finish/abort every property and
+    call raises ``CacheError`` (``live`` is False).
+    """
+
+    @property
+    def tokens(self) -> npt.NDArray[np.int64]:
+        """Every token the request holds KV for: the reused prefix, then what was extended."""
+    @property
+    def prefix_len(self) -> int:
+        """Tokens reusable on the device now (the locked cached prefix)."""
+    @property
+    def host_len(self) -> int:
+        """Further tokens loadable from the host tier (0 without a host tier)."""
+    @property
+    def branch_len(self) -> int:
+        """``Match.kv_len`` at admission: checkpoint here during prefill."""
+    @property
+    def kv_indices(self) -> npt.NDArray[np.int64]:
+        """Device KV slots of every token the request holds, in order.
+
+        Re-read it after ``checkpoint``: tokens another request cached meanwhile then
+        use the cache's slots.
+        """
+    @property
+    def mamba_slot(self) -> int | None:
+        """The request's own state slot, or None."""
+    @property
+    def node(self) -> Node:
+        """The end node of the locked prefix."""
+    @property
+    def copy_pending(self) -> int | None:
+        """Id of the admission copy-on-write batch until it is acknowledged, else None."""
+    @property
+    def live(self) -> bool:
+        """True until the request is finished or aborted."""
+
+@final
+class Copy:
+    """One copy of a batch: ``src[i]`` of ``src_tier`` to ``dst[i]`` of ``dst_tier``."""
+
+    @property
+    def pool(self) -> Literal["kv", "mamba"]:
+        """The pool whose slots move."""
+    @property
+    def src_tier(self) -> Literal["device", "host"]:
+        """Where the data is read."""
+    @property
+    def dst_tier(self) -> Literal["device", "host"]:
+        """Where the data is written."""
+    @property
+    def src(self) -> npt.NDArray[np.int64]:
+        """Source slots."""
+    @property
+    def dst(self) -> npt.NDArray[np.int64]:
+        """Destination slots, one per source slot."""
+
+@final
+class TransferBatch:
+    """Data movement the cache needs: run the copies, then ``complete(id)`` or ``fail(id)``.
+
+    Every slot a batch reads or writes stays held until then: a source is never freed
+    and a destination never handed out while the copy may run.
+    """
+
+    @property
+    def id(self) -> int:
+        """The id to acknowledge."""
+    @property
+    def kind(self) -> Literal["cow", "backup", "load_back"]:
+        """Why the batch exists."""
+    @property
+    def copies(self) -> list[Copy]:
+        """The copies, in the order they may run."""
+
+@final
 class HybridCache:
     """A prefix cache for hybrid LLMs: radix tree, slot pools, locks and eviction.
 
     Args:
         kv_slots: device KV token slots (a multiple of ``page_size``).
         page_size: tokens per page; keys are matched and inserted in whole pages.
-        mamba_slots: device Mamba state slots; must be 0 in this version.
+        mamba_slots: device Mamba state slots; 0 for an attention-only model. With
+            states, matches are cut at the deepest node that has one.
         host_kv_slots: host-tier KV token slots; must be 0 in this version.
         host_mamba_slots: host-tier Mamba state slots; must be 0 in this version.
         write_policy: ``"write_through"``, ``"write_through_selective"`` or
@@ -157,6 +245,9 @@ class HybridCache:
     @property
     def kv_slots(self) -> int:
         """Device KV token slots."""
+    @property
+    def mamba_slots(self) -> int:
+        """Device Mamba state slots."""
     def match_prefix(self, tokens: _Tokens, *, namespace: str | None = None) -> Match:
         """Longest cached prefix of ``tokens``, rounded down to whole pages.
 
@@ -178,11 +269,16 @@ class HybridCache:
         an earlier match) and are left alone; the caller hands over the rest and must
         hold them (from ``alloc_kv``). Slots of tokens already cached, and of the
         unaligned tail past the last whole page, are freed by the cache: never free
-        after an insert. Bad arguments raise ``ValueError``/``TypeError`` naming the
-        argument and change nothing.
+        after an insert. ``mamba_slot`` (from ``alloc_mamba``), the state at the end of
+        ``tokens``, is handed over too: it lands on the node where the insert ends, or
+        is freed when that node has a state (``mamba_existed``) or when ``tokens`` has
+        an unaligned tail (the state then matches no node's end). Bad arguments raise
+        ``ValueError``/``TypeError`` naming the argument and change nothing.
         """
     def lock(self, node: Node) -> Lock:
         """Protect the path from ``node`` to the root from eviction; returns the receipt.
+
+        The node's Mamba state, if it has one, is locked too (a single-node lock).
 
         Raises:
             StaleNodeError: the node no longer exists.
@@ -196,8 +292,10 @@ class HybridCache:
     def evict(self, *, kv_tokens: int = 0, mamba_states: int = 0) -> Evicted:
         """Evict at least that much (or all that is evictable), least recently used first.
 
-        Only unlocked leaves are evicted; a parent left as an unlocked leaf joins the
-        candidates in the same pass.
+        KV: unlocked leaves; a parent left as an unlocked leaf joins the candidates in
+        the same pass; a leaf's state goes with its KV. Mamba: unlocked states by last
+        use; an internal node's state (or a KV-locked leaf's) is dropped and the node
+        kept as a tombstone, an unlocked leaf is deleted with its KV.
         """
     def alloc_kv(self, n: int) -> npt.NDArray[np.int64] | None:
         """``n`` device KV slots (a multiple of ``page_size``), evicting first when short.
@@ -211,6 +309,80 @@ class HybridCache:
         Raises:
             ValueError: a slot is free already, owned by the cache, or out of range;
                 nothing is freed then.
+        """
+    def alloc_mamba(self) -> int | None:
+        """One device state slot, evicting the least recently used state first when short.
+
+        Returns None, having taken nothing, when none can be had.
+        """
+    def free_mamba(self, slot: int) -> None:
+        """Give back a state slot the caller holds.
+
+        Raises:
+            ValueError: the slot is free, owned by the cache, or out of range.
+        """
+    def admit(self, tokens: _Tokens, *, namespace: str | None = None) -> Request | None:
+        """Admit a request: match, lock the reused prefix, copy-on-write its state.
+
+        With Mamba layers and a cached state, the request gets its own state slot and a
+        ``"cow"`` batch copies the node's state into it. Returns None, having taken
+        nothing, when no state slot can be had even after eviction. The request holds
+        only the reused prefix; ``extend`` adds the rest.
+        """
+    def extend(self, request: Request, tokens: _Tokens) -> npt.NDArray[np.int64] | None:
+        """One KV slot per token about to be fed (plus a state slot if it has none).
+
+        The request's last partial page is filled first. Returns the new tokens'
+        slots, or None (nothing taken) when they cannot be had even after eviction.
+        """
+    def checkpoint(self, request: Request) -> None:
+        """Cache what the request holds so far (chunked prefill).
+
+        Inserts its whole pages, moves its lock to the new end node and, at a
+        page-aligned length, emits a ``"cow"`` batch copying its state for the tree
+        (published when the batch completes). The unaligned tail stays with the
+        request.
+
+        Raises:
+            CacheError: the request is finished, or its admission copy is pending.
+        """
+    def finish(self, request: Request) -> None:
+        """Cache every token fed, donate the state slot, unlock; the request holds nothing.
+
+        The state is freed instead when the end node has one already or the length is
+        not page-aligned.
+
+        Raises:
+            CacheError: the request is finished, or its admission copy is pending.
+        """
+    def abort(self, request: Request) -> None:
+        """Give back everything the request holds and cache nothing.
+
+        Raises:
+            CacheError: the request is finished or aborted already.
+        """
+    def take_batches(self) -> list[TransferBatch]:
+        """Batches the cache emitted since the last call (copy-on-write, backups)."""
+    def start(self, batch_id: int) -> None:
+        """Tell the cache the engine is about to run the batch's copies.
+
+        Raises:
+            ValueError: no such batch in flight (``batch_id``).
+        """
+    def complete(self, batch_id: int) -> None:
+        """Acknowledge a batch whose copies are done: publishes what it carried.
+
+        Raises:
+            ValueError: no such batch in flight (``batch_id``).
+        """
+    def fail(self, batch_id: int) -> None:
+        """Acknowledge a batch whose copies failed: a failed copy is a miss, never a hit.
+
+        A failed admission copy drops its request back to ``prefix_len == 0`` with no
+        tokens and no state slot, to recompute.
+
+        Raises:
+            ValueError: no such batch in flight (``batch_id``).
         """
     def evictable_size(self) -> int:
         """Device KV tokens in the tree that eviction may take."""

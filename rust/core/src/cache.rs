@@ -11,6 +11,8 @@
 //! request-level API (`request`) live in submodules.
 
 pub(crate) mod batch;
+#[cfg(test)]
+mod hybrid_tests;
 pub(crate) mod request;
 
 pub use batch::{BatchId, BatchKind, Copy, PoolKind, Tier, TransferBatch};

@@ -1,0 +1,436 @@
+//! Unit tests of the Mamba component, transfer batches and requests.
+
+use super::*;
+use crate::handle::HybridCache;
+use crate::pool::{PageState, PoolCounts};
+
+fn hybrid(kv: usize, ps: usize, states: usize) -> Cache {
+    Cache::new(Config {
+        mamba_slots: states,
+        ..Config::kv(kv, ps)
+    })
+    .unwrap()
+}
+
+/// Caches `toks` with a state at its end through the low-level API.
+fn cached_with_state(c: &mut Cache, toks: &[u32]) -> Insert {
+    let m = c.match_prefix(None, toks);
+    let rest = toks.len() - m.device_len;
+    let ps = c.page_size();
+    let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
+    let mut kv = m.kv_indices.clone();
+    kv.extend_from_slice(&got[..rest]);
+    let state = c.alloc_mamba().unwrap();
+    c.insert_with_state(None, toks, &kv, m.device_len, Some(i64::from(state)))
+        .unwrap()
+}
+
+fn full(c: &Cache) -> bool {
+    c.kv_counts().free == c.kv_pool().capacity_pages()
+        && c.mamba_counts().free == c.mamba_pool().capacity_pages()
+}
+
+#[test]
+fn match_is_cut_at_the_deepest_state_and_kv_len_keeps_the_branch_point() {
+    let mut c = hybrid(64, 1, 4);
+    let a = cached_with_state(&mut c, &[1, 2, 3]);
+    // Extend the path without a state: [1,2,3] -> [4,5] (tombstone end).
+    let m = c.match_prefix(None, &[1, 2, 3, 4, 5]);
+    let got = c.alloc_kv(2).unwrap().unwrap();
+    let mut kv = m.kv_indices.clone();
+    kv.extend_from_slice(&got);
+    c.insert(None, &[1, 2, 3, 4, 5], &kv, 3).unwrap();
+    let m = c.match_prefix(None, &[1, 2, 3, 4, 5, 6]);
+    assert_eq!((m.device_len, m.kv_len), (3, 5));
+    assert_eq!(m.node, a.node);
+    assert_eq!(m.kv_indices.len(), 3);
+    assert!(m.mamba_slot.is_some());
+    assert_eq!(c.stats.state_hits, 2);
+    // Nothing with a state on the path: nothing usable.
+    assert_eq!(c.match_prefix(None, &[9, 9]).device_len, 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_split_keeps_the_state_with_the_lower_node() {
+    let mut c = hybrid(64, 1, 4);
+    let a = cached_with_state(&mut c, &[1, 2, 3, 4]);
+    let m = c.match_prefix(None, &[1, 2, 7]);
+    // The split made [1,2] | [3,4]; the upper node has no state, so nothing is usable.
+    assert_eq!((m.device_len, m.kv_len), (0, 2));
+    let m = c.match_prefix(None, &[1, 2, 3, 4]);
+    assert_eq!(
+        m.node, a.node,
+        "the lower node keeps its identity and its state"
+    );
+    assert_eq!(m.device_len, 4);
+    c.audit().unwrap();
+}
+
+#[test]
+fn insert_places_the_state_or_frees_it() {
+    let mut c = hybrid(64, 2, 4);
+    let ins = cached_with_state(&mut c, &[1, 2, 3, 4]);
+    assert!(!ins.mamba_existed);
+    assert_eq!(c.evictable_states(), 1);
+    // A second state for the same node: freed, and said so.
+    let before = c.mamba_counts();
+    let ins = cached_with_state(&mut c, &[1, 2, 3, 4]);
+    assert!(ins.mamba_existed);
+    assert_eq!(c.mamba_counts(), before);
+    // An unaligned tail: the state matches no node's end and is freed.
+    let s = c.alloc_mamba().unwrap();
+    let got = c.alloc_kv(4).unwrap().unwrap();
+    let before_free = c.available_mamba();
+    c.insert_with_state(None, &[5, 6, 7], &got[..3], 0, Some(i64::from(s)))
+        .unwrap();
+    assert_eq!(c.available_mamba(), before_free + 1);
+    assert_eq!(c.match_prefix(None, &[5, 6]).device_len, 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_bad_state_slot_fails_the_insert_and_changes_nothing() {
+    let mut c = hybrid(64, 1, 4);
+    let held = c.alloc_kv(2).unwrap().unwrap();
+    let before = (c.snapshot(), c.kv_counts(), c.mamba_counts());
+    for (slot, what) in [
+        (9, "out of range"),
+        (0, "not allocated"),
+        (-1, "out of range"),
+    ] {
+        let err = c
+            .insert_with_state(None, &[1, 2], &held, 0, Some(slot))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    arg: "mamba_slot",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains(what), "{err}");
+        assert_eq!((c.snapshot(), c.kv_counts(), c.mamba_counts()), before);
+    }
+    let mut plain = Cache::new(Config::kv(8, 1)).unwrap();
+    let held = plain.alloc_kv(1).unwrap().unwrap();
+    assert!(plain
+        .insert_with_state(None, &[1], &held, 0, Some(0))
+        .is_err());
+    c.audit().unwrap();
+}
+
+#[test]
+fn state_eviction_tombstones_internal_nodes_and_deletes_leaves() {
+    let mut c = hybrid(64, 1, 4);
+    let upper = cached_with_state(&mut c, &[1, 2]);
+    cached_with_state(&mut c, &[1, 2, 3, 4]);
+    // Refresh the leaf's state, so the upper (internal) state is the oldest.
+    c.match_prefix(None, &[1, 2, 3, 4]);
+    let ev = c.evict(0, 1);
+    assert_eq!((ev.kv_tokens, ev.mamba_states), (0, 1));
+    assert_eq!(c.stats.tombstones, 1);
+    assert!(
+        c.tree.resolve(upper.node).is_ok(),
+        "the internal node stays"
+    );
+    assert_eq!(c.match_prefix(None, &[1, 2]).device_len, 0);
+    // The leaf's state goes with the leaf, and the tombstone left as a stateless leaf
+    // is pruned with it.
+    let ev = c.evict(0, 1);
+    assert_eq!((ev.kv_tokens, ev.mamba_states), (4, 1));
+    assert_eq!(c.total_size(), 0);
+    assert!(full(&c));
+    c.audit().unwrap();
+}
+
+#[test]
+fn kv_eviction_of_a_leaf_takes_its_state() {
+    let mut c = hybrid(64, 1, 4);
+    cached_with_state(&mut c, &[1, 2]);
+    let ev = c.evict(1, 0);
+    assert_eq!((ev.kv_tokens, ev.mamba_states), (2, 1));
+    assert!(full(&c));
+    c.audit().unwrap();
+}
+
+#[test]
+fn state_of_a_kv_locked_leaf_is_tombstoned_and_the_node_kept() {
+    // API rule 12. A receipt taken while the leaf had no state locks its KV only; the
+    // state placed afterwards is unlocked and evictable.
+    let mut c = hybrid(64, 1, 4);
+    let got = c.alloc_kv(2).unwrap().unwrap();
+    let ins = c.insert(None, &[1, 2], &got, 0).unwrap();
+    let lock = c.lock(ins.node).unwrap();
+    let s = c.alloc_mamba().unwrap();
+    let again = c.alloc_kv(2).unwrap().unwrap();
+    c.insert_with_state(None, &[1, 2], &again, 0, Some(i64::from(s)))
+        .unwrap();
+    assert_eq!(c.evictable_states(), 1, "the state is not locked");
+    let ev = c.evict(0, 1);
+    assert_eq!((ev.kv_tokens, ev.mamba_states), (0, 1));
+    assert!(c.tree.resolve(ins.node).is_ok(), "the KV-locked node stays");
+    c.unlock(lock).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn cow_batch_copies_from_the_node_slot_to_the_request_slot() {
+    let mut c = hybrid(64, 1, 4);
+    cached_with_state(&mut c, &[1, 2, 3]);
+    let node_slot = c.match_prefix(None, &[1, 2, 3]).mamba_slot.unwrap();
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let view = c.request(id).unwrap();
+    let batches = c.take_batches();
+    assert_eq!(batches.len(), 1);
+    let b = &batches[0];
+    assert_eq!(b.kind, BatchKind::Cow);
+    assert_eq!(view.copy_pending, Some(b.id));
+    assert_eq!(
+        b.copies,
+        vec![Copy {
+            pool: PoolKind::Mamba,
+            src_tier: Tier::Device,
+            dst_tier: Tier::Device,
+            src: vec![i64::from(node_slot)],
+            dst: vec![i64::from(view.mamba_slot.unwrap())],
+        }]
+    );
+    assert_ne!(Some(node_slot), view.mamba_slot);
+    assert!(c.take_batches().is_empty(), "a batch is taken once");
+    c.complete(b.id).unwrap();
+    assert_eq!(c.request(id).unwrap().copy_pending, None);
+    c.abort(id).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn admit_without_a_free_state_slot_takes_nothing() {
+    let mut c = hybrid(64, 1, 1);
+    cached_with_state(&mut c, &[1, 2]);
+    // The only state slot is the cached one; the admission locks it, so it cannot be
+    // evicted for the copy: refused, and everything is as before.
+    let before = (c.snapshot(), c.kv_counts(), c.mamba_counts());
+    assert_eq!(c.admit(None, &[1, 2, 3]), None);
+    let after = (c.snapshot(), c.kv_counts(), c.mamba_counts());
+    assert_eq!(before.1, after.1);
+    assert_eq!(before.2, after.2);
+    assert_eq!(c.stats.admits_refused, 1);
+    assert_eq!(c.live_locks, 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn request_lifecycle_caches_everything_and_donates_the_state() {
+    let mut c = hybrid(64, 2, 4);
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    assert!(c.take_batches().is_empty(), "nothing cached: no copy");
+    let slots = c.extend(id, &[1, 2, 3]).unwrap().unwrap();
+    assert_eq!(slots.len(), 3);
+    let more = c.extend(id, &[4]).unwrap().unwrap();
+    assert_eq!(
+        more[0],
+        slots[2] + 1,
+        "the last partial page is filled first"
+    );
+    let state = c.request(id).unwrap().mamba_slot.unwrap();
+    c.finish(id).unwrap();
+    let m = c.match_prefix(None, &[1, 2, 3, 4]);
+    assert_eq!((m.device_len, m.mamba_slot), (4, Some(state)));
+    assert!(matches!(c.extend(id, &[5]), Err(Error::Request(_))));
+    assert!(matches!(c.finish(id), Err(Error::Request(_))));
+    assert_eq!(c.requests.live(), 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn checkpoint_publishes_the_state_copy_only_when_the_batch_completes() {
+    let mut c = hybrid(64, 1, 4);
+    let id = c.admit(None, &[1, 2, 3]).unwrap();
+    c.extend(id, &[1, 2, 3]).unwrap().unwrap();
+    c.checkpoint(id).unwrap();
+    let view = c.request(id).unwrap();
+    assert_eq!(view.prefix_len, 3);
+    let b = c.take_batches();
+    assert_eq!(b.len(), 1);
+    assert_eq!(
+        b[0].copies[0].src,
+        vec![i64::from(view.mamba_slot.unwrap())]
+    );
+    // Not visible before completion (two-phase publish).
+    assert_eq!(c.match_prefix(None, &[1, 2, 3]).device_len, 0);
+    c.audit().unwrap();
+    c.complete(b[0].id).unwrap();
+    let m = c.match_prefix(None, &[1, 2, 3]);
+    assert_eq!(m.device_len, 3);
+    assert_eq!(m.mamba_slot.map(i64::from), Some(b[0].copies[0].dst[0]));
+    // A failed checkpoint copy publishes nothing and frees its slot.
+    c.extend(id, &[4]).unwrap().unwrap();
+    c.checkpoint(id).unwrap();
+    let b = c.take_batches();
+    let free = c.available_mamba();
+    c.fail(b[0].id).unwrap();
+    assert_eq!(c.available_mamba(), free + 1);
+    assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).device_len, 3);
+    c.finish(id).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_failed_admission_copy_drops_the_request_back_to_nothing() {
+    let mut c = hybrid(64, 1, 4);
+    cached_with_state(&mut c, &[1, 2, 3]);
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    c.extend(id, &[4]).unwrap().unwrap();
+    assert!(matches!(c.checkpoint(id), Err(Error::Request(_))));
+    assert!(matches!(c.finish(id), Err(Error::Request(_))));
+    let b = c.take_batches();
+    c.fail(b[0].id).unwrap();
+    let v = c.request(id).unwrap();
+    assert_eq!((v.prefix_len, v.len, v.mamba_slot), (0, 0, None));
+    assert_eq!(c.live_locks, 0);
+    // The request recomputes from scratch.
+    c.extend(id, &[1, 2, 3, 4]).unwrap().unwrap();
+    c.finish(id).unwrap();
+    assert!(matches!(
+        c.complete(b[0].id),
+        Err(Error::InvalidArgument {
+            arg: "batch_id",
+            ..
+        })
+    ));
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_state_freed_while_a_copy_reads_it_drains_until_the_copy_ends() {
+    let mut c = hybrid(64, 1, 2);
+    cached_with_state(&mut c, &[1, 2]);
+    let src = c.match_prefix(None, &[1, 2]).mamba_slot.unwrap();
+    let id = c.admit(None, &[1, 2]).unwrap();
+    let b = c.take_batches();
+    // The request goes away before the copy ran: its lock on the source state goes,
+    // and eviction takes the state; its slot must not come back while the copy may
+    // still read it, nor the request's slot while it may still be written.
+    c.abort(id).unwrap();
+    c.evict(usize::MAX, usize::MAX);
+    assert_eq!(c.mamba_pool.state(src), Some(PageState::Draining));
+    assert_eq!(c.mamba_counts().draining, 2);
+    assert_eq!(c.alloc_mamba(), None, "nothing may be handed out yet");
+    c.audit().unwrap();
+    c.complete(b[0].id).unwrap();
+    assert_eq!(c.mamba_counts().draining, 0);
+    assert!(full(&c));
+    c.audit().unwrap();
+}
+
+#[test]
+fn extend_that_cannot_get_slots_takes_nothing() {
+    let mut c = hybrid(4, 1, 1);
+    let a = c.admit(None, &[1]).unwrap();
+    c.extend(a, &[1, 2, 3]).unwrap().unwrap();
+    let b = c.admit(None, &[7]).unwrap();
+    let before = (c.kv_counts(), c.mamba_counts());
+    // One KV slot is free but no state slot can be had: refused, the KV slot returned.
+    assert_eq!(c.extend(b, &[7]).unwrap(), None);
+    assert_eq!((c.kv_counts(), c.mamba_counts()), before);
+    assert_eq!(c.stats.extends_refused, 1);
+    c.abort(a).unwrap();
+    c.abort(b).unwrap();
+    assert!(full(&c));
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_dropped_request_handle_gives_everything_back() {
+    let cache = HybridCache::new(Config {
+        mamba_slots: 2,
+        ..Config::kv(16, 1)
+    })
+    .unwrap();
+    {
+        let r = cache.admit(None, &[1, 2, 3]).unwrap();
+        cache.with(|c| c.extend(r.id(), &[1, 2, 3]).unwrap().unwrap());
+        assert_eq!(cache.with(|c| c.mamba_counts().owned), 1);
+    }
+    cache.with(|c| {
+        assert!(full(c));
+        assert_eq!(c.stats.requests_dropped, 1);
+        c.audit().unwrap();
+    });
+}
+
+#[test]
+fn a_panic_inside_a_request_scope_gives_everything_back() {
+    let cache = HybridCache::new(Config {
+        mamba_slots: 2,
+        ..Config::kv(16, 1)
+    })
+    .unwrap();
+    let inner = cache.clone();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let r = inner.admit(None, &[1, 2]).unwrap();
+        inner.with(|c| c.extend(r.id(), &[1, 2]).unwrap().unwrap());
+        panic!("the scheduler crashed mid-request");
+    }));
+    assert!(r.is_err());
+    cache.with(|c| {
+        assert!(full(c));
+        assert_eq!(
+            c.mamba_counts(),
+            PoolCounts {
+                free: 2,
+                ..PoolCounts::default()
+            }
+        );
+        c.audit().unwrap();
+    });
+}
+
+#[test]
+fn a_finished_request_handle_drops_silently() {
+    let cache = HybridCache::new(Config {
+        mamba_slots: 2,
+        ..Config::kv(16, 1)
+    })
+    .unwrap();
+    let r = cache.admit(None, &[1, 2]).unwrap();
+    let id = cache.request_id(&r).unwrap();
+    cache.with(|c| c.extend(id, &[1, 2]).unwrap().unwrap());
+    cache.with(|c| c.finish(id).unwrap());
+    assert!(!r.is_live());
+    drop(r);
+    cache.with(|c| {
+        assert_eq!(c.stats.requests_dropped, 0);
+        assert_eq!(c.match_prefix(None, &[1, 2]).device_len, 2);
+    });
+    let other = HybridCache::new(Config::kv(8, 1)).unwrap();
+    let foreign = other.admit(None, &[1]).unwrap();
+    assert!(matches!(cache.request_id(&foreign), Err(Error::Request(_))));
+}
+
+#[test]
+fn batch_ids_are_checked() {
+    let mut c = hybrid(16, 1, 2);
+    for f in [Cache::start, Cache::complete, Cache::fail] {
+        assert!(matches!(
+            f(&mut c, BatchId(7)),
+            Err(Error::InvalidArgument {
+                arg: "batch_id",
+                ..
+            })
+        ));
+    }
+    cached_with_state(&mut c, &[1]);
+    let id = c.admit(None, &[1]).unwrap();
+    let b = c.take_batches();
+    c.start(b[0].id).unwrap();
+    assert_eq!(c.started(b[0].id), Some(true));
+    c.complete(b[0].id).unwrap();
+    assert!(c.fail(b[0].id).is_err(), "acknowledged once only");
+    c.finish(id).unwrap();
+    c.audit().unwrap();
+}
