@@ -25,7 +25,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
-use radixcache_benches::{prepare, release, Built};
+use radixcache_benches::{prepare, release, Built, Traffic};
+use radixcache_core::{Cache, Config};
 
 /// Prompt lengths measured.
 const LENS: [usize; 3] = [512, 2048, 8192];
@@ -136,10 +137,76 @@ fn bench_insert(criterion: &mut Criterion) {
     }
 }
 
+/// One request's whole life on a hybrid cache (admit with its state copy acknowledged,
+/// extend by the uncached prompt, extend by the answer, finish), per request of the
+/// traffic stream; `radix/request{suffix}/stream`. After a warm-up of 500 requests, 64
+/// requests are served round-robin, so after the first round their prompts are mostly
+/// cached (the common case of a busy server). Throughput counts prompt tokens.
+fn bench_request(criterion: &mut Criterion) {
+    for (page_size, suffix) in PAGE_SIZES {
+        let mut group = configure(criterion);
+        let config = Config {
+            mamba_slots: 64,
+            ..Config::kv(100_000, page_size)
+        };
+        let Ok(mut cache) = Cache::new(config) else {
+            panic!("bad bench configuration");
+        };
+        let mut traffic = Traffic::new(SEED);
+        // Warm the cache up to steady state before measuring.
+        for _ in 0..500 {
+            let r = traffic.next_request();
+            serve_request(&mut cache, &r.prompt, &r.answer);
+        }
+        let sample: Vec<_> = (0..64).map(|_| traffic.next_request()).collect();
+        let tokens: usize = sample.iter().map(|r| r.prompt.len()).sum();
+        group.throughput(elements(tokens / sample.len()));
+        let mut next = 0;
+        group.bench_function(
+            BenchmarkId::new(format!("request{suffix}"), "stream"),
+            |bencher| {
+                bencher.iter(|| {
+                    let r = &sample[next % sample.len()];
+                    next += 1;
+                    serve_request(&mut cache, black_box(&r.prompt), black_box(&r.answer));
+                });
+            },
+        );
+        group.finish();
+    }
+}
+
+/// admit, acknowledge the copy-on-write, extend by the rest of the prompt and by the
+/// answer, finish.
+fn serve_request(cache: &mut Cache, prompt: &[u32], answer: &[u32]) {
+    let Some(id) = cache.admit(None, prompt) else {
+        panic!("admission refused");
+    };
+    for b in cache.take_batches() {
+        assert!(cache.complete(b.id).is_ok(), "unknown batch");
+    }
+    let Ok(view) = cache.request(id) else {
+        panic!("request vanished");
+    };
+    let ok = matches!(cache.extend(id, &prompt[view.prefix_len..]), Ok(Some(_)))
+        && matches!(cache.extend(id, answer), Ok(Some(_)));
+    let done = if ok {
+        cache.finish(id)
+    } else {
+        cache.abort(id)
+    };
+    assert!(done.is_ok(), "request could not end");
+}
+
 /// `criterion_group!` defines an undocumented `pub fn`; a private module keeps it out of
 /// the `missing_docs` lint.
 mod harness {
-    criterion::criterion_group!(benches, super::bench_match, super::bench_insert);
+    criterion::criterion_group!(
+        benches,
+        super::bench_match,
+        super::bench_insert,
+        super::bench_request
+    );
 }
 
 criterion_main!(harness::benches);
