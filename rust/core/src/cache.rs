@@ -854,22 +854,32 @@ impl Cache {
                 break;
             };
             self.tree.node_mut(i).mamba.in_lru = false;
-            let n = self.tree.node(i);
-            if n.kv.in_lru {
-                // An unlocked leaf: the node goes, KV and all.
-                self.kv_lru.remove(&(n.last_access, i));
-                self.tree.node_mut(i).kv.in_lru = false;
-                self.remove_leaf(i, &mut out);
-            } else {
-                self.drop_state(i, &mut out);
-                self.stats.tombstones += 1;
-                self.refresh_candidate(i);
-            }
+            self.evict_state_of(i, &mut out);
         }
         self.stats.evict_calls += 1;
         self.stats.evicted_kv_tokens += out.kv_tokens as u64;
         self.stats.evicted_mamba_states += out.mamba_states as u64;
         out
+    }
+
+    /// Evicts node `i`'s (unlocked) state: an unlocked leaf goes with its KV, any other
+    /// node stays as a tombstone.
+    fn evict_state_of(&mut self, i: u32, out: &mut Evicted) {
+        let n = self.tree.node(i);
+        if n.mamba.in_lru {
+            self.mamba_lru.remove(&(n.mamba.last_access, i));
+            self.tree.node_mut(i).mamba.in_lru = false;
+        }
+        let n = self.tree.node(i);
+        if n.kv.in_lru {
+            self.kv_lru.remove(&(n.last_access, i));
+            self.tree.node_mut(i).kv.in_lru = false;
+            self.remove_leaf(i, out);
+        } else {
+            self.drop_state(i, out);
+            self.stats.tombstones += 1;
+            self.refresh_candidate(i);
+        }
     }
 
     /// Frees node `i`'s device state (evictable: unlocked).
@@ -964,18 +974,48 @@ impl Cache {
             .and_then(|s| s.into_caller().first().copied())
     }
 
-    /// One device state slot as an owned value (see [`Cache::alloc_mamba`]).
+    /// One device state slot as an owned value (see [`Cache::alloc_mamba`]). When the
+    /// pool is empty it evicts the least recently used state that no transfer pins (a
+    /// pinned one would only drain); when there is none it evicts nothing.
     pub(crate) fn alloc_state(&mut self) -> Option<Pages> {
-        // A state freed while a transfer still reads it drains instead of coming back,
-        // so evict until one is really free or nothing is left to evict.
-        while self.mamba_pool.free_pages() == 0 && !self.mamba_lru.is_empty() {
-            self.evict(0, 1);
+        if self.mamba_pool.free_pages() == 0 {
+            let Some(victim) = self.reclaimable_state() else {
+                self.stats.mamba_alloc_failures += 1;
+                return None;
+            };
+            let mut out = Evicted::default();
+            self.evict_state_of(victim, &mut out);
+            self.stats.evicted_kv_tokens += out.kv_tokens as u64;
+            self.stats.evicted_mamba_states += out.mamba_states as u64;
         }
         let got = self.mamba_pool.try_alloc(1);
         if got.is_none() {
             self.stats.mamba_alloc_failures += 1;
         }
         got
+    }
+
+    /// The least recently used unlocked state whose slot no transfer pins.
+    fn reclaimable_state(&self) -> Option<u32> {
+        self.mamba_lru.iter().map(|&(_, i)| i).find(|&i| {
+            self.tree
+                .node(i)
+                .mamba
+                .device
+                .is_some_and(|s| self.mamba_pool.pins(s) == 0)
+        })
+    }
+
+    /// Whether a state slot can be had now, by allocation or eviction.
+    pub(crate) fn state_available(&self) -> bool {
+        self.mamba_pool.free_pages() > 0 || self.reclaimable_state().is_some()
+    }
+
+    /// Whether `pages` KV pages can be had now, by allocation or eviction (exact: every
+    /// unlocked node is reclaimable).
+    pub(crate) fn kv_available(&self, pages: usize) -> bool {
+        let ps = self.config.page_size;
+        self.kv_pool.free_pages() * ps + self.evictable_tokens >= pages * ps
     }
 
     /// Gives back a state slot the caller holds (from `alloc_mamba`). A slot that is

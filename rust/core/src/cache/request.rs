@@ -202,24 +202,31 @@ impl Cache {
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
         let wants_state = self.is_hybrid() && r.mamba.is_none();
-        let pages = if need > 0 {
-            let Some(p) = self.alloc_pages(need) else {
-                self.stats.extends_refused += 1;
-                return Ok(None);
-            };
-            p
-        } else {
-            self.kv_pool.empty()
-        };
+        // Both checked before anything is evicted, so a refusal costs the cache nothing.
+        // The state first: evicting one never lowers free + evictable KV, so the KV
+        // allocation that follows succeeds.
+        if !self.kv_available(need) || (wants_state && !self.state_available()) {
+            self.stats.extends_refused += 1;
+            return Ok(None);
+        }
         let state = if wants_state {
             let Some(s) = self.alloc_state() else {
-                // `pages` go back to the pool as they drop.
                 self.stats.extends_refused += 1;
                 return Ok(None);
             };
             Some(s)
         } else {
             None
+        };
+        let pages = if need > 0 {
+            let Some(p) = self.alloc_pages(need) else {
+                // `state` goes back to the pool as it drops.
+                self.stats.extends_refused += 1;
+                return Ok(None);
+            };
+            p
+        } else {
+            self.kv_pool.empty()
         };
         let r = self.request_mut(id)?;
         r.kv.append(pages);
