@@ -434,3 +434,21 @@ fn batch_ids_are_checked() {
     c.finish(id).unwrap();
     c.audit().unwrap();
 }
+
+#[test]
+fn a_refused_extend_evicts_nothing() {
+    // KV could be had by evicting the cached [1, 2], but no state slot can be had (the
+    // only one is another request's): the refusal must not cost the cache [1, 2].
+    let mut c = hybrid(4, 1, 1);
+    let got = c.alloc_kv(2).unwrap().unwrap();
+    c.insert(None, &[1, 2], &got, 0).unwrap();
+    let a = c.admit(None, &[5]).unwrap();
+    c.extend(a, &[5, 6]).unwrap().unwrap();
+    let b = c.admit(None, &[7]).unwrap();
+    assert_eq!(c.extend(b, &[7]).unwrap(), None);
+    assert_eq!(c.stats.evicted_kv_tokens, 0);
+    assert_eq!(c.match_prefix(None, &[1, 2]).kv_len, 2, "still cached");
+    c.abort(a).unwrap();
+    c.abort(b).unwrap();
+    c.audit().unwrap();
+}
