@@ -362,7 +362,12 @@ class HybridCache:
             CacheError: the request is finished or aborted already.
         """
     def take_batches(self) -> list[TransferBatch]:
-        """Batches the cache emitted since the last call (copy-on-write, backups)."""
+        """Batches the cache emitted since the last call (copy-on-write, backups).
+
+        Run them before the next forward step of the requests involved: an admission
+        copy fills the request's state slot, and a checkpoint copy reads the request's
+        live state, which its next step overwrites.
+        """
     def start(self, batch_id: int) -> None:
         """Tell the cache the engine is about to run the batch's copies.
 
@@ -379,7 +384,8 @@ class HybridCache:
         """Acknowledge a batch whose copies failed: a failed copy is a miss, never a hit.
 
         A failed admission copy drops its request back to ``prefix_len == 0`` with no
-        tokens and no state slot, to recompute.
+        tokens and no state slot, to recompute; the slots it had are released at once,
+        so compute queued for that request behind the failed copy must not run.
 
         Raises:
             ValueError: no such batch in flight (``batch_id``).
