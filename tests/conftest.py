@@ -5,22 +5,49 @@ import pytest
 
 import radixcache as rc
 
+#: Gauges of stats() that describe what the cache holds (not counters of what happened).
+GAUGES = (
+    "nodes",
+    "namespaces",
+    "live_locks",
+    "live_requests",
+    "batches_in_flight",
+    "kv_caller_slots",
+    "kv_request_slots",
+    "mamba_cached_states",
+    "mamba_evictable_states",
+    "mamba_protected_states",
+    "mamba_free_slots",
+    "mamba_caller_slots",
+    "mamba_request_slots",
+    "mamba_draining_slots",
+)
+
 
 def fingerprint(cache: rc.HybridCache) -> tuple[object, ...]:
     """Everything observable about a cache's contents, to check that a failed call
     changed nothing. Reading it changes nothing either (no match, no LRU refresh)."""
     cache.audit()
+    stats = cache.stats()
     return (
         cache.evictable_size(),
         cache.protected_size(),
         cache.total_size(),
         cache.available_kv(),
+        cache.available_mamba(),
+        tuple(stats[k] for k in GAUGES),
         cache.pretty(max_nodes=10_000, max_tokens=10_000),
     )
 
 
-def cached(cache: rc.HybridCache, tokens: list[int], namespace: str | None = None) -> rc.Insert:
-    """Cache `tokens` the way a serving engine does: match, allocate the rest, insert."""
+def cached(
+    cache: rc.HybridCache,
+    tokens: list[int],
+    namespace: str | None = None,
+    mamba_slot: int | None = None,
+) -> rc.Insert:
+    """Cache `tokens` the way a serving engine does: match, allocate the rest, insert
+    (handing over `mamba_slot`, the state at the end of `tokens`, when given)."""
     m = cache.match_prefix(tokens, namespace=namespace)
     ps = cache.page_size
     rest = len(tokens) - m.device_len
@@ -30,7 +57,9 @@ def cached(cache: rc.HybridCache, tokens: list[int], namespace: str | None = Non
     # Slots past the last token share the tail page; handing over the tail slots hands
     # over that page, which the insert then frees.
     kv = np.concatenate([m.kv_indices, slots[:rest]])
-    return cache.insert(tokens, kv, namespace=namespace, owned_from=m.device_len)
+    return cache.insert(
+        tokens, kv, namespace=namespace, owned_from=m.device_len, mamba_slot=mamba_slot
+    )
 
 
 @pytest.fixture
