@@ -288,13 +288,7 @@ impl Cache {
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
         self.refuse_while_copying(id, "finish")?;
         let (end, aligned) = self.cache_request(id, true)?;
-        let mut r = self
-            .requests
-            .remove(self.tree.cache_id, id)
-            .ok_or_else(|| stale_request(id))?;
-        if let Some(lock) = r.lock.take() {
-            let _ = self.unlock(lock);
-        }
+        let mut r = self.take_request(id)?;
         if let Some(state) = r.mamba.take() {
             let n = self.tree.node(end);
             if r.tokens.len() == aligned && !n.is_root() && n.mamba.device.is_none() {
@@ -310,18 +304,26 @@ impl Cache {
 
     /// Gives back everything the request holds and caches nothing.
     pub fn abort(&mut self, id: RequestId) -> Result<()> {
-        let mut r = self
-            .requests
-            .remove(self.tree.cache_id, id)
-            .ok_or_else(|| stale_request(id))?;
-        if let Some(lock) = r.lock.take() {
-            let _ = self.unlock(lock);
-        }
+        let r = self.take_request(id)?;
         // KV pages and the state slot return as `r` drops (a slot a copy may still
         // write drains until the copy is acknowledged).
         drop(r);
         self.stats.aborts += 1;
         Ok(())
+    }
+
+    /// Removes a request from the table and releases its lock; what it still owns
+    /// returns to the pools when the returned state drops.
+    fn take_request(&mut self, id: RequestId) -> Result<RequestState> {
+        let mut r = self
+            .requests
+            .remove(self.tree.cache_id, id)
+            .ok_or_else(|| stale_request(id))?;
+        if let Some(lock) = r.lock.take() {
+            // Cannot fail: the request's receipt is live until here.
+            let _ = self.unlock(lock);
+        }
+        Ok(r)
     }
 
     /// [`Cache::abort`] for a handle dropped while its request was live.
