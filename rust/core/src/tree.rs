@@ -263,8 +263,12 @@ impl Tree {
     /// (and its single-node lock) stays with the lower node, which still ends where the
     /// state was taken; the upper node is a Mamba tombstone.
     pub fn split(&mut self, i: u32, at: usize) -> u32 {
+        // The parent's child entry is keyed by the first page, which the upper node
+        // will share: unlink by identity while the key is still whole.
+        let parent = self.nodes[i as usize].parent;
+        self.unlink_child(parent, i);
         let ps = self.page_size;
-        let (parent, key_hi, kv_hi, lock, last_access, hits, has_kv) = {
+        let (key_hi, kv_hi, lock, last_access, hits, has_kv) = {
             let n = &mut self.nodes[i as usize];
             let rest = n.key.split_off(at);
             let upper_key = std::mem::replace(&mut n.key, rest);
@@ -274,7 +278,6 @@ impl Tree {
             });
             let has_kv = n.kv.device.is_some();
             (
-                n.parent,
                 upper_key,
                 upper_kv,
                 n.kv.lock,
@@ -283,9 +286,6 @@ impl Tree {
                 has_kv,
             )
         };
-        // The parent's child entry is keyed by the first page, which the upper node
-        // shares: unlink by identity before the new node takes the slot.
-        self.unlink_child_with_page(parent, i, &key_hi[..ps]);
         let u = self.alloc_node(parent, key_hi);
         {
             let un = &mut self.nodes[u as usize];
@@ -299,16 +299,6 @@ impl Tree {
         self.link_child(parent, u);
         self.link_child(u, i);
         u
-    }
-
-    fn unlink_child_with_page(&mut self, parent: u32, child: u32, page: &[u32]) {
-        let h = Tree::hash_page(page);
-        if let Ok(entry) = self.nodes[parent as usize]
-            .children
-            .find_entry(h, |&(_, c)| c == child)
-        {
-            entry.remove();
-        }
     }
 
     /// Node indices of the subtree under `root`, parents before children.
