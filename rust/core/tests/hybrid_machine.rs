@@ -62,28 +62,21 @@
 // model's helpers fail the test the same way.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use common::{
+    add_lock, arg_of, assert_locks, assert_sizes, cached_len, cached_slots, evicted_pages,
+    extensions, i64_of, key, ns_of, page_of, page_slots, proptest_config, remember,
+    some_held_slots, tail, take_allocated, tok_spec_of, tree_pages, valid_insert_args, Key, Ns,
+    OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
+};
 use proptest::prelude::*;
-use proptest::test_runner::FileFailurePersistence;
 use radixcache_core::{
     BatchId, BatchKind, Cache, Config, Copy as BatchCopy, Error, LockId, Match, NodeId, NodeInfo,
     PageState, PoolCounts, PoolKind, RequestId, RequestView, Tier, TransferBatch,
 };
-
-type Ns = Option<String>;
-/// A cached page-prefix or node end: namespace and every token from the root.
-type Key = (Ns, Vec<u32>);
-
-/// Fixed prefixes shared between sequences: the first two share four tokens, the first
-/// and the last three (a divergence inside a page of 2 or 4), the third shares nothing.
-const SYSTEM: [&[u32]; 4] = [
-    &[0, 1, 2, 3, 0, 1, 2, 3],
-    &[0, 1, 2, 3, 3, 3, 2, 2],
-    &[2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0],
-    &[0, 1, 2, 0, 1, 2, 0, 1],
-];
-const MAX_TOKENS: usize = 40;
 /// Longest a request grows (prompt and generated tokens).
 const MAX_REQUEST: usize = 24;
 /// Live requests at most: an admit beyond this finishes one instead.
@@ -91,26 +84,6 @@ const MAX_LIVE: usize = 4;
 
 // ---------------------------------------------------------------------------------------
 // Operations
-
-#[derive(Debug, Clone)]
-struct TokSpec {
-    /// 0: none, 1..=4: a system prompt, 5..=6: an earlier sequence, 7..=8: where a
-    /// cached state is (else an earlier sequence).
-    base: u8,
-    hist: usize,
-    cut: Option<usize>,
-    tail: Vec<u32>,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum OwnedFrom {
-    /// `device_len` of the fresh match.
-    Full,
-    /// 0: every matched page passed again as caller slots (duplicates).
-    Zero,
-    /// A random page boundary up to `device_len`.
-    Mid,
-}
 
 /// A state slot the caller does not hold, by its pool state.
 #[derive(Debug, Clone, Copy)]
@@ -223,46 +196,27 @@ enum Op {
     },
 }
 
+/// `base`: 0: none, 1..=4: a system prompt, 5..=6: an earlier sequence, 7..=8: where a
+/// cached state is (else an earlier sequence).
 fn tok_spec() -> impl Strategy<Value = TokSpec> {
-    let base = prop_oneof![2 => Just(0u8), 4 => 1u8..=4, 2 => 5u8..=6, 3 => 7u8..=8];
-    let tail = prop_oneof![
-        3 => prop::collection::vec(0u32..4, 0..8),
-        1 => prop::collection::vec(0u32..4, 0..24),
-    ];
-    (
-        base,
-        any::<usize>(),
-        prop::option::weighted(0.3, 0usize..MAX_TOKENS),
-        tail,
+    tok_spec_of(
+        prop_oneof![2 => Just(0u8), 4 => 1u8..=4, 2 => 5u8..=6, 3 => 7u8..=8],
+        0.3,
+        tail(),
     )
-        .prop_map(|(base, hist, cut, tail)| TokSpec {
-            base,
-            hist,
-            cut,
-            tail,
-        })
 }
 
 /// Prompts for `admit`: mostly a system prompt or an earlier sequence, often exactly
 /// (so that a cached state at its end is reused), else with a short continuation.
 fn prompt_spec() -> impl Strategy<Value = TokSpec> {
-    let base = prop_oneof![1 => Just(0u8), 3 => 1u8..=4, 2 => 5u8..=6, 6 => 7u8..=8];
-    let tail = prop_oneof![
-        2 => Just(Vec::new()),
-        3 => prop::collection::vec(0u32..4, 1..8),
-    ];
-    (
-        base,
-        any::<usize>(),
-        prop::option::weighted(0.15, 0usize..MAX_TOKENS),
-        tail,
+    tok_spec_of(
+        prop_oneof![1 => Just(0u8), 3 => 1u8..=4, 2 => 5u8..=6, 6 => 7u8..=8],
+        0.15,
+        prop_oneof![
+            2 => Just(Vec::new()),
+            3 => prop::collection::vec(0u32..4, 1..8),
+        ],
     )
-        .prop_map(|(base, hist, cut, tail)| TokSpec {
-            base,
-            hist,
-            cut,
-            tail,
-        })
 }
 
 /// The named namespace less often than the default one, so that prefixes are shared.
@@ -376,74 +330,12 @@ fn config() -> impl Strategy<Value = (usize, usize, usize)> {
 // ---------------------------------------------------------------------------------------
 // Helpers
 
-/// `SplitMix64`, for choices made at run time from state the strategy cannot see.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % u64::try_from(n).unwrap()).unwrap()
-    }
-
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> Option<T> {
-        (!items.is_empty()).then(|| items[self.below(items.len())])
-    }
-}
-
-fn i64_of(x: usize) -> i64 {
-    i64::try_from(x).unwrap()
-}
-
 fn u32_of(x: usize) -> u32 {
     u32::try_from(x).unwrap()
 }
 
 fn usize_of(x: u32) -> usize {
     usize::try_from(x).unwrap()
-}
-
-/// The slots of `page`.
-fn page_slots(page: i64, ps: usize) -> Vec<i64> {
-    let base = page * i64_of(ps);
-    (base..base + i64_of(ps)).collect()
-}
-
-/// Slots for positions `from..len` given one page per chunk of `ps` positions.
-fn caller_slots(pages: &[i64], from: usize, len: usize, ps: usize) -> Vec<i64> {
-    let mut out = Vec::with_capacity(len - from);
-    for (c, &p) in pages.iter().enumerate() {
-        let pos = from + c * ps;
-        out.extend(page_slots(p, ps).into_iter().take(ps.min(len - pos)));
-    }
-    assert_eq!(out.len(), len - from);
-    out
-}
-
-fn ns_of(flag: bool) -> Ns {
-    flag.then(|| "a".to_owned())
-}
-
-fn key(ns: &Ns, toks: &[u32], len: usize) -> Key {
-    (ns.clone(), toks[..len].to_vec())
-}
-
-fn arg_of<T: std::fmt::Debug>(r: Result<T, Error>) -> &'static str {
-    match r {
-        Err(Error::InvalidArgument { arg, .. }) => arg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
 }
 
 fn is_request_err<T: std::fmt::Debug>(r: &Result<T, Error>) -> bool {
@@ -474,18 +366,15 @@ fn stat(cache: &Cache, name: &str) -> u64 {
 }
 
 /// Whether a page-prefix or node end extending `k` by one page is in `pages`.
-fn has_child(pages: &BTreeMap<Key, Vec<i64>>, k: &Key, ps: usize) -> bool {
-    pages
-        .range(k.clone()..)
-        .take_while(|(e, _)| e.0 == k.0 && e.1.starts_with(&k.1))
-        .any(|(e, _)| e.1.len() == k.1.len() + ps)
+fn has_child(pages: &Pages, k: &Key, ps: usize) -> bool {
+    extensions(pages, k).any(|e| e.1.len() == k.1.len() + ps)
 }
 
 /// The tree's content: what the model predicts and `snapshot()` is compared with.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Content {
     /// Every cached page-prefix and the slots of its last page.
-    pages: BTreeMap<Key, Vec<i64>>,
+    pages: Pages,
     /// Every node end with a device state, and its slot.
     states: BTreeMap<Key, u32>,
 }
@@ -505,31 +394,22 @@ struct Read {
 }
 
 fn read(cache: &Cache, ps: usize) -> Read {
-    let mut r = Read::default();
-    for n in cache.snapshot() {
+    let snapshot = cache.snapshot();
+    let (pages, kv_lock) = tree_pages(&snapshot, ps);
+    let mut r = Read {
+        content: Content {
+            pages,
+            states: BTreeMap::new(),
+        },
+        kv_lock,
+        ..Read::default()
+    };
+    for n in snapshot {
         let end: Key = (n.namespace.clone(), n.prefix.clone());
         r.ids.insert(n.id, end.clone());
-        let slots = n
-            .kv_indices
-            .as_ref()
-            .expect("no host tier: every node has device KV");
-        assert_eq!(slots.len(), n.key_len, "node {} slots vs key", n.id);
         if n.prefix.is_empty() {
             assert_eq!(n.mamba_slot, None, "a root has a state");
             continue;
-        }
-        let start = n.prefix.len() - n.key_len;
-        for j in 0..n.key_len / ps {
-            let k = (
-                n.namespace.clone(),
-                n.prefix[..start + (j + 1) * ps].to_vec(),
-            );
-            let page = slots[j * ps..(j + 1) * ps].to_vec();
-            assert!(
-                r.content.pages.insert(k.clone(), page).is_none(),
-                "page-prefix {k:?} twice"
-            );
-            r.kv_lock.insert(k, n.lock);
         }
         if let Some(s) = n.mamba_slot {
             r.content.states.insert(end.clone(), s);
@@ -632,27 +512,12 @@ struct Model {
 impl Model {
     fn resolve(&self, ns: &Ns, t: &TokSpec) -> Vec<u32> {
         let states: Vec<&Key> = self.content.states.keys().filter(|k| k.0 == *ns).collect();
-        let mut v: Vec<u32> = match t.base {
+        t.tokens(match t.base {
             1..=4 => SYSTEM[usize::from(t.base) - 1].to_vec(),
             7 | 8 if !states.is_empty() => states[t.hist % states.len()].1.clone(),
             5..=8 if !self.history.is_empty() => self.history[t.hist % self.history.len()].clone(),
             _ => Vec::new(),
-        };
-        if let Some(c) = t.cut {
-            v.truncate(c % (v.len() + 1));
-        }
-        v.extend_from_slice(&t.tail);
-        v.truncate(MAX_TOKENS);
-        v
-    }
-
-    fn remember(&mut self, toks: &[u32]) {
-        if !toks.is_empty() {
-            self.history.push(toks.to_vec());
-            if self.history.len() > 16 {
-                self.history.remove(0);
-            }
-        }
+        })
     }
 
     fn remember_node(&mut self, id: NodeId) {
@@ -664,12 +529,7 @@ impl Model {
 
     /// The longest page-aligned prefix of `toks` whose every page-prefix is cached.
     fn kv_match(&self, ns: &Ns, toks: &[u32]) -> usize {
-        let ps = self.ps;
-        let mut k = 0;
-        while k + ps <= toks.len() && self.content.pages.contains_key(&key(ns, toks, k + ps)) {
-            k += ps;
-        }
-        k
+        cached_len(&self.content.pages, ns, toks, self.ps)
     }
 
     /// (`device_len`, `kv_len`, state at `device_len`) of a match.
@@ -686,11 +546,7 @@ impl Model {
     }
 
     fn slots(&self, ns: &Ns, toks: &[u32], len: usize) -> Vec<i64> {
-        let mut out = Vec::with_capacity(len);
-        for j in 1..=len / self.ps {
-            out.extend_from_slice(&self.content.pages[&key(ns, toks, j * self.ps)]);
-        }
-        out
+        cached_slots(&self.content.pages, ns, toks, len, self.ps)
     }
 
     /// Live receipts (the test's and the requests') per page-prefix, and state locks.
@@ -698,10 +554,7 @@ impl Model {
         let mut kv = HashMap::new();
         let mut mamba = HashMap::new();
         let mut add = |k: &Key, m: bool| {
-            for j in 1..=k.1.len() / self.ps {
-                *kv.entry((k.0.clone(), k.1[..j * self.ps].to_vec()))
-                    .or_insert(0) += 1;
-            }
+            add_lock(&mut kv, &k.0, &k.1, self.ps);
             if m {
                 *mamba.entry(k.clone()).or_insert(0) += 1;
             }
@@ -720,10 +573,6 @@ impl Model {
     /// Every state slot a batch in flight pins (its source and destination).
     fn pinned(&self) -> HashSet<u32> {
         self.batches.values().flat_map(|b| [b.src, b.dst]).collect()
-    }
-
-    fn page_of(&self, slots: &[i64]) -> i64 {
-        slots[0] / i64_of(self.ps)
     }
 
     /// The expected state of every KV page.
@@ -748,7 +597,7 @@ impl Model {
             }
         }
         for s in self.content.pages.values() {
-            put(self.page_of(s), PageState::Tree);
+            put(page_of(s, self.ps), PageState::Tree);
         }
         v
     }
@@ -877,17 +726,6 @@ impl Model {
         self.reqs.iter().position(|q| q.id == id)
     }
 
-    fn pick_held(&self, rng: &mut Rng, k: usize) -> Vec<i64> {
-        let mut all: Vec<i64> = self.held_kv.iter().copied().collect();
-        assert!(k <= all.len());
-        for i in 0..k {
-            let j = i + rng.below(all.len() - i);
-            all.swap(i, j);
-        }
-        all.truncate(k);
-        all
-    }
-
     /// `cache_request` on request `i`: caches its whole pages the tree lacks (the others
     /// are duplicates, freed), and its reused prefix becomes every whole page. Returns
     /// the aligned length and where it ends.
@@ -998,42 +836,15 @@ impl Machine {
             "the model's LRU times lost track of the states"
         );
         let (kvl, ml) = self.m.locks();
-        for (k, &l) in &r.kv_lock {
-            assert_eq!(kvl.get(k).copied().unwrap_or(0), l, "lock count of {k:?}");
-        }
-        for k in kvl.keys() {
-            assert!(
-                r.content.pages.contains_key(k),
-                "locked {k:?} is not cached"
-            );
-        }
-        for (k, &l) in &r.mamba_lock {
-            assert_eq!(ml.get(k).copied().unwrap_or(0), l, "state lock of {k:?}");
-        }
-        for k in ml.keys() {
-            assert!(
-                r.content.states.contains_key(k),
-                "locked state {k:?} is gone"
-            );
-        }
+        assert_locks("lock count", &r.kv_lock, &kvl, &r.content.pages);
+        assert_locks("state lock", &r.mamba_lock, &ml, &r.content.states);
         let protected = r
             .content
             .pages
             .keys()
             .filter(|k| kvl.contains_key(*k))
             .count();
-        let cached = r.content.pages.len();
-        assert_eq!(
-            self.cache.protected_size(),
-            protected * ps,
-            "protected_size"
-        );
-        assert_eq!(
-            self.cache.evictable_size(),
-            (cached - protected) * ps,
-            "evictable_size"
-        );
-        assert_eq!(self.cache.total_size(), cached * ps, "total_size");
+        assert_sizes(&self.cache, ps, r.content.pages.len(), protected);
         let pstates = r
             .content
             .states
@@ -1155,13 +966,6 @@ impl Machine {
     fn absorb(&mut self, hold: &[(Key, bool)], split: bool) -> Removed {
         let ps = self.m.ps;
         let after = read(&self.cache, ps);
-        for (k, s) in &after.content.pages {
-            assert_eq!(
-                self.m.content.pages.get(k),
-                Some(s),
-                "{k:?} appeared or moved"
-            );
-        }
         for (k, s) in &after.content.states {
             assert_eq!(
                 self.m.content.states.get(k),
@@ -1171,31 +975,14 @@ impl Machine {
         }
         let (mut kvl, mut ml) = self.m.locks();
         for (k, m) in hold {
-            for j in 1..=k.1.len() / ps {
-                *kvl.entry(key(&k.0, &k.1, j * ps)).or_insert(0) += 1;
-            }
+            add_lock(&mut kvl, &k.0, &k.1, ps);
             if *m {
                 *ml.entry(k.clone()).or_insert(0) += 1;
             }
         }
         let before = &self.m.content;
-        let gone: Vec<&Key> = before
-            .pages
-            .keys()
-            .filter(|k| !after.content.pages.contains_key(*k))
-            .collect();
-        let gone_set: HashSet<&Key> = gone.iter().copied().collect();
+        let gone = evicted_pages(&before.pages, &after.content.pages, &kvl);
         for &k in &gone {
-            assert!(!kvl.contains_key(k), "evicted locked {k:?}");
-            for (ext, _) in before.pages.range(k.clone()..) {
-                if ext.0 != k.0 || !ext.1.starts_with(&k.1) {
-                    break;
-                }
-                assert!(
-                    gone_set.contains(ext),
-                    "evicted {k:?} but kept its extension {ext:?}"
-                );
-            }
             assert!(
                 !after.content.states.contains_key(k),
                 "the state at {k:?} outlived its KV"
@@ -1217,7 +1004,7 @@ impl Machine {
         let mut removed = Removed {
             pages: gone
                 .iter()
-                .map(|k| self.m.page_of(&before.pages[*k]))
+                .map(|k| page_of(&before.pages[*k], ps))
                 .collect(),
             states: Vec::new(),
             state_keys: BTreeSet::new(),
@@ -1295,15 +1082,7 @@ impl Machine {
         }
         if let Some(slots) = r {
             assert_eq!(slots.len(), n);
-            for chunk in slots.chunks(ps) {
-                let p = chunk[0] / i64_of(ps);
-                assert_eq!(chunk, page_slots(p, ps), "alloc_kv pages: {slots:?}");
-                assert!(
-                    free.contains(&p) || removed.pages.contains(&p),
-                    "alloc_kv returned page {p}, neither free nor evicted"
-                );
-                assert!(self.m.held_kv.insert(p), "page {p} handed out twice");
-            }
+            take_allocated(&slots, ps, &free, &removed.pages, &mut self.m.held_kv);
         }
         self.check();
     }
@@ -1330,22 +1109,8 @@ impl Machine {
 
     fn do_free_kv(&mut self, bad: Option<BadKv>, rng: &mut Rng) {
         let ps = self.m.ps;
-        let k = rng.below(self.m.held_kv.len() + 1);
-        let pages = self.m.pick_held(rng, k);
-        let mut slots = Vec::new();
-        for &p in &pages {
-            let all = page_slots(p, ps);
-            if rng.coin() {
-                slots.extend(all);
-            } else {
-                for _ in 0..=rng.below(ps + 1) {
-                    slots.push(all[rng.below(ps)]);
-                }
-            }
-        }
-        for i in (1..slots.len()).rev() {
-            slots.swap(i, rng.below(i + 1));
-        }
+        let (pages, mut slots) = some_held_slots(&self.m.held_kv, ps, rng);
+        rng.shuffle(&mut slots);
         if let Some(kind) = bad {
             let s = self.bad_kv_slot(kind, rng);
             let at = rng.below(slots.len() + 1);
@@ -1442,20 +1207,15 @@ impl Machine {
             self.do_alloc_mamba();
         }
         let m = self.do_match(ns, &toks);
-        let dl = m.device_len;
-        let owned_from = match owned {
-            OwnedFrom::Full => dl,
-            OwnedFrom::Zero => 0,
-            OwnedFrom::Mid => rng.below(dl / ps + 1) * ps,
-        };
-        let held = self.m.held_kv.len();
-        if (toks.len() - owned_from).div_ceil(ps) > held {
-            toks.truncate(owned_from + held * ps);
-        }
+        let (owned_from, pages, kv) = valid_insert_args(
+            owned,
+            &mut toks,
+            &m.kv_indices,
+            &self.m.held_kv,
+            ps,
+            &mut rng,
+        );
         let len = toks.len();
-        let pages = self.m.pick_held(&mut rng, (len - owned_from).div_ceil(ps));
-        let mut kv = m.kv_indices[..owned_from].to_vec();
-        kv.extend(caller_slots(&pages, owned_from, len, ps));
         let slot = match arg {
             StateArg::None => None,
             StateArg::Held => {
@@ -1511,7 +1271,7 @@ impl Machine {
         self.check();
         assert_eq!(self.read.ids.get(&r.node), Some(&end), "insert node");
         self.m.remember_node(r.node);
-        self.m.remember(&toks);
+        remember(&mut self.m.history, &toks);
     }
 
     fn do_lock(&mut self, ns: &Ns, toks: &[u32], recent: Option<usize>) {
@@ -2023,7 +1783,7 @@ impl Machine {
         }
         self.cache.finish(id).unwrap();
         self.m.dead_reqs.push(id);
-        self.m.remember(&q.tokens);
+        remember(&mut self.m.history, &q.tokens);
         self.check();
     }
 
@@ -2176,15 +1936,7 @@ impl Machine {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 256,
-        // Relative to the package root, where `cargo test` runs: the default
-        // (`SourceParallel`) finds no lib.rs above tests/ and would write beside this file.
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
-            "proptest-regressions/hybrid_machine.txt",
-        ))),
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(proptest_config("proptest-regressions/hybrid_machine.txt"))]
 
     #[test]
     fn hybrid_cache_matches_the_reference_model(

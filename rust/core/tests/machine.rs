@@ -36,47 +36,21 @@
 // model's helpers fail the test the same way.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+mod common;
 
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use common::{
+    add_lock, arg_of, assert_locks, assert_sizes, cached_len, cached_slots, caller_slots,
+    evicted_pages, i64_of, key, ns_of, page_of, page_slots, proptest_config, remember,
+    some_held_slots, tail, take_allocated, tok_spec_of, tree_pages, valid_insert_args, Key, Ns,
+    OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
+};
 use proptest::prelude::*;
-use proptest::test_runner::FileFailurePersistence;
 use radixcache_core::{Cache, Config, Error, LockId, Match, NodeId, NodeInfo, PoolCounts};
-
-type Ns = Option<String>;
-/// A cached page-prefix: namespace and every token from the root to the end of the page.
-type Key = (Ns, Vec<u32>);
-
-/// Fixed prefixes shared between sequences: the first two share four tokens, the first
-/// and the last three (a divergence inside a page of 2 or 4), the third shares nothing.
-const SYSTEM: [&[u32]; 4] = [
-    &[0, 1, 2, 3, 0, 1, 2, 3],
-    &[0, 1, 2, 3, 3, 3, 2, 2],
-    &[2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0],
-    &[0, 1, 2, 0, 1, 2, 0, 1],
-];
-const MAX_TOKENS: usize = 40;
 
 // ---------------------------------------------------------------------------------------
 // Operations
-
-#[derive(Debug, Clone)]
-struct TokSpec {
-    /// 0: none, 1..=4: a system prompt, 5..=6: an earlier inserted sequence.
-    base: u8,
-    hist: usize,
-    cut: Option<usize>,
-    tail: Vec<u32>,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum OwnedFrom {
-    /// `device_len` of the fresh match.
-    Full,
-    /// 0: every matched page passed again as caller slots (duplicates).
-    Zero,
-    /// A random page boundary up to `device_len`.
-    Mid,
-}
 
 #[derive(Debug, Clone, Copy)]
 enum BadSlot {
@@ -141,24 +115,13 @@ enum Op {
     },
 }
 
+/// `base`: 0: none, 1..=4: a system prompt, 5..=6: an earlier inserted sequence.
 fn tok_spec() -> impl Strategy<Value = TokSpec> {
-    let base = prop_oneof![2 => Just(0u8), 4 => 1u8..=4, 4 => 5u8..=6];
-    let tail = prop_oneof![
-        3 => prop::collection::vec(0u32..4, 0..8),
-        1 => prop::collection::vec(0u32..4, 0..24),
-    ];
-    (
-        base,
-        any::<usize>(),
-        prop::option::weighted(0.3, 0usize..MAX_TOKENS),
-        tail,
+    tok_spec_of(
+        prop_oneof![2 => Just(0u8), 4 => 1u8..=4, 4 => 5u8..=6],
+        0.3,
+        tail(),
     )
-        .prop_map(|(base, hist, cut, tail)| TokSpec {
-            base,
-            hist,
-            cut,
-            tail,
-        })
 }
 
 /// The named namespace less often than the default one, so that prefixes are shared.
@@ -223,53 +186,6 @@ fn config() -> impl Strategy<Value = (usize, usize)> {
 // ---------------------------------------------------------------------------------------
 // Helpers
 
-/// `SplitMix64`, for choices made at run time from state the strategy cannot see.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % u64::try_from(n).unwrap()).unwrap()
-    }
-
-    fn coin(&mut self) -> bool {
-        self.next() & 1 == 1
-    }
-}
-
-fn i64_of(x: usize) -> i64 {
-    i64::try_from(x).unwrap()
-}
-
-/// The first `len` slots of `page`.
-fn page_slots(page: i64, ps: usize, len: usize) -> Vec<i64> {
-    let base = page * i64_of(ps);
-    (base..base + i64_of(len)).collect()
-}
-
-/// Slots for positions `from..len` given one page per chunk of `ps` positions.
-fn caller_slots(pages: &[i64], from: usize, len: usize, ps: usize) -> Vec<i64> {
-    let mut out = Vec::with_capacity(len - from);
-    for (c, &p) in pages.iter().enumerate() {
-        let pos = from + c * ps;
-        out.extend(page_slots(p, ps, ps.min(len - pos)));
-    }
-    assert_eq!(out.len(), len - from);
-    out
-}
-
-fn ns_of(flag: bool) -> Ns {
-    flag.then(|| "a".to_owned())
-}
-
 /// Everything an operation that fails must leave as it was.
 #[derive(Debug, PartialEq, Eq)]
 struct Frozen {
@@ -290,41 +206,6 @@ fn frozen(c: &Cache) -> Frozen {
     }
 }
 
-fn arg_of<T: std::fmt::Debug>(r: Result<T, Error>) -> &'static str {
-    match r {
-        Err(Error::InvalidArgument { arg, .. }) => arg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
-}
-
-/// The page-prefixes held by the tree, from the snapshot, with each node's lock count.
-fn tree_pages(snapshot: &[NodeInfo], ps: usize) -> (BTreeMap<Key, Vec<i64>>, HashMap<Key, u32>) {
-    let mut cached = BTreeMap::new();
-    let mut locks = HashMap::new();
-    for n in snapshot {
-        let slots = n
-            .kv_indices
-            .as_ref()
-            .expect("a KV-only cache has device KV everywhere");
-        assert_eq!(slots.len(), n.key_len, "node {} slots vs key", n.id);
-        if n.prefix.is_empty() {
-            continue;
-        }
-        let start = n.prefix.len() - n.key_len;
-        for j in 0..n.key_len / ps {
-            let end = start + (j + 1) * ps;
-            let key = (n.namespace.clone(), n.prefix[..end].to_vec());
-            let page = slots[j * ps..(j + 1) * ps].to_vec();
-            assert!(
-                cached.insert(key.clone(), page).is_none(),
-                "page-prefix twice"
-            );
-            locks.insert(key, n.lock);
-        }
-    }
-    (cached, locks)
-}
-
 // ---------------------------------------------------------------------------------------
 // The reference model
 
@@ -340,7 +221,7 @@ struct Model {
     /// Slots in the pool.
     capacity: usize,
     /// Every cached page-prefix and the slots of its last page.
-    cached: BTreeMap<Key, Vec<i64>>,
+    cached: Pages,
     /// Pages the caller holds (from `alloc_kv`).
     held: BTreeSet<i64>,
     locks: Vec<LiveLock>,
@@ -358,27 +239,18 @@ impl Model {
     }
 
     fn resolve(&self, t: &TokSpec) -> Vec<u32> {
-        let mut v: Vec<u32> = match t.base {
+        t.tokens(match t.base {
             1..=4 => SYSTEM[usize::from(t.base) - 1].to_vec(),
             5 | 6 if !self.history.is_empty() => self.history[t.hist % self.history.len()].clone(),
             _ => Vec::new(),
-        };
-        if let Some(c) = t.cut {
-            v.truncate(c % (v.len() + 1));
-        }
-        v.extend_from_slice(&t.tail);
-        v.truncate(MAX_TOKENS);
-        v
+        })
     }
 
     /// Live receipts covering each page-prefix.
     fn lock_counts(&self) -> HashMap<Key, u32> {
         let mut out = HashMap::new();
         for l in &self.locks {
-            for j in 1..=l.prefix.len() / self.ps {
-                *out.entry((l.ns.clone(), l.prefix[..j * self.ps].to_vec()))
-                    .or_insert(0) += 1;
-            }
+            add_lock(&mut out, &l.ns, &l.prefix, self.ps);
         }
         out
     }
@@ -392,12 +264,8 @@ impl Model {
             .collect()
     }
 
-    fn page_of(&self, slots: &[i64]) -> i64 {
-        slots[0] / i64_of(self.ps)
-    }
-
     fn tree_page_set(&self) -> BTreeSet<i64> {
-        self.cached.values().map(|s| self.page_of(s)).collect()
+        self.cached.values().map(|s| page_of(s, self.ps)).collect()
     }
 
     fn free_page_set(&self) -> BTreeSet<i64> {
@@ -409,23 +277,7 @@ impl Model {
 
     /// The longest page-aligned prefix of `toks` whose every page-prefix is cached.
     fn device_len(&self, ns: &Ns, toks: &[u32]) -> usize {
-        let mut k = 0;
-        while k + self.ps <= toks.len()
-            && self
-                .cached
-                .contains_key(&(ns.clone(), toks[..k + self.ps].to_vec()))
-        {
-            k += self.ps;
-        }
-        k
-    }
-
-    fn slots(&self, ns: &Ns, toks: &[u32], len: usize) -> Vec<i64> {
-        let mut out = Vec::with_capacity(len);
-        for j in 1..=len / self.ps {
-            out.extend_from_slice(&self.cached[&(ns.clone(), toks[..j * self.ps].to_vec())]);
-        }
-        out
+        cached_len(&self.cached, ns, toks, self.ps)
     }
 
     /// Remembers the handle of the node ending at `prefix`; the same live prefix must
@@ -441,17 +293,6 @@ impl Model {
                 self.nodes.insert((ns.clone(), prefix.to_vec()), id);
             }
         }
-    }
-
-    fn pick_held(&self, rng: &mut Rng, k: usize) -> Vec<i64> {
-        let mut all: Vec<i64> = self.held.iter().copied().collect();
-        assert!(k <= all.len());
-        for i in 0..k {
-            let j = i + rng.below(all.len() - i);
-            all.swap(i, j);
-        }
-        all.truncate(k);
-        all
     }
 }
 
@@ -470,7 +311,7 @@ impl Machine {
             m: Model {
                 ps,
                 capacity: slots,
-                cached: BTreeMap::new(),
+                cached: Pages::new(),
                 held: BTreeSet::new(),
                 locks: Vec::new(),
                 released: Vec::new(),
@@ -489,38 +330,14 @@ impl Machine {
         let (tree, tree_locks) = tree_pages(&self.cache.snapshot(), ps);
         assert_eq!(tree, self.m.cached, "model and tree disagree");
         let counts = self.m.lock_counts();
-        for (k, &lock) in &tree_locks {
-            assert_eq!(
-                counts.get(k).copied().unwrap_or(0),
-                lock,
-                "lock count of {k:?}"
-            );
-        }
-        for k in counts.keys() {
-            assert!(self.m.cached.contains_key(k), "locked {k:?} is not cached");
-        }
+        assert_locks("lock count", &tree_locks, &counts, &self.m.cached);
         let protected = self
             .m
             .cached
             .keys()
             .filter(|k| counts.contains_key(*k))
             .count();
-        let evictable = self.m.cached.len() - protected;
-        assert_eq!(
-            self.cache.evictable_size(),
-            evictable * ps,
-            "evictable_size"
-        );
-        assert_eq!(
-            self.cache.protected_size(),
-            protected * ps,
-            "protected_size"
-        );
-        assert_eq!(
-            self.cache.total_size(),
-            self.m.cached.len() * ps,
-            "total_size"
-        );
+        assert_sizes(&self.cache, ps, self.m.cached.len(), protected);
         let free = self.m.pages() - self.m.cached.len() - self.m.held.len();
         assert_eq!(self.cache.available_kv(), free * ps, "available_kv");
         assert_eq!(
@@ -551,10 +368,7 @@ impl Machine {
         for n in before.iter().filter(|n| !n.prefix.is_empty()) {
             let start = n.prefix.len() - n.key_len;
             let gone = (1..=n.key_len / ps)
-                .filter(|j| {
-                    let key = (n.namespace.clone(), n.prefix[..start + j * ps].to_vec());
-                    !after.contains_key(&key)
-                })
+                .filter(|j| !after.contains_key(&key(&n.namespace, &n.prefix, start + j * ps)))
                 .count();
             assert!(
                 gone == 0 || gone * ps == n.key_len,
@@ -565,34 +379,11 @@ impl Machine {
                 largest = largest.max(n.key_len);
             }
         }
-        for (k, slots) in &after {
-            assert_eq!(
-                self.m.cached.get(k),
-                Some(slots),
-                "{k:?} appeared or moved during eviction"
-            );
-        }
-        let removed: Vec<Key> = self
-            .m
-            .cached
-            .keys()
-            .filter(|k| !after.contains_key(*k))
+        let counts = self.m.lock_counts();
+        let removed: Vec<Key> = evicted_pages(&self.m.cached, &after, &counts)
+            .into_iter()
             .cloned()
             .collect();
-        let counts = self.m.lock_counts();
-        let removed_set: HashSet<&Key> = removed.iter().collect();
-        for k in &removed {
-            assert!(!counts.contains_key(k), "evicted locked {k:?}");
-            for (ext, _) in self.m.cached.range(k.clone()..) {
-                if ext.0 != k.0 || !ext.1.starts_with(&k.1) {
-                    break;
-                }
-                assert!(
-                    removed_set.contains(ext),
-                    "evicted {k:?} but kept its extension {ext:?}"
-                );
-            }
-        }
         for k in &removed {
             if let Some(id) = self.m.nodes.remove(k) {
                 self.m.dead.push(id);
@@ -610,7 +401,7 @@ impl Machine {
 
     fn do_match(&mut self, ns: &Ns, toks: &[u32]) -> Match {
         let len = self.m.device_len(ns, toks);
-        let kv = self.m.slots(ns, toks, len);
+        let kv = cached_slots(&self.m.cached, ns, toks, len, self.m.ps);
         let r = self.cache.match_prefix(ns.as_deref(), toks);
         assert_eq!(r.device_len, len, "device_len of {ns:?} {toks:?}");
         assert_eq!(r.kv_indices, kv, "kv_indices of {ns:?} {toks:?}");
@@ -642,7 +433,7 @@ impl Machine {
             .m
             .cached
             .iter()
-            .map(|(k, s)| (k.clone(), self.m.page_of(s)))
+            .map(|(k, s)| (k.clone(), page_of(s, ps)))
             .collect();
         let evictable = self.m.unlocked().len();
         let before = self.cache.snapshot();
@@ -661,24 +452,14 @@ impl Machine {
                 "alloc_kv evicted with enough free pages"
             );
         }
-        let evicted_pages: BTreeSet<i64> = removed.iter().map(|k| tree_before[k]).collect();
+        let evicted: Vec<i64> = removed.iter().map(|k| tree_before[k]).collect();
         let Some(slots) = r else {
             self.check();
             return None;
         };
         assert!(removed.len() + free_before.len() >= pages);
         assert_eq!(slots.len(), n);
-        let mut got = BTreeSet::new();
-        for chunk in slots.chunks(ps) {
-            let page = chunk[0] / i64_of(ps);
-            assert_eq!(chunk, page_slots(page, ps, ps), "alloc_kv pages: {slots:?}");
-            assert!(got.insert(page), "page {page} handed out twice");
-            assert!(
-                free_before.contains(&page) || evicted_pages.contains(&page),
-                "alloc_kv returned page {page} that was neither free nor evicted"
-            );
-        }
-        self.m.held.extend(got);
+        take_allocated(&slots, ps, &free_before, &evicted, &mut self.m.held);
         self.check();
         Some(slots)
     }
@@ -699,29 +480,14 @@ impl Machine {
 
     fn do_free(&mut self, bad: Option<BadSlot>, rng: &mut Rng) {
         let ps = self.m.ps;
-        let k = rng.below(self.m.held.len() + 1);
-        let pages = self.m.pick_held(rng, k);
-        let mut slots = Vec::new();
-        for &p in &pages {
-            let all = page_slots(p, ps, ps);
-            if rng.coin() {
-                slots.extend(all);
-            } else {
-                // Some of its slots, possibly repeated.
-                for _ in 0..=rng.below(ps + 1) {
-                    slots.push(all[rng.below(ps)]);
-                }
-            }
-        }
+        let (pages, mut slots) = some_held_slots(&self.m.held, ps, rng);
         let bad_slot = bad.and_then(|b| self.bad_slot(b, rng));
         if let Some(s) = bad_slot {
             let at = rng.below(slots.len() + 1);
             slots.insert(at, s);
         } else {
-            // Shuffle: pages need not be listed in order.
-            for i in (1..slots.len()).rev() {
-                slots.swap(i, rng.below(i + 1));
-            }
+            // Pages need not be listed in order.
+            rng.shuffle(&mut slots);
         }
         if bad_slot.is_some() {
             let before = frozen(&self.cache);
@@ -786,19 +552,8 @@ impl Machine {
         let dl = m.as_ref().map_or(0, |m| m.device_len);
         let tree_kv = m.map(|m| m.kv_indices).unwrap_or_default();
         if let InsertKind::Valid(choice) = kind {
-            let owned_from = match choice {
-                OwnedFrom::Full => dl,
-                OwnedFrom::Zero => 0,
-                OwnedFrom::Mid => rng.below(dl / ps + 1) * ps,
-            };
-            let held = self.m.held.len();
-            if (toks.len() - owned_from).div_ceil(ps) > held {
-                toks.truncate(owned_from + held * ps);
-            }
-            let len = toks.len();
-            let pages = self.m.pick_held(&mut rng, (len - owned_from).div_ceil(ps));
-            let mut kv = tree_kv[..owned_from].to_vec();
-            kv.extend(caller_slots(&pages, owned_from, len, ps));
+            let (owned_from, pages, kv) =
+                valid_insert_args(choice, &mut toks, &tree_kv, &self.m.held, ps, &mut rng);
             self.valid_insert(ns, &toks, &kv, owned_from, &pages);
         } else {
             let (toks, kv, owned_from, arg) = self
@@ -847,8 +602,8 @@ impl Machine {
             let pos = owned_from + c * ps;
             assert!(self.m.held.remove(&p));
             if pos >= prefix_len && pos + ps <= aligned {
-                let key = (ns.clone(), toks[..pos + ps].to_vec());
-                assert!(self.m.cached.insert(key, page_slots(p, ps, ps)).is_none());
+                let k = key(ns, toks, pos + ps);
+                assert!(self.m.cached.insert(k, page_slots(p, ps)).is_none());
             } else {
                 freed += 1;
             }
@@ -859,12 +614,7 @@ impl Machine {
             "pages freed by insert"
         );
         self.m.record_node(ns, &toks[..aligned], r.node);
-        if !toks.is_empty() {
-            self.m.history.push(toks.to_vec());
-            if self.m.history.len() > 16 {
-                self.m.history.remove(0);
-            }
-        }
+        remember(&mut self.m.history, toks);
         self.check();
     }
 
@@ -874,7 +624,7 @@ impl Machine {
         let ps = self.m.ps;
         let k = (len - from).div_ceil(ps);
         let pages = if k <= self.m.held.len() {
-            self.m.pick_held(rng, k)
+            rng.distinct(&self.m.held, k)
         } else {
             (0..k).map(|_| i64_of(rng.below(self.m.pages()))).collect()
         };
@@ -917,7 +667,7 @@ impl Machine {
         // Valid caller pages for `from..len` (held, distinct), if the caller has them.
         let held_pages = |from: usize, rng: &mut Rng| {
             let k = (len - from).div_ceil(ps);
-            (k <= held).then(|| self.m.pick_held(rng, k))
+            (k <= held).then(|| rng.distinct(&self.m.held, k))
         };
         match kind {
             InsertKind::Valid(_) => unreachable!(),
@@ -943,7 +693,7 @@ impl Machine {
                 }
                 let mut kv = tree_kv[..dl].to_vec();
                 let extra = i64_of(rng.below(self.m.pages()));
-                kv.extend(page_slots(extra, ps, ps));
+                kv.extend(page_slots(extra, ps));
                 kv.extend(self.any_caller_slots(owned_from, len, rng));
                 Some((toks, kv, owned_from, "owned_from"))
             }
@@ -958,7 +708,7 @@ impl Machine {
                 if new >= old {
                     new += 1;
                 }
-                kv[c * ps..(c + 1) * ps].copy_from_slice(&page_slots(new, ps, ps));
+                kv[c * ps..(c + 1) * ps].copy_from_slice(&page_slots(new, ps));
                 let pages = held_pages(dl, rng)?;
                 kv.extend(caller_slots(&pages, dl, len, ps));
                 Some((toks, kv, dl, "kv_indices"))
@@ -1118,15 +868,7 @@ impl Machine {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 256,
-        // Relative to the package root, where `cargo test` runs: the default
-        // (`SourceParallel`) finds no lib.rs above tests/ and would write beside this file.
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
-            "proptest-regressions/machine.txt",
-        ))),
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(proptest_config("proptest-regressions/machine.txt"))]
 
     #[test]
     fn cache_matches_the_reference_model(
