@@ -305,7 +305,7 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
         return broken(format!("dead node slot {i} is reachable"));
     }
     if !n.is_root() {
-        if n.key.is_empty() || n.key.len() % ps != 0 {
+        if n.key.is_empty() || !n.key.len().is_multiple_of(ps) {
             return broken(format!(
                 "node {id} key of {} tokens is empty or not page-aligned",
                 n.key.len()

@@ -453,7 +453,7 @@ impl Cache {
                 format!("{owned_from} is past the end of {} tokens", tokens.len()),
             ));
         }
-        if owned_from % ps != 0 {
+        if !owned_from.is_multiple_of(ps) {
             return Err(Error::arg(
                 "owned_from",
                 format!("{owned_from} is not a multiple of page_size {ps}"),
@@ -931,7 +931,7 @@ impl Cache {
     /// evicted nothing.
     pub fn alloc_kv(&mut self, n: usize) -> Result<Option<Vec<i64>>> {
         let ps = self.config.page_size;
-        if n % ps != 0 {
+        if !n.is_multiple_of(ps) {
             return Err(Error::arg(
                 "n",
                 format!("{n} is not a multiple of page_size {ps}"),

@@ -145,7 +145,7 @@ impl Pool {
         if page_size == 0 {
             return Err(Error::arg("page_size", "must be at least 1"));
         }
-        if slots % page_size != 0 {
+        if !slots.is_multiple_of(page_size) {
             return Err(Error::arg(
                 name,
                 format!("{slots} is not a multiple of page_size {page_size}"),

@@ -1060,7 +1060,7 @@ impl Machine {
 
     fn do_alloc_kv(&mut self, n: usize) {
         let ps = self.m.ps;
-        if n % ps != 0 {
+        if !n.is_multiple_of(ps) {
             let before = self.frozen();
             assert_eq!(arg_of(self.cache.alloc_kv(n)), "n");
             assert_eq!(self.frozen(), before, "a bad alloc_kv changed something");
@@ -1413,7 +1413,7 @@ impl Machine {
             .map(|(&id, _)| id)
             .collect();
         let all: Vec<BatchId> = self.m.batches.keys().copied().collect();
-        let from = if taken.is_empty() || pick % 5 == 0 {
+        let from = if taken.is_empty() || pick.is_multiple_of(5) {
             &all
         } else {
             &taken

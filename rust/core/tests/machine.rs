@@ -416,7 +416,7 @@ impl Machine {
 
     fn do_alloc(&mut self, n: usize) -> Option<Vec<i64>> {
         let ps = self.m.ps;
-        if n % ps != 0 {
+        if !n.is_multiple_of(ps) {
             let before = frozen(&self.cache);
             assert_eq!(arg_of(self.cache.alloc_kv(n)), "n");
             assert_eq!(
@@ -679,7 +679,7 @@ impl Machine {
                     len + 1 + rng.below(ps)
                 } else {
                     let mut o = 1 + rng.below(len);
-                    if o % ps == 0 {
+                    if o.is_multiple_of(ps) {
                         o -= 1;
                     }
                     o
