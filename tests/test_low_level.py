@@ -50,8 +50,38 @@ def test_bad_configuration_names_the_argument(kwargs: dict[str, object], arg: st
 
 
 def test_wrong_configuration_type_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="kv_slots"):
+    with pytest.raises(TypeError, match=r"^kv_slots: expected an integer, got str$"):
         rc.HybridCache(kv_slots="64")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^page_size: expected an integer, got float$"):
+        rc.HybridCache(page_size=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^mamba_slots: \d+ is out of the 64-bit range$"):
+        rc.HybridCache(mamba_slots=2**70)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "arg"),
+    [
+        (lambda c: c.alloc_kv("4"), TypeError, "n"),
+        (lambda c: c.alloc_kv(None), TypeError, "n"),
+        (lambda c: c.evict(kv_tokens=1.5), TypeError, "kv_tokens"),
+        (lambda c: c.evict(mamba_states="1"), TypeError, "mamba_states"),
+        (lambda c: c.insert([1], [0], owned_from=0.0), TypeError, "owned_from"),
+        (lambda c: c.insert([1], [0], mamba_slot="0"), TypeError, "mamba_slot"),
+        (lambda c: c.free_mamba("0"), TypeError, "slot"),
+        (lambda c: c.start("0"), TypeError, "batch_id"),
+        (lambda c: c.complete(None), TypeError, "batch_id"),
+        (lambda c: c.fail(2**70), ValueError, "batch_id"),
+        (lambda c: c.alloc_kv(2**70), ValueError, "n"),
+    ],
+)
+def test_integer_arguments_name_themselves_when_wrong(
+    cache: rc.HybridCache, call: object, exc: type[Exception], arg: str
+) -> None:
+    """On every Python version (pyo3 names arguments only in 3.11+ exception notes)."""
+    before = fingerprint(cache)
+    with pytest.raises(exc, match=rf"^{arg}: "):
+        call(cache)  # type: ignore[operator]
+    assert fingerprint(cache) == before
 
 
 def test_all_write_policies_are_accepted() -> None:

@@ -167,8 +167,64 @@ fn indices_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<i64>> {
     })
 }
 
-fn count_arg(v: i64, arg: &str) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{arg}: must be >= 0, got {v}")))
+/// An integer argument, extracted without failing so that the error can name the
+/// argument on every Python version (pyo3 names it only in an exception note, which
+/// Python < 3.11 does not have).
+enum Int {
+    Value(i64),
+    /// Not an integer: its type name.
+    Other(String),
+    /// An integer out of the 64-bit range (its decimal form).
+    TooLarge(String),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(v) = obj.extract::<i64>() {
+            return Ok(Int::Value(v));
+        }
+        if obj.hasattr("__index__")? {
+            return Ok(Int::TooLarge(obj.str()?.to_string()));
+        }
+        Ok(Int::Other(obj.get_type().name()?.to_string()))
+    }
+}
+
+impl Int {
+    /// The value, or a `TypeError`/`ValueError` naming `arg`.
+    fn get(self, arg: &str) -> PyResult<i64> {
+        match self {
+            Int::Value(v) => Ok(v),
+            Int::Other(t) => Err(PyTypeError::new_err(format!(
+                "{arg}: expected an integer, got {t}"
+            ))),
+            Int::TooLarge(v) => Err(PyValueError::new_err(format!(
+                "{arg}: {v} is out of the 64-bit range"
+            ))),
+        }
+    }
+
+    /// A count: an integer >= 0.
+    fn count(self, arg: &str) -> PyResult<usize> {
+        let v = self.get(arg)?;
+        usize::try_from(v)
+            .map_err(|_| PyValueError::new_err(format!("{arg}: must be >= 0, got {v}")))
+    }
+}
+
+/// A batch id: a non-negative integer (an unknown one is the core's error).
+fn batch_arg(id: Int) -> PyResult<core::BatchId> {
+    if let Int::TooLarge(v) = &id {
+        return Err(PyValueError::new_err(format!(
+            "batch_id: no batch {v} in flight"
+        )));
+    }
+    let v = id.get("batch_id")?;
+    u64::try_from(v).map(core::BatchId).map_err(|_| {
+        PyValueError::new_err(format!("batch_id: no batch {v} in flight (ids are >= 0)"))
+    })
 }
 
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
@@ -194,28 +250,31 @@ struct PyHybridCache {
 #[pymethods]
 impl PyHybridCache {
     #[new]
-    #[pyo3(signature = (kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0,
-                        host_mamba_slots=0, write_policy="write_through",
-                        write_through_threshold=2))]
+    #[pyo3(signature = (kv_slots=Int::Value(8192), page_size=Int::Value(1),
+                        mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
+                        host_mamba_slots=Int::Value(0), write_policy="write_through",
+                        write_through_threshold=Int::Value(2)),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=2)")]
     fn new(
-        kv_slots: i64,
-        page_size: i64,
-        mamba_slots: i64,
-        host_kv_slots: i64,
-        host_mamba_slots: i64,
+        kv_slots: Int,
+        page_size: Int,
+        mamba_slots: Int,
+        host_kv_slots: Int,
+        host_mamba_slots: Int,
         write_policy: &str,
-        write_through_threshold: i64,
+        write_through_threshold: Int,
     ) -> PyResult<Self> {
+        let threshold = write_through_threshold.get("write_through_threshold")?;
         let config = core::Config {
-            kv_slots: count_arg(kv_slots, "kv_slots")?,
-            page_size: count_arg(page_size, "page_size")?,
-            mamba_slots: count_arg(mamba_slots, "mamba_slots")?,
-            host_kv_slots: count_arg(host_kv_slots, "host_kv_slots")?,
-            host_mamba_slots: count_arg(host_mamba_slots, "host_mamba_slots")?,
+            kv_slots: kv_slots.count("kv_slots")?,
+            page_size: page_size.count("page_size")?,
+            mamba_slots: mamba_slots.count("mamba_slots")?,
+            host_kv_slots: host_kv_slots.count("host_kv_slots")?,
+            host_mamba_slots: host_mamba_slots.count("host_mamba_slots")?,
             write_policy: write_policy.parse().map_err(err)?,
-            write_through_threshold: u32::try_from(write_through_threshold).map_err(|_| {
+            write_through_threshold: u32::try_from(threshold).map_err(|_| {
                 PyValueError::new_err(format!(
-                    "write_through_threshold: must be in [1, 2**32), got {write_through_threshold}"
+                    "write_through_threshold: must be in [1, 2**32), got {threshold}"
                 ))
             })?,
         };
@@ -266,19 +325,22 @@ impl PyHybridCache {
     }
 
     /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
-    #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None))]
+    #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=Int::Value(0),
+                        mamba_slot=None),
+           text_signature = "($self, tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None)")]
     fn insert(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         kv_indices: &Bound<'_, PyAny>,
         namespace: Option<&str>,
-        owned_from: i64,
-        mamba_slot: Option<i64>,
+        owned_from: Int,
+        mamba_slot: Option<Int>,
     ) -> PyResult<PyInsert> {
         let tokens = tokens_arg(tokens, "tokens")?;
         let kv = indices_arg(kv_indices, "kv_indices")?;
-        let owned_from = count_arg(owned_from, "owned_from")?;
+        let owned_from = owned_from.count("owned_from")?;
+        let mamba_slot = mamba_slot.map(|s| s.get("mamba_slot")).transpose()?;
         let r = run(py, tokens.len(), || {
             self.inner
                 .with(|c| c.insert_with_state(namespace, &tokens, &kv, owned_from, mamba_slot))
@@ -308,10 +370,11 @@ impl PyHybridCache {
     }
 
     /// Evict at least that much (or all that is evictable), LRU leaves first.
-    #[pyo3(signature = (*, kv_tokens=0, mamba_states=0))]
-    fn evict(&self, kv_tokens: i64, mamba_states: i64) -> PyResult<PyEvicted> {
-        let kv_tokens = count_arg(kv_tokens, "kv_tokens")?;
-        let mamba_states = count_arg(mamba_states, "mamba_states")?;
+    #[pyo3(signature = (*, kv_tokens=Int::Value(0), mamba_states=Int::Value(0)),
+           text_signature = "($self, *, kv_tokens=0, mamba_states=0)")]
+    fn evict(&self, kv_tokens: Int, mamba_states: Int) -> PyResult<PyEvicted> {
+        let kv_tokens = kv_tokens.count("kv_tokens")?;
+        let mamba_states = mamba_states.count("mamba_states")?;
         let e = self.inner.with(|c| c.evict(kv_tokens, mamba_states));
         Ok(PyEvicted {
             kv_tokens: e.kv_tokens,
@@ -320,8 +383,8 @@ impl PyHybridCache {
     }
 
     /// `n` device KV slots (whole pages), evicting first when short; None if impossible.
-    fn alloc_kv(&self, py: Python<'_>, n: i64) -> PyResult<Option<Py<PyArray1<i64>>>> {
-        let n = count_arg(n, "n")?;
+    fn alloc_kv(&self, py: Python<'_>, n: Int) -> PyResult<Option<Py<PyArray1<i64>>>> {
+        let n = n.count("n")?;
         let r = self.inner.with(|c| c.alloc_kv(n)).map_err(err)?;
         Ok(r.map(|v| array(py, v)))
     }
@@ -339,7 +402,8 @@ impl PyHybridCache {
     }
 
     /// Give back a state slot the caller holds.
-    fn free_mamba(&self, slot: i64) -> PyResult<()> {
+    fn free_mamba(&self, slot: Int) -> PyResult<()> {
+        let slot = slot.get("slot")?;
         self.inner.with(|c| c.free_mamba(slot)).map_err(err)
     }
 
@@ -397,24 +461,21 @@ impl PyHybridCache {
     }
 
     /// The engine is about to run a batch's copies.
-    fn start(&self, batch_id: u64) -> PyResult<()> {
-        self.inner
-            .with(|c| c.start(core::BatchId(batch_id)))
-            .map_err(err)
+    fn start(&self, batch_id: Int) -> PyResult<()> {
+        let id = batch_arg(batch_id)?;
+        self.inner.with(|c| c.start(id)).map_err(err)
     }
 
     /// A batch's copies are done: releases what it held.
-    fn complete(&self, batch_id: u64) -> PyResult<()> {
-        self.inner
-            .with(|c| c.complete(core::BatchId(batch_id)))
-            .map_err(err)
+    fn complete(&self, batch_id: Int) -> PyResult<()> {
+        let id = batch_arg(batch_id)?;
+        self.inner.with(|c| c.complete(id)).map_err(err)
     }
 
     /// A batch's copies failed: undoes what it would have published.
-    fn fail(&self, batch_id: u64) -> PyResult<()> {
-        self.inner
-            .with(|c| c.fail(core::BatchId(batch_id)))
-            .map_err(err)
+    fn fail(&self, batch_id: Int) -> PyResult<()> {
+        let id = batch_arg(batch_id)?;
+        self.inner.with(|c| c.fail(id)).map_err(err)
     }
 
     /// Device KV tokens in the tree that eviction may take.
