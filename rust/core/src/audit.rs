@@ -1,14 +1,16 @@
-//! `audit()`: recomputes, from the tree, the requests and the batches alone, everything
-//! the cache keeps incrementally, and compares. The invariants are those of
-//! ARCHITECTURE.md §5 that apply to the components present: slot conservation per pool
-//! (1), tree shape (2), Mamba placement (3), locks and sizes (4), eviction sets (5).
+//! `audit()`: recomputes, from the tree, the requests, the load-backs and the batches
+//! alone, everything the cache keeps incrementally, and compares. The invariants are
+//! those of ARCHITECTURE.md §5: slot conservation per pool, device and host (1), tree
+//! shape (2), Mamba placement on each tier (3), locks and sizes (4), eviction sets,
+//! host included (5), host data and in-flight marks (6).
 
 use std::collections::{BTreeSet, HashSet};
 
 use crate::cache::batch::Action;
+use crate::cache::load::Copies;
 use crate::cache::Cache;
 use crate::error::{Error, Result};
-use crate::pool::{PageState, Pool, PoolCounts};
+use crate::pool::{PageState, PoolCounts};
 use crate::tree::{Tree, NONE};
 
 fn broken<T>(msg: String) -> Result<T> {
@@ -24,22 +26,30 @@ struct Sums {
     protected_states: usize,
     kv_candidates: BTreeSet<(u64, u32)>,
     mamba_candidates: BTreeSet<(u64, u32)>,
+    host_candidates: BTreeSet<(u64, u32)>,
+    host_tokens: usize,
     reached: usize,
 }
 
 pub(crate) fn audit(c: &Cache) -> Result<()> {
     let tree = &c.tree;
-    let kv_counts = c.kv_pool.audit()?;
-    let mamba_counts = c.mamba_pool.audit()?;
-    let kv_states = c.kv_pool.snapshot_states();
-    let mamba_states = c.mamba_pool.snapshot_states();
-    let mut kv_seen = vec![false; kv_states.len()];
-    let mut mamba_seen = vec![false; mamba_states.len()];
+    let pools = [
+        &c.kv_pool,
+        &c.mamba_pool,
+        &c.host_kv_pool,
+        &c.host_mamba_pool,
+    ];
+    let mut counts = Vec::new();
+    let mut states = Vec::new();
+    for pool in pools {
+        counts.push(pool.audit()?);
+        states.push(pool.snapshot_states());
+    }
+    let mut seen: Vec<Vec<bool>> = states.iter().map(|s| vec![false; s.len()]).collect();
+    let mut in_tree = [0usize; 4];
     let (expected_lock, expected_mamba_lock) = expected_locks(c)?;
 
     let mut sums = Sums::default();
-    let mut tree_pages = 0usize;
-    let mut tree_states = 0usize;
     let roots: Vec<u32> = std::iter::once(c.default_root)
         .chain(c.named_roots.values().copied())
         .collect();
@@ -67,35 +77,40 @@ pub(crate) fn audit(c: &Cache) -> Result<()> {
                     n.mamba.lock, expected_mamba_lock[i as usize]
                 ));
             }
-            if let Some(pages) = &n.kv.device {
-                for &p in pages {
-                    claim(&kv_states, &mut kv_seen, p, "kv page", &id.to_string())?;
+            let holder = id.to_string();
+            let state_pages = |slot: Option<u32>| slot.map(|s| vec![s]);
+            let held = [
+                (0, "kv page", n.kv.device.clone()),
+                (1, "state slot", state_pages(n.mamba.device)),
+                (2, "host kv page", n.kv.host.clone()),
+                (3, "host state slot", state_pages(n.mamba.host)),
+            ];
+            for (k, what, pages) in held {
+                for &p in pages.iter().flatten() {
+                    claim(&states[k], &mut seen[k], p, what, &holder)?;
+                    in_tree[k] += 1;
                 }
-                tree_pages += pages.len();
             }
-            if let Some(slot) = n.mamba.device {
-                claim(
-                    &mamba_states,
-                    &mut mamba_seen,
-                    slot,
-                    "state slot",
-                    &id.to_string(),
-                )?;
-                tree_states += 1;
-                // 3. A state sits at the end of a node that has device KV.
-                if n.kv.device.is_none() || n.is_root() {
-                    return broken(format!("node {id} has a state but no device KV"));
-                }
-            } else if n.mamba.lock > 0 {
+            // 3. A state sits at the end of a node that has KV on the same tier.
+            if n.mamba.device.is_some() && (n.kv.device.is_none() || n.is_root()) {
+                return broken(format!("node {id} has a state but no device KV"));
+            }
+            if n.mamba.host.is_some() && n.kv.host.is_none() {
+                return broken(format!("node {id} has a host state but no host KV"));
+            }
+            if n.mamba.device.is_none() && n.mamba.lock > 0 {
                 return broken(format!("node {id} has a state lock but no state"));
             }
+            check_marks(c, i)?;
             add_sizes(c, i, &mut sums);
             if n.kv.in_lru != sums.kv_candidates.contains(&(n.last_access, i))
                 || n.mamba.in_lru != sums.mamba_candidates.contains(&(n.mamba.last_access, i))
+                || n.kv.in_host_lru != sums.host_candidates.contains(&(n.last_access, i))
             {
                 return broken(format!(
-                    "node {id}: eviction-set flags (kv {}, mamba {}) disagree with what it is",
-                    n.kv.in_lru, n.mamba.in_lru
+                    "node {id}: eviction-set flags (kv {}, mamba {}, host {}) disagree with \
+                     what it is",
+                    n.kv.in_lru, n.mamba.in_lru, n.kv.in_host_lru
                 ));
             }
         }
@@ -108,10 +123,18 @@ pub(crate) fn audit(c: &Cache) -> Result<()> {
     }
     // 1. Conservation: the tree's pages are exactly those marked the tree's, and the
     //    owned ones are exactly those requests and batches hold.
-    let (kv_owned, mamba_owned) = owned_by_requests_and_batches(c)?;
-    conserve("kv_slots", kv_counts, tree_pages, kv_owned)?;
-    conserve("mamba_slots", mamba_counts, tree_states, mamba_owned)?;
-    check_pins(c, &c.mamba_pool, mamba_states.len())?;
+    let owned = owned_by_requests_and_batches(c)?;
+    let names = [
+        "kv_slots",
+        "mamba_slots",
+        "host_kv_slots",
+        "host_mamba_slots",
+    ];
+    for k in 0..4 {
+        conserve(names[k], counts[k], in_tree[k], owned[k])?;
+    }
+    check_pins(c)?;
+    check_loads(c)?;
     check_sums(c, &sums)
 }
 
@@ -128,6 +151,19 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
         return broken(format!(
             "evictable/protected states are {}/{}, the nodes sum to {}/{}",
             c.evictable_states, c.protected_states, sums.evictable_states, sums.protected_states
+        ));
+    }
+    if sums.host_tokens != c.host_tokens {
+        return broken(format!(
+            "host kv tokens are {}, the nodes sum to {}",
+            c.host_tokens, sums.host_tokens
+        ));
+    }
+    if sums.host_candidates != c.host_lru {
+        return broken(format!(
+            "the host eviction set has {} entries, {} nodes are candidates",
+            c.host_lru.len(),
+            sums.host_candidates.len()
         ));
     }
     // 5. The eviction sets are exactly the candidates.
@@ -167,6 +203,12 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     if n.is_root() {
         return;
     }
+    if n.kv.host.is_some() {
+        sums.host_tokens += n.key.len();
+        if n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
+            sums.host_candidates.insert((n.last_access, i));
+        }
+    }
     if n.kv.device.is_some() {
         if n.kv.lock > 0 {
             sums.protected += n.key.len();
@@ -203,26 +245,29 @@ fn conserve(name: &str, counts: PoolCounts, in_tree: usize, owned: usize) -> Res
     Ok(())
 }
 
-/// Pages held by requests (KV and states) and by batches (states they will publish),
-/// each held once.
-fn owned_by_requests_and_batches(c: &Cache) -> Result<(usize, usize)> {
-    let mut kv = 0;
-    let mut mamba = 0;
+/// Pages held (as owned values) by requests, load-backs and batches, per pool (device
+/// KV, device states, host KV, host states), each held once.
+fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
+    let mut owned = [0usize; 4];
     let mut seen = HashSet::new();
-    let mut hold = |pool: &'static str, pages: &[u32]| -> Result<()> {
+    let mut hold = |k: usize, pages: &[u32]| -> Result<()> {
         for &p in pages {
-            if !seen.insert((pool, p)) {
-                return broken(format!("{pool} page {p} is held twice"));
+            if !seen.insert((k, p)) {
+                return broken(format!("page {p} of pool {k} is held twice"));
             }
         }
+        owned[k] += pages.len();
         Ok(())
     };
     for r in c.requests.iter() {
-        hold("kv", r.kv.pages())?;
-        kv += r.kv.len();
+        hold(0, r.kv.pages())?;
         if let Some(s) = &r.mamba {
-            hold("mamba", s.pages())?;
-            mamba += 1;
+            hold(1, s.pages())?;
+        }
+        if let Some(id) = r.load {
+            if !c.loads.contains_key(&id) {
+                return broken(format!("a request waits on load-back {id}, which is gone"));
+            }
         }
         // The request's prefix is locked by its receipt and ends at its node.
         let Some(lock) = r.lock else {
@@ -238,28 +283,92 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<(usize, usize)> {
             return broken("a request's receipt does not lock its node".to_owned());
         }
     }
-    for p in c.batches.pending.values() {
-        if let Action::CheckpointCow { dst, .. } = &p.action {
-            hold("mamba", dst.pages())?;
-            mamba += dst.len();
+    for load in c.loads.values() {
+        hold(0, load.kv.pages())?;
+        for s in [&load.restore, &load.req_slot].into_iter().flatten() {
+            hold(1, s.pages())?;
+        }
+        if let Some(before) = &load.before {
+            if let Some(s) = &before.mamba {
+                hold(1, s.pages())?;
+            }
         }
     }
-    Ok((kv, mamba))
+    for p in c.batches.pending.values() {
+        match &p.action {
+            Action::CheckpointCow { dst, .. } => hold(1, dst.pages())?,
+            Action::Backup(b) => {
+                hold(2, b.kv.pages.pages())?;
+                for (_, s) in &b.states {
+                    hold(3, s.pages())?;
+                }
+            }
+            Action::AdmitCow { .. } | Action::LoadBack => {}
+        }
+    }
+    Ok(owned)
 }
 
-/// Every pin on a slot belongs to a batch in flight.
-fn check_pins(c: &Cache, pool: &Pool, slots: usize) -> Result<()> {
-    let mut expected = vec![0u32; slots];
-    for p in c.batches.pending.values() {
-        for &s in &p.mamba_pins {
-            expected[s as usize] += 1;
+/// Every pin on a page belongs to a batch in flight.
+fn check_pins(c: &Cache) -> Result<()> {
+    use crate::cache::{PoolKind, Tier};
+    for pool in [PoolKind::Kv, PoolKind::Mamba] {
+        for tier in [Tier::Device, Tier::Host] {
+            let p = c.pool_of(pool, tier);
+            let mut expected = vec![0u32; p.capacity_pages()];
+            for b in c.batches.pending.values() {
+                for pins in b.pins.iter().filter(|x| x.pool == pool && x.tier == tier) {
+                    for &s in &pins.pages {
+                        expected[s as usize] += 1;
+                    }
+                }
+            }
+            let got = p.all_pins();
+            if let Some(s) = (0..expected.len()).find(|&s| got[s] != expected[s]) {
+                return broken(format!(
+                    "{} {} page {s} has {} transfer pins, batches in flight account for {}",
+                    tier.as_str(),
+                    pool.as_str(),
+                    got[s],
+                    expected[s]
+                ));
+            }
         }
     }
-    for (s, &want) in expected.iter().enumerate() {
-        let got = pool.pins(crate::pool::page_u32(s));
-        if got != want {
+    Ok(())
+}
+
+/// Load-backs: an uncommitted one has its batch pending unless the copies ended; a
+/// committed one is in flight. Their requests point back at them.
+fn check_loads(c: &Cache) -> Result<()> {
+    for (id, load) in &c.loads {
+        let pending = c.batches.pending.contains_key(id);
+        let in_flight = load.committed || load.copies == Copies::Pending;
+        if pending != in_flight {
             return broken(format!(
-                "mamba slot {s} has {got} transfer pins, batches in flight account for {want}"
+                "load-back {id}: batch pending {pending}, but the load says {in_flight}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// 6. In-flight marks: a node being loaded has device KV and nothing cached below it
+///    but nodes of the same load; a node being backed up is locked.
+fn check_marks(c: &Cache, i: u32) -> Result<()> {
+    let n = c.tree.node(i);
+    let id = c.tree.id(i);
+    if n.kv.loading && (n.kv.device.is_none() || n.kv.lock == 0) {
+        return broken(format!("node {id} is loading without device KV or a lock"));
+    }
+    if n.kv.backup_pending && n.kv.lock == 0 {
+        return broken(format!("node {id} is being backed up but is not locked"));
+    }
+    if !n.is_root() {
+        let p = c.tree.node(n.parent);
+        if p.kv.loading && n.kv.device.is_some() && !n.kv.loading {
+            return broken(format!(
+                "node {id} has device KV below a node whose load is in flight"
             ));
         }
     }
@@ -317,14 +426,21 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
             ));
         }
     }
-    let Some(pages) = &n.kv.device else {
+    if n.kv.device.is_none() && n.kv.host.is_none() {
         return broken(format!("node {id} has no kv on any tier"));
-    };
-    if pages.len() * ps != n.key.len() {
+    }
+    for pages in [&n.kv.device, &n.kv.host].into_iter().flatten() {
+        if pages.len() * ps != n.key.len() {
+            return broken(format!(
+                "node {id} has {} kv pages for {} tokens",
+                pages.len(),
+                n.key.len()
+            ));
+        }
+    }
+    if !n.is_root() && n.kv.device.is_some() && tree.node(n.parent).kv.device.is_none() {
         return broken(format!(
-            "node {id} has {} kv pages for {} tokens",
-            pages.len(),
-            n.key.len()
+            "node {id} has device KV but its parent has none (device KV is prefix-closed)"
         ));
     }
     let mut device_children = 0;

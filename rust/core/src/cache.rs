@@ -11,14 +11,19 @@
 //! request-level API (`request`) live in submodules.
 
 pub(crate) mod batch;
+pub(crate) mod host;
+#[cfg(test)]
+mod host_tests;
 #[cfg(test)]
 mod hybrid_tests;
+pub(crate) mod load;
 pub(crate) mod request;
 
 pub use batch::{BatchId, BatchKind, Copy, PoolKind, Tier, TransferBatch};
+pub use load::{CallOff, LoadTarget};
 pub use request::{RequestId, RequestView};
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use crate::config::Config;
@@ -80,6 +85,18 @@ pub struct Insert {
     pub mamba_existed: bool,
 }
 
+/// What [`Cache::publish`] did.
+pub(crate) struct Published {
+    pub insert: Insert,
+    /// The node where the cached part ends.
+    pub end: u32,
+    /// Tokens now cached for the sequence (the aligned length, or less when a load in
+    /// flight stopped the insert).
+    pub cached: usize,
+    /// The caller's pages for tokens `cached..aligned` that were not cached.
+    pub unpublished: Pages,
+}
+
 /// What [`Cache::evict`] actually evicted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Evicted {
@@ -110,6 +127,12 @@ pub struct NodeInfo {
     pub mamba_slot: Option<u32>,
     /// Receipts holding that state.
     pub mamba_lock: u32,
+    /// Host-tier slots of this node's tokens, if it is backed up.
+    pub host_kv_indices: Option<Vec<i64>>,
+    /// Host-tier state slot, if its state is backed up.
+    pub host_mamba_slot: Option<u32>,
+    /// Its device data arrived by a load-back whose copies are not acknowledged yet.
+    pub loading: bool,
 }
 
 /// The single-threaded cache core. Fields are crate-visible for `audit()`.
@@ -119,6 +142,10 @@ pub struct Cache {
     pub(crate) kv_pool: Pool,
     /// Device state pool (`page_size` 1; no pages for an attention-only model).
     pub(crate) mamba_pool: Pool,
+    /// Host-tier KV pool (no pages without a host tier).
+    pub(crate) host_kv_pool: Pool,
+    /// Host-tier state pool.
+    pub(crate) host_mamba_pool: Pool,
     /// Root of the default namespace.
     pub(crate) default_root: u32,
     /// Roots of named namespaces (looked up by `&str`, no allocation per call).
@@ -127,6 +154,12 @@ pub struct Cache {
     pub(crate) kv_lru: BTreeSet<(u64, u32)>,
     /// Mamba eviction candidates: unlocked device states, by (last use, index).
     pub(crate) mamba_lru: BTreeSet<(u64, u32)>,
+    /// Host eviction candidates: unlocked host-only leaves, by (last access, index).
+    pub(crate) host_lru: BTreeSet<(u64, u32)>,
+    /// Host KV tokens in the tree.
+    pub(crate) host_tokens: usize,
+    /// Load-backs by batch id: uncommitted guards, and committed loads in flight.
+    pub(crate) loads: BTreeMap<BatchId, load::Load>,
     pub(crate) evictable_tokens: usize,
     pub(crate) protected_tokens: usize,
     pub(crate) evictable_states: usize,
@@ -153,12 +186,19 @@ impl Cache {
         config.validate()?;
         let kv_pool = Pool::new("kv_slots", config.kv_slots, config.page_size)?;
         let mamba_pool = Pool::new("mamba_slots", config.mamba_slots, 1)?;
+        let host_kv_pool = Pool::new("host_kv_slots", config.host_kv_slots, config.page_size)?;
+        let host_mamba_pool = Pool::new("host_mamba_slots", config.host_mamba_slots, 1)?;
         let tree = Tree::new(config.page_size);
         let mut cache = Cache {
             config,
             tree,
             kv_pool,
             mamba_pool,
+            host_kv_pool,
+            host_mamba_pool,
+            host_lru: BTreeSet::new(),
+            host_tokens: 0,
+            loads: BTreeMap::new(),
             default_root: NONE,
             named_roots: HashMap::new(),
             kv_lru: BTreeSet::new(),
@@ -198,6 +238,16 @@ impl Cache {
     /// The device Mamba state pool (empty for an attention-only model).
     pub fn mamba_pool(&self) -> &Pool {
         &self.mamba_pool
+    }
+
+    /// The host-tier KV pool (empty without a host tier).
+    pub fn host_kv_pool(&self) -> &Pool {
+        &self.host_kv_pool
+    }
+
+    /// The host-tier state pool.
+    pub fn host_mamba_pool(&self) -> &Pool {
+        &self.host_mamba_pool
     }
 
     /// True when the model has Mamba layers (`mamba_slots > 0`): matches are then cut
@@ -262,6 +312,10 @@ impl Cache {
             self.kv_lru.remove(&(old, i));
             self.kv_lru.insert((now, i));
         }
+        if n.kv.in_host_lru {
+            self.host_lru.remove(&(old, i));
+            self.host_lru.insert((now, i));
+        }
     }
 
     /// Marks `i`'s Mamba state as used now (only the state a match actually uses).
@@ -275,11 +329,27 @@ impl Cache {
         }
     }
 
-    /// Puts `i` in or out of both eviction sets according to what it is now.
+    /// Puts `i` in or out of the eviction sets according to what it is now.
     ///
     /// KV: an unlocked device leaf whose state (if any) is unlocked too, since evicting
-    /// the leaf's KV takes its state with it. Mamba: a device state, unlocked.
+    /// the leaf's KV takes its state with it. Mamba: a device state, unlocked. Host: an
+    /// unlocked host-only leaf.
     pub(crate) fn refresh_candidate(&mut self, i: u32) {
+        let n = self.tree.node(i);
+        let host = !n.is_root()
+            && n.kv.device.is_none()
+            && n.kv.host.is_some()
+            && n.kv.lock == 0
+            && n.children.is_empty();
+        if host != n.kv.in_host_lru {
+            let key = (n.last_access, i);
+            if host {
+                self.host_lru.insert(key);
+            } else {
+                self.host_lru.remove(&key);
+            }
+            self.tree.node_mut(i).kv.in_host_lru = host;
+        }
         let n = self.tree.node(i);
         let kv = !n.is_root()
             && n.kv.device.is_some()
@@ -338,8 +408,12 @@ impl Cache {
         self.tree.probe(root, key, &mut probe);
         let hybrid = self.is_hybrid();
         let mut kv_indices = Vec::with_capacity(probe.matched);
-        // (node, length) of the deepest node valid for every component.
+        // (node, length) of the deepest node valid for every component: on the device,
+        // and on any tier. KV on the device is prefix-closed, and data a load-back has
+        // not landed yet does not count as the device's.
         let mut valid = (root, 0);
+        let mut any = (root, 0);
+        let mut on_device = true;
         let mut depth = 0;
         for &(i, n) in &probe.path {
             let node = if n < self.tree.node(i).key.len() {
@@ -348,20 +422,32 @@ impl Cache {
                 i
             };
             depth += n;
-            if let Some(pages) = &self.tree.node(node).kv.device {
-                self.expand_into(pages, &mut kv_indices);
+            let nd = self.tree.node(node);
+            on_device = on_device && !nd.kv.loading && nd.kv.device.is_some();
+            if on_device {
+                if let Some(pages) = &nd.kv.device {
+                    self.expand_into(pages, &mut kv_indices);
+                }
             }
             self.touch(node);
-            let nd = self.tree.node_mut(node);
-            nd.hits += 1;
-            if !hybrid || nd.mamba.device.is_some() {
+            let nd = self.tree.node(node);
+            if on_device && (!hybrid || nd.mamba.device.is_some()) {
                 valid = (node, depth);
+            }
+            let state_somewhere = nd.mamba.device.is_some() || nd.mamba.host.is_some();
+            if !hybrid || state_somewhere {
+                any = (node, depth);
             }
         }
         let kv_len = probe.matched;
         self.probe = probe;
         let (end, device_len) = valid;
         kv_indices.truncate(device_len);
+        let (host_end, host_len) = if any.1 > device_len {
+            (any.0, any.1 - device_len)
+        } else {
+            (end, 0)
+        };
         let mamba_slot = self.tree.node(end).mamba.device;
         if mamba_slot.is_some() {
             self.touch_state(end);
@@ -370,13 +456,13 @@ impl Cache {
         self.stats.match_calls += 1;
         self.stats.match_tokens += key.len() as u64;
         self.stats.hit_tokens += device_len as u64;
-        let node = self.tree.id(end);
+        self.stats.host_hit_tokens += host_len as u64;
         Match {
             device_len,
             kv_indices,
-            host_len: 0,
-            node,
-            host_node: node,
+            host_len,
+            node: self.tree.id(end),
+            host_node: self.tree.id(host_end),
             mamba_slot,
             kv_len,
         }
@@ -510,7 +596,9 @@ impl Cache {
         };
         let out = self.publish(root, &probe, tokens, owned_from, owned, state);
         self.probe = probe;
-        Ok(out)
+        drop(out.unpublished);
+        self.maybe_backup(out.end);
+        Ok(out.insert)
     }
 
     /// A state slot argument: in range of the Mamba pool.
@@ -527,8 +615,11 @@ impl Cache {
     }
 
     /// The part of an insert that cannot fail: splits along the probed path, frees the
-    /// duplicate and tail pages of `owned` (pages for tokens from `owned_from` on), adds
-    /// the new leaf and places `state`.
+    /// duplicate and tail pages of `owned` (pages for tokens from `owned_from` on),
+    /// revives host-only nodes on the path with the caller's pages, adds the new leaf
+    /// and places `state`. A node whose load-back is in flight stops the insert there:
+    /// nothing is cached at or below it, and the caller's pages from there to the
+    /// aligned end come back as `unpublished`.
     pub(crate) fn publish(
         &mut self,
         root: u32,
@@ -537,33 +628,67 @@ impl Cache {
         owned_from: usize,
         mut owned: Pages,
         state: Option<Pages>,
-    ) -> Insert {
+    ) -> Published {
         let ps = self.config.page_size;
         let aligned = self.aligned(tokens.len());
-        let matched = probe.matched;
         let mut end = root;
+        let mut pos = 0;
+        // Token position of `owned`'s first page; `owned` is consumed from the front.
+        let mut owned_pos = owned_from;
+        let mut blocked = false;
+        let mut duplicates = 0;
         for &(i, n) in &probe.path {
-            end = if n < self.tree.node(i).key.len() {
+            if self.tree.node(i).kv.loading {
+                blocked = true;
+                break;
+            }
+            let node = if n < self.tree.node(i).key.len() {
                 self.split(i, n)
             } else {
                 i
             };
-            self.touch(end);
+            let next = pos + n;
+            if next > owned_pos {
+                let rest = owned.split_off(((next - owned_pos) / ps).min(owned.len()));
+                let here = std::mem::replace(&mut owned, rest);
+                if self.tree.node(node).kv.device.is_none() {
+                    // A host-only node: the caller's fresh slots become its device copy
+                    // (the whole node is past `owned_from`: the owned prefix is on the
+                    // device).
+                    self.revive(node, here);
+                } else {
+                    duplicates += next - owned_pos;
+                    drop(here);
+                }
+                owned_pos = next;
+            }
+            self.tree.node_mut(node).hits += 1;
+            self.touch(node);
+            end = node;
+            pos = next;
         }
-        // Pages of owned tokens the tree already has are duplicates: freed on drop.
-        let dup_pages = matched.saturating_sub(owned_from) / ps;
-        let mut new_pages = owned.split_off(dup_pages.min(owned.len()));
-        drop(owned);
-        let tail = new_pages.split_off((aligned - matched.max(owned_from)) / ps);
-        drop(tail);
-        if aligned > matched {
-            end = self.add_leaf(end, tokens[matched..aligned].to_vec(), new_pages);
+        let mut unpublished = self.kv_pool.empty();
+        let cached = if blocked {
+            let keep = ((aligned - owned_pos.max(pos)) / ps).min(owned.len());
+            let tail = owned.split_off(keep);
+            drop(tail);
+            unpublished = owned;
+            pos
         } else {
-            drop(new_pages);
-        }
+            if aligned > pos {
+                let rest = owned.split_off(((aligned - pos) / ps).min(owned.len()));
+                let leaf_pages = std::mem::replace(&mut owned, rest);
+                end = self.add_leaf(end, tokens[pos..aligned].to_vec(), leaf_pages);
+                self.tree.node_mut(end).hits = 1;
+                self.stats.inserted_tokens += (aligned - pos) as u64;
+            }
+            // The unaligned tail.
+            drop(owned);
+            aligned
+        };
         let mut mamba_existed = false;
         if let Some(state) = state {
-            if end == root || aligned != tokens.len() {
+            if end == root || cached != tokens.len() {
                 // The state was taken at tokens.len(), which is no node's end.
                 drop(state);
             } else if self.tree.node(end).mamba.device.is_some() {
@@ -574,13 +699,33 @@ impl Cache {
             }
         }
         self.stats.insert_calls += 1;
-        self.stats.inserted_tokens += (aligned - matched) as u64;
-        self.stats.duplicate_tokens += matched.saturating_sub(owned_from) as u64;
-        Insert {
-            prefix_len: matched,
-            node: self.tree.id(end),
-            mamba_existed,
+        self.stats.duplicate_tokens += duplicates as u64;
+        Published {
+            insert: Insert {
+                prefix_len: probe.matched.min(pos),
+                node: self.tree.id(end),
+                mamba_existed,
+            },
+            end,
+            cached,
+            unpublished,
         }
+    }
+
+    /// Gives host-only node `i` device pages (an insert passing through it).
+    fn revive(&mut self, i: u32, pages: Pages) {
+        let n = self.tree.node_mut(i);
+        n.kv.device = Some(pages.into_tree());
+        let (len, parent, locked) = (n.key.len(), n.parent, n.kv.lock > 0);
+        if locked {
+            self.protected_tokens += len;
+        } else {
+            self.evictable_tokens += len;
+        }
+        self.tree.node_mut(parent).device_children += 1;
+        self.refresh_candidate(parent);
+        self.refresh_candidate(i);
+        self.stats.revived_tokens += len as u64;
     }
 
     /// Publishes a state slot on node `i` (which has device KV and no state).
@@ -673,7 +818,8 @@ impl Cache {
         let ps = self.config.page_size;
         let mut pos = 0;
         for &(i, n) in &probe.path {
-            let Some(pages) = &self.tree.node(i).kv.device else {
+            let node = self.tree.node(i);
+            let Some(pages) = node.kv.device.as_ref().filter(|_| !node.kv.loading) else {
                 break;
             };
             for &p in &pages[..n / ps] {
@@ -732,8 +878,10 @@ impl Cache {
             n.kv.lock += 1;
             let (first, len, parent, root) = (n.kv.lock == 1, n.key.len(), n.parent, n.is_root());
             if first && !root {
-                self.evictable_tokens -= len;
-                self.protected_tokens += len;
+                if n.kv.device.is_some() {
+                    self.evictable_tokens -= len;
+                    self.protected_tokens += len;
+                }
                 self.refresh_candidate(cur);
             }
             cur = parent;
@@ -804,7 +952,7 @@ impl Cache {
             let n = self.tree.node_mut(cur);
             n.kv.lock -= 1;
             let (last, len, parent, root) = (n.kv.lock == 0, n.key.len(), n.parent, n.is_root());
-            if last && !root {
+            if last && !root && n.kv.device.is_some() {
                 self.protected_tokens -= len;
                 self.evictable_tokens += len;
             }
@@ -897,26 +1045,31 @@ impl Cache {
         }
     }
 
-    /// Deletes an unlocked device leaf (out of the KV set already), freeing its pages and
-    /// its state; then deletes ancestors left as stateless unlocked leaves of a hybrid
-    /// tree (unmatchable dead weight).
-    fn remove_leaf(&mut self, mut i: u32, out: &mut Evicted) {
+    /// Evicts an unlocked device leaf (out of the KV set already). A leaf with a
+    /// useful host copy is demoted (kept with its host data only); under write-back one
+    /// without is backed up first and demoted when the copy completes; any other is
+    /// deleted with the host-only nodes below it. Ancestors left as childless stateless
+    /// unlocked leaves of a hybrid tree (unmatchable dead weight) go too.
+    pub(crate) fn remove_leaf(&mut self, mut i: u32, out: &mut Evicted) {
+        let hybrid = self.is_hybrid();
         loop {
-            self.drop_state(i, out);
-            let n = self.tree.node_mut(i);
-            let len = n.key.len();
-            let parent = n.parent;
-            let pages = n.kv.device.take().unwrap_or_default();
-            self.kv_pool.release_tree(&pages);
-            self.evictable_tokens -= len;
-            out.kv_tokens += len;
-            self.tree.unlink_child(parent, i);
-            self.tree.free_node(i);
-            self.tree.node_mut(parent).device_children -= 1;
-            self.refresh_candidate(parent);
-            self.stats.evicted_nodes += 1;
+            let n = self.tree.node(i);
+            let useful_on_host = n.kv.host.is_some()
+                && (!hybrid || n.mamba.host.is_some() || !n.children.is_empty());
+            if useful_on_host {
+                self.demote(i, out);
+                return;
+            }
+            let (len, has_state) = (n.key.len(), n.mamba.device.is_some());
+            if self.backup_for_eviction(i) {
+                // Counted as evicted now: its slots are free once the backup completes.
+                out.kv_tokens += len;
+                out.mamba_states += usize::from(has_state);
+                return;
+            }
+            let parent = self.delete_subtree(i, out);
             let p = self.tree.node(parent);
-            if self.is_hybrid() && p.kv.in_lru && p.mamba.device.is_none() {
+            if hybrid && p.kv.in_lru && p.mamba.device.is_none() && p.children.is_empty() {
                 self.kv_lru.remove(&(p.last_access, parent));
                 self.tree.node_mut(parent).kv.in_lru = false;
                 i = parent;
@@ -1087,6 +1240,7 @@ impl Cache {
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
         let c = self.kv_pool.counts();
         let m = self.mamba_pool.counts();
+        let h = self.host_kv_pool.counts();
         let ps = self.config.page_size as u64;
         let mut out = self.stats.entries();
         out.extend([
@@ -1116,6 +1270,22 @@ impl Cache {
             ("mamba_request_slots", m.owned as u64),
             ("mamba_draining_slots", m.draining as u64),
             ("mamba_capacity_slots", self.config.mamba_slots as u64),
+            ("host_kv_cached_tokens", self.host_tokens as u64),
+            ("host_kv_free_slots", h.free as u64 * ps),
+            ("host_kv_capacity_slots", self.config.host_kv_slots as u64),
+            (
+                "host_mamba_cached_states",
+                self.host_mamba_pool.counts().tree as u64,
+            ),
+            (
+                "host_mamba_free_slots",
+                self.host_mamba_pool.free_pages() as u64,
+            ),
+            (
+                "host_mamba_capacity_slots",
+                self.config.host_mamba_slots as u64,
+            ),
+            ("load_backs_pending", self.loads.len() as u64),
         ]);
         out
     }
@@ -1148,6 +1318,13 @@ impl Cache {
                     last_access: n.last_access,
                     mamba_slot: n.mamba.device,
                     mamba_lock: n.mamba.lock,
+                    host_kv_indices: n.kv.host.as_ref().map(|pages| {
+                        let mut v = Vec::new();
+                        self.expand_into(pages, &mut v);
+                        v
+                    }),
+                    host_mamba_slot: n.mamba.host,
+                    loading: n.kv.loading,
                 });
                 prefix_at.insert(i, prefix);
             }
@@ -1246,11 +1423,14 @@ impl Cache {
                     } else {
                         ""
                     };
-                    let kv = match &n.kv.device {
-                        Some(p) if !p.is_empty() => {
+                    let kv = match (&n.kv.device, &n.kv.host) {
+                        (Some(p), _) if !p.is_empty() => {
                             let first = i64::from(p[0]) * as_i64(self.config.page_size);
-                            format!("kv@{first}..")
+                            let host = if n.kv.host.is_some() { " +host" } else { "" };
+                            let loading = if n.kv.loading { " loading" } else { "" };
+                            format!("kv@{first}..{host}{loading}")
                         }
+                        (_, Some(_)) => "host only".to_owned(),
                         _ => "no device kv".to_owned(),
                     };
                     let lock = if n.kv.lock > 0 {
@@ -1258,10 +1438,12 @@ impl Cache {
                     } else {
                         String::new()
                     };
-                    let state = match (n.mamba.device, self.is_hybrid()) {
-                        (Some(slot), _) => format!(", state@{slot}"),
-                        (None, true) => ", no state".to_owned(),
-                        (None, false) => String::new(),
+                    let state = match (n.mamba.device, n.mamba.host, self.is_hybrid()) {
+                        (Some(slot), Some(_), _) => format!(", state@{slot} +host"),
+                        (Some(slot), None, _) => format!(", state@{slot}"),
+                        (None, Some(h), _) => format!(", host state@{h}"),
+                        (None, None, true) => ", no state".to_owned(),
+                        (None, None, false) => String::new(),
                     };
                     let _ = write!(
                         s,

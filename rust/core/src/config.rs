@@ -118,20 +118,24 @@ impl Config {
         if self.write_through_threshold == 0 {
             return Err(Error::arg("write_through_threshold", "must be at least 1"));
         }
-        // The host tier is a part of the core that is not in this release; refuse rather
-        // than silently ignore it.
-        for (name, n) in [
-            ("host_kv_slots", self.host_kv_slots),
-            ("host_mamba_slots", self.host_mamba_slots),
-        ] {
-            if n != 0 {
-                return Err(Error::arg(
-                    name,
-                    format!(
-                        "{n} requested, but this version of radixcache has no host tier; pass 0"
-                    ),
-                ));
-            }
+        if self.host_mamba_slots > 0 && self.mamba_slots == 0 {
+            return Err(Error::arg(
+                "host_mamba_slots",
+                format!(
+                    "{} requested for a model without Mamba layers (mamba_slots=0); pass 0",
+                    self.host_mamba_slots
+                ),
+            ));
+        }
+        if self.host_mamba_slots > 0 && self.host_kv_slots == 0 {
+            return Err(Error::arg(
+                "host_mamba_slots",
+                format!(
+                    "{} requested without a host KV tier (host_kv_slots=0): a host state \
+                     needs its tokens' KV on the host too",
+                    self.host_mamba_slots
+                ),
+            ));
         }
         Ok(())
     }
@@ -178,11 +182,35 @@ mod tests {
         );
         assert_eq!(
             arg_of(Config {
-                host_kv_slots: 4,
-                ..Config::kv(8, 1)
+                host_kv_slots: 6,
+                ..Config::kv(8, 4)
             }),
             "host_kv_slots"
         );
+        assert_eq!(
+            arg_of(Config {
+                host_kv_slots: 8,
+                host_mamba_slots: 2,
+                ..Config::kv(8, 1)
+            }),
+            "host_mamba_slots"
+        );
+        assert_eq!(
+            arg_of(Config {
+                mamba_slots: 2,
+                host_mamba_slots: 2,
+                ..Config::kv(8, 1)
+            }),
+            "host_mamba_slots"
+        );
+        assert!(Config {
+            mamba_slots: 2,
+            host_kv_slots: 16,
+            host_mamba_slots: 2,
+            ..Config::kv(8, 1)
+        }
+        .validate()
+        .is_ok());
         assert!(Config {
             mamba_slots: 4,
             ..Config::kv(8, 1)

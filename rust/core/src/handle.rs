@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cache::{Cache, LockId, RequestId};
+use crate::cache::{BatchId, Cache, LoadTarget, LockId, RequestId, TransferBatch};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::tree::NodeId;
@@ -80,6 +80,52 @@ impl HybridCache {
         }
     }
 
+    /// Starts a load-back of the host-only part of the path to `node`, for `request`
+    /// when given (see [`Cache::load_back`]). `Ok(None)`: called off, nothing taken.
+    /// The returned guard owns everything the load took until [`LoadBack::commit`];
+    /// dropping it uncommitted gives it all back.
+    pub fn load_back(
+        &self,
+        node: NodeId,
+        mem_quota: Option<usize>,
+        request: Option<&Request>,
+    ) -> Result<Option<LoadBack>> {
+        let request = request.map(|r| self.request_id(r)).transpose()?;
+        self.guard(LoadTarget::Node(node), mem_quota, request)
+    }
+
+    /// Starts a load-back of what `request`'s admission found on the host tier.
+    pub fn load_back_request(
+        &self,
+        request: &Request,
+        mem_quota: Option<usize>,
+    ) -> Result<Option<LoadBack>> {
+        let id = self.request_id(request)?;
+        self.guard(LoadTarget::Request(id), mem_quota, None)
+    }
+
+    fn guard(
+        &self,
+        target: LoadTarget,
+        mem_quota: Option<usize>,
+        request: Option<RequestId>,
+    ) -> Result<Option<LoadBack>> {
+        let mut core = self.core.lock();
+        let Some(id) = core.load_back(target, mem_quota, request)? else {
+            return Ok(None);
+        };
+        let batch = core.load_batch(id)?;
+        let kv_tokens = core.load_kv_tokens(id)?;
+        drop(core);
+        Ok(Some(LoadBack {
+            core: Arc::clone(&self.core),
+            id,
+            batch,
+            kv_tokens,
+            live: true,
+        }))
+    }
+
     /// Releases the receipt in `slot` and empties it. An empty slot (released already)
     /// or a receipt of another cache raises [`Error::Lock`]; the receipt then stays
     /// where it was.
@@ -90,6 +136,65 @@ impl HybridCache {
                 Err(Error::Lock("this lock belongs to another cache".to_owned()))
             }
             Some(_) => slot.take().map_or(Ok(()), Lock::release),
+        }
+    }
+}
+
+/// A load-back in progress: owns the lock on the path being loaded, the device KV
+/// slots for the host-only nodes, the slot restoring the node's state and the
+/// request's fresh state slot. [`LoadBack::commit`] publishes them; dropping the guard
+/// uncommitted (early return, error, panic) releases the lock and returns every slot,
+/// at once if its batch was never started, else when the batch is acknowledged.
+#[must_use = "dropping a LoadBack uncommitted calls the load off"]
+#[clippy::has_significant_drop]
+pub struct LoadBack {
+    core: Arc<Mutex<Cache>>,
+    id: BatchId,
+    batch: TransferBatch,
+    kv_tokens: usize,
+    live: bool,
+}
+
+impl fmt::Debug for LoadBack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadBack")
+            .field("id", &self.id)
+            .field("kv_tokens", &self.kv_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadBack {
+    /// The batch id (acknowledge it with `complete` / `fail`).
+    pub fn id(&self) -> BatchId {
+        self.id
+    }
+
+    /// The copies to run (host to device), before or after commit.
+    pub fn batch(&self) -> &TransferBatch {
+        &self.batch
+    }
+
+    /// KV tokens this load moves.
+    pub fn kv_tokens(&self) -> usize {
+        self.kv_tokens
+    }
+
+    /// Publishes the load (see [`Cache::commit_load`]). On error (the copies failed,
+    /// or the request extended since) the guard is dropped, which releases everything.
+    pub fn commit(mut self) -> Result<()> {
+        let out = self.core.lock().commit_load(self.id);
+        if out.is_ok() {
+            self.live = false;
+        }
+        out
+    }
+}
+
+impl Drop for LoadBack {
+    fn drop(&mut self) {
+        if self.live {
+            let _ = self.core.lock().cancel_load(self.id);
         }
     }
 }

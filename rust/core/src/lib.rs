@@ -20,11 +20,11 @@ mod stats;
 mod tree;
 
 pub use cache::{
-    BatchId, BatchKind, Cache, Copy, Evicted, Insert, LockId, Match, NodeInfo, PoolKind, RequestId,
-    RequestView, Tier, TransferBatch,
+    BatchId, BatchKind, Cache, CallOff, Copy, Evicted, Insert, LoadTarget, LockId, Match, NodeInfo,
+    PoolKind, RequestId, RequestView, Tier, TransferBatch,
 };
 pub use config::{Config, WritePolicy};
 pub use error::{Error, Result};
-pub use handle::{HybridCache, Lock, Request};
+pub use handle::{HybridCache, LoadBack, Lock, Request};
 pub use pool::{PageState, Pages, Pool, PoolCounts};
 pub use tree::NodeId;

@@ -316,6 +316,11 @@ impl Pool {
         }
     }
 
+    /// Pins on every page (audit).
+    pub(crate) fn all_pins(&self) -> Vec<u32> {
+        self.shared.inner.lock().pins.clone()
+    }
+
     /// Pins on one page (audit and tests).
     pub(crate) fn pins(&self, page: u32) -> u32 {
         self.shared

@@ -50,6 +50,50 @@ pub(crate) struct Stats {
     pub cow_copies: u64,
     pub batches_completed: u64,
     pub batches_failed: u64,
+    /// Tokens matches found only on the host tier (`Match.host_len`).
+    pub host_hit_tokens: u64,
+    /// Host-only tokens an insert gave device slots again.
+    pub revived_tokens: u64,
+    /// Backup batches emitted.
+    pub backups: u64,
+    /// Backup batches completed.
+    pub backups_done: u64,
+    /// Backup batches failed (the nodes stay not backed up).
+    pub backups_failed: u64,
+    /// KV tokens copied to the host by backups.
+    pub backup_tokens: u64,
+    /// Nodes a backup left out for lack of host room after host eviction.
+    pub backups_skipped: u64,
+    /// States a backup left out for lack of a host state slot.
+    pub backup_states_skipped: u64,
+    /// Device evictions that kept the node with its host copy.
+    pub demotions: u64,
+    /// Host-only nodes deleted to make host room (or with their device parent).
+    pub host_evictions: u64,
+    /// Host KV tokens freed by those deletions.
+    pub host_evicted_tokens: u64,
+    /// Load-back guards handed out.
+    pub load_backs: u64,
+    /// Load-backs committed.
+    pub load_backs_committed: u64,
+    /// Load-backs called off: returned None, or released uncommitted.
+    pub load_backs_called_off: u64,
+    /// ... because there was nothing to load.
+    pub load_backs_called_off_nothing: u64,
+    /// ... because part of the path was being loaded already.
+    pub load_backs_called_off_busy: u64,
+    /// ... because the KV tokens exceeded `mem_quota`.
+    pub load_backs_called_off_quota: u64,
+    /// ... because the device had no room for the KV even after eviction.
+    pub load_backs_called_off_room: u64,
+    /// ... because no state slot could be had even after eviction.
+    pub load_backs_called_off_state: u64,
+    /// ... because the guard was released without commit.
+    pub load_backs_called_off_released: u64,
+    /// Load-back batches that failed (before or after commit).
+    pub load_backs_failed: u64,
+    /// KV tokens moved to the device by committed load-backs.
+    pub loaded_tokens: u64,
 }
 
 impl Stats {
@@ -86,6 +130,46 @@ impl Stats {
             ("cow_copies", self.cow_copies),
             ("batches_completed", self.batches_completed),
             ("batches_failed", self.batches_failed),
+            ("host_hit_tokens", self.host_hit_tokens),
+            ("revived_tokens", self.revived_tokens),
+            ("backups", self.backups),
+            ("backups_done", self.backups_done),
+            ("backups_failed", self.backups_failed),
+            ("backup_tokens", self.backup_tokens),
+            ("backups_skipped", self.backups_skipped),
+            ("backup_states_skipped", self.backup_states_skipped),
+            ("demotions", self.demotions),
+            ("host_evictions", self.host_evictions),
+            ("host_evicted_tokens", self.host_evicted_tokens),
+            ("load_backs", self.load_backs),
+            ("load_backs_committed", self.load_backs_committed),
+            ("load_backs_called_off", self.load_backs_called_off),
+            (
+                "load_backs_called_off_nothing",
+                self.load_backs_called_off_nothing,
+            ),
+            (
+                "load_backs_called_off_busy",
+                self.load_backs_called_off_busy,
+            ),
+            (
+                "load_backs_called_off_quota",
+                self.load_backs_called_off_quota,
+            ),
+            (
+                "load_backs_called_off_room",
+                self.load_backs_called_off_room,
+            ),
+            (
+                "load_backs_called_off_state",
+                self.load_backs_called_off_state,
+            ),
+            (
+                "load_backs_called_off_released",
+                self.load_backs_called_off_released,
+            ),
+            ("load_backs_failed", self.load_backs_failed),
+            ("loaded_tokens", self.loaded_tokens),
         ]
     }
 }

@@ -46,14 +46,26 @@ impl fmt::Display for NodeId {
 
 /// Per-node data of the KV component.
 #[derive(Debug, Default)]
+#[allow(clippy::struct_excessive_bools)] // independent marks, each read on its own
 pub(crate) struct KvNode {
     /// Device pages holding this node's tokens (`key.len() / page_size` of them), or
-    /// `None` when the node has no device KV (a host-only node, from the host tier on).
+    /// `None` when the node has no device KV (a host-only node).
     pub device: Option<Vec<u32>>,
-    /// Number of live lock receipts whose path covers this node.
+    /// Host-tier pages holding a backup of this node's tokens, or `None`.
+    pub host: Option<Vec<u32>>,
+    /// Number of live lock receipts whose path covers this node. On a host-only node a
+    /// lock also keeps the host copy from host eviction (a load-back reads it).
     pub lock: u32,
     /// Whether the node is in the KV eviction set (an unlocked device leaf).
     pub in_lru: bool,
+    /// Whether the node is in the host eviction set (an unlocked host-only leaf).
+    pub in_host_lru: bool,
+    /// The device pages arrived by a committed load-back whose copies are not
+    /// acknowledged yet: present (and protected) but not matchable, and nothing is
+    /// cached below the node until the copies land or fail.
+    pub loading: bool,
+    /// A backup of this node to the host tier is in flight.
+    pub backup_pending: bool,
 }
 
 /// Per-node data of the Mamba component: at most one state, for the prefix that ends
@@ -62,6 +74,8 @@ pub(crate) struct KvNode {
 pub(crate) struct MambaNode {
     /// Device state slot, or `None` (a tombstone for this component).
     pub device: Option<u32>,
+    /// Host-tier state slot (a backup), or `None`.
+    pub host: Option<u32>,
     /// Single-node lock count (receipts that copy or use this state).
     pub lock: u32,
     /// Whether the node is in the Mamba eviction set (a state, unlocked).
@@ -258,8 +272,9 @@ impl Tree {
 
     /// Splits node `i` after its first `at` tokens (`0 < at < key.len()`, page-aligned).
     /// The lower part keeps the node's identity (handles stay valid and still end where
-    /// they did); a new upper node takes the first `at` tokens, the parent link and a
-    /// copy of the KV lock count, so that receipts below it stay balanced. A Mamba state
+    /// they did); a new upper node takes the first `at` tokens (device and host pages
+    /// alike), the parent link, a copy of the KV lock count (so that receipts below it
+    /// stay balanced) and the in-flight marks. A Mamba state
     /// (and its single-node lock) stays with the lower node, which still ends where the
     /// state was taken; the upper node is a Mamba tombstone.
     pub fn split(&mut self, i: u32, at: usize) -> u32 {
@@ -268,29 +283,36 @@ impl Tree {
         let parent = self.nodes[i as usize].parent;
         self.unlink_child(parent, i);
         let ps = self.page_size;
-        let (key_hi, kv_hi, lock, last_access, hits, has_kv) = {
+        let split_pages = |pages: &mut Vec<u32>| {
+            let rest = pages.split_off(at / ps);
+            std::mem::replace(pages, rest)
+        };
+        let (upper_key, upper_device, upper_host, has_kv) = {
             let n = &mut self.nodes[i as usize];
             let rest = n.key.split_off(at);
             let upper_key = std::mem::replace(&mut n.key, rest);
-            let upper_kv = n.kv.device.as_mut().map(|pages| {
-                let rest = pages.split_off(at / ps);
-                std::mem::replace(pages, rest)
-            });
-            let has_kv = n.kv.device.is_some();
+            let upper_device = n.kv.device.as_mut().map(split_pages);
+            let upper_host = n.kv.host.as_mut().map(split_pages);
+            (upper_key, upper_device, upper_host, n.kv.device.is_some())
+        };
+        let (lock, loading, backup_pending, last_access, hits) = {
+            let n = &self.nodes[i as usize];
             (
-                upper_key,
-                upper_kv,
                 n.kv.lock,
+                n.kv.loading,
+                n.kv.backup_pending,
                 n.last_access,
                 n.hits,
-                has_kv,
             )
         };
-        let u = self.alloc_node(parent, key_hi);
+        let u = self.alloc_node(parent, upper_key);
         {
             let un = &mut self.nodes[u as usize];
-            un.kv.device = kv_hi;
+            un.kv.device = upper_device;
+            un.kv.host = upper_host;
             un.kv.lock = lock;
+            un.kv.loading = loading;
+            un.kv.backup_pending = backup_pending;
             un.last_access = last_access;
             un.hits = hits;
             un.device_children = u32::from(has_kv);

@@ -900,6 +900,7 @@ impl Machine {
                     mamba_slot: q.mamba,
                     node: v.node,
                     copy_pending: q.cow,
+                    load_pending: None,
                 },
                 "request {}",
                 q.id

@@ -1,7 +1,7 @@
 //! Transfer batches: the data movement the core needs, emitted for an engine to run.
 //!
 //! The core never touches tensor memory. When it needs bytes moved (a copy-on-write of a
-//! Mamba state now; backups and load-backs with the host tier) it emits a batch of
+//! Mamba state, a backup to the host tier, a load back from it) it emits a batch of
 //! copies between pool slots and keeps, until the engine says `complete` or `fail`,
 //! everything the batch needs: every slot a batch reads or writes is pinned in its pool
 //! from emission on, so that whoever gives such a slot back meanwhile only marks it
@@ -121,13 +121,26 @@ pub(crate) enum Action {
     /// `dst` receives a copy of a request's state; on success it is published on `node`
     /// (if that node still exists and has no state), on failure it is freed.
     CheckpointCow { node: NodeId, dst: Pages },
+    /// Device to host copies of the nodes on the path to `end` (see `host.rs`).
+    Backup(super::host::Backup),
+    /// Host to device copies of a load-back; what it carries lives in `Cache::loads`
+    /// under the batch's id (gone when its guard was dropped uncommitted).
+    LoadBack,
+}
+
+/// Pages of one pool and tier that a batch reads or writes.
+pub(crate) struct Pins {
+    pub pool: PoolKind,
+    pub tier: Tier,
+    pub pages: Vec<u32>,
 }
 
 pub(crate) struct Pending {
     pub batch: TransferBatch,
     pub started: bool,
-    /// Mamba slots pinned for this batch (its sources and destinations).
-    pub mamba_pins: Vec<u32>,
+    /// Every page the batch's copies read or write, pinned in its pool until the batch
+    /// is acknowledged.
+    pub pins: Vec<Pins>,
     pub action: Action,
 }
 
@@ -148,31 +161,70 @@ impl Batches {
 }
 
 impl Cache {
-    /// Emits a batch: pins the Mamba slots it touches and queues it for `take_batches`.
+    /// The pool a copy's slots index.
+    pub(crate) fn pool_of(&self, pool: PoolKind, tier: Tier) -> &crate::pool::Pool {
+        match (pool, tier) {
+            (PoolKind::Kv, Tier::Device) => &self.kv_pool,
+            (PoolKind::Kv, Tier::Host) => &self.host_kv_pool,
+            (PoolKind::Mamba, Tier::Device) => &self.mamba_pool,
+            (PoolKind::Mamba, Tier::Host) => &self.host_mamba_pool,
+        }
+    }
+
+    /// Emits a batch: pins every page its copies read or write and, when `queued`,
+    /// queues it for `take_batches` (a load-back's batch is reached through its guard).
     pub(crate) fn emit(
         &mut self,
         kind: BatchKind,
         copies: Vec<Copy>,
-        mamba_pins: Vec<u32>,
         action: Action,
+        queued: bool,
     ) -> BatchId {
         let id = BatchId(self.batches.next);
         self.batches.next += 1;
-        self.mamba_pool.pin(&mamba_pins);
-        if kind == BatchKind::Cow {
-            self.stats.cow_copies += 1;
+        let ps = self.config.page_size;
+        let mut pins: Vec<Pins> = Vec::new();
+        for c in &copies {
+            for (tier, slots) in [(c.src_tier, &c.src), (c.dst_tier, &c.dst)] {
+                let page_size = if c.pool == PoolKind::Kv { ps } else { 1 };
+                let mut pages: Vec<u32> = slots
+                    .iter()
+                    .map(|&s| crate::pool::page_of_slot(s, page_size))
+                    .collect();
+                pages.dedup();
+                self.pool_of(c.pool, tier).pin(&pages);
+                pins.push(Pins {
+                    pool: c.pool,
+                    tier,
+                    pages,
+                });
+            }
+        }
+        match kind {
+            BatchKind::Cow => self.stats.cow_copies += 1,
+            BatchKind::Backup => self.stats.backups += 1,
+            BatchKind::LoadBack => {}
         }
         self.batches.pending.insert(
             id,
             Pending {
                 batch: TransferBatch { id, kind, copies },
                 started: false,
-                mamba_pins,
+                pins,
                 action,
             },
         );
-        self.batches.outbox.push(id);
+        if queued {
+            self.batches.outbox.push(id);
+        }
         id
+    }
+
+    /// Drops a finished batch's pins: a page given back meanwhile becomes free now.
+    pub(crate) fn unpin_all(&self, pins: &[Pins]) {
+        for p in pins {
+            self.pool_of(p.pool, p.tier).unpin(&p.pages);
+        }
     }
 
     /// The batches emitted since the last call, for the engine to run and acknowledge.
@@ -210,20 +262,24 @@ impl Cache {
             return Ok(());
         };
         self.batches.outbox.retain(|&b| b != id);
+        self.unpin_all(&p.pins);
         match p.action {
             Action::AdmitCow { request } => self.admit_copy_done(request, id),
             Action::CheckpointCow { node, dst } => {
                 let live = self.tree.resolve(node).ok().filter(|&i| {
                     let n = self.tree.node(i);
-                    n.kv.device.is_some() && n.mamba.device.is_none()
+                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.loading
                 });
-                match live {
-                    Some(i) => self.set_state(i, dst),
-                    None => drop(dst),
+                if let Some(i) = live {
+                    self.set_state(i, dst);
+                    self.maybe_backup(i);
+                } else {
+                    drop(dst);
                 }
             }
+            Action::Backup(b) => self.backup_done(b),
+            Action::LoadBack => self.load_done(id),
         }
-        self.mamba_pool.unpin(&p.mamba_pins);
         self.stats.batches_completed += 1;
         Ok(())
     }
@@ -236,11 +292,13 @@ impl Cache {
             return Ok(());
         };
         self.batches.outbox.retain(|&b| b != id);
+        self.unpin_all(&p.pins);
         match p.action {
             Action::AdmitCow { request } => self.admit_copy_failed(request, id),
             Action::CheckpointCow { dst, .. } => drop(dst),
+            Action::Backup(b) => self.backup_failed(b),
+            Action::LoadBack => self.load_failed(id),
         }
-        self.mamba_pool.unpin(&p.mamba_pins);
         self.stats.batches_failed += 1;
         Ok(())
     }

@@ -46,6 +46,12 @@ pub(crate) struct RequestState {
     pub host_len: usize,
     /// The admission copy-on-write, until it is acknowledged.
     pub cow: Option<BatchId>,
+    /// The last node of the match counting host data, when it is deeper than `node`:
+    /// what `load_back(request)` loads.
+    pub host_node: Option<NodeId>,
+    /// A load-back for this request: its guard is outstanding, or it was committed and
+    /// its copies are not acknowledged yet.
+    pub load: Option<BatchId>,
 }
 
 /// The request table (a slab with generations).
@@ -87,7 +93,7 @@ impl Requests {
         }
     }
 
-    fn get_mut(&mut self, cache: u32, id: RequestId) -> Option<&mut RequestState> {
+    pub(crate) fn get_mut(&mut self, cache: u32, id: RequestId) -> Option<&mut RequestState> {
         match self.slots.get_mut(id.index as usize) {
             Some((g, Some(r))) if *g == id.generation && id.cache == cache => Some(r),
             _ => None,
@@ -121,16 +127,18 @@ pub struct RequestView {
     pub node: NodeId,
     /// The admission copy-on-write batch, until acknowledged.
     pub copy_pending: Option<BatchId>,
+    /// A load-back for the request, from `load_back` until its copies are acknowledged.
+    pub load_pending: Option<BatchId>,
 }
 
 impl Cache {
-    fn request_ref(&self, id: RequestId) -> Result<&RequestState> {
+    pub(crate) fn request_ref(&self, id: RequestId) -> Result<&RequestState> {
         self.requests
             .get(self.tree.cache_id, id)
             .ok_or_else(|| stale_request(id))
     }
 
-    fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestState> {
+    pub(crate) fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestState> {
         let cache = self.tree.cache_id;
         self.requests
             .get_mut(cache, id)
@@ -176,14 +184,16 @@ impl Cache {
             branch_len: m.kv_len,
             host_len: m.host_len,
             cow: None,
+            host_node: (m.host_len > 0).then_some(m.host_node),
+            load: None,
         };
         let id = self.requests.insert(self.tree.cache_id, r);
         if let Some((src, dst)) = cow {
             let batch = self.emit(
                 BatchKind::Cow,
                 vec![state_copy(src, dst)],
-                vec![src, dst],
                 Action::AdmitCow { request: id },
+                true,
             );
             if let Some(r) = self.requests.get_mut(self.tree.cache_id, id) {
                 r.cow = Some(batch);
@@ -252,11 +262,12 @@ impl Cache {
     /// afterwards: tokens another request cached meanwhile now use the cache's slots.
     pub fn checkpoint(&mut self, id: RequestId) -> Result<()> {
         self.refuse_while_copying(id, "checkpoint")?;
-        let (end, aligned) = self.cache_request(id, false)?;
+        let (end, cached) = self.cache_request(id, false)?;
+        self.maybe_backup(end);
         let hybrid = self.is_hybrid();
         let r = self.request_ref(id)?;
         let src = r.mamba.as_ref().map(|s| s.pages()[0]);
-        let at_node_end = r.tokens.len() == aligned && end != self.root_of(r);
+        let at_node_end = r.tokens.len() == cached && end != self.root_of(r);
         if hybrid {
             match src {
                 Some(src) if at_node_end && self.tree.node(end).mamba.device.is_none() => {
@@ -266,8 +277,8 @@ impl Cache {
                         self.emit(
                             BatchKind::Cow,
                             vec![state_copy(src, dst_slot)],
-                            vec![src, dst_slot],
                             Action::CheckpointCow { node, dst },
+                            true,
                         );
                     } else {
                         self.stats.checkpoint_states_skipped += 1;
@@ -287,17 +298,18 @@ impl Cache {
     /// afterwards.
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
         self.refuse_while_copying(id, "finish")?;
-        let (end, aligned) = self.cache_request(id, true)?;
+        let (end, cached) = self.cache_request(id, true)?;
         let mut r = self.take_request(id)?;
         if let Some(state) = r.mamba.take() {
             let n = self.tree.node(end);
-            if r.tokens.len() == aligned && !n.is_root() && n.mamba.device.is_none() {
+            if r.tokens.len() == cached && !n.is_root() && n.mamba.device.is_none() {
                 self.set_state(end, state);
             } else {
                 drop(state);
             }
         }
         drop(r);
+        self.maybe_backup(end);
         self.stats.finishes += 1;
         Ok(())
     }
@@ -333,11 +345,18 @@ impl Cache {
         }
     }
 
-    fn refuse_while_copying(&self, id: RequestId, what: &str) -> Result<()> {
-        if let Some(batch) = self.request_ref(id)?.cow {
+    pub(crate) fn refuse_while_copying(&self, id: RequestId, what: &str) -> Result<()> {
+        let r = self.request_ref(id)?;
+        if let Some(batch) = r.cow {
             return Err(Error::Request(format!(
                 "cannot {what} request {id}: its state copy (batch {batch}) is not \
                  acknowledged yet; complete or fail it first"
+            )));
+        }
+        if let Some(batch) = r.load {
+            return Err(Error::Request(format!(
+                "cannot {what} request {id}: its load-back (batch {batch}) is not \
+                 committed and acknowledged yet; release it, or complete or fail it first"
             )));
         }
         Ok(())
@@ -348,7 +367,9 @@ impl Cache {
     }
 
     /// Inserts the request's whole pages; the lock moves to the end node (unless the
-    /// request is finishing). Returns the end node and the aligned length.
+    /// request is finishing). Returns the end node and the length now cached (the
+    /// aligned length, or less when a load in flight stopped the insert: the pages past
+    /// it stay the request's).
     fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
         let ps = self.config.page_size;
         let r = self.request_mut(id)?;
@@ -364,27 +385,32 @@ impl Cache {
         self.tree.probe(root, &tokens[..aligned], &mut probe);
         // The request's prefix is locked, so the probe passes it: the pages given cover
         // exactly tokens[prefix_len..aligned].
-        let ins = self.publish(root, &probe, &tokens[..aligned], prefix_len, given, None);
+        let published = self.publish(root, &probe, &tokens[..aligned], prefix_len, given, None);
         self.probe = probe;
-        let end = self.tree.resolve(ins.node).unwrap_or(root);
+        let (end, cached) = (published.end, published.cached);
         let new_lock = if finishing {
             None
         } else {
             Some(self.lock_index(end))
         };
+        let empty = self.kv_pool.empty();
         let r = self.request_mut(id)?;
         r.tokens = tokens;
         let old = if finishing {
+            drop(published.unpublished);
             None
         } else {
             r.node = end;
-            r.prefix_len = aligned;
+            r.prefix_len = cached;
+            let mut kv = published.unpublished;
+            kv.append(std::mem::replace(&mut r.kv, empty));
+            r.kv = kv;
             std::mem::replace(&mut r.lock, new_lock)
         };
         if let Some(old) = old {
             let _ = self.unlock(old);
         }
-        Ok((end, aligned))
+        Ok((end, cached))
     }
 
     /// The admission copy landed: the request's state is good.
@@ -436,6 +462,7 @@ impl Cache {
             mamba_slot: r.mamba.as_ref().map(|s| s.pages()[0]),
             node: self.tree.id(r.node),
             copy_pending: r.cow,
+            load_pending: r.load,
         })
     }
 

@@ -1,0 +1,198 @@
+//! Unit tests of the host tier: backups, demotion, host eviction, host-aware matching,
+//! and load-backs committed, called off, released and failed.
+
+#![allow(clippy::many_single_char_names)]
+
+use super::*;
+use crate::config::WritePolicy;
+
+fn hybrid(policy: WritePolicy) -> Cache {
+    Cache::new(Config {
+        kv_slots: 16,
+        page_size: 1,
+        mamba_slots: 4,
+        host_kv_slots: 32,
+        host_mamba_slots: 4,
+        write_policy: policy,
+        write_through_threshold: 2,
+    })
+    .unwrap()
+}
+
+/// Caches `toks` with fresh slots and a state at its end; returns the end node.
+fn cached(c: &mut Cache, toks: &[u32]) -> NodeId {
+    let m = c.match_prefix(None, toks);
+    let rest = toks.len() - m.device_len;
+    let mut kv = m.kv_indices.clone();
+    kv.extend(c.alloc_kv(rest).unwrap().unwrap());
+    let s = c.alloc_mamba().map(i64::from);
+    c.insert_with_state(None, toks, &kv, m.device_len, s)
+        .unwrap()
+        .node
+}
+
+/// Runs every emitted batch to completion.
+fn run_all(c: &mut Cache) {
+    for b in c.take_batches() {
+        c.start(b.id).unwrap();
+        c.complete(b.id).unwrap();
+    }
+}
+
+fn counts(c: &Cache) -> [PoolCounts; 4] {
+    [
+        c.kv_pool.counts(),
+        c.mamba_pool.counts(),
+        c.host_kv_pool.counts(),
+        c.host_mamba_pool.counts(),
+    ]
+}
+
+/// A cache with [1,2,3,4] backed up and demoted to the host (state included).
+fn demoted() -> (Cache, NodeId) {
+    let mut c = hybrid(WritePolicy::WriteThrough);
+    let node = cached(&mut c, &[1, 2, 3, 4]);
+    let batches = c.take_batches();
+    assert_eq!(batches.len(), 1);
+    assert_eq!(batches[0].kind, BatchKind::Backup);
+    c.complete(batches[0].id).unwrap();
+    assert_eq!(c.evict(4, 0).kv_tokens, 4);
+    c.audit().unwrap();
+    (c, node)
+}
+
+#[test]
+fn write_through_backs_up_on_insert_and_eviction_demotes() {
+    let (mut c, node) = demoted();
+    let m = c.match_prefix(None, &[1, 2, 3, 4, 5]);
+    assert_eq!((m.device_len, m.host_len), (0, 4));
+    assert_eq!(m.host_node, node);
+    assert_eq!(c.kv_pool.counts().tree, 0);
+    assert_eq!(c.host_kv_pool.counts().tree, 4);
+    assert_eq!(c.stats.demotions, 1);
+    c.audit().unwrap();
+}
+
+#[test]
+fn load_back_for_a_request_uses_two_state_slots_and_publishes_on_complete() {
+    let (mut c, node) = demoted();
+    let r = c.admit(None, &[1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(c.request(r).unwrap().host_len, 4);
+    let free_states = c.available_mamba();
+    let id = c
+        .load_back(LoadTarget::Request(r), None, None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.available_mamba(), free_states - 2);
+    let b = c.load_batch(id).unwrap();
+    assert_eq!(b.kind, BatchKind::LoadBack);
+    assert_eq!(b.copies.len(), 3, "kv, restore, request copy");
+    assert!(
+        c.take_batches().is_empty(),
+        "a load's batch is reached through its guard"
+    );
+    c.audit().unwrap();
+    c.start(id).unwrap();
+    c.commit_load(id).unwrap();
+    let v = c.request(r).unwrap();
+    assert_eq!(v.prefix_len, 4);
+    assert_eq!(v.node, node);
+    assert_eq!(
+        v.mamba_slot,
+        Some(u32::try_from(b.copies[2].dst[0]).unwrap())
+    );
+    // Not visible until complete.
+    assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).device_len, 0);
+    assert!(c.finish(r).is_err());
+    c.audit().unwrap();
+    c.complete(id).unwrap();
+    let m = c.match_prefix(None, &[1, 2, 3, 4]);
+    assert_eq!((m.device_len, m.host_len), (4, 0));
+    assert_eq!(
+        m.mamba_slot,
+        Some(u32::try_from(b.copies[1].dst[0]).unwrap())
+    );
+    c.audit().unwrap();
+    c.finish(r).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn fail_after_commit_turns_the_load_into_a_miss() {
+    let (mut c, _) = demoted();
+    let r = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let before = counts(&c);
+    let id = c
+        .load_back(LoadTarget::Request(r), None, None)
+        .unwrap()
+        .unwrap();
+    c.commit_load(id).unwrap();
+    c.start(id).unwrap();
+    c.fail(id).unwrap();
+    let v = c.request(r).unwrap();
+    assert_eq!(
+        (v.prefix_len, v.mamba_slot, v.load_pending),
+        (0, None, None)
+    );
+    assert_eq!(counts(&c), before);
+    assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).host_len, 4);
+    c.audit().unwrap();
+    c.abort(r).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn cancel_before_start_frees_at_once_and_after_start_drains() {
+    let (mut c, node) = demoted();
+    let before = counts(&c);
+    let id = c
+        .load_back(LoadTarget::Node(node), None, None)
+        .unwrap()
+        .unwrap();
+    c.cancel_load(id).unwrap();
+    assert_eq!(counts(&c), before);
+    c.audit().unwrap();
+    let id = c
+        .load_back(LoadTarget::Node(node), None, None)
+        .unwrap()
+        .unwrap();
+    c.start(id).unwrap();
+    c.cancel_load(id).unwrap();
+    assert_eq!(c.kv_pool.counts().draining, 4);
+    assert_eq!(c.mamba_pool.counts().draining, 1);
+    c.audit().unwrap();
+    c.complete(id).unwrap();
+    assert_eq!(counts(&c), before);
+    c.audit().unwrap();
+}
+
+#[test]
+fn write_back_backs_up_at_eviction_and_frees_at_completion() {
+    let mut c = hybrid(WritePolicy::WriteBack);
+    cached(&mut c, &[1, 2, 3, 4]);
+    assert!(c.take_batches().is_empty(), "no insert-time backups");
+    assert_eq!(c.evict(4, 0).kv_tokens, 4);
+    assert_eq!(
+        c.kv_pool.counts().tree,
+        4,
+        "freed only when the backup lands"
+    );
+    let b = c.take_batches();
+    assert_eq!(b.len(), 1);
+    c.audit().unwrap();
+    c.complete(b[0].id).unwrap();
+    assert_eq!(c.kv_pool.counts().tree, 0);
+    assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).host_len, 4);
+    c.audit().unwrap();
+}
+
+#[test]
+fn insert_revives_a_host_only_node() {
+    let (mut c, node) = demoted();
+    let kv = c.alloc_kv(4).unwrap().unwrap();
+    let ins = c.insert(None, &[1, 2, 3, 4], &kv, 0).unwrap();
+    assert_eq!(ins.node, node);
+    assert_eq!(c.kv_pool.counts().tree, 4);
+    run_all(&mut c);
+    c.audit().unwrap();
+}

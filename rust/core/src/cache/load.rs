@@ -1,0 +1,681 @@
+//! `load_back`: host-to-device loads of cached prefixes, owned by a guard until committed.
+//!
+//! A load-back takes, in this order and all at once: a lock on the path to the target
+//! node (it holds the host copies being read against host eviction and the device
+//! ancestors against device eviction), device KV pages for the host-only nodes, a
+//! device state slot that restores the target's state in the tree and, for a request,
+//! a fresh state slot of the request's own. Everything it took lives in `Cache::loads`
+//! under its batch id until one of two things happens:
+//!
+//! * `commit_load` publishes it: the pages go into the nodes (marked `loading`, so
+//!   `match_prefix` does not see them until the copies are acknowledged), the request's
+//!   prefix grows to the target, and the batch is in flight; `complete` makes the data
+//!   visible, `fail` turns the load into a miss (nodes host-only again, the request as
+//!   before the load).
+//! * `cancel_load` (the guard dropped uncommitted) releases the lock and drops every
+//!   slot: at once when the batch was never started, otherwise they drain until the
+//!   batch is acknowledged. The request never saw any of it.
+
+use crate::error::{Error, Result};
+use crate::pool::Pages;
+use crate::tree::NodeId;
+
+use super::batch::{Action, BatchId, BatchKind, Copy, PoolKind, Tier, TransferBatch};
+use super::request::RequestId;
+use super::{Cache, LockId};
+
+/// What to load back: the path to a node, or what a request's admission found on the
+/// host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadTarget {
+    /// Load the host-only part of the path to this node.
+    Node(NodeId),
+    /// Load what the request's admission match found on the host (`host_len` tokens).
+    Request(RequestId),
+}
+
+/// Why a load-back was called off: `load_back` returned `None`, or the guard was
+/// released uncommitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOff {
+    /// No KV token and no state to load.
+    Nothing,
+    /// Part of the path is being loaded by a committed load-back still in flight.
+    Busy,
+    /// More KV tokens than `mem_quota` plus what the lock newly protected.
+    Quota,
+    /// No room for the KV pages even after eviction.
+    Room,
+    /// No state slot even after eviction.
+    State,
+    /// The guard was released (or dropped) without `commit`.
+    Released,
+}
+
+impl CallOff {
+    /// The name used in stats (`load_backs_called_off_<name>`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallOff::Nothing => "nothing",
+            CallOff::Busy => "busy",
+            CallOff::Quota => "quota",
+            CallOff::Room => "room",
+            CallOff::State => "state",
+            CallOff::Released => "released",
+        }
+    }
+}
+
+/// Where a load-back's batch stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Copies {
+    Pending,
+    Completed,
+    Failed,
+}
+
+/// A request as it was before a committed load changed it: restored if the load fails,
+/// released when it completes.
+pub(crate) struct Before {
+    prefix_len: usize,
+    node: u32,
+    lock: Option<LockId>,
+    /// The request's earlier state slot, when the load gave it a fresh one.
+    pub mamba: Option<Pages>,
+    swapped: bool,
+}
+
+/// Everything a load-back holds.
+pub(crate) struct Load {
+    target: NodeId,
+    request: Option<RequestId>,
+    lock: Option<LockId>,
+    /// Page offset, along the path to the target, of the first page `kv` is for.
+    start: usize,
+    /// Device pages for the host-only nodes, in path order (moved into the nodes at
+    /// commit).
+    pub kv: Pages,
+    /// Restores the target's state in the tree.
+    pub restore: Option<Pages>,
+    /// The request's fresh state slot (moved into the request at commit).
+    pub req_slot: Option<Pages>,
+    kv_tokens: usize,
+    pub copies: Copies,
+    /// Set at commit.
+    pub committed: bool,
+    /// The request as it was before the commit, when there is one.
+    pub before: Option<Before>,
+}
+
+/// What `load_back` found to do.
+struct Plan {
+    /// Page offset of the first host-only node, and the host slots to read.
+    start: usize,
+    host_slots: Vec<i64>,
+    pages: usize,
+    restore: Option<u32>,
+    busy: bool,
+}
+
+impl Cache {
+    /// Starts a load-back of the host-only part of the path to `target` (for
+    /// `request`, when given). Returns the batch id that names the guard, or `None`
+    /// having taken nothing when there is nothing to load, the load exceeds
+    /// `mem_quota` plus the tokens its own lock newly protected, or the device cannot
+    /// make room for the KV pages or the state slots.
+    ///
+    /// Errors (nothing taken): a stale node; a request that is not live, is still
+    /// copying its admission state, has a load-back of its own pending, has extended
+    /// past its reused prefix, or was not admitted through `target`; a request given
+    /// with a hybrid target that has no state on any tier.
+    pub fn load_back(
+        &mut self,
+        target: LoadTarget,
+        mem_quota: Option<usize>,
+        request: Option<RequestId>,
+    ) -> Result<Option<BatchId>> {
+        let (node, request) = match target {
+            LoadTarget::Node(n) => (Some(self.tree.resolve(n)?), request),
+            LoadTarget::Request(r) => {
+                if request.is_some() {
+                    return Err(Error::arg(
+                        "request",
+                        "the target is a request already; pass request= only with a node",
+                    ));
+                }
+                let host_node = self.request_ref(r)?.host_node;
+                (host_node.and_then(|n| self.tree.resolve(n).ok()), Some(r))
+            }
+        };
+        if let Some(r) = request {
+            self.check_load_request(r, node)?;
+        }
+        let Some(j) = node else {
+            return Ok(self.called_off(CallOff::Nothing));
+        };
+        let plan = self.load_plan(j, request.is_some())?;
+        if plan.busy {
+            return Ok(self.called_off(CallOff::Busy));
+        }
+        if plan.pages == 0 && plan.restore.is_none() {
+            return Ok(self.called_off(CallOff::Nothing));
+        }
+        let ps = self.config.page_size;
+        let before = self.protected_tokens;
+        let lock = self.lock_index(j);
+        let newly = self.protected_tokens - before;
+        let kv_tokens = plan.pages * ps;
+        if mem_quota.is_some_and(|q| kv_tokens > q.saturating_add(newly)) {
+            let _ = self.unlock(lock);
+            return Ok(self.called_off(CallOff::Quota));
+        }
+        let want_states = match (plan.restore, request) {
+            (None, _) => 0,
+            (Some(_), None) => 1,
+            (Some(_), Some(_)) => 2,
+        };
+        // Both checked before anything is evicted; states first (evicting one never
+        // lowers free + evictable KV).
+        if !self.states_available(want_states) {
+            let _ = self.unlock(lock);
+            return Ok(self.called_off(CallOff::State));
+        }
+        if !self.kv_available(plan.pages) {
+            let _ = self.unlock(lock);
+            return Ok(self.called_off(CallOff::Room));
+        }
+        let (kv, mut slots) = match self.take_load_slots(plan.pages, want_states) {
+            Ok(taken) => taken,
+            Err(why) => {
+                let _ = self.unlock(lock);
+                return Ok(self.called_off(why));
+            }
+        };
+        let req_slot = if want_states == 2 { slots.pop() } else { None };
+        let restore = slots.pop();
+        let start = plan.start;
+        let copies = self.load_copies(plan, &kv, restore.as_ref(), req_slot.as_ref());
+        let id = self.emit(BatchKind::LoadBack, copies, Action::LoadBack, false);
+        if let Some(r) = request {
+            self.request_mut(r)?.load = Some(id);
+        }
+        self.loads.insert(
+            id,
+            Load {
+                target: self.tree.id(j),
+                request,
+                lock: Some(lock),
+                start,
+                kv,
+                restore,
+                req_slot,
+                kv_tokens,
+                copies: Copies::Pending,
+                committed: false,
+                before: None,
+            },
+        );
+        self.stats.load_backs += 1;
+        Ok(Some(id))
+    }
+
+    /// The copies of a load: host KV to the new device pages, the host state to the
+    /// restoring slot and to the request's.
+    fn load_copies(
+        &self,
+        plan: Plan,
+        kv: &Pages,
+        restore: Option<&Pages>,
+        req_slot: Option<&Pages>,
+    ) -> Vec<Copy> {
+        let mut copies = Vec::new();
+        if plan.pages > 0 {
+            let mut dst = Vec::with_capacity(plan.host_slots.len());
+            self.expand_into(kv.pages(), &mut dst);
+            copies.push(Copy {
+                pool: PoolKind::Kv,
+                src_tier: Tier::Host,
+                dst_tier: Tier::Device,
+                src: plan.host_slots,
+                dst,
+            });
+        }
+        if let Some(h) = plan.restore {
+            for s in restore.into_iter().chain(req_slot) {
+                copies.push(Copy {
+                    pool: PoolKind::Mamba,
+                    src_tier: Tier::Host,
+                    dst_tier: Tier::Device,
+                    src: vec![i64::from(h)],
+                    dst: vec![i64::from(s.pages()[0])],
+                });
+            }
+        }
+        copies
+    }
+
+    /// State slots, then KV pages (evicting; checked feasible before).
+    fn take_load_slots(
+        &mut self,
+        pages: usize,
+        states: usize,
+    ) -> std::result::Result<(Pages, Vec<Pages>), CallOff> {
+        let mut slots = Vec::new();
+        for _ in 0..states {
+            slots.push(self.alloc_state().ok_or(CallOff::State)?);
+        }
+        let kv = if pages > 0 {
+            self.alloc_pages(pages).ok_or(CallOff::Room)?
+        } else {
+            self.kv_pool.empty()
+        };
+        Ok((kv, slots))
+    }
+
+    fn called_off(&mut self, why: CallOff) -> Option<BatchId> {
+        self.stats.load_backs_called_off += 1;
+        match why {
+            CallOff::Nothing => self.stats.load_backs_called_off_nothing += 1,
+            CallOff::Busy => self.stats.load_backs_called_off_busy += 1,
+            CallOff::Quota => self.stats.load_backs_called_off_quota += 1,
+            CallOff::Room => self.stats.load_backs_called_off_room += 1,
+            CallOff::State => self.stats.load_backs_called_off_state += 1,
+            CallOff::Released => self.stats.load_backs_called_off_released += 1,
+        }
+        None
+    }
+
+    /// API rule 9, and no other copy of the request's pending.
+    fn check_load_request(&self, r: RequestId, node: Option<u32>) -> Result<()> {
+        self.refuse_while_copying(r, "load back for")?;
+        let rs = self.request_ref(r)?;
+        if rs.tokens.len() != rs.prefix_len {
+            return Err(Error::arg(
+                "request",
+                format!(
+                    "has extended past its reused prefix ({} tokens held, {} reused); \
+                     load back before extending",
+                    rs.tokens.len(),
+                    rs.prefix_len
+                ),
+            ));
+        }
+        if let Some(j) = node {
+            let mut cur = j;
+            while cur != rs.node {
+                let n = self.tree.node(cur);
+                if n.is_root() {
+                    return Err(Error::arg(
+                        "request",
+                        "was not admitted for a sequence through this node",
+                    ));
+                }
+                cur = n.parent;
+            }
+        }
+        Ok(())
+    }
+
+    /// What loading the path to `j` takes.
+    fn load_plan(&self, j: u32, for_request: bool) -> Result<Plan> {
+        let ps = self.config.page_size;
+        let mut plan = Plan {
+            start: 0,
+            host_slots: Vec::new(),
+            pages: 0,
+            restore: None,
+            busy: false,
+        };
+        let mut offset = 0;
+        let mut first = None;
+        for i in self.path_to(j) {
+            let n = self.tree.node(i);
+            plan.busy |= n.kv.loading;
+            if n.kv.device.is_none() {
+                first.get_or_insert(offset);
+                if let Some(host) = &n.kv.host {
+                    self.expand_into(host, &mut plan.host_slots);
+                    plan.pages += host.len();
+                }
+            }
+            offset += n.key.len() / ps;
+        }
+        plan.start = first.unwrap_or(offset);
+        let n = self.tree.node(j);
+        if self.is_hybrid() && n.mamba.device.is_none() {
+            plan.restore = n.mamba.host;
+            if plan.restore.is_none() && for_request {
+                return Err(Error::arg(
+                    "node",
+                    "has no Mamba state on any tier, so a request cannot run from it",
+                ));
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Whether `n` state slots can be had now (free, or held by an unlocked state no
+    /// transfer pins).
+    fn states_available(&self, n: usize) -> bool {
+        let free = self.mamba_pool.free_pages();
+        if free >= n {
+            return true;
+        }
+        let reclaimable = self
+            .mamba_lru
+            .iter()
+            .filter(|&&(_, i)| {
+                self.tree
+                    .node(i)
+                    .mamba
+                    .device
+                    .is_some_and(|s| self.mamba_pool.pins(s) == 0)
+            })
+            .take(n - free)
+            .count();
+        free + reclaimable >= n
+    }
+
+    fn load_ref(&self, id: BatchId) -> Result<&Load> {
+        self.loads.get(&id).ok_or_else(|| {
+            Error::Request(format!(
+                "load-back {id} is not pending in this cache (released, acknowledged, or \
+                 from another cache)"
+            ))
+        })
+    }
+
+    /// The copies of a load-back (its guard's batch).
+    pub fn load_batch(&self, id: BatchId) -> Result<TransferBatch> {
+        self.load_ref(id)?;
+        self.batches
+            .pending
+            .get(&id)
+            .map(|p| p.batch.clone())
+            .ok_or_else(|| Error::Request(format!("load-back {id} was acknowledged already")))
+    }
+
+    /// KV tokens a load-back moves.
+    pub fn load_kv_tokens(&self, id: BatchId) -> Result<usize> {
+        Ok(self.load_ref(id)?.kv_tokens)
+    }
+
+    /// Whether the load-back was committed.
+    pub fn load_committed(&self, id: BatchId) -> Result<bool> {
+        Ok(self.load_ref(id)?.committed)
+    }
+
+    /// Publishes a load-back: its pages go into the nodes, the restored state to the
+    /// target (once the copies land) and, for a request, the prefix grows to the target
+    /// and the fresh state slot becomes the request's. The loaded data is visible to
+    /// `match_prefix` once the batch is also completed (in either order).
+    ///
+    /// Fails (`Error::Request`, nothing changed) when the batch failed already, when
+    /// the load was committed or released already, or when its request extended since.
+    pub fn commit_load(&mut self, id: BatchId) -> Result<()> {
+        let load = self.load_ref(id)?;
+        if load.committed {
+            return Err(Error::Request(format!(
+                "load-back {id} is committed already"
+            )));
+        }
+        if load.copies == Copies::Failed {
+            return Err(Error::Request(format!(
+                "load-back {id} cannot be committed: its copies failed (a failed load is a \
+                 miss); release it"
+            )));
+        }
+        let request = load.request.filter(|&r| self.request_live(r));
+        if let Some(r) = request {
+            let rs = self.request_ref(r)?;
+            if rs.tokens.len() != rs.prefix_len {
+                return Err(Error::Request(format!(
+                    "load-back {id} cannot be committed: request {r} extended since \
+                     load_back; release it"
+                )));
+            }
+        }
+        let Some(mut load) = self.loads.remove(&id) else {
+            return Ok(());
+        };
+        let done = load.copies == Copies::Completed;
+        // The target is locked by the load: it is live.
+        let j = self.tree.resolve(load.target)?;
+        self.publish_loaded(&mut load, j, !done);
+        let slot = load.req_slot.take();
+        let before = if let Some(r) = request {
+            Some(self.move_request_to(r, j, slot)?)
+        } else {
+            drop(slot);
+            None
+        };
+        self.stats.load_backs_committed += 1;
+        self.stats.loaded_tokens += load.kv_tokens as u64;
+        if done {
+            self.settle_load(id, load, j, before, true);
+        } else {
+            load.committed = true;
+            load.before = before;
+            self.loads.insert(id, load);
+        }
+        Ok(())
+    }
+
+    /// Moves the load's pages into the host-only nodes on the path to `j` (a node an
+    /// insert revived meanwhile keeps its own; the load's pages for it are dropped).
+    fn publish_loaded(&mut self, load: &mut Load, j: u32, loading: bool) {
+        let ps = self.config.page_size;
+        let mut offset = 0;
+        for i in self.path_to(j) {
+            let n = self.tree.node(i);
+            let (len, np) = (n.key.len(), n.key.len() / ps);
+            let has_device = n.kv.device.is_some();
+            offset += np;
+            if offset <= load.start {
+                continue;
+            }
+            let rest = load.kv.split_off(np.min(load.kv.len()));
+            let here = std::mem::replace(&mut load.kv, rest);
+            if has_device || here.len() != np {
+                drop(here);
+                continue;
+            }
+            let n = self.tree.node_mut(i);
+            n.kv.device = Some(here.into_tree());
+            n.kv.loading = loading;
+            let (parent, locked) = (n.parent, n.kv.lock > 0);
+            if locked {
+                self.protected_tokens += len;
+            } else {
+                self.evictable_tokens += len;
+            }
+            self.tree.node_mut(parent).device_children += 1;
+            self.refresh_candidate(i);
+            self.refresh_candidate(parent);
+        }
+    }
+
+    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
+    /// given, becomes its state slot. Returns what it was, to restore on failure.
+    fn move_request_to(&mut self, r: RequestId, j: u32, slot: Option<Pages>) -> Result<Before> {
+        let new_lock = self.lock_index(j);
+        let mut tokens = Vec::new();
+        for i in self.path_to(j) {
+            tokens.extend_from_slice(&self.tree.node(i).key);
+        }
+        let rs = self.request_mut(r)?;
+        let swapped = slot.is_some();
+        let before = Before {
+            prefix_len: rs.prefix_len,
+            node: rs.node,
+            lock: rs.lock.replace(new_lock),
+            mamba: if swapped {
+                std::mem::replace(&mut rs.mamba, slot)
+            } else {
+                None
+            },
+            swapped,
+        };
+        rs.prefix_len = tokens.len();
+        rs.tokens = tokens;
+        rs.node = j;
+        rs.host_len = 0;
+        rs.host_node = None;
+        Ok(before)
+    }
+
+    /// The end of a committed load: `ok` makes its data visible and lets go of what the
+    /// request had before; otherwise the nodes go back to host-only and the request to
+    /// what it was.
+    fn settle_load(
+        &mut self,
+        id: BatchId,
+        mut load: Load,
+        j: u32,
+        before: Option<Before>,
+        ok: bool,
+    ) {
+        let request = load.request.filter(|&r| {
+            self.requests
+                .get_mut(self.tree.cache_id, r)
+                .is_some_and(|rs| rs.load == Some(id))
+        });
+        // Nodes marked loading by this load: the path's deepest ones, up from `j`.
+        let mut cur = j;
+        while self.tree.node(cur).kv.loading {
+            let parent = self.tree.node(cur).parent;
+            self.tree.node_mut(cur).kv.loading = false;
+            if !ok {
+                self.unload(cur);
+            }
+            self.refresh_candidate(cur);
+            cur = parent;
+        }
+        if let Some(state) = load.restore.take() {
+            let n = self.tree.node(j);
+            if ok && n.kv.device.is_some() && n.mamba.device.is_none() {
+                self.set_state(j, state);
+            } else {
+                drop(state);
+            }
+        }
+        let mut release = Vec::new();
+        if let Some(before) = before {
+            match request {
+                Some(r) if !ok => {
+                    let empty = self.kv_pool.empty();
+                    if let Ok(rs) = self.request_mut(r) {
+                        release.extend(std::mem::replace(&mut rs.lock, before.lock));
+                        rs.node = before.node;
+                        rs.prefix_len = before.prefix_len;
+                        rs.tokens.truncate(before.prefix_len);
+                        drop(std::mem::replace(&mut rs.kv, empty));
+                        if before.swapped {
+                            drop(std::mem::replace(&mut rs.mamba, before.mamba));
+                        }
+                    }
+                }
+                _ => {
+                    release.extend(before.lock);
+                    drop(before.mamba);
+                }
+            }
+        }
+        if let Some(r) = request {
+            if let Ok(rs) = self.request_mut(r) {
+                rs.load = None;
+            }
+        }
+        release.extend(load.lock.take());
+        for l in release {
+            let _ = self.unlock(l);
+        }
+    }
+
+    /// Takes back the device pages a failed load put into node `i` (locked, no device
+    /// child: nothing is cached below a load in flight).
+    fn unload(&mut self, i: u32) {
+        let n = self.tree.node_mut(i);
+        let (len, parent, locked) = (n.key.len(), n.parent, n.kv.lock > 0);
+        if let Some(pages) = n.kv.device.take() {
+            self.kv_pool.release_tree(&pages);
+            if locked {
+                self.protected_tokens -= len;
+            } else {
+                self.evictable_tokens -= len;
+            }
+            self.tree.node_mut(parent).device_children -= 1;
+            self.refresh_candidate(parent);
+        }
+    }
+
+    /// A load-back's copies landed.
+    pub(crate) fn load_done(&mut self, id: BatchId) {
+        self.end_copies(id, true);
+    }
+
+    /// A load-back's copies failed.
+    pub(crate) fn load_failed(&mut self, id: BatchId) {
+        self.end_copies(id, false);
+        self.stats.load_backs_failed += 1;
+    }
+
+    fn end_copies(&mut self, id: BatchId, ok: bool) {
+        let Some(load) = self.loads.get_mut(&id) else {
+            // Its guard was released while the copies ran: they only drained.
+            return;
+        };
+        if !load.committed {
+            load.copies = if ok {
+                Copies::Completed
+            } else {
+                Copies::Failed
+            };
+            return;
+        }
+        let Some(mut load) = self.loads.remove(&id) else {
+            return;
+        };
+        let before = load.before.take();
+        match self.tree.resolve(load.target) {
+            Ok(j) => self.settle_load(id, load, j, before, ok),
+            // The target is locked until here; never reached.
+            Err(_) => drop((load, before)),
+        }
+    }
+
+    /// Releases an uncommitted load-back (its guard was dropped): the lock goes, and
+    /// every slot it took returns at once, or, when its batch was started and not yet
+    /// acknowledged, drains until it is. The request never saw any of it.
+    pub fn cancel_load(&mut self, id: BatchId) -> Result<()> {
+        if self.load_ref(id)?.committed {
+            return Err(Error::Request(format!(
+                "load-back {id} is committed; it ends with complete or fail"
+            )));
+        }
+        let Some(mut load) = self.loads.remove(&id) else {
+            return Ok(());
+        };
+        if self.batches.pending.get(&id).is_some_and(|p| !p.started) {
+            // Never started: withdraw the batch, so the slots are free at once.
+            if let Some(p) = self.batches.pending.remove(&id) {
+                self.unpin_all(&p.pins);
+            }
+        }
+        if let Some(r) = load.request {
+            if let Some(rs) = self.requests.get_mut(self.tree.cache_id, r) {
+                if rs.load == Some(id) {
+                    rs.load = None;
+                }
+            }
+        }
+        if let Some(lock) = load.lock.take() {
+            let _ = self.unlock(lock);
+        }
+        if load.copies != Copies::Failed {
+            self.called_off(CallOff::Released);
+        }
+        drop(load);
+        Ok(())
+    }
+}
