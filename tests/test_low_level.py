@@ -39,8 +39,10 @@ def test_defaults_and_repr() -> None:
         ({"write_policy": "lru"}, "write_policy"),
         ({"write_through_threshold": 0}, "write_through_threshold"),
         ({"write_through_threshold": -3}, "write_through_threshold"),
-        ({"host_kv_slots": 64}, "host_kv_slots"),
-        ({"host_mamba_slots": 2}, "host_mamba_slots"),
+        ({"host_kv_slots": 6, "page_size": 4}, "host_kv_slots"),
+        ({"host_kv_slots": -4}, "host_kv_slots"),
+        ({"host_mamba_slots": 2, "host_kv_slots": 64}, "host_mamba_slots"),
+        ({"host_mamba_slots": 2, "mamba_slots": 2}, "host_mamba_slots"),
         ({"mamba_slots": -1}, "mamba_slots"),
     ],
 )

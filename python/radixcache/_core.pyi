@@ -15,6 +15,7 @@ __all__ = [
     "HybridCache",
     "Insert",
     "InvariantError",
+    "LoadBack",
     "Lock",
     "LockError",
     "Match",
@@ -169,8 +170,79 @@ class Request:
     def copy_pending(self) -> int | None:
         """Id of the admission copy-on-write batch until it is acknowledged, else None."""
     @property
+    def load_pending(self) -> int | None:
+        """Batch id of this request's load-back while one is pending, else None.
+
+        Set from ``load_back`` until its copies are acknowledged (or its guard is
+        released). Meanwhile the request may be aborted or extended but not finished or
+        checkpointed.
+        """
+    @property
     def live(self) -> bool:
         """True until the request is finished or aborted."""
+
+@final
+class LoadBack:
+    """A load-back in progress: a guard that owns everything the load took.
+
+    It holds the lock on the path being loaded (host copies and device ancestors), the
+    device KV slots for the host-only nodes, the slot that restores the node's Mamba
+    state and, for a request, the request's fresh state slot. ``commit()`` publishes
+    them; leaving the ``with`` block uncommitted (including by an exception),
+    ``release()``, or garbage collection (with a ``ResourceWarning``) gives every slot
+    back and leaves the request exactly as it was: its earlier state slot, if any, is
+    kept. If the batch was ``start``-ed, its destination slots return only at
+    ``complete``/``fail``, so a copy still running never writes a slot someone else
+    holds.
+
+    Typical use::
+
+        lb = cache.load_back(req, mem_quota=4096)
+        if lb is not None:
+            with lb:
+                engine.run(lb.batch)   # start, copy, complete (may raise)
+                lb.commit()
+    """
+
+    @property
+    def batch(self) -> TransferBatch:
+        """The host-to-device copies (kind ``"load_back"``).
+
+        Acknowledge them with ``complete(batch.id)`` or ``fail(batch.id)``, before or
+        after ``commit()``.
+        """
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens this load moves to the device."""
+    @property
+    def committed(self) -> bool:
+        """True once ``commit()`` succeeded."""
+    @property
+    def held(self) -> bool:
+        """True while the guard holds what it took (neither committed nor released)."""
+    def commit(self) -> None:
+        """Publish the load.
+
+        The nodes get their device slots and the restored state (matchable once the
+        batch is also completed), and the request's prefix grows to the loaded node with
+        the fresh state slot as its own (its earlier slot is released when the copies
+        land). ``fail`` on the batch after commit turns the load into a miss: the nodes
+        go back to host-only and the request to what it was.
+
+        Raises:
+            CacheError: the batch failed already, the request extended since
+                ``load_back`` (the guard is then released), or the guard was committed
+                or released already.
+        """
+    def release(self) -> None:
+        """Call the load off and give back everything it took (no-op once committed)."""
+    def __enter__(self) -> LoadBack: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]: ...
 
 @final
 class Copy:
@@ -219,11 +291,16 @@ class HybridCache:
         page_size: tokens per page; keys are matched and inserted in whole pages.
         mamba_slots: device Mamba state slots; 0 for an attention-only model. With
             states, matches are cut at the deepest node that has one.
-        host_kv_slots: host-tier KV token slots; must be 0 in this version.
-        host_mamba_slots: host-tier Mamba state slots; must be 0 in this version.
-        write_policy: ``"write_through"``, ``"write_through_selective"`` or
-            ``"write_back"``.
-        write_through_threshold: hits before a selective backup (>= 1).
+        host_kv_slots: host-tier KV token slots (a multiple of ``page_size``); 0 for no
+            host tier. Evicted nodes that were backed up are demoted to the host instead
+            of deleted, and ``load_back`` brings them back.
+        host_mamba_slots: host-tier Mamba state slots (needs ``mamba_slots`` and
+            ``host_kv_slots``).
+        write_policy: when device data is backed up to the host: ``"write_through"``
+            (on insert), ``"write_through_selective"`` (once a node was inserted
+            ``write_through_threshold`` times) or ``"write_back"`` (only a node being
+            evicted; its device slots are freed when the backup completes).
+        write_through_threshold: inserts before a selective backup (>= 1).
 
     Raises:
         ValueError: a bad argument (the message names it).
@@ -248,6 +325,44 @@ class HybridCache:
     @property
     def mamba_slots(self) -> int:
         """Device Mamba state slots."""
+    @property
+    def host_kv_slots(self) -> int:
+        """Host-tier KV token slots (0: no host tier)."""
+    @property
+    def host_mamba_slots(self) -> int:
+        """Host-tier Mamba state slots."""
+    @property
+    def write_policy(self) -> Literal["write_through", "write_through_selective", "write_back"]:
+        """When device data is backed up to the host tier."""
+    def load_back(
+        self,
+        target: Node | Request,
+        *,
+        mem_quota: int | None = None,
+        request: Request | None = None,
+    ) -> LoadBack | None:
+        """Load the host-only part of a cached prefix back to the device.
+
+        ``target`` is a ``Node`` (e.g. ``Match.host_node``; pass ``request=`` for the
+        request admitted through it) or a ``Request`` (loads what its admission found
+        on the host, ``host_len`` tokens). Returns a ``LoadBack`` guard owning what the
+        load took, or None, having taken nothing, when there is nothing to load, part
+        of the path is being loaded already, the KV tokens exceed ``mem_quota`` plus
+        the tokens the load's own lock newly protected, or the device has no room for
+        the KV or the state slots even after eviction (``stats()`` counts each reason).
+        For a hybrid model with a request it takes two state slots: one restores the
+        node's state in the tree, one is the request's own copy.
+
+        Raises:
+            StaleNodeError: the node no longer exists.
+            ValueError: ``mem_quota`` < 0; the request has extended past its reused
+                prefix or was not admitted through ``target``; a request with a
+                hybrid target that has no state on any tier; ``request=`` with a
+                Request target.
+            TypeError: ``target`` is neither a Node nor a Request.
+            CacheError: the request is finished, its admission copy is pending, or it
+                has a load-back pending already.
+        """
     def match_prefix(self, tokens: _Tokens, *, namespace: str | None = None) -> Match:
         """Longest cached prefix of ``tokens``, rounded down to whole pages.
 
@@ -344,7 +459,8 @@ class HybridCache:
         request.
 
         Raises:
-            CacheError: the request is finished, or its admission copy is pending.
+            CacheError: the request is finished, or its admission copy or a load-back
+                of it is pending.
         """
     def finish(self, request: Request) -> None:
         """Cache every token fed, donate the state slot, unlock; the request holds nothing.
@@ -353,7 +469,8 @@ class HybridCache:
         not page-aligned.
 
         Raises:
-            CacheError: the request is finished, or its admission copy is pending.
+            CacheError: the request is finished, or its admission copy or a load-back
+                of it is pending.
         """
     def abort(self, request: Request) -> None:
         """Give back everything the request holds and cache nothing.
@@ -385,7 +502,10 @@ class HybridCache:
 
         A failed admission copy drops its request back to ``prefix_len == 0`` with no
         tokens and no state slot, to recompute; the slots it had are released at once,
-        so compute queued for that request behind the failed copy must not run.
+        so compute queued for that request behind the failed copy must not run. A failed
+        backup leaves its nodes not backed up (a write-back eviction then removes the
+        node). A failed committed load-back puts the nodes back to host-only and the
+        request back to its prefix before the load (tokens extended since are dropped).
 
         Raises:
             ValueError: no such batch in flight (``batch_id``).
@@ -401,7 +521,12 @@ class HybridCache:
     def available_mamba(self) -> int:
         """Free device Mamba state slots (0 without a Mamba pool)."""
     def stats(self) -> dict[str, int]:
-        """Counters (matches, hits, inserts, evictions, allocations...) and gauges."""
+        """Counters and gauges, by name.
+
+        Matches and hits (device and host), inserts, evictions, allocations, requests,
+        copies, backups (done, skipped, failed), demotions, host evictions, load-backs
+        (committed, called off per reason, failed) and pool levels.
+        """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""
     def pretty(self, max_nodes: int = 200, max_tokens: int = 8) -> str:

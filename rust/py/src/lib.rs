@@ -301,6 +301,57 @@ impl PyHybridCache {
         self.inner.with(|c| c.config().mamba_slots)
     }
 
+    /// Host-tier KV token slots (0: no host tier).
+    #[getter]
+    fn host_kv_slots(&self) -> usize {
+        self.inner.with(|c| c.config().host_kv_slots)
+    }
+
+    /// Host-tier Mamba state slots.
+    #[getter]
+    fn host_mamba_slots(&self) -> usize {
+        self.inner.with(|c| c.config().host_mamba_slots)
+    }
+
+    /// When device data is backed up to the host tier.
+    #[getter]
+    fn write_policy(&self) -> &'static str {
+        self.inner.with(|c| c.config().write_policy.as_str())
+    }
+
+    /// Load the host-only part of a cached prefix back to the device. `target`: a
+    /// `Node` (e.g. `Match.host_node`, optionally with the `request` admitted through
+    /// it) or a `Request` (what its admission found on the host). Returns a `LoadBack`
+    /// guard, or None having taken nothing.
+    #[pyo3(signature = (target, *, mem_quota=None, request=None))]
+    fn load_back(
+        &self,
+        py: Python<'_>,
+        target: &Bound<'_, PyAny>,
+        mem_quota: Option<Int>,
+        request: Option<&Bound<'_, PyRequest>>,
+    ) -> PyResult<Option<PyLoadBack>> {
+        let quota = mem_quota.map(|q| q.count("mem_quota")).transpose()?;
+        let guard = if let Ok(node) = target.cast::<PyNode>() {
+            let req = request.map(|r| &r.get().inner);
+            self.inner.load_back(node.get().id, quota, req)
+        } else if let Ok(req) = target.cast::<PyRequest>() {
+            if request.is_some() {
+                return Err(PyValueError::new_err(
+                    "request: the target is a Request already; pass request= only with a Node",
+                ));
+            }
+            self.inner.load_back_request(&req.get().inner, quota)
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "target: expected a Node or a Request, got {}",
+                target.get_type().name()?
+            )));
+        }
+        .map_err(err)?;
+        guard.map(|g| PyLoadBack::new(py, g)).transpose()
+    }
+
     /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.
     #[pyo3(signature = (tokens, *, namespace=None))]
     fn match_prefix(
@@ -772,6 +823,13 @@ impl PyRequest {
         Ok(self.view()?.copy_pending.map(|b| b.0))
     }
 
+    /// The batch id of a load-back for this request, from `load_back` until its copies
+    /// are acknowledged (or its guard released), else None.
+    #[getter]
+    fn load_pending(&self) -> PyResult<Option<u64>> {
+        Ok(self.view()?.load_pending.map(|b| b.0))
+    }
+
     /// True until the request is finished or aborted.
     #[getter]
     fn live(&self) -> bool {
@@ -800,6 +858,133 @@ impl Drop for PyRequest {
                 resource_warning(
                     py,
                     &format!("Request {id} was garbage-collected while live; aborted it"),
+                );
+            });
+        }
+    }
+}
+
+/// A load-back in progress (from `HybridCache.load_back`): it owns every slot and lock
+/// the load took until `commit()`. Leaving its `with` block uncommitted, `release()`,
+/// or garbage collection (which warns) gives everything back.
+#[pyclass(frozen, module = "radixcache._core", name = "LoadBack")]
+struct PyLoadBack {
+    guard: Mutex<Option<core::LoadBack>>,
+    batch: Py<PyTransferBatch>,
+    id: u64,
+    kv_tokens: usize,
+    committed: std::sync::atomic::AtomicBool,
+}
+
+impl PyLoadBack {
+    fn new(py: Python<'_>, guard: core::LoadBack) -> PyResult<Self> {
+        let batch = Py::new(py, PyTransferBatch::new(py, guard.batch().clone())?)?;
+        Ok(PyLoadBack {
+            id: guard.id().0,
+            kv_tokens: guard.kv_tokens(),
+            guard: Mutex::new(Some(guard)),
+            batch,
+            committed: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn is_committed(&self) -> bool {
+        self.committed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[pymethods]
+impl PyLoadBack {
+    /// The host-to-device copies to run; acknowledge them with `complete(batch.id)` or
+    /// `fail(batch.id)`.
+    #[getter]
+    fn batch(&self, py: Python<'_>) -> Py<PyTransferBatch> {
+        self.batch.clone_ref(py)
+    }
+
+    /// KV tokens this load moves to the device.
+    #[getter]
+    fn kv_tokens(&self) -> usize {
+        self.kv_tokens
+    }
+
+    /// True once `commit()` succeeded.
+    #[getter]
+    fn committed(&self) -> bool {
+        self.is_committed()
+    }
+
+    /// True while the guard still holds what it took (neither committed nor released).
+    #[getter]
+    fn held(&self) -> bool {
+        self.guard.lock().is_some()
+    }
+
+    /// Publish the load: the nodes get their device slots (matchable once the batch is
+    /// also completed) and the request's prefix grows. Raises `CacheError` when the
+    /// batch failed or the request extended since (the guard is then released), or
+    /// when the guard was committed or released already.
+    fn commit(&self) -> PyResult<()> {
+        let Some(guard) = self.guard.lock().take() else {
+            let what = if self.is_committed() {
+                "committed already"
+            } else {
+                "released already"
+            };
+            return Err(CacheError::new_err(format!(
+                "load-back {} was {what}",
+                self.id
+            )));
+        };
+        guard.commit().map_err(err)?;
+        self.committed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Call the load off: release its lock and give back every slot it took (at once,
+    /// or when its batch is acknowledged if it was started). No-op after commit.
+    fn release(&self) {
+        let guard = self.guard.lock().take();
+        drop(guard);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.release();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.is_committed() {
+            "committed"
+        } else if self.held() {
+            "held"
+        } else {
+            "released"
+        };
+        format!(
+            "<LoadBack batch={} kv_tokens={} {state}>",
+            self.id, self.kv_tokens
+        )
+    }
+}
+
+impl Drop for PyLoadBack {
+    fn drop(&mut self) {
+        if let Some(guard) = self.guard.get_mut().take() {
+            let id = guard.id();
+            drop(guard);
+            Python::attach(|py| {
+                resource_warning(
+                    py,
+                    &format!(
+                        "LoadBack {id} was garbage-collected uncommitted; released what it took"
+                    ),
                 );
             });
         }
@@ -887,6 +1072,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEvicted>()?;
     m.add_class::<PyLock>()?;
     m.add_class::<PyRequest>()?;
+    m.add_class::<PyLoadBack>()?;
     m.add_class::<PyCopy>()?;
     m.add_class::<PyTransferBatch>()?;
     m.add("CacheError", py.get_type::<CacheError>())?;
