@@ -28,6 +28,7 @@ struct Sums {
     mamba_candidates: BTreeSet<(u64, u32)>,
     host_candidates: BTreeSet<(u64, u32)>,
     host_tokens: usize,
+    host_evictable: usize,
     reached: usize,
 }
 
@@ -159,6 +160,12 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
             c.host_tokens, sums.host_tokens
         ));
     }
+    if sums.host_evictable != c.host_evictable {
+        return broken(format!(
+            "host evictable tokens are {}, the unlocked host-only nodes sum to {}",
+            c.host_evictable, sums.host_evictable
+        ));
+    }
     if sums.host_candidates != c.host_lru {
         return broken(format!(
             "the host eviction set has {} entries, {} nodes are candidates",
@@ -205,8 +212,11 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     }
     if n.kv.host.is_some() {
         sums.host_tokens += n.key.len();
-        if n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
-            sums.host_candidates.insert((n.last_access, i));
+        if n.kv.device.is_none() && n.kv.lock == 0 {
+            sums.host_evictable += n.key.len();
+            if n.children.is_empty() {
+                sums.host_candidates.insert((n.last_access, i));
+            }
         }
     }
     if n.kv.device.is_some() {

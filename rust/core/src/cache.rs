@@ -158,6 +158,9 @@ pub struct Cache {
     pub(crate) host_lru: BTreeSet<(u64, u32)>,
     /// Host KV tokens in the tree.
     pub(crate) host_tokens: usize,
+    /// Host KV tokens of unlocked host-only nodes: what host eviction can reclaim (an
+    /// unlocked host-only node has only unlocked host-only nodes below it).
+    pub(crate) host_evictable: usize,
     /// Load-backs by batch id: uncommitted guards, and committed loads in flight.
     pub(crate) loads: BTreeMap<BatchId, load::Load>,
     pub(crate) evictable_tokens: usize,
@@ -198,6 +201,7 @@ impl Cache {
             host_mamba_pool,
             host_lru: BTreeSet::new(),
             host_tokens: 0,
+            host_evictable: 0,
             loads: BTreeMap::new(),
             default_root: NONE,
             named_roots: HashMap::new(),
@@ -721,6 +725,7 @@ impl Cache {
             self.protected_tokens += len;
         } else {
             self.evictable_tokens += len;
+            self.host_evictable -= len;
         }
         self.tree.node_mut(parent).device_children += 1;
         self.refresh_candidate(parent);
@@ -881,6 +886,8 @@ impl Cache {
                 if n.kv.device.is_some() {
                     self.evictable_tokens -= len;
                     self.protected_tokens += len;
+                } else if n.kv.host.is_some() {
+                    self.host_evictable -= len;
                 }
                 self.refresh_candidate(cur);
             }
@@ -955,6 +962,8 @@ impl Cache {
             if last && !root && n.kv.device.is_some() {
                 self.protected_tokens -= len;
                 self.evictable_tokens += len;
+            } else if last && !root && n.kv.host.is_some() {
+                self.host_evictable += len;
             }
             if cur == node || last {
                 self.refresh_candidate(cur);
@@ -1271,6 +1280,7 @@ impl Cache {
             ("mamba_draining_slots", m.draining as u64),
             ("mamba_capacity_slots", self.config.mamba_slots as u64),
             ("host_kv_cached_tokens", self.host_tokens as u64),
+            ("host_kv_evictable_tokens", self.host_evictable as u64),
             ("host_kv_free_slots", h.free as u64 * ps),
             ("host_kv_capacity_slots", self.config.host_kv_slots as u64),
             (

@@ -90,19 +90,29 @@ impl Cache {
         }
     }
 
-    /// Host pages, evicting host-only leaves first when short; `None` when even that
-    /// does not make room.
+    /// Host pages, evicting host-only leaves first when short; `None` when even
+    /// evicting every unlocked host-only node would not do, and then nothing is evicted.
     fn alloc_host_pages(&mut self, n: usize) -> Option<Pages> {
-        if self.host_kv_pool.free_pages() < n {
+        let free = self.host_kv_pool.free_pages();
+        if free < n {
+            if free + self.host_evictable / self.config.page_size < n {
+                return None;
+            }
             self.evict_host(n, 0);
         }
         self.host_kv_pool.try_alloc(n)
     }
 
-    /// One host state slot, evicting host-only leaves first when there is none free.
+    /// One host state slot; when none is free, evicts the least recently used unlocked
+    /// host-only leaf that holds one (and nothing when there is none).
     fn alloc_host_state(&mut self) -> Option<Pages> {
         if self.host_mamba_pool.free_pages() == 0 {
-            self.evict_host(0, 1);
+            let victim = self
+                .host_lru
+                .iter()
+                .map(|&(_, i)| i)
+                .find(|&i| self.tree.node(i).mamba.host.is_some())?;
+            self.delete_host_leaf(victim);
         }
         self.host_mamba_pool.try_alloc(1)
     }
@@ -373,6 +383,7 @@ impl Cache {
         let pages = n.kv.device.take().unwrap_or_default();
         self.kv_pool.release_tree(&pages);
         self.evictable_tokens -= len;
+        self.host_evictable += len;
         out.kv_tokens += len;
         self.tree.node_mut(parent).device_children -= 1;
         self.refresh_candidate(i);
@@ -390,9 +401,13 @@ impl Cache {
         }
         let n = self.tree.node_mut(i);
         let len = n.key.len();
+        let host_only_unlocked = n.kv.device.is_none() && n.kv.lock == 0;
         if let Some(pages) = n.kv.host.take() {
             self.host_kv_pool.release_tree(&pages);
             self.host_tokens -= len;
+            if host_only_unlocked {
+                self.host_evictable -= len;
+            }
         }
         if let Some(slot) = self.tree.node_mut(i).mamba.host.take() {
             self.host_mamba_pool.release_tree(&[slot]);
@@ -436,18 +451,22 @@ impl Cache {
         while self.host_kv_pool.free_pages() < kv_pages
             || self.host_mamba_pool.free_pages() < states
         {
-            let Some((_, i)) = self.host_lru.pop_first() else {
+            let Some(&(_, i)) = self.host_lru.first() else {
                 return;
             };
-            self.tree.node_mut(i).kv.in_host_lru = false;
-            let len = self.tree.node(i).key.len();
-            self.drop_host(i);
-            let parent = self.tree.node(i).parent;
-            self.tree.unlink_child(parent, i);
-            self.tree.free_node(i);
-            self.refresh_candidate(parent);
-            self.stats.host_evictions += 1;
-            self.stats.host_evicted_tokens += len as u64;
+            self.delete_host_leaf(i);
         }
+    }
+
+    /// Deletes an unlocked host-only leaf.
+    fn delete_host_leaf(&mut self, i: u32) {
+        let len = self.tree.node(i).key.len();
+        self.drop_host(i);
+        let parent = self.tree.node(i).parent;
+        self.tree.unlink_child(parent, i);
+        self.tree.free_node(i);
+        self.refresh_candidate(parent);
+        self.stats.host_evictions += 1;
+        self.stats.host_evicted_tokens += len as u64;
     }
 }

@@ -342,7 +342,7 @@ impl Cache {
         }
         plan.start = first.unwrap_or(offset);
         let n = self.tree.node(j);
-        if self.is_hybrid() && n.mamba.device.is_none() {
+        if self.is_hybrid() && n.mamba.device.is_none() && !n.is_root() {
             plan.restore = n.mamba.host;
             if plan.restore.is_none() && for_request {
                 return Err(Error::arg(
@@ -488,6 +488,7 @@ impl Cache {
                 self.protected_tokens += len;
             } else {
                 self.evictable_tokens += len;
+                self.host_evictable -= len;
             }
             self.tree.node_mut(parent).device_children += 1;
             self.refresh_candidate(i);
@@ -603,6 +604,7 @@ impl Cache {
                 self.protected_tokens -= len;
             } else {
                 self.evictable_tokens -= len;
+                self.host_evictable += len;
             }
             self.tree.node_mut(parent).device_children -= 1;
             self.refresh_candidate(parent);
