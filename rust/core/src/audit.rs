@@ -371,7 +371,7 @@ fn check_marks(c: &Cache, i: u32) -> Result<()> {
     if n.kv.loading && (n.kv.device.is_none() || n.kv.lock == 0) {
         return broken(format!("node {id} is loading without device KV or a lock"));
     }
-    if n.kv.backup_pending && n.kv.lock == 0 {
+    if (n.kv.backup_pending || n.mamba.backup_pending) && n.kv.lock == 0 {
         return broken(format!("node {id} is being backed up but is not locked"));
     }
     if !n.is_root() {

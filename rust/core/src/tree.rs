@@ -64,7 +64,7 @@ pub(crate) struct KvNode {
     /// acknowledged yet: present (and protected) but not matchable, and nothing is
     /// cached below the node until the copies land or fail.
     pub loading: bool,
-    /// A backup of this node to the host tier is in flight.
+    /// A backup of this node's KV to the host tier is in flight.
     pub backup_pending: bool,
 }
 
@@ -76,6 +76,8 @@ pub(crate) struct MambaNode {
     pub device: Option<u32>,
     /// Host-tier state slot (a backup), or `None`.
     pub host: Option<u32>,
+    /// A backup of this state to the host tier is in flight.
+    pub backup_pending: bool,
     /// Single-node lock count (receipts that copy or use this state).
     pub lock: u32,
     /// Whether the node is in the Mamba eviction set (a state, unlocked).

@@ -132,10 +132,9 @@ impl Cache {
         for (k, &i) in path.iter().enumerate() {
             let n = self.tree.node(i);
             let np = n.key.len() / ps;
-            let eligible = n.kv.device.is_some() && !n.kv.loading && !n.kv.backup_pending;
-            if eligible {
+            if n.kv.device.is_some() && !n.kv.loading {
                 let mut in_batch = false;
-                if n.kv.host.is_none() {
+                if n.kv.host.is_none() && !n.kv.backup_pending {
                     let Some(h) = self.alloc_host_pages(np) else {
                         let skipped = path[k..]
                             .iter()
@@ -154,7 +153,8 @@ impl Cache {
                 }
                 let n = self.tree.node(i);
                 if let Some(slot) = n.mamba.device {
-                    if n.mamba.host.is_none() && (in_batch || n.kv.host.is_some()) {
+                    let kv_there = in_batch || n.kv.host.is_some();
+                    if n.mamba.host.is_none() && !n.mamba.backup_pending && kv_there {
                         if let Some(h) = self.alloc_host_state() {
                             st_src.push(i64::from(slot));
                             st_dst.push(i64::from(h.pages()[0]));
@@ -203,7 +203,13 @@ impl Cache {
         demote: Option<NodeId>,
     ) {
         for &i in marked {
-            self.tree.node_mut(i).kv.backup_pending = true;
+            let n = self.tree.node_mut(i);
+            n.kv.backup_pending = n.kv.host.is_none();
+        }
+        for (id, _) in &states {
+            if let Ok(i) = self.tree.resolve(*id) {
+                self.tree.node_mut(i).mamba.backup_pending = true;
+            }
         }
         let lock = self.lock_index(end);
         let mut copies = Vec::new();
@@ -326,7 +332,7 @@ impl Cache {
                 continue;
             };
             let n = self.tree.node_mut(i);
-            n.kv.backup_pending = false;
+            n.mamba.backup_pending = false;
             if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
                 n.mamba.host = h.into_tree().first().copied();
             } else {
