@@ -3,22 +3,29 @@
 A small scheduler drives radixcache the way a serving engine does, and a stand-in
 "model" makes every answer checkable: the KV entry of position p is a hash of
 (token, p), and the Mamba state of a sequence is a hash chain over all its tokens. The
-engine runs the cache's transfer batches (copy-on-write of states) on numpy arrays. If
+engine runs the cache's transfer batches (copy-on-write of states, backups to the host
+tier, load-backs from it) on numpy arrays standing in for device and host memory. If
 any request ever read a KV slot or a state that did not hold exactly its own prefix's
 data, the check after each step would count a mismatch: the run prints 0 mismatches and
 a passing audit, or says what went wrong.
 
-Per request: admit (reuse the cached prefix, copy its state), run the copy batch,
-extend with the rest of the prompt, checkpoint at the branch point (so the next request
-sharing this prompt reuses it), decode a few tokens, finish (cache it all, donate the
-state). The state pool is deliberately small, so states are evicted and tombstoned.
+Per request: admit (reuse the cached prefix, copy its state), run the copy batch, load
+back what only the host still has (a guard: called off or failed, it gives everything
+back), extend with the rest of the prompt, checkpoint at the branch point (so the next
+request sharing this prompt reuses it), decode a few tokens, finish (cache it all,
+donate the state). Device pools are deliberately small, so nodes are demoted to the
+host tier and loaded back. `--inject-failures R` makes each copy batch fail with
+probability R, exercising every failure path.
 
     python examples/hybrid_scheduler.py [--requests N] [--seed S] [--mamba-slots N]
+        [--kv-slots N] [--host-kv-slots N] [--host-mamba-slots N]
+        [--write-policy P] [--inject-failures R]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -40,25 +47,56 @@ def step_state(state: int, token: int) -> int:
     return (state * 6_364_136_223_846_793_005 + token + 1) & MASK
 
 
-class Engine:
-    """Device memory and a model that writes checkable values into it."""
+class CopyFailed(RuntimeError):
+    """An injected failure of a transfer batch (a CUDA error, a lost host page)."""
 
-    def __init__(self, cache: rc.HybridCache) -> None:
+
+class Engine:
+    """Device and host memory, and a model that writes checkable values into them."""
+
+    def __init__(self, cache: rc.HybridCache, failure_rate: float, seed: int) -> None:
         self.cache = cache
-        self.kv = np.zeros(cache.kv_slots, dtype=np.int64)
-        self.states = np.zeros(cache.mamba_slots, dtype=np.int64)
+        self.memory = {
+            ("kv", "device"): np.zeros(cache.kv_slots, dtype=np.int64),
+            ("kv", "host"): np.zeros(cache.host_kv_slots, dtype=np.int64),
+            ("mamba", "device"): np.zeros(cache.mamba_slots, dtype=np.int64),
+            ("mamba", "host"): np.zeros(cache.host_mamba_slots, dtype=np.int64),
+        }
+        self.kv = self.memory["kv", "device"]
+        self.states = self.memory["mamba", "device"]
+        self.failure_rate = failure_rate
+        self.rng = random.Random(seed)
         self.copies = 0
+        self.reused = 0
+
+    def run(self, batch: rc.TransferBatch) -> None:
+        """Run a batch's copies and acknowledge it; an injected failure fails it and raises."""
+        self.cache.start(batch.id)
+        if self.rng.random() < self.failure_rate:
+            self.cache.fail(batch.id)
+            raise CopyFailed(f"batch {batch.id} ({batch.kind}) failed")
+        for copy in batch.copies:
+            src = self.memory[copy.pool, copy.src_tier]
+            dst = self.memory[copy.pool, copy.dst_tier]
+            dst[copy.dst] = src[copy.src]
+            self.copies += len(copy.src)
+        self.cache.complete(batch.id)
 
     def run_batches(self) -> None:
-        """Run every batch the cache emitted and acknowledge it."""
+        """Run every batch the cache emitted (copy-on-write, backups) and acknowledge it."""
         for batch in self.cache.take_batches():
-            self.cache.start(batch.id)
-            for copy in batch.copies:
-                assert copy.pool == "mamba"
-                assert copy.src_tier == copy.dst_tier == "device"
-                self.states[copy.dst] = self.states[copy.src]
-                self.copies += len(copy.src)
-            self.cache.complete(batch.id)
+            # A failed batch is a miss: the cache undid it, a request recomputes.
+            with contextlib.suppress(CopyFailed):
+                self.run(batch)
+
+    def extend(self, req: rc.Request, tokens: list[int]) -> np.ndarray | None:
+        """Slots for `tokens`; under write-back, runs the backups of evicted nodes (whose
+        slots free only when they complete) and retries once before giving up."""
+        slots = self.cache.extend(req, tokens)
+        if slots is None:
+            self.run_batches()
+            slots = self.cache.extend(req, tokens)
+        return slots
 
     def forward(self, req: rc.Request, slots: np.ndarray, tokens: list[int]) -> None:
         """Feed `tokens` (already given `slots` by extend): write their KV, step the state."""
@@ -84,39 +122,64 @@ class Engine:
         return bad
 
 
-def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt, answer length): shared system prompts and growing conversations."""
+def workload(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer): shared system prompts and growing conversations.
+
+    The answer is what the model "generates" (decided here so that runs repeat); the
+    next turn of a conversation is its previous prompt, the answer and a new message.
+    """
     rng = random.Random(seed)
-    systems = [[rng.randrange(32_000) for _ in range(rng.randint(48, 96))] for _ in range(3)]
+
+    def tokens(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(32_000) for _ in range(rng.randint(lo, hi))]
+
+    systems = [tokens(48, 96) for _ in range(3)]
     chats: list[list[int]] = []
     out = []
     for _ in range(n):
         if chats and rng.random() < 0.5:
             i = rng.randrange(len(chats))
-            chats[i] = chats[i] + [rng.randrange(32_000) for _ in range(rng.randint(4, 24))]
-            out.append((chats[i], rng.randint(2, 8)))
+            chats[i] = chats[i] + tokens(4, 24)
         else:
-            chats.append(rng.choice(systems) + [rng.randrange(32_000) for _ in range(8)])
-            out.append((chats[-1], rng.randint(2, 8)))
-        chats = chats[-12:]
+            chats.append(rng.choice(systems) + tokens(8, 8))
+            i = len(chats) - 1
+        answer = tokens(2, 8)
+        out.append((chats[i], answer))
+        chats[i] = chats[i] + answer
+        if len(chats) > 24:
+            chats.pop(0)
     return out
 
 
-def serve(engine: Engine, prompt: list[int], answer_len: int, rng: random.Random) -> int:
+def serve(engine: Engine, prompt: list[int], answer: list[int]) -> int:
     """One request end to end; returns the mismatches seen (0 when all is well)."""
     cache = engine.cache
     req = cache.admit(prompt)
     while req is None:  # no state slot for its copy: let the cache evict and retry
         cache.evict(mamba_states=1)
+        engine.run_batches()  # under write-back, evicted slots free once backed up
         req = cache.admit(prompt)
     engine.run_batches()  # the copy-on-write of the reused state, before any compute
+    if req.host_len > 0:  # the rest of the cached prefix is on the host: load it back
+        lb = cache.load_back(req, mem_quota=4096)
+        if lb is None:  # under write-back, room frees once backups complete: retry once
+            engine.run_batches()
+            lb = cache.load_back(req, mem_quota=4096)
+        if lb is not None:
+            try:
+                with lb:  # leaving the block uncommitted gives every slot back
+                    engine.run(lb.batch)
+                    lb.commit()
+            except CopyFailed:
+                pass  # the request keeps what it had and recomputes the rest
     bad = engine.check(req)
+    engine.reused += req.prefix_len
     # Prefill up to the branch point, checkpoint there, then the rest of the prompt.
     cut = req.branch_len if req.prefix_len < req.branch_len < len(prompt) else len(prompt)
     for chunk in (prompt[req.prefix_len : cut], prompt[cut:]):
         if not chunk:
             continue
-        slots = cache.extend(req, chunk)
+        slots = engine.extend(req, chunk)
         if slots is None:
             cache.abort(req)
             return bad
@@ -125,9 +188,9 @@ def serve(engine: Engine, prompt: list[int], answer_len: int, rng: random.Random
             cache.checkpoint(req)
             engine.run_batches()
             bad += engine.check(req)
-    for _ in range(answer_len):  # decode
-        token = [rng.randrange(32_000)]
-        slots = cache.extend(req, token)
+    for t in answer:  # decode
+        token = [t]
+        slots = engine.extend(req, token)
         if slots is None:
             cache.abort(req)
             return bad
@@ -141,24 +204,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-slots", type=int, default=16_384)
+    ap.add_argument("--kv-slots", type=int, default=4096)
     ap.add_argument("--mamba-slots", type=int, default=16)
+    ap.add_argument("--host-kv-slots", type=int, default=16_384)
+    ap.add_argument("--host-mamba-slots", type=int, default=128)
+    ap.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=["write_through", "write_through_selective", "write_back"],
+    )
+    ap.add_argument("--inject-failures", type=float, default=0.0, metavar="RATE")
     args = ap.parse_args(argv)
 
-    cache = rc.HybridCache(kv_slots=args.kv_slots, mamba_slots=args.mamba_slots)
-    engine = Engine(cache)
-    rng = random.Random(args.seed + 1)
+    cache = rc.HybridCache(
+        kv_slots=args.kv_slots,
+        mamba_slots=args.mamba_slots,
+        host_kv_slots=args.host_kv_slots,
+        host_mamba_slots=args.host_mamba_slots if args.host_kv_slots else 0,
+        write_policy=args.write_policy,
+    )
+    engine = Engine(cache, args.inject_failures, args.seed + 2)
     jobs = workload(args.requests, args.seed)
     mismatches = prompt_tokens = 0
     start = time.perf_counter()
-    for i, (prompt, answer_len) in enumerate(jobs, 1):
-        mismatches += serve(engine, prompt, answer_len, rng)
+    for i, (prompt, answer) in enumerate(jobs, 1):
+        mismatches += serve(engine, prompt, answer)
         prompt_tokens += len(prompt)
         if i % 250 == 0 or i == len(jobs):
             s = cache.stats()
             print(
                 f"  {i:>6}/{len(jobs)} requests  state hits {s['state_hits']}  "
-                f"mismatches {mismatches}",
+                f"load-backs {s['load_backs_committed']}  mismatches {mismatches}",
                 file=sys.stderr,
             )
     seconds = time.perf_counter() - start
@@ -168,12 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     except rc.InvariantError as e:
         audit = f"FAIL: {e}"
     s = cache.stats()
-    cache.evict(kv_tokens=args.kv_slots, mamba_states=args.mamba_slots)
+    # Drain: evict everything. Under write-back an evicted node is backed up first and
+    # freed when its backup completes; only then is its parent a leaf: repeat.
+    while cache.evict(kv_tokens=args.kv_slots, mamba_states=args.mamba_slots).kv_tokens:
+        engine.run_batches()
     full = cache.available_kv() == args.kv_slots and cache.available_mamba() == args.mamba_slots
     print(f"requests            {len(jobs)} ({s['aborts']} aborted for lack of room)")
     print(f"prompt tokens       {prompt_tokens}")
-    print(f"reused tokens       {s['hit_tokens']} ({s['state_hits']} state hits)")
-    print(f"state copies        {engine.copies} (copy-on-write and checkpoints)")
+    print(f"reused tokens       {engine.reused} ({s['state_hits']} state hits)")
+    print(f"host hits           {s['host_hit_tokens']} tokens found on the host tier")
+    print(
+        f"load-backs          {s['load_backs_committed']} committed "
+        f"({s['loaded_tokens']} tokens), {s['load_backs_called_off']} called off, "
+        f"{s['load_backs_failed']} failed"
+    )
+    print(
+        f"backups             {s['backups_done']} done, {s['backups_failed']} failed, "
+        f"{s['backups_skipped']} nodes skipped; {s['demotions']} demotions, "
+        f"{s['host_evictions']} host evictions"
+    )
+    print(f"copies              {engine.copies} slots (copy-on-write, backups, load-backs)")
     print(
         f"evicted             {s['evicted_kv_tokens']} KV tokens, "
         f"{s['evicted_mamba_states']} states ({s['tombstones']} tombstones)"
