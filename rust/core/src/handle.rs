@@ -337,6 +337,86 @@ mod tests {
         c.with(|core| core.audit()).unwrap();
     }
 
+    /// A hybrid cache with a host tier holding [1, 2, 3, 4] (and its state) on the host
+    /// only; returns the cache and the node.
+    fn demoted() -> (HybridCache, NodeId) {
+        let c = HybridCache::new(Config {
+            mamba_slots: 4,
+            host_kv_slots: 16,
+            host_mamba_slots: 2,
+            ..Config::kv(16, 1)
+        })
+        .unwrap();
+        let node = c.with(|core| {
+            let slots = core.alloc_kv(4).unwrap().unwrap();
+            let state = core.alloc_mamba().map(i64::from);
+            let node = core
+                .insert_with_state(None, &[1, 2, 3, 4], &slots, 0, state)
+                .unwrap()
+                .node;
+            for b in core.take_batches() {
+                core.complete(b.id).unwrap();
+            }
+            core.evict(4, 0);
+            node
+        });
+        (c, node)
+    }
+
+    fn pool_counts(c: &HybridCache) -> Vec<crate::PoolCounts> {
+        c.with(|core| {
+            vec![
+                core.kv_counts(),
+                core.mamba_counts(),
+                core.host_kv_pool().counts(),
+                core.host_mamba_pool().counts(),
+            ]
+        })
+    }
+
+    #[test]
+    fn panic_inside_a_load_back_scope_gives_back_every_slot() {
+        let (c, node) = demoted();
+        let request = c.admit(None, &[1, 2, 3, 4]).unwrap();
+        let before = pool_counts(&c);
+        let (c2, r2) = (c.clone(), &request);
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let lb = c2.load_back(node, None, Some(r2)).unwrap().unwrap();
+            assert_eq!(lb.kv_tokens(), 4);
+            panic!("engine failed mid-copy");
+        }));
+        assert!(out.is_err());
+        assert_eq!(pool_counts(&c), before, "the guard's slots went back");
+        let id = request.id();
+        let view = c.with(|core| core.request(id)).unwrap();
+        assert_eq!(
+            (view.prefix_len, view.mamba_slot, view.load_pending),
+            (0, None, None)
+        );
+        c.with(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn committed_guard_publishes_and_a_dropped_one_does_not() {
+        let (c, node) = demoted();
+        let request = c.admit(None, &[1, 2, 3, 4]).unwrap();
+        drop(c.load_back_request(&request, None).unwrap().unwrap());
+        assert_eq!(
+            c.with(|core| core.request(request.id()))
+                .unwrap()
+                .prefix_len,
+            0
+        );
+        let lb = c.load_back_request(&request, None).unwrap().unwrap();
+        let id = lb.id();
+        assert_eq!(lb.batch().copies.len(), 3);
+        lb.commit().unwrap();
+        c.with(|core| core.complete(id)).unwrap();
+        let view = c.with(|core| core.request(request.id())).unwrap();
+        assert_eq!((view.prefix_len, view.node), (4, node));
+        c.with(|core| core.audit()).unwrap();
+    }
+
     #[test]
     fn second_unlock_and_foreign_unlock_fail() {
         let c = cache();
