@@ -78,6 +78,8 @@ pub(crate) enum Copies {
 /// released when it completes.
 pub(crate) struct Before {
     prefix_len: usize,
+    host_len: usize,
+    host_node: Option<NodeId>,
     node: u32,
     lock: Option<LockId>,
     /// The request's earlier state slot, when the load gave it a fresh one.
@@ -301,16 +303,25 @@ impl Cache {
             ));
         }
         if let Some(j) = node {
-            let mut cur = j;
-            while cur != rs.node {
-                let n = self.tree.node(cur);
-                if n.is_root() {
-                    return Err(Error::arg(
-                        "request",
-                        "was not admitted for a sequence through this node",
-                    ));
-                }
-                cur = n.parent;
+            // The path to `j` must be a prefix of what the request was admitted for (as
+            // far as the cache held it then); its locked node is on that path too, so
+            // `j` is below it (or above, with nothing to load).
+            let mut len = 0;
+            let mut matches = true;
+            for i in self.path_to(j) {
+                let key = &self.tree.node(i).key;
+                matches = matches
+                    && rs
+                        .admitted
+                        .get(len..len + key.len())
+                        .is_some_and(|part| part == key.as_slice());
+                len += key.len();
+            }
+            if !matches {
+                return Err(Error::arg(
+                    "request",
+                    "was not admitted for a sequence through this node",
+                ));
             }
         }
         Ok(())
@@ -508,6 +519,8 @@ impl Cache {
         let swapped = slot.is_some();
         let before = Before {
             prefix_len: rs.prefix_len,
+            host_len: rs.host_len,
+            host_node: rs.host_node,
             node: rs.node,
             lock: rs.lock.replace(new_lock),
             mamba: if swapped {
@@ -569,6 +582,8 @@ impl Cache {
                         release.extend(std::mem::replace(&mut rs.lock, before.lock));
                         rs.node = before.node;
                         rs.prefix_len = before.prefix_len;
+                        rs.host_len = before.host_len;
+                        rs.host_node = before.host_node;
                         rs.tokens.truncate(before.prefix_len);
                         drop(std::mem::replace(&mut rs.kv, empty));
                         if before.swapped {

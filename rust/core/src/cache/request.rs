@@ -49,6 +49,9 @@ pub(crate) struct RequestState {
     /// The last node of the match counting host data, when it is deeper than `node`:
     /// what `load_back(request)` loads.
     pub host_node: Option<NodeId>,
+    /// The tokens of the admission match on any tier (`Match.kv_len` of them): a
+    /// load-back for the request may only load a prefix of these (API rule 9).
+    pub admitted: Vec<u32>,
     /// A load-back for this request: its guard is outstanding, or it was committed and
     /// its copies are not acknowledged yet.
     pub load: Option<BatchId>,
@@ -185,6 +188,7 @@ impl Cache {
             host_len: m.host_len,
             cow: None,
             host_node: (m.host_len > 0).then_some(m.host_node),
+            admitted: tokens[..m.kv_len].to_vec(),
             load: None,
         };
         let id = self.requests.insert(self.tree.cache_id, r);
