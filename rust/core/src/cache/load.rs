@@ -155,6 +155,14 @@ impl Cache {
         let Some(j) = node else {
             return Ok(self.called_off(CallOff::Nothing));
         };
+        if let Some(r) = request {
+            // Above the request's own node there is nothing to load for it (a state on
+            // the host only there would move the request back to a shorter prefix).
+            let at = self.request_ref(r)?.node;
+            if j != at && self.is_ancestor_or_self(j, at) {
+                return Ok(self.called_off(CallOff::Nothing));
+            }
+        }
         let plan = self.load_plan(j, request.is_some())?;
         if plan.busy {
             return Ok(self.called_off(CallOff::Busy));
@@ -317,7 +325,12 @@ impl Cache {
                         .is_some_and(|part| part == key.as_slice());
                 len += key.len();
             }
-            if !matches {
+            // And on the path through the request's own node (in its namespace, which
+            // the tokens alone do not tell): at or below it, or above it (where there is
+            // nothing to load for it; `load_back` calls that off).
+            let on_path =
+                self.is_ancestor_or_self(rs.node, j) || self.is_ancestor_or_self(j, rs.node);
+            if !matches || !on_path {
                 return Err(Error::arg(
                     "request",
                     "was not admitted for a sequence through this node",
@@ -325,6 +338,21 @@ impl Cache {
             }
         }
         Ok(())
+    }
+
+    /// Whether node `a` is node `b` or one of its ancestors.
+    fn is_ancestor_or_self(&self, a: u32, b: u32) -> bool {
+        let mut cur = b;
+        loop {
+            if cur == a {
+                return true;
+            }
+            let n = self.tree.node(cur);
+            if n.is_root() {
+                return false;
+            }
+            cur = n.parent;
+        }
     }
 
     /// What loading the path to `j` takes.
@@ -422,7 +450,9 @@ impl Cache {
     /// `match_prefix` once the batch is also completed (in either order).
     ///
     /// Fails (`Error::Request`, nothing changed) when the batch failed already, when
-    /// the load was committed or released already, or when its request extended since.
+    /// the load was committed or released already, when its request extended since, or
+    /// when another committed load-back is still landing on the path (an overlapping
+    /// load that was committed first).
     pub fn commit_load(&mut self, id: BatchId) -> Result<()> {
         let load = self.load_ref(id)?;
         if load.committed {
@@ -445,6 +475,19 @@ impl Cache {
                      load_back; release it"
                 )));
             }
+        }
+        // Another committed load-back still landing on the path: publishing below its
+        // nodes, or settling them as landed, would expose slots its copies still write.
+        let target = self.tree.resolve(load.target)?;
+        if self
+            .path_to(target)
+            .iter()
+            .any(|&i| self.tree.node(i).kv.loading)
+        {
+            return Err(Error::Request(format!(
+                "load-back {id} cannot be committed: another load-back is still landing on \
+                 its path; release it"
+            )));
         }
         let Some(mut load) = self.loads.remove(&id) else {
             return Ok(());
