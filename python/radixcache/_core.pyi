@@ -231,8 +231,9 @@ class LoadBack:
 
         Raises:
             CacheError: the batch failed already, the request extended since
-                ``load_back`` (the guard is then released), or the guard was committed
-                or released already.
+                ``load_back``, or another load-back committed first is still landing on
+                the same path (the guard is then released: a miss); or the guard was
+                committed or released already.
         """
     def release(self) -> None:
         """Call the load off and give back everything it took (no-op once committed)."""
@@ -356,9 +357,9 @@ class HybridCache:
         Raises:
             StaleNodeError: the node no longer exists.
             ValueError: ``mem_quota`` < 0; the request has extended past its reused
-                prefix or was not admitted through ``target``; a request with a
-                hybrid target that has no state on any tier; ``request=`` with a
-                Request target.
+                prefix, or ``target`` is not on the sequence it was admitted for (in its
+                namespace, through its node); a request with a hybrid target that has no
+                state on any tier; ``request=`` with a Request target.
             TypeError: ``target`` is neither a Node nor a Request.
             CacheError: the request is finished, its admission copy is pending, or it
                 has a load-back pending already.
