@@ -216,7 +216,8 @@ impl Cache {
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
         let wants_state = self.is_hybrid() && r.mamba.is_none();
-        // Both checked before anything is evicted, so a refusal costs the cache nothing.
+        // Both checked before anything is evicted, so a refusal costs the cache nothing
+        // (under write-back, an eviction that did run may have started backups: rule 11).
         // The state first: evicting one never lowers free + evictable KV, so the KV
         // allocation that follows succeeds.
         if !self.kv_available(need) || (wants_state && !self.state_available()) {
@@ -441,6 +442,7 @@ impl Cache {
         r.prefix_len = 0;
         r.branch_len = 0;
         r.host_len = 0;
+        r.host_node = None;
         let kv = std::mem::replace(&mut r.kv, self.kv_pool.empty());
         let state = r.mamba.take();
         let lock = r.lock.take();
