@@ -718,6 +718,14 @@ impl Cache {
 
     /// Gives host-only node `i` device pages (an insert passing through it).
     fn revive(&mut self, i: u32, pages: Pages) {
+        let len = self.tree.node(i).key.len();
+        self.give_device_pages(i, pages);
+        self.stats.revived_tokens += len as u64;
+    }
+
+    /// Publishes `pages` as host-only node `i`'s device KV (its parent has device KV),
+    /// keeping the sizes and eviction sets right.
+    pub(crate) fn give_device_pages(&mut self, i: u32, pages: Pages) {
         let n = self.tree.node_mut(i);
         n.kv.device = Some(pages.into_tree());
         let (len, parent, locked) = (n.key.len(), n.parent, n.kv.lock > 0);
@@ -730,7 +738,6 @@ impl Cache {
         self.tree.node_mut(parent).device_children += 1;
         self.refresh_candidate(parent);
         self.refresh_candidate(i);
-        self.stats.revived_tokens += len as u64;
     }
 
     /// Publishes a state slot on node `i` (which has device KV and no state).

@@ -383,18 +383,29 @@ impl Cache {
     /// state, keeps the node with its host data.
     pub(crate) fn demote(&mut self, i: u32, out: &mut Evicted) {
         self.drop_state(i, out);
+        out.kv_tokens += self.take_device_pages(i);
+        self.stats.demotions += 1;
+    }
+
+    /// Frees node `i`'s device KV (it has no device child and keeps its host copy),
+    /// keeping the sizes and eviction sets right; returns its tokens.
+    pub(crate) fn take_device_pages(&mut self, i: u32) -> usize {
         let n = self.tree.node_mut(i);
-        let len = n.key.len();
-        let parent = n.parent;
-        let pages = n.kv.device.take().unwrap_or_default();
+        let (len, parent, locked) = (n.key.len(), n.parent, n.kv.lock > 0);
+        let Some(pages) = n.kv.device.take() else {
+            return 0;
+        };
         self.kv_pool.release_tree(&pages);
-        self.evictable_tokens -= len;
-        self.host_evictable += len;
-        out.kv_tokens += len;
+        if locked {
+            self.protected_tokens -= len;
+        } else {
+            self.evictable_tokens -= len;
+            self.host_evictable += len;
+        }
         self.tree.node_mut(parent).device_children -= 1;
         self.refresh_candidate(i);
         self.refresh_candidate(parent);
-        self.stats.demotions += 1;
+        len
     }
 
     /// Frees a node's host copies (KV and state).

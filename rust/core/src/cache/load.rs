@@ -522,7 +522,7 @@ impl Cache {
         let mut offset = 0;
         for i in self.path_to(j) {
             let n = self.tree.node(i);
-            let (len, np) = (n.key.len(), n.key.len() / ps);
+            let np = n.key.len() / ps;
             let has_device = n.kv.device.is_some();
             offset += np;
             if offset <= load.start {
@@ -534,19 +534,8 @@ impl Cache {
                 drop(here);
                 continue;
             }
-            let n = self.tree.node_mut(i);
-            n.kv.device = Some(here.into_tree());
-            n.kv.loading = loading;
-            let (parent, locked) = (n.parent, n.kv.lock > 0);
-            if locked {
-                self.protected_tokens += len;
-            } else {
-                self.evictable_tokens += len;
-                self.host_evictable -= len;
-            }
-            self.tree.node_mut(parent).device_children += 1;
-            self.refresh_candidate(i);
-            self.refresh_candidate(parent);
+            self.tree.node_mut(i).kv.loading = loading;
+            self.give_device_pages(i, here);
         }
     }
 
@@ -603,7 +592,8 @@ impl Cache {
             let parent = self.tree.node(cur).parent;
             self.tree.node_mut(cur).kv.loading = false;
             if !ok {
-                self.unload(cur);
+                // Locked, no device child: nothing is cached below a load in flight.
+                self.take_device_pages(cur);
             }
             self.refresh_candidate(cur);
             cur = parent;
@@ -648,24 +638,6 @@ impl Cache {
         release.extend(load.lock.take());
         for l in release {
             let _ = self.unlock(l);
-        }
-    }
-
-    /// Takes back the device pages a failed load put into node `i` (locked, no device
-    /// child: nothing is cached below a load in flight).
-    fn unload(&mut self, i: u32) {
-        let n = self.tree.node_mut(i);
-        let (len, parent, locked) = (n.key.len(), n.parent, n.kv.lock > 0);
-        if let Some(pages) = n.kv.device.take() {
-            self.kv_pool.release_tree(&pages);
-            if locked {
-                self.protected_tokens -= len;
-            } else {
-                self.evictable_tokens -= len;
-                self.host_evictable += len;
-            }
-            self.tree.node_mut(parent).device_children -= 1;
-            self.refresh_candidate(parent);
         }
     }
 
