@@ -1164,9 +1164,9 @@ impl Cache {
         got
     }
 
-    /// The least recently used unlocked state whose slot no transfer pins.
-    fn reclaimable_state(&self) -> Option<u32> {
-        self.mamba_lru.iter().map(|&(_, i)| i).find(|&i| {
+    /// Unlocked states whose slot no transfer pins, least recently used first.
+    fn reclaimable_states(&self) -> impl Iterator<Item = u32> + '_ {
+        self.mamba_lru.iter().map(|&(_, i)| i).filter(|&i| {
             self.tree
                 .node(i)
                 .mamba
@@ -1175,9 +1175,16 @@ impl Cache {
         })
     }
 
-    /// Whether a state slot can be had now, by allocation or eviction.
-    pub(crate) fn state_available(&self) -> bool {
-        self.mamba_pool.free_pages() > 0 || self.reclaimable_state().is_some()
+    /// The least recently used unlocked state whose slot no transfer pins.
+    fn reclaimable_state(&self) -> Option<u32> {
+        self.reclaimable_states().next()
+    }
+
+    /// Whether `n` state slots can be had now: free, or held by states that can be
+    /// reclaimed.
+    pub(crate) fn states_available(&self, n: usize) -> bool {
+        let free = self.mamba_pool.free_pages();
+        free >= n || free + self.reclaimable_states().take(n - free).count() >= n
     }
 
     /// Whether `pages` KV pages can be had now, by allocation or eviction (exact: every

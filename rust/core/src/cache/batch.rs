@@ -236,12 +236,10 @@ impl Cache {
     }
 
     fn pending_mut(&mut self, id: BatchId) -> Result<&mut Pending> {
-        self.batches.pending.get_mut(&id).ok_or_else(|| {
-            Error::arg(
-                "batch_id",
-                format!("no batch {id} in flight (unknown, or completed or failed already)"),
-            )
-        })
+        self.batches
+            .pending
+            .get_mut(&id)
+            .ok_or_else(|| no_batch(id))
     }
 
     /// The engine is about to run the batch's copies.
@@ -255,14 +253,21 @@ impl Cache {
         self.batches.pending.get(&id).map(|p| p.started)
     }
 
-    /// The batch's copies are done: publish what it carried and drop its pins.
-    pub fn complete(&mut self, id: BatchId) -> Result<()> {
-        self.pending_mut(id)?;
-        let Some(p) = self.batches.pending.remove(&id) else {
-            return Ok(());
-        };
+    /// Removes an acknowledged batch from the books and drops its pins.
+    fn end_batch(&mut self, id: BatchId) -> Result<Pending> {
+        let p = self
+            .batches
+            .pending
+            .remove(&id)
+            .ok_or_else(|| no_batch(id))?;
         self.batches.outbox.retain(|&b| b != id);
         self.unpin_all(&p.pins);
+        Ok(p)
+    }
+
+    /// The batch's copies are done: publish what it carried and drop its pins.
+    pub fn complete(&mut self, id: BatchId) -> Result<()> {
+        let p = self.end_batch(id)?;
         match p.action {
             Action::AdmitCow { request } => self.admit_copy_done(request, id),
             Action::CheckpointCow { node, dst } => {
@@ -287,12 +292,7 @@ impl Cache {
     /// The batch's copies failed: undo what it would have published (a failed copy is a
     /// miss, never a hit) and drop its pins.
     pub fn fail(&mut self, id: BatchId) -> Result<()> {
-        self.pending_mut(id)?;
-        let Some(p) = self.batches.pending.remove(&id) else {
-            return Ok(());
-        };
-        self.batches.outbox.retain(|&b| b != id);
-        self.unpin_all(&p.pins);
+        let p = self.end_batch(id)?;
         match p.action {
             Action::AdmitCow { request } => self.admit_copy_failed(request, id),
             Action::CheckpointCow { dst, .. } => drop(dst),
@@ -302,4 +302,11 @@ impl Cache {
         self.stats.batches_failed += 1;
         Ok(())
     }
+}
+
+fn no_batch(id: BatchId) -> Error {
+    Error::arg(
+        "batch_id",
+        format!("no batch {id} in flight (unknown, or completed or failed already)"),
+    )
 }

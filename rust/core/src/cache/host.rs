@@ -272,7 +272,6 @@ impl Cache {
         }
         let mut kv_copy = (Vec::new(), Vec::new());
         let mut offsets = Vec::new();
-        let path_pages = self.path_to(i).len();
         let mut kv_pages = self.host_kv_pool.empty();
         if let Some(h) = host_kv {
             if let Some(pages) = &self.tree.node(i).kv.device {
@@ -280,10 +279,12 @@ impl Cache {
             }
             self.expand_into(h.pages(), &mut kv_copy.1);
             // Offsets along the path: this node's pages come after all its ancestors'.
-            let before: usize = self.path_to(i)[..path_pages - 1]
-                .iter()
-                .map(|&q| self.tree.node(q).key.len() / ps)
-                .sum();
+            let mut before = 0;
+            let mut cur = self.tree.node(i).parent;
+            while !self.tree.node(cur).is_root() {
+                before += self.tree.node(cur).key.len() / ps;
+                cur = self.tree.node(cur).parent;
+            }
             offsets.extend(before..before + np);
             kv_pages = h;
         }

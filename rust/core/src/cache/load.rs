@@ -393,28 +393,6 @@ impl Cache {
         Ok(plan)
     }
 
-    /// Whether `n` state slots can be had now (free, or held by an unlocked state no
-    /// transfer pins).
-    fn states_available(&self, n: usize) -> bool {
-        let free = self.mamba_pool.free_pages();
-        if free >= n {
-            return true;
-        }
-        let reclaimable = self
-            .mamba_lru
-            .iter()
-            .filter(|&&(_, i)| {
-                self.tree
-                    .node(i)
-                    .mamba
-                    .device
-                    .is_some_and(|s| self.mamba_pool.pins(s) == 0)
-            })
-            .take(n - free)
-            .count();
-        free + reclaimable >= n
-    }
-
     fn load_ref(&self, id: BatchId) -> Result<&Load> {
         self.loads.get(&id).ok_or_else(|| {
             Error::Request(format!(

@@ -220,7 +220,7 @@ impl Cache {
         // (under write-back, an eviction that did run may have started backups: rule 11).
         // The state first: evicting one never lowers free + evictable KV, so the KV
         // allocation that follows succeeds.
-        if !self.kv_available(need) || (wants_state && !self.state_available()) {
+        if !self.kv_available(need) || (wants_state && !self.states_available(1)) {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
