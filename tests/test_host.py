@@ -53,7 +53,7 @@ def host_cache(
     host_kv_slots: int = 32,
     host_mamba_slots: int = 4,
     write_policy: str = "write_through",
-    write_through_threshold: int = 2,
+    write_through_threshold: int | None = None,
 ) -> rc.HybridCache:
     """A hybrid cache (KV + Mamba states) with a host tier for both."""
     return rc.HybridCache(

@@ -366,11 +366,17 @@ class HostMachine(RuleBasedStateMachine):
                 mv.pool == "mamba" and mv.src_tier == "device" and slot in mv.src for mv in b.moves
             )
             if reads and b.snap is None:
-                self.cache.start(b.bid)
-                b.started = True
+                self.do_start(b)
                 b.snap = [self.read(mv.pool, mv.src_tier, mv.src) for mv in b.moves]
 
     def do_start(self, b: Batch) -> None:
+        if b.started:
+            # A second start is refused and changes nothing.
+            before = snapshot(self.cache)
+            with pytest.raises(rc.CacheError, match="was started already"):
+                self.cache.start(b.bid)
+            assert snapshot(self.cache) == before
+            return
         self.cache.start(b.bid)
         b.started = True
 
@@ -1179,8 +1185,9 @@ class HostMachine(RuleBasedStateMachine):
             self.take()
             before = snapshot(c)
             assert c.stats()["batches_in_flight"] == len(self.pending)
-            top = max(self.ids, default=0) + 2
-            bid = data.draw(st.sampled_from([i for i in range(top) if i not in self.pending]))
+            unknown = max(self.ids, default=0) + 1
+            done = sorted(self.ids - set(self.pending))
+            bid = data.draw(st.sampled_from([*done, unknown, 12345]))
             op = data.draw(st.sampled_from(["start", "complete", "fail"]))
             with pytest.raises(ValueError, match=rf"^batch_id: no batch {bid} in flight"):
                 getattr(c, op)(bid)

@@ -83,6 +83,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.caller_kv: set[int] = set()  # pages
         self.caller_mamba: set[int] = set()
         self.next_batch = 0
+        self.batch_ids: set[int] = set()
         self.seen: list[tuple[str | None, list[int]]] = []
 
     @initialize(
@@ -119,6 +120,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert b.kind == "cow"
             assert b.id >= self.next_batch, "batch ids are never reused"
             self.next_batch = b.id + 1
+            self.batch_ids.add(b.id)
             (cp,) = b.copies
             assert (cp.pool, cp.src_tier, cp.dst_tier) == ("mamba", "device", "device")
             self.mamba_mem[cp.dst] = self.mamba_mem[cp.src]
@@ -364,8 +366,8 @@ class HybridMachine(RuleBasedStateMachine):
         what = data.draw(st.sampled_from(["batch", "slot", "ended"]))
         before = fingerprint(self.cache)
         if what == "batch":
-            done = [i for i in range(self.next_batch) if i not in self.batches]
-            bid = data.draw(st.sampled_from([*done, self.next_batch + 1000]))
+            done = sorted(self.batch_ids - set(self.batches))
+            bid = data.draw(st.sampled_from([*done, self.next_batch + 1000, 12345]))
             op = data.draw(st.sampled_from(["start", "complete", "fail"]))
             with pytest.raises(ValueError, match=rf"^batch_id: no batch {bid} in flight"):
                 getattr(self.cache, op)(bid)

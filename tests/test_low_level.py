@@ -39,6 +39,10 @@ def test_defaults_and_repr() -> None:
         ({"write_policy": "lru"}, "write_policy"),
         ({"write_through_threshold": 0}, "write_through_threshold"),
         ({"write_through_threshold": -3}, "write_through_threshold"),
+        # A threshold the policy would ignore; a policy with no host tier to back up to.
+        ({"write_through_threshold": 3, "host_kv_slots": 8}, "write_through_threshold"),
+        ({"write_policy": "write_back"}, "write_policy"),
+        ({"write_policy": "write_through_selective"}, "write_policy"),
         ({"host_kv_slots": 6, "page_size": 4}, "host_kv_slots"),
         ({"host_kv_slots": -4}, "host_kv_slots"),
         ({"host_mamba_slots": 2, "host_kv_slots": 64}, "host_mamba_slots"),
@@ -86,9 +90,19 @@ def test_integer_arguments_name_themselves_when_wrong(
     assert fingerprint(cache) == before
 
 
-def test_all_write_policies_are_accepted() -> None:
+def test_all_write_policies_are_accepted_with_a_host_tier() -> None:
     for p in ("write_through", "write_through_selective", "write_back"):
-        rc.HybridCache(kv_slots=8, write_policy=p).audit()
+        c = rc.HybridCache(kv_slots=8, host_kv_slots=8, write_policy=p)
+        assert c.write_policy == p
+        c.audit()
+    c = rc.HybridCache(
+        kv_slots=8,
+        host_kv_slots=8,
+        write_policy="write_through_selective",
+        write_through_threshold=3,
+    )
+    assert c.write_through_threshold == 3
+    assert rc.HybridCache(kv_slots=8).write_through_threshold is None
 
 
 def test_exception_hierarchy() -> None:

@@ -13,7 +13,7 @@
 //! Everything is derived from a seed with a small `SplitMix64`, so two runs build the
 //! same tree and the benches measure the same operations.
 
-use radixcache_core::{Cache, Config, LockId};
+use radixcache_core::{Cache, Config, LockReceipt};
 
 /// Device KV slots of the built caches: a full pool holds about this many tokens.
 pub const TARGET_TOKENS: usize = 100_000;
@@ -263,7 +263,7 @@ pub struct Prepared {
     /// Tokens the tree already had at match time (`Match::device_len`).
     pub owned_from: usize,
     /// The lock taken on the matched path, released once the insert is done.
-    pub lock: LockId,
+    pub lock: LockReceipt,
 }
 
 /// The first half of [`serve`]: match `prompt`, lock the matched path, allocate slots for
@@ -303,7 +303,7 @@ pub fn prepare(cache: &mut Cache, prompt: &[u32], answer: &[u32]) -> Prepared {
 /// # Panics
 ///
 /// When the receipt was already released (a bug in the caller).
-pub fn release(cache: &mut Cache, lock: LockId) {
+pub fn release(cache: &mut Cache, lock: LockReceipt) {
     if let Err(e) = cache.unlock(lock) {
         panic!("unlock failed: {e}");
     }

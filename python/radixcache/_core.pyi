@@ -300,8 +300,11 @@ class HybridCache:
         write_policy: when device data is backed up to the host: ``"write_through"``
             (on insert), ``"write_through_selective"`` (once a node was inserted
             ``write_through_threshold`` times) or ``"write_back"`` (only a node being
-            evicted; its device slots are freed when the backup completes).
-        write_through_threshold: inserts before a selective backup (>= 1).
+            evicted; its device slots are freed when the backup completes). Without a
+            host tier only the default ``"write_through"`` is accepted (there is nothing
+            to back up to).
+        write_through_threshold: inserts before a selective backup (>= 1; default 2).
+            Only with ``"write_through_selective"``: the other policies refuse it.
 
     Raises:
         ValueError: a bad argument (the message names it).
@@ -315,7 +318,7 @@ class HybridCache:
         host_kv_slots: int = 0,
         host_mamba_slots: int = 0,
         write_policy: str = "write_through",
-        write_through_threshold: int = 2,
+        write_through_threshold: int | None = None,
     ) -> HybridCache: ...
     @property
     def page_size(self) -> int:
@@ -335,6 +338,9 @@ class HybridCache:
     @property
     def write_policy(self) -> Literal["write_through", "write_through_selective", "write_back"]:
         """When device data is backed up to the host tier."""
+    @property
+    def write_through_threshold(self) -> int | None:
+        """Inserts before a selective backup (None unless the policy is selective)."""
     def load_back(
         self,
         target: Node | Request,

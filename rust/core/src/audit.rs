@@ -7,11 +7,21 @@
 use std::collections::{BTreeSet, HashSet};
 
 use crate::cache::batch::Action;
-use crate::cache::load::Copies;
-use crate::cache::Cache;
+use crate::cache::load::CopyOutcome;
+use crate::cache::sizes::Sizes;
+use crate::cache::{Cache, PoolKind, Tier};
 use crate::error::{Error, Result};
 use crate::pool::{PageState, PoolCounts};
 use crate::tree::{Tree, NONE};
+
+impl Cache {
+    /// Checks every invariant of ARCHITECTURE.md §5 that applies (slot conservation,
+    /// tree shape, lock counts and sizes, eviction candidates, host data, transfers in
+    /// flight). Raises [`Error::Invariant`] naming the first broken one.
+    pub fn audit(&self) -> Result<()> {
+        audit(self)
+    }
+}
 
 fn broken<T>(msg: String) -> Result<T> {
     Err(Error::Invariant(msg))
@@ -20,25 +30,20 @@ fn broken<T>(msg: String) -> Result<T> {
 /// What the walk over the tree adds up.
 #[derive(Default)]
 struct Sums {
-    evictable: usize,
-    protected: usize,
-    evictable_states: usize,
-    protected_states: usize,
+    sizes: Sizes,
     kv_candidates: BTreeSet<(u64, u32)>,
     mamba_candidates: BTreeSet<(u64, u32)>,
     host_candidates: BTreeSet<(u64, u32)>,
-    host_tokens: usize,
-    host_evictable: usize,
     reached: usize,
 }
 
-pub(crate) fn audit(c: &Cache) -> Result<()> {
+fn audit(c: &Cache) -> Result<()> {
     let tree = &c.tree;
     let pools = [
-        &c.kv_pool,
-        &c.mamba_pool,
-        &c.host_kv_pool,
-        &c.host_mamba_pool,
+        &c.pools.kv,
+        &c.pools.mamba,
+        &c.pools.host_kv,
+        &c.pools.host_mamba,
     ];
     let mut counts = Vec::new();
     let mut states = Vec::new();
@@ -51,10 +56,7 @@ pub(crate) fn audit(c: &Cache) -> Result<()> {
     let (expected_lock, expected_mamba_lock) = expected_locks(c)?;
 
     let mut sums = Sums::default();
-    let roots: Vec<u32> = std::iter::once(c.default_root)
-        .chain(c.named_roots.values().copied())
-        .collect();
-    for root in roots {
+    for (_, root) in c.roots.all() {
         let r = tree.node(root);
         if !r.live || !r.is_root() || !r.key.is_empty() || r.mamba.device.is_some() {
             return broken(format!(
@@ -142,51 +144,55 @@ pub(crate) fn audit(c: &Cache) -> Result<()> {
 /// 4 and 5: sizes and eviction sets equal what the walk added up.
 fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
     // 4. Sizes equal the sums over nodes.
-    if (sums.evictable, sums.protected) != (c.evictable_tokens, c.protected_tokens) {
+    let (got, want) = (&c.sizes, &sums.sizes);
+    if (want.evictable_tokens, want.protected_tokens)
+        != (got.evictable_tokens, got.protected_tokens)
+    {
         return broken(format!(
             "evictable/protected sizes are {}/{}, the nodes sum to {}/{}",
-            c.evictable_tokens, c.protected_tokens, sums.evictable, sums.protected
+            got.evictable_tokens,
+            got.protected_tokens,
+            want.evictable_tokens,
+            want.protected_tokens
         ));
     }
-    if (sums.evictable_states, sums.protected_states) != (c.evictable_states, c.protected_states) {
+    if (want.evictable_states, want.protected_states)
+        != (got.evictable_states, got.protected_states)
+    {
         return broken(format!(
             "evictable/protected states are {}/{}, the nodes sum to {}/{}",
-            c.evictable_states, c.protected_states, sums.evictable_states, sums.protected_states
+            got.evictable_states,
+            got.protected_states,
+            want.evictable_states,
+            want.protected_states
         ));
     }
-    if sums.host_tokens != c.host_tokens {
+    if want.host_tokens != got.host_tokens {
         return broken(format!(
             "host kv tokens are {}, the nodes sum to {}",
-            c.host_tokens, sums.host_tokens
+            got.host_tokens, want.host_tokens
         ));
     }
-    if sums.host_evictable != c.host_evictable {
+    if want.host_evictable != got.host_evictable {
         return broken(format!(
             "host evictable tokens are {}, the unlocked host-only nodes sum to {}",
-            c.host_evictable, sums.host_evictable
-        ));
-    }
-    if sums.host_candidates != c.host_lru {
-        return broken(format!(
-            "the host eviction set has {} entries, {} nodes are candidates",
-            c.host_lru.len(),
-            sums.host_candidates.len()
+            got.host_evictable, want.host_evictable
         ));
     }
     // 5. The eviction sets are exactly the candidates.
-    if sums.kv_candidates != c.kv_lru {
-        return broken(format!(
-            "the kv eviction set has {} entries, {} nodes are candidates",
-            c.kv_lru.len(),
-            sums.kv_candidates.len()
-        ));
-    }
-    if sums.mamba_candidates != c.mamba_lru {
-        return broken(format!(
-            "the mamba eviction set has {} entries, {} nodes are candidates",
-            c.mamba_lru.len(),
-            sums.mamba_candidates.len()
-        ));
+    let [kv, mamba, host] = c.lru.sets();
+    for (name, set, candidates) in [
+        ("kv", kv, &sums.kv_candidates),
+        ("mamba", mamba, &sums.mamba_candidates),
+        ("host", host, &sums.host_candidates),
+    ] {
+        if set != candidates {
+            return broken(format!(
+                "the {name} eviction set has {} entries, {} nodes are candidates",
+                set.len(),
+                candidates.len()
+            ));
+        }
     }
     Ok(())
 }
@@ -207,35 +213,18 @@ fn claim(states: &[PageState], seen: &mut [bool], p: u32, what: &str, holder: &s
 
 fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     let n = c.tree.node(i);
+    sums.sizes += Sizes::of(n);
     if n.is_root() {
         return;
     }
-    if n.kv.host.is_some() {
-        sums.host_tokens += n.key.len();
-        if n.kv.device.is_none() && n.kv.lock == 0 {
-            sums.host_evictable += n.key.len();
-            if n.children.is_empty() {
-                sums.host_candidates.insert((n.last_access, i));
-            }
-        }
+    if n.kv.host.is_some() && n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
+        sums.host_candidates.insert((n.last_access, i));
     }
-    if n.kv.device.is_some() {
-        if n.kv.lock > 0 {
-            sums.protected += n.key.len();
-        } else {
-            sums.evictable += n.key.len();
-        }
-        if n.kv.lock == 0 && n.mamba.lock == 0 && n.device_children == 0 {
-            sums.kv_candidates.insert((n.last_access, i));
-        }
+    if n.kv.device.is_some() && n.kv.lock == 0 && n.mamba.lock == 0 && n.device_children == 0 {
+        sums.kv_candidates.insert((n.last_access, i));
     }
-    if n.mamba.device.is_some() {
-        if n.mamba.lock > 0 {
-            sums.protected_states += 1;
-        } else {
-            sums.evictable_states += 1;
-            sums.mamba_candidates.insert((n.mamba.last_access, i));
-        }
+    if n.mamba.device.is_some() && n.mamba.lock == 0 {
+        sums.mamba_candidates.insert((n.mamba.last_access, i));
     }
 }
 
@@ -275,12 +264,12 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
             hold(1, s.pages())?;
         }
         if let Some(id) = r.load {
-            if !c.loads.contains_key(&id) {
+            if !c.loads.contains(id) {
                 return broken(format!("a request waits on load-back {id}, which is gone"));
             }
         }
         // The request's prefix is locked by its receipt and ends at its node.
-        let Some(lock) = r.lock else {
+        let Some(lock) = &r.lock else {
             if r.prefix_len != 0 {
                 return broken(format!(
                     "a request reuses {} tokens without a lock",
@@ -289,26 +278,24 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
             }
             continue;
         };
-        if c.lock_node(lock).ok() != Some(c.tree.id(r.node)) {
+        if c.locked_node(lock.id()) != Some(r.node) {
             return broken("a request's receipt does not lock its node".to_owned());
         }
     }
-    for load in c.loads.values() {
+    for (_, load) in c.loads.iter() {
         hold(0, load.kv.pages())?;
         for s in [&load.restore, &load.req_slot].into_iter().flatten() {
             hold(1, s.pages())?;
         }
-        if let Some(before) = &load.before {
-            if let Some(s) = &before.mamba {
-                hold(1, s.pages())?;
-            }
+        if let Some(s) = load.saved.as_ref().and_then(|saved| saved.mamba.as_ref()) {
+            hold(1, s.pages())?;
         }
     }
     for p in c.batches.pending.values() {
         match &p.action {
             Action::CheckpointCow { dst, .. } => hold(1, dst.pages())?,
             Action::Backup(b) => {
-                hold(2, b.kv.pages.pages())?;
+                hold(2, b.kv.pages())?;
                 for (_, s) in &b.states {
                     hold(3, s.pages())?;
                 }
@@ -321,10 +308,9 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
 
 /// Every pin on a page belongs to a batch in flight.
 fn check_pins(c: &Cache) -> Result<()> {
-    use crate::cache::{PoolKind, Tier};
     for pool in [PoolKind::Kv, PoolKind::Mamba] {
         for tier in [Tier::Device, Tier::Host] {
-            let p = c.pool_of(pool, tier);
+            let p = c.pools.of(pool, tier);
             let mut expected = vec![0u32; p.capacity_pages()];
             for b in c.batches.pending.values() {
                 for pins in b.pins.iter().filter(|x| x.pool == pool && x.tier == tier) {
@@ -351,9 +337,9 @@ fn check_pins(c: &Cache) -> Result<()> {
 /// Load-backs: an uncommitted one has its batch pending unless the copies ended; a
 /// committed one is in flight. Their requests point back at them.
 fn check_loads(c: &Cache) -> Result<()> {
-    for (id, load) in &c.loads {
+    for (id, load) in c.loads.iter() {
         let pending = c.batches.pending.contains_key(id);
-        let in_flight = load.committed || load.copies == Copies::Pending;
+        let in_flight = load.committed || load.copies == CopyOutcome::Pending;
         if pending != in_flight {
             return broken(format!(
                 "load-back {id}: batch pending {pending}, but the load says {in_flight}"
@@ -389,18 +375,10 @@ fn check_marks(c: &Cache, i: u32) -> Result<()> {
 ///    its node's state when it holds it.
 fn expected_locks(c: &Cache) -> Result<(Vec<u32>, Vec<u32>)> {
     let tree = &c.tree;
-    let live: Vec<_> = c.locks.iter().filter(|l| l.node.is_some()).collect();
-    if live.len() != c.live_locks {
-        return broken(format!(
-            "{} receipts live, tally says {}",
-            live.len(),
-            c.live_locks
-        ));
-    }
     let mut kv = vec![0u32; tree.nodes.len()];
     let mut mamba = vec![0u32; tree.nodes.len()];
-    for l in live {
-        let Some(i) = l.node else { continue };
+    for l in c.locks.held() {
+        let i = l.node;
         if !tree.node(i).live {
             return broken(format!("a live receipt points at dead node slot {i}"));
         }

@@ -66,10 +66,12 @@ pub struct Config {
     pub host_kv_slots: usize,
     /// Host-tier Mamba state slots.
     pub host_mamba_slots: usize,
-    /// When to back up to the host tier.
+    /// When to back up to the host tier (with no host tier, only the default
+    /// [`WritePolicy::WriteThrough`] is accepted: there is nothing to back up to).
     pub write_policy: WritePolicy,
-    /// Hits before a selective backup.
-    pub write_through_threshold: u32,
+    /// Inserts before a selective backup; only with
+    /// [`WritePolicy::WriteThroughSelective`] (`None`: the default, 2).
+    pub write_through_threshold: Option<u32>,
 }
 
 impl Default for Config {
@@ -81,12 +83,30 @@ impl Default for Config {
             host_kv_slots: 0,
             host_mamba_slots: 0,
             write_policy: WritePolicy::WriteThrough,
-            write_through_threshold: 2,
+            write_through_threshold: None,
         }
     }
 }
 
 impl Config {
+    /// The selective policy's threshold when none is given.
+    pub const DEFAULT_WRITE_THROUGH_THRESHOLD: u32 = 2;
+
+    /// Inserts before a backup: 1 under write-through, the threshold (given or default)
+    /// under write-through-selective; `None` when inserts never back up (no host tier,
+    /// or write-back).
+    pub fn backup_threshold(&self) -> Option<u32> {
+        match self.write_policy {
+            _ if self.host_kv_slots == 0 => None,
+            WritePolicy::WriteBack => None,
+            WritePolicy::WriteThrough => Some(1),
+            WritePolicy::WriteThroughSelective => Some(
+                self.write_through_threshold
+                    .unwrap_or(Config::DEFAULT_WRITE_THROUGH_THRESHOLD),
+            ),
+        }
+    }
+
     /// An attention-only configuration with `kv_slots` slots and pages of `page_size`.
     pub fn kv(kv_slots: usize, page_size: usize) -> Config {
         Config {
@@ -115,8 +135,30 @@ impl Config {
         if self.kv_slots == 0 {
             return Err(Error::arg("kv_slots", "must be at least one page"));
         }
-        if self.write_through_threshold == 0 {
-            return Err(Error::arg("write_through_threshold", "must be at least 1"));
+        if let Some(t) = self.write_through_threshold {
+            if t == 0 {
+                return Err(Error::arg("write_through_threshold", "must be at least 1"));
+            }
+            if self.write_policy != WritePolicy::WriteThroughSelective {
+                return Err(Error::arg(
+                    "write_through_threshold",
+                    format!(
+                        "{t} given with write_policy=\"{}\"; the threshold only applies to \
+                         \"write_through_selective\"",
+                        self.write_policy
+                    ),
+                ));
+            }
+        }
+        if self.host_kv_slots == 0 && self.write_policy != WritePolicy::WriteThrough {
+            return Err(Error::arg(
+                "write_policy",
+                format!(
+                    "\"{}\" needs a host tier (host_kv_slots > 0): without one nothing is \
+                     backed up",
+                    self.write_policy
+                ),
+            ));
         }
         if self.host_mamba_slots > 0 && self.mamba_slots == 0 {
             return Err(Error::arg(
@@ -175,11 +217,31 @@ mod tests {
         assert_eq!(arg_of(Config::kv(0, 1)), "kv_slots");
         assert_eq!(
             arg_of(Config {
-                write_through_threshold: 0,
+                write_through_threshold: Some(0),
+                write_policy: WritePolicy::WriteThroughSelective,
+                host_kv_slots: 8,
                 ..Config::kv(8, 1)
             }),
             "write_through_threshold"
         );
+        // A threshold the policy would ignore, and a policy with nothing to back up to.
+        assert_eq!(
+            arg_of(Config {
+                write_through_threshold: Some(3),
+                host_kv_slots: 8,
+                ..Config::kv(8, 1)
+            }),
+            "write_through_threshold"
+        );
+        for p in [WritePolicy::WriteBack, WritePolicy::WriteThroughSelective] {
+            assert_eq!(
+                arg_of(Config {
+                    write_policy: p,
+                    ..Config::kv(8, 1)
+                }),
+                "write_policy"
+            );
+        }
         assert_eq!(
             arg_of(Config {
                 host_kv_slots: 6,

@@ -4,7 +4,7 @@
 //! every variant by an exhaustive `match` (no catch-all arm), so adding a variant
 //! here is a compile error there until it is mapped.
 
-use crate::tree::NodeId;
+use crate::ids::NodeId;
 
 /// Everything a cache operation can fail with. A failed operation changes nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +31,21 @@ pub enum Error {
     /// `audit()` found a broken invariant (Python: `InvariantError`).
     #[error("invariant broken: {0}")]
     Invariant(String),
+    /// A panic (a bug in radixcache) interrupted a change, which may be half done: the
+    /// cache refuses every call from then on (Python: `CacheError`).
+    #[error(
+        "the cache is broken: an internal error ({0}) interrupted a change, so it can no \
+         longer be used; build a new cache (and please report the error)"
+    )]
+    Broken(String),
+    /// Memory for an argument could not be had (Python: `MemoryError`).
+    #[error("{arg}: {reason}")]
+    OutOfMemory {
+        /// The name of the argument, as in the Python signature.
+        arg: &'static str,
+        /// What could not be allocated.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -1,30 +1,80 @@
-//! [`HybridCache`]: the shareable handle over the core, and [`Lock`], the owned receipt.
+//! [`HybridCache`]: the shareable handle over the core, and the owned handles it gives
+//! ([`Lock`], [`Request`], [`LoadBack`]).
 //!
-//! The handle puts the single-threaded [`Cache`] behind a mutex so that receipts (and,
-//! later, requests and load-back guards) can own what they took and give it back when
-//! dropped, from any thread. Rule that keeps this deadlock-free: nothing that owns a
-//! receipt is dropped while the cache mutex is held, and the mutex is never held while
-//! calling into user code (in Python: while creating Python objects).
+//! The handle puts the single-threaded [`Cache`] behind a mutex so that owned handles
+//! can give back what they hold when dropped, from any thread. The core's own owned
+//! values (lock receipts, load-back records) do the ownership; the handles only share
+//! them and, when dropped, hand them back at once rather than at the cache's next call.
+//! Rules that keep this deadlock-free: nothing that owns a receipt is dropped while the
+//! cache mutex is held by the same thread, and the mutex is never held while calling
+//! into user code (in Python: while creating Python objects).
+//!
+//! Every call runs through [`HybridCache::with`]: a panic inside the core (a bug) is
+//! caught there, and the cache is marked broken, since the change it interrupted may be
+//! half done. Every later call then fails with [`Error::Broken`]; dropping handles stays
+//! safe (they give back nothing to a broken cache).
 
 use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cache::{BatchId, Cache, LoadTarget, LockId, RequestId, TransferBatch};
+use crate::cache::{Cache, LoadRecord, LoadTarget, LockReceipt, TransferBatch};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::tree::NodeId;
+use crate::ids::{BatchId, NodeId, RequestId};
+
+/// The cache and whether a panic left it broken.
+struct Shared {
+    cache: Cache,
+    /// Why the cache is broken (a panic interrupted a change), if it is.
+    broken: Option<String>,
+}
+
+impl Shared {
+    /// Runs `f` on the cache unless it is broken; a panic in `f` breaks it.
+    fn enter<R>(&mut self, f: impl FnOnce(&mut Cache) -> R) -> Result<R> {
+        if let Some(why) = &self.broken {
+            return Err(Error::Broken(why.clone()));
+        }
+        let cache = &mut self.cache;
+        let out = catch_unwind(AssertUnwindSafe(|| {
+            cache.reap();
+            f(cache)
+        }));
+        out.map_err(|payload| {
+            let why = match payload.downcast_ref::<&str>() {
+                Some(s) => (*s).to_owned(),
+                None => payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .unwrap_or_else(|| "a panic".to_owned()),
+            };
+            self.broken = Some(why.clone());
+            Error::Broken(why)
+        })
+    }
+
+    /// Runs `f` for a handle being dropped: nothing when the cache is broken (what the
+    /// handle held then stays where it is: the cache is not used again).
+    fn settle(&mut self, f: impl FnOnce(&mut Cache)) {
+        let _ = self.enter(f);
+    }
+}
 
 /// A cache that can be shared between owners. Cloning shares the same cache.
 #[derive(Clone)]
 pub struct HybridCache {
-    core: Arc<Mutex<Cache>>,
+    core: Arc<Mutex<Shared>>,
 }
 
 impl fmt::Debug for HybridCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.core.lock().summary())
+        match self.with(|c| c.summary()) {
+            Ok(s) => f.write_str(&s),
+            Err(e) => write!(f, "HybridCache({e})"),
+        }
     }
 }
 
@@ -32,14 +82,42 @@ impl HybridCache {
     /// A cache with the given configuration (errors name the bad argument).
     pub fn new(config: Config) -> Result<HybridCache> {
         Ok(HybridCache {
-            core: Arc::new(Mutex::new(Cache::new(config)?)),
+            core: Arc::new(Mutex::new(Shared {
+                cache: Cache::new(config)?,
+                broken: None,
+            })),
         })
     }
 
-    /// Runs `f` with exclusive access to the core. `f` must not drop a [`Lock`] of this
-    /// cache (it would wait on the mutex `f` holds).
-    pub fn with<R>(&self, f: impl FnOnce(&mut Cache) -> R) -> R {
-        f(&mut self.core.lock())
+    /// Runs `f` with exclusive access to the core, after settling what was dropped since
+    /// the last call. `f` must not drop a handle of this cache (it would wait on the
+    /// mutex `f` holds). A panic in `f` marks the cache broken and returns
+    /// [`Error::Broken`], as does every call after it.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Cache) -> R) -> Result<R> {
+        self.core.lock().enter(f)
+    }
+
+    /// [`HybridCache::with`] for a call that can fail itself.
+    pub fn call<R>(&self, f: impl FnOnce(&mut Cache) -> Result<R>) -> Result<R> {
+        self.with(f)?
+    }
+
+    /// [`HybridCache::with`] when no other thread holds the cache; otherwise, without
+    /// waiting, `Err(f)`: the caller may then wait in a way of its own (the Python
+    /// binding releases the GIL first).
+    pub fn with_uncontended<R, F: FnOnce(&mut Cache) -> R>(
+        &self,
+        f: F,
+    ) -> std::result::Result<Result<R>, F> {
+        match self.core.try_lock() {
+            Some(mut core) => Ok(core.enter(f)),
+            None => Err(f),
+        }
+    }
+
+    /// Why the cache is broken, if a panic broke it.
+    pub fn broken(&self) -> Option<String> {
+        self.core.lock().broken.clone()
     }
 
     /// True when both handles share one cache.
@@ -48,29 +126,49 @@ impl HybridCache {
     }
 
     /// Locks the path from `node` to its root; the lock is released when the returned
-    /// receipt is released or dropped.
+    /// handle is released or dropped.
     pub fn lock(&self, node: NodeId) -> Result<Lock> {
-        let id = self.core.lock().lock(node)?;
-        Ok(Lock {
-            core: Arc::clone(&self.core),
-            id: Some(id),
+        let receipt = self.call(|c| c.lock(node))?;
+        Ok(self.own_lock(receipt, node))
+    }
+
+    /// The handle that shares `receipt` (from [`Cache::lock`] on this cache's core, for
+    /// `node`): it releases the lock when released or dropped.
+    pub fn own_lock(&self, receipt: LockReceipt, node: NodeId) -> Lock {
+        Lock {
+            cache: self.clone(),
+            receipt: Some(receipt),
             node,
-        })
+        }
     }
 
     /// Admits a request (see [`Cache::admit`]); the returned handle aborts the request if
     /// it is dropped while the request is live. `None`: no state slot for its copy.
-    pub fn admit(&self, namespace: Option<&str>, tokens: &[u32]) -> Option<Request> {
-        let id = self.core.lock().admit(namespace, tokens)?;
-        Some(Request {
-            core: Arc::clone(&self.core),
+    pub fn admit(&self, namespace: Option<&str>, tokens: &[u32]) -> Result<Option<Request>> {
+        let id = self.with(|c| c.admit(namespace, tokens))?;
+        id.map(|id| self.own_request(id)).transpose()
+    }
+
+    /// The handle that owns request `id` (from [`Cache::admit`] on this cache's core):
+    /// dropped while the request is live, it aborts it. A request has at most one such
+    /// handle: one that is not live, or is owned already, raises [`Error::Request`].
+    pub fn own_request(&self, id: RequestId) -> Result<Request> {
+        self.call(|c| c.own_request(id))?;
+        Ok(self.request_handle(id))
+    }
+
+    /// The handle of request `id`, which [`Cache::own_request`] marked as owned within
+    /// the same call on the core (so that admitting and owning take the cache once).
+    pub fn request_handle(&self, id: RequestId) -> Request {
+        Request {
+            cache: self.clone(),
             id,
-        })
+        }
     }
 
     /// The request's id in this cache, or an error for a request of another cache.
     pub fn request_id(&self, request: &Request) -> Result<RequestId> {
-        if Arc::ptr_eq(&self.core, &request.core) {
+        if self.same_cache(&request.cache) {
             Ok(request.id)
         } else {
             Err(Error::Request(format!(
@@ -110,29 +208,29 @@ impl HybridCache {
         mem_quota: Option<usize>,
         request: Option<RequestId>,
     ) -> Result<Option<LoadBack>> {
-        let mut core = self.core.lock();
-        let Some(id) = core.load_back(target, mem_quota, request)? else {
-            return Ok(None);
-        };
-        let batch = core.load_batch(id)?;
-        let kv_tokens = core.load_kv_tokens(id)?;
-        drop(core);
-        Ok(Some(LoadBack {
-            core: Arc::clone(&self.core),
-            id,
-            batch,
-            kv_tokens,
-            live: true,
-        }))
+        let record = self.call(|c| c.load_back(target, mem_quota, request))?;
+        Ok(record.map(|record| self.own_load(record)))
     }
 
-    /// Releases the receipt in `slot` and empties it. An empty slot (released already)
-    /// or a receipt of another cache raises [`Error::Lock`]; the receipt then stays
-    /// where it was.
+    /// The guard that shares `record` (from [`Cache::load_back`] on this cache's core):
+    /// dropped uncommitted, it calls the load off.
+    pub fn own_load(&self, record: LoadRecord) -> LoadBack {
+        LoadBack {
+            cache: self.clone(),
+            id: record.id(),
+            batch: record.batch().clone(),
+            kv_tokens: record.kv_tokens(),
+            record: Some(record),
+        }
+    }
+
+    /// Releases the lock in `slot` and empties it. An empty slot (released already)
+    /// or a lock of another cache raises [`Error::Lock`]; the lock then stays where it
+    /// was.
     pub fn unlock(&self, slot: &mut Option<Lock>) -> Result<()> {
         match slot {
             None => Err(Error::Lock("this lock was already released".to_owned())),
-            Some(lock) if !Arc::ptr_eq(&lock.core, &self.core) => {
+            Some(lock) if !lock.cache.same_cache(self) => {
                 Err(Error::Lock("this lock belongs to another cache".to_owned()))
             }
             Some(_) => slot.take().map_or(Ok(()), Lock::release),
@@ -140,26 +238,27 @@ impl HybridCache {
     }
 }
 
-/// A load-back in progress: owns the lock on the path being loaded, the device KV
-/// slots for the host-only nodes, the slot restoring the node's state and the
-/// request's fresh state slot. [`LoadBack::commit`] publishes them; dropping the guard
-/// uncommitted (early return, error, panic) releases the lock and returns every slot,
-/// at once if its batch was never started, else when the batch is acknowledged.
+/// A load-back in progress: owns (through its [`LoadRecord`]) the lock on the path being
+/// loaded, the device KV slots for the host-only nodes, the slot restoring the node's
+/// state and the request's fresh state slot. [`LoadBack::commit`] publishes them;
+/// dropping the guard uncommitted (early return, error, panic) releases the lock and
+/// returns every slot, at once if its batch was never started, else when the batch is
+/// acknowledged.
 #[must_use = "dropping a LoadBack uncommitted calls the load off"]
 #[clippy::has_significant_drop]
 pub struct LoadBack {
-    core: Arc<Mutex<Cache>>,
+    cache: HybridCache,
     id: BatchId,
     batch: TransferBatch,
     kv_tokens: usize,
-    live: bool,
+    /// `None` once committed or released.
+    record: Option<LoadRecord>,
 }
 
 impl fmt::Debug for LoadBack {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LoadBack")
-            .field("id", &self.id)
-            .field("kv_tokens", &self.kv_tokens)
+            .field("record", &self.record)
             .finish_non_exhaustive()
     }
 }
@@ -181,31 +280,31 @@ impl LoadBack {
     }
 
     /// Publishes the load (see [`Cache::commit_load`]). On error (the copies failed,
-    /// or the request extended since) the guard is dropped, which releases everything.
+    /// or the request extended since) the load is called off: everything goes back.
     pub fn commit(mut self) -> Result<()> {
-        let out = self.core.lock().commit_load(self.id);
-        if out.is_ok() {
-            self.live = false;
-        }
-        out
+        let Some(record) = self.record.take() else {
+            return Ok(());
+        };
+        self.cache.call(|c| c.commit_load(record))
     }
 }
 
 impl Drop for LoadBack {
     fn drop(&mut self) {
-        if self.live {
-            let _ = self.core.lock().cancel_load(self.id);
+        if let Some(record) = self.record.take() {
+            self.cache.core.lock().settle(|c| c.cancel_load(record));
         }
     }
 }
 
-/// An owned lock receipt: the path from `node` to the root stays protected from
-/// eviction until it is released, explicitly or by dropping it.
+/// An owned lock: the path from `node` to the root stays protected from eviction until
+/// it is released, explicitly or by dropping it.
 #[must_use = "dropping a Lock releases it at once"]
 #[clippy::has_significant_drop]
 pub struct Lock {
-    core: Arc<Mutex<Cache>>,
-    id: Option<LockId>,
+    cache: HybridCache,
+    /// `None` once released.
+    receipt: Option<LockReceipt>,
     node: NodeId,
 }
 
@@ -213,7 +312,7 @@ impl fmt::Debug for Lock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lock")
             .field("node", &self.node)
-            .field("id", &self.id)
+            .field("receipt", &self.receipt)
             .finish_non_exhaustive()
     }
 }
@@ -227,8 +326,8 @@ impl Lock {
 
     /// Releases the lock.
     pub fn release(mut self) -> Result<()> {
-        match self.id.take() {
-            Some(id) => self.core.lock().unlock(id),
+        match self.receipt.take() {
+            Some(receipt) => self.cache.call(|c| c.unlock(receipt)),
             None => Ok(()),
         }
     }
@@ -236,9 +335,11 @@ impl Lock {
 
 impl Drop for Lock {
     fn drop(&mut self) {
-        if let Some(id) = self.id.take() {
-            // Cannot fail: this receipt is live (only `release` or this drop ends it).
-            let _ = self.core.lock().unlock(id);
+        if let Some(receipt) = self.receipt.take() {
+            // Cannot fail: the receipt is of this cache and live.
+            self.cache.core.lock().settle(|c| {
+                let _ = c.unlock(receipt);
+            });
         }
     }
 }
@@ -248,7 +349,7 @@ impl Drop for Lock {
 #[must_use = "dropping a Request aborts it"]
 #[clippy::has_significant_drop]
 pub struct Request {
-    core: Arc<Mutex<Cache>>,
+    cache: HybridCache,
     id: RequestId,
 }
 
@@ -266,30 +367,27 @@ impl Request {
         self.id
     }
 
-    /// Whether the request still holds anything.
+    /// Whether the request still holds anything (false too when the cache is broken).
     pub fn is_live(&self) -> bool {
-        self.core.lock().request_live(self.id)
-    }
-
-    /// Runs `f` with read access to the request's cache.
-    pub fn with<R>(&self, f: impl FnOnce(&Cache) -> R) -> R {
-        f(&self.core.lock())
+        self.cache
+            .with(|c| c.request_live(self.id))
+            .unwrap_or(false)
     }
 
     /// A handle to the request's cache.
-    pub fn cache(&self) -> HybridCache {
-        HybridCache {
-            core: Arc::clone(&self.core),
-        }
+    pub fn cache(&self) -> &HybridCache {
+        &self.cache
     }
 }
 
 impl Drop for Request {
     fn drop(&mut self) {
-        let mut core = self.core.lock();
-        if core.request_live(self.id) {
-            core.drop_request(self.id);
-        }
+        let id = self.id;
+        self.cache.core.lock().settle(|c| {
+            if c.request_live(id) {
+                c.drop_request(id);
+            }
+        });
     }
 }
 
@@ -306,6 +404,7 @@ mod tests {
             let slots = core.alloc_kv(toks.len()).unwrap().unwrap();
             core.insert(None, toks, &slots, 0).unwrap().node
         })
+        .unwrap()
     }
 
     #[test]
@@ -314,10 +413,10 @@ mod tests {
         let node = cached(&c, &[1, 2, 3]);
         {
             let _l = c.lock(node).unwrap();
-            assert_eq!(c.with(|core| core.protected_size()), 3);
+            assert_eq!(c.with(|core| core.protected_size()).unwrap(), 3);
         }
-        assert_eq!(c.with(|core| core.protected_size()), 0);
-        c.with(|core| core.audit()).unwrap();
+        assert_eq!(c.with(|core| core.protected_size()).unwrap(), 0);
+        c.call(|core| core.audit()).unwrap();
     }
 
     #[test]
@@ -331,10 +430,39 @@ mod tests {
         }));
         assert!(r.is_err());
         assert_eq!(
-            c.with(|core| (core.protected_size(), core.evictable_size())),
+            c.with(|core| (core.protected_size(), core.evictable_size()))
+                .unwrap(),
             (0, 2)
         );
-        c.with(|core| core.audit()).unwrap();
+        c.call(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn a_panic_inside_the_core_breaks_the_cache_and_every_later_call_says_so() {
+        let c = cache();
+        let node = cached(&c, &[1, 2]);
+        let lock = c.lock(node).unwrap();
+        let request = c.admit(None, &[1, 2, 3]).unwrap().unwrap();
+        let err = c
+            .with(|core| {
+                // A change interrupted half way, as a bug would.
+                core.evict(1, 0);
+                panic!("bug in the middle of a change")
+            })
+            .unwrap_err();
+        assert!(matches!(&err, Error::Broken(why) if why.contains("bug in the middle")));
+        assert!(c.broken().is_some());
+        assert!(matches!(
+            c.with(|core| core.available_kv()),
+            Err(Error::Broken(_))
+        ));
+        assert!(matches!(c.lock(node), Err(Error::Broken(_))));
+        assert!(matches!(c.admit(None, &[1]), Err(Error::Broken(_))));
+        assert!(!request.is_live());
+        // Dropping handles of a broken cache is safe and does nothing.
+        drop(lock);
+        drop(request);
+        assert!(matches!(c.call(|core| core.audit()), Err(Error::Broken(_))));
     }
 
     /// A hybrid cache with a host tier holding [1, 2, 3, 4] (and its state) on the host
@@ -347,19 +475,21 @@ mod tests {
             ..Config::kv(16, 1)
         })
         .unwrap();
-        let node = c.with(|core| {
-            let slots = core.alloc_kv(4).unwrap().unwrap();
-            let state = core.alloc_mamba().map(i64::from);
-            let node = core
-                .insert_with_state(None, &[1, 2, 3, 4], &slots, 0, state)
-                .unwrap()
-                .node;
-            for b in core.take_batches() {
-                core.complete(b.id).unwrap();
-            }
-            core.evict(4, 0);
-            node
-        });
+        let node = c
+            .with(|core| {
+                let slots = core.alloc_kv(4).unwrap().unwrap();
+                let state = core.alloc_mamba().map(i64::from);
+                let node = core
+                    .insert_with_state(None, &[1, 2, 3, 4], &slots, 0, state)
+                    .unwrap()
+                    .node;
+                for b in core.take_batches() {
+                    core.complete(b.id).unwrap();
+                }
+                core.evict(4, 0);
+                node
+            })
+            .unwrap();
         (c, node)
     }
 
@@ -372,12 +502,13 @@ mod tests {
                 core.host_mamba_pool().counts(),
             ]
         })
+        .unwrap()
     }
 
     #[test]
     fn panic_inside_a_load_back_scope_gives_back_every_slot() {
         let (c, node) = demoted();
-        let request = c.admit(None, &[1, 2, 3, 4]).unwrap();
+        let request = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
         let before = pool_counts(&c);
         let (c2, r2) = (c.clone(), &request);
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
@@ -388,33 +519,29 @@ mod tests {
         assert!(out.is_err());
         assert_eq!(pool_counts(&c), before, "the guard's slots went back");
         let id = request.id();
-        let view = c.with(|core| core.request(id)).unwrap();
+        let view = c.call(|core| core.request(id)).unwrap();
         assert_eq!(
             (view.prefix_len, view.mamba_slot, view.load_pending),
             (0, None, None)
         );
-        c.with(|core| core.audit()).unwrap();
+        c.call(|core| core.audit()).unwrap();
     }
 
     #[test]
     fn committed_guard_publishes_and_a_dropped_one_does_not() {
         let (c, node) = demoted();
-        let request = c.admit(None, &[1, 2, 3, 4]).unwrap();
+        let request = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
         drop(c.load_back_request(&request, None).unwrap().unwrap());
-        assert_eq!(
-            c.with(|core| core.request(request.id()))
-                .unwrap()
-                .prefix_len,
-            0
-        );
+        let id = request.id();
+        assert_eq!(c.call(|core| core.request(id)).unwrap().prefix_len, 0);
         let lb = c.load_back_request(&request, None).unwrap().unwrap();
-        let id = lb.id();
+        let batch = lb.id();
         assert_eq!(lb.batch().copies.len(), 3);
         lb.commit().unwrap();
-        c.with(|core| core.complete(id)).unwrap();
-        let view = c.with(|core| core.request(request.id())).unwrap();
+        c.call(|core| core.complete(batch)).unwrap();
+        let view = c.call(|core| core.request(id)).unwrap();
         assert_eq!((view.prefix_len, view.node), (4, node));
-        c.with(|core| core.audit()).unwrap();
+        c.call(|core| core.audit()).unwrap();
     }
 
     #[test]
@@ -428,6 +555,28 @@ mod tests {
         assert!(slot.is_some(), "a foreign unlock leaves the receipt alone");
         c.unlock(&mut slot).unwrap();
         assert!(matches!(c.unlock(&mut slot), Err(Error::Lock(_))));
-        c.with(|core| core.audit()).unwrap();
+        c.call(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn a_core_receipt_or_load_record_dropped_unreleased_is_settled_by_the_next_call() {
+        let (c, node) = demoted();
+        let before = pool_counts(&c);
+        c.with(|core| {
+            let receipt = core.lock(node).unwrap();
+            let record = core
+                .load_back(LoadTarget::Node(node), None, None)
+                .unwrap()
+                .unwrap();
+            // Both dropped, as a `?` in the wrong place would.
+            drop((receipt, record));
+        })
+        .unwrap();
+        assert_eq!(pool_counts(&c), before, "the next call settled both");
+        let stats = c.with(|core| core.stats()).unwrap();
+        let get = |k| stats.iter().find(|(n, _)| *n == k).map(|&(_, v)| v);
+        assert_eq!(get("live_locks"), Some(0));
+        assert_eq!(get("load_backs_called_off_released"), Some(1));
+        c.call(|core| core.audit()).unwrap();
     }
 }

@@ -3,10 +3,11 @@
 //! * [`Pool`] hands out slots in pages as owned [`Pages`] values that are published
 //!   into the tree, handed to a caller, or returned to the pool when dropped.
 //! * [`Cache`] is the radix tree over those pools: `match_prefix`, `insert` (taking
-//!   ownership of the caller's slots), path locks with receipts, LRU eviction of
-//!   unlocked leaves, and `audit()` of every invariant.
-//! * [`HybridCache`] shares a [`Cache`] and hands out owned [`Lock`] receipts that
-//!   release when dropped.
+//!   ownership of the caller's slots), path locks held by owned [`LockReceipt`]s, LRU
+//!   eviction, the host tier, load-backs owned by [`LoadRecord`]s, the request API, and
+//!   `audit()` of every invariant.
+//! * [`HybridCache`] shares a [`Cache`] between owners and gives owned handles
+//!   ([`Lock`], [`Request`], [`LoadBack`]) that give back what they hold when dropped.
 //!
 //! See `ARCHITECTURE.md` and `API.md` in the design folder for the contract.
 
@@ -15,16 +16,18 @@ mod cache;
 mod config;
 mod error;
 mod handle;
+mod ids;
 mod pool;
+mod slab;
 mod stats;
 mod tree;
 
 pub use cache::{
-    BatchId, BatchKind, Cache, CallOff, Copy, Evicted, Insert, LoadTarget, LockId, Match, NodeInfo,
-    PoolKind, RequestId, RequestView, Tier, TransferBatch,
+    BatchKind, Cache, CallOff, Evicted, Insert, LoadRecord, LoadTarget, LockReceipt, Match,
+    NodeInfo, PoolKind, RequestView, SlotCopy, Tier, TransferBatch,
 };
 pub use config::{Config, WritePolicy};
 pub use error::{Error, Result};
 pub use handle::{HybridCache, LoadBack, Lock, Request};
+pub use ids::{BatchId, CacheId, LockId, NodeId, RequestId};
 pub use pool::{PageState, Pages, Pool, PoolCounts};
-pub use tree::NodeId;

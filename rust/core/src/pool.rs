@@ -157,7 +157,7 @@ impl Pool {
         let pages = slots / page_size;
         // Reversed so that pops hand out pages in ascending order: easier to read in tests
         // and in dumps, and friendlier to the memory that backs them.
-        let free: Vec<u32> = (0..pages).rev().map(page_u32).collect();
+        let free: Vec<u32> = (0..pages).rev().map(index_u32).collect();
         let inner = PoolInner {
             free,
             state: vec![PageState::Free; pages],
@@ -478,6 +478,61 @@ impl Pages {
     }
 }
 
+impl Pages {
+    /// The pages as a run handed out front to back (see [`PageRun`]).
+    pub(crate) fn into_run(mut self) -> PageRun {
+        PageRun {
+            pool: self.pool.clone(),
+            pages: std::mem::take(&mut self.pages),
+            next: 0,
+        }
+    }
+}
+
+/// Owned pages handed out front to back, in runs: [`PageRun::take`] moves the next
+/// pages into a [`Pages`] of their own in time proportional to the run taken (a walk
+/// down a path hands each node its pages without moving the rest each time). The pages
+/// not handed out return to the pool when the run drops.
+#[must_use = "dropping a PageRun returns the pages not yet taken to the pool"]
+#[clippy::has_significant_drop]
+pub(crate) struct PageRun {
+    pool: Pool,
+    pages: Vec<u32>,
+    /// Pages before this index were handed out.
+    next: usize,
+}
+
+impl PageRun {
+    /// The page numbers not handed out yet.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages[self.next..]
+    }
+
+    /// The next `n` pages (or as many as are left).
+    pub fn take(&mut self, n: usize) -> Pages {
+        let end = self.next.saturating_add(n).min(self.pages.len());
+        let pages = self.pages[self.next..end].to_vec();
+        self.next = end;
+        Pages {
+            pool: self.pool.clone(),
+            pages,
+        }
+    }
+}
+
+impl Drop for PageRun {
+    fn drop(&mut self) {
+        if self.next < self.pages.len() {
+            self.pool
+                .shared
+                .inner
+                .lock()
+                .free_all(&self.pages[self.next..], PageState::Owned);
+        }
+        self.pages.clear();
+    }
+}
+
 impl Drop for Pages {
     fn drop(&mut self) {
         if self.pages.is_empty() {
@@ -499,11 +554,12 @@ pub(crate) fn as_i64(x: usize) -> i64 {
 
 /// The page of a slot index already checked to be in range.
 pub(crate) fn page_of_slot(slot: i64, page_size: usize) -> u32 {
-    page_u32(usize::try_from(slot).unwrap_or(usize::MAX) / page_size)
+    index_u32(usize::try_from(slot).unwrap_or(usize::MAX) / page_size)
 }
 
-/// Converts a page index that is known to fit (pools are capped at `u32::MAX` slots).
-pub(crate) fn page_u32(i: usize) -> u32 {
+/// Converts an index that is known to fit in 32 bits (pools are capped at `u32::MAX`
+/// slots; arenas and tables hold fewer entries than that).
+pub(crate) fn index_u32(i: usize) -> u32 {
     u32::try_from(i).unwrap_or(u32::MAX)
 }
 
@@ -604,6 +660,26 @@ mod tests {
         }));
         assert!(r.is_err());
         assert_eq!(p.free_pages(), 8);
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn a_run_hands_out_pages_front_to_back_and_returns_the_rest_when_dropped() {
+        let p = pool(8, 1);
+        let mut run = p.try_alloc(6).unwrap().into_run();
+        let a = run.take(2);
+        let b = run.take(1);
+        assert_eq!(
+            (a.pages(), b.pages(), run.pages()),
+            (&[0, 1][..], &[2][..], &[3, 4, 5][..])
+        );
+        drop(run);
+        assert_eq!(p.counts().owned, 3, "the three pages not taken went back");
+        let mut run = p.try_alloc(5).unwrap().into_run();
+        let c = run.take(10);
+        assert_eq!((c.len(), run.pages().len()), (5, 0), "as many as are left");
+        drop((a, b, c, run));
+        assert_eq!(p.counts().free, 8);
         p.audit().unwrap();
     }
 

@@ -5,44 +5,13 @@
 //! of each component ([`KvNode`] for the attention KV cache) and the bookkeeping the
 //! components need (last access, hit count, how many children hold device KV).
 
-use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use hashbrown::HashTable;
 
 use crate::error::{Error, Result};
+use crate::ids::{CacheId, NodeId, Slot};
 
 /// Index value meaning "no node" (the parent of a root).
 pub(crate) const NONE: u32 = u32::MAX;
-
-/// A node handle: arena index plus the generation of the node that lived there when the
-/// handle was made, plus the id of the cache it came from. A handle whose node is gone
-/// (or that belongs to another cache) is rejected with [`Error::StaleNode`] and never
-/// touches another node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct NodeId {
-    cache: u32,
-    index: u32,
-    generation: u32,
-}
-
-impl NodeId {
-    /// Arena index (stable for the node's lifetime; reused after it is gone).
-    pub fn index(self) -> u32 {
-        self.index
-    }
-
-    /// Generation of the arena slot when the handle was made.
-    pub fn generation(self) -> u32 {
-        self.generation
-    }
-}
-
-impl fmt::Display for NodeId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "#{}.{}", self.index, self.generation)
-    }
-}
 
 /// Per-node data of the KV component.
 #[derive(Debug, Default)]
@@ -89,7 +58,7 @@ pub(crate) struct MambaNode {
 
 /// One node of the tree.
 pub(crate) struct Node {
-    pub generation: u32,
+    pub generation: u64,
     pub live: bool,
     pub parent: u32,
     /// Tokens of this node (a non-empty multiple of the page size, except for roots).
@@ -107,7 +76,7 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    fn vacant(generation: u32) -> Node {
+    fn vacant(generation: u64) -> Node {
         Node {
             generation,
             live: false,
@@ -136,12 +105,9 @@ pub(crate) struct Probe {
     pub matched: usize,
 }
 
-/// Cache ids, so that a handle from one cache is never taken for a node of another.
-static NEXT_CACHE_ID: AtomicU32 = AtomicU32::new(1);
-
 /// The node arena and the walks over it.
 pub(crate) struct Tree {
-    pub cache_id: u32,
+    pub cache_id: CacheId,
     pub page_size: usize,
     pub nodes: Vec<Node>,
     free: Vec<u32>,
@@ -151,7 +117,7 @@ pub(crate) struct Tree {
 impl Tree {
     pub fn new(page_size: usize) -> Tree {
         Tree {
-            cache_id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            cache_id: CacheId::fresh(),
             page_size,
             nodes: Vec::new(),
             free: Vec::new(),
@@ -162,16 +128,21 @@ impl Tree {
     pub fn id(&self, index: u32) -> NodeId {
         NodeId {
             cache: self.cache_id,
-            index,
-            generation: self.nodes[index as usize].generation,
+            slot: Slot {
+                index,
+                generation: self.nodes[index as usize].generation,
+            },
         }
     }
 
     /// The arena index of a live node, or `StaleNode`.
     pub fn resolve(&self, id: NodeId) -> Result<u32> {
-        match self.nodes.get(id.index as usize) {
-            Some(n) if id.cache == self.cache_id && n.live && n.generation == id.generation => {
-                Ok(id.index)
+        let index = id.slot.index;
+        match self.nodes.get(index as usize) {
+            Some(n)
+                if id.cache == self.cache_id && n.live && n.generation == id.slot.generation =>
+            {
+                Ok(index)
             }
             _ => Err(Error::StaleNode(id)),
         }
@@ -190,7 +161,7 @@ impl Tree {
         let i = if let Some(i) = self.free.pop() {
             i
         } else {
-            let i = crate::pool::page_u32(self.nodes.len());
+            let i = crate::pool::index_u32(self.nodes.len());
             self.nodes.push(Node::vacant(0));
             i
         };

@@ -65,8 +65,8 @@ use common::{
 };
 use proptest::prelude::*;
 use radixcache_core::{
-    BatchId, BatchKind, Cache, Config, Error, LoadTarget, LockId, Match, NodeId, NodeInfo,
-    PoolCounts, PoolKind, RequestId, RequestView, Tier, TransferBatch, WritePolicy,
+    BatchId, BatchKind, Cache, Config, Error, LoadRecord, LoadTarget, LockReceipt, Match, NodeId,
+    NodeInfo, PoolCounts, PoolKind, RequestId, RequestView, Tier, TransferBatch, WritePolicy,
 };
 
 /// Longest a request or an inserted sequence grows.
@@ -438,7 +438,8 @@ fn kv_config() -> impl Strategy<Value = Config> {
             host_kv_slots: host / ps * ps,
             host_mamba_slots: 0,
             write_policy,
-            write_through_threshold: threshold,
+            write_through_threshold: (write_policy == WritePolicy::WriteThroughSelective)
+                .then_some(threshold),
         },
     )
 }
@@ -490,6 +491,8 @@ enum Phase {
 
 struct Guard {
     id: BatchId,
+    /// The record that owns the load until it is committed or called off.
+    record: Option<LoadRecord>,
     /// Namespace and tokens of the node it loads.
     target: (Ns, Vec<u32>),
     request: Option<RequestId>,
@@ -535,7 +538,7 @@ struct Machine {
     /// Caller-held KV pages and state slots.
     held_kv: BTreeSet<i64>,
     held_mamba: BTreeSet<u32>,
-    receipts: Vec<LockId>,
+    receipts: Vec<LockReceipt>,
     /// Recent node handles (some may be stale by now).
     nodes: Vec<NodeId>,
     history: Vec<Vec<u32>>,
@@ -897,6 +900,14 @@ impl Machine {
 
     /// The engine starts a batch: its copies may read their sources from now on.
     fn start(&mut self, id: BatchId) {
+        if self.flights[&id].read.is_some() {
+            // Started already: refused, and nothing changes.
+            let before = self.frozen();
+            let r = self.cache.start(id);
+            assert!(matches!(r, Err(Error::Request(_))), "second start: {r:?}");
+            assert_eq!(self.frozen(), before, "a second start changed the cache");
+            return;
+        }
         self.cache.start(id).unwrap();
         let f = &self.flights[&id];
         if f.read.is_none() {
@@ -1551,7 +1562,7 @@ impl Machine {
     /// What `load_back` answered, given the request it was for (and its view before).
     fn on_load(
         &mut self,
-        r: Result<Option<BatchId>, Error>,
+        r: Result<Option<LoadRecord>, Error>,
         target: (Ns, Vec<u32>),
         request: Option<(RequestId, RequestView)>,
         before: Frozen,
@@ -1594,19 +1605,25 @@ impl Machine {
                     "a called-off load_back changed the cache"
                 );
             }
-            Ok(Some(id)) => {
+            Ok(Some(record)) => {
                 assert!(
                     !busy && !extended,
                     "load_back of a busy or extended request"
                 );
-                self.register_load(id, target, request.map(|(r, _)| r));
+                self.register_load(record, target, request.map(|(r, _)| r));
             }
         }
         self.check();
     }
 
-    fn register_load(&mut self, id: BatchId, target: (Ns, Vec<u32>), request: Option<RequestId>) {
-        let batch = self.cache.load_batch(id).unwrap();
+    fn register_load(
+        &mut self,
+        record: LoadRecord,
+        target: (Ns, Vec<u32>),
+        request: Option<RequestId>,
+    ) {
+        let id = record.id();
+        let batch = record.batch().clone();
         assert_eq!((batch.id, batch.kind), (id, BatchKind::LoadBack));
         assert!(!self.flights.contains_key(&id) && !self.acked.contains(&id));
         let mut kv_tokens = 0;
@@ -1626,7 +1643,7 @@ impl Machine {
                 PoolKind::Mamba => states += c.src.len(),
             }
         }
-        assert_eq!(self.cache.load_kv_tokens(id), Ok(kv_tokens));
+        assert_eq!(record.kv_tokens(), kv_tokens);
         assert!(kv_tokens > 0 || states > 0, "an empty load: {batch:?}");
         if self.hybrid && states > 0 {
             assert_eq!(states, if request.is_some() { 2 } else { 1 }, "{batch:?}");
@@ -1638,6 +1655,7 @@ impl Machine {
         self.flights.insert(id, Flight { batch, read: None });
         self.guards.push(Guard {
             id,
+            record: Some(record),
             target,
             request,
             before,
@@ -1648,8 +1666,16 @@ impl Machine {
 
     /// The guard is dropped uncommitted (or released explicitly).
     fn cancel(&mut self, gi: usize) {
+        let Some(record) = self.guards[gi].record.take() else {
+            return;
+        };
+        self.cache.cancel_load(record);
+        self.cancelled(gi);
+    }
+
+    /// Bookkeeping after guard `gi`'s load was called off.
+    fn cancelled(&mut self, gi: usize) {
         let id = self.guards[gi].id;
-        self.cache.cancel_load(id).unwrap();
         let started = self.flights.get(&id).is_some_and(|f| f.read.is_some());
         let g = &mut self.guards[gi];
         g.phase = Phase::Gone;
@@ -1702,30 +1728,24 @@ impl Machine {
                         v.len != v.prefix_len
                     });
                 let busy = self.landing_on(&self.guards[gi].target);
-                let r = self.cache.commit_load(id);
-                if phase != Phase::Open || extended || busy {
-                    assert!(
-                        matches!(r, Err(Error::Request(_))),
-                        "commit of load {id} ({phase:?}, extended {extended}, busy {busy}): {r:?}"
-                    );
-                    assert_eq!(self.frozen(), before, "a refused commit changed the cache");
-                } else {
-                    r.unwrap();
-                    self.committed(gi);
+                // A committed or released load has no record: nothing to commit.
+                if let Some(record) = self.guards[gi].record.take() {
+                    let r = self.cache.commit_load(record);
+                    if phase != Phase::Open || extended || busy {
+                        assert!(
+                            matches!(r, Err(Error::Request(_))),
+                            "commit of load {id} ({phase:?}, extended {extended}, busy {busy}): \
+                             {r:?}"
+                        );
+                        // A refused commit calls the load off.
+                        self.cancelled(gi);
+                    } else {
+                        r.unwrap();
+                        self.committed(gi);
+                    }
                 }
             }
-            GuardAct::Cancel => {
-                if matches!(phase, Phase::Open | Phase::Failed) {
-                    self.cancel(gi);
-                } else {
-                    let r = self.cache.cancel_load(id);
-                    assert!(
-                        matches!(r, Err(Error::Request(_))),
-                        "cancel of load {id} ({phase:?}): {r:?}"
-                    );
-                    assert_eq!(self.frozen(), before, "a refused cancel changed the cache");
-                }
-            }
+            GuardAct::Cancel => self.cancel(gi),
         }
         self.check();
     }
@@ -1975,15 +1995,19 @@ fn committing_a_load_below_a_node_another_load_is_landing_is_refused() {
         .load_back(LoadTarget::Node(upper), None, None)
         .unwrap()
         .unwrap();
+    let (deep_id, shallow_id) = (deep.id(), shallow.id());
     c.commit_load(shallow).unwrap();
-    c.start(deep).unwrap();
-    c.complete(deep).unwrap();
+    c.start(deep_id).unwrap();
+    c.complete(deep_id).unwrap();
     let r = c.commit_load(deep);
     c.audit().unwrap();
     assert!(matches!(r, Err(Error::Request(_))), "{r:?}");
-    c.cancel_load(deep).unwrap();
-    c.start(shallow).unwrap();
-    c.complete(shallow).unwrap();
+    assert!(
+        c.load_committed(deep_id).is_err(),
+        "a refused commit calls it off"
+    );
+    c.start(shallow_id).unwrap();
+    c.complete(shallow_id).unwrap();
     assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).device_len, 2);
     c.audit().unwrap();
 }
@@ -2001,9 +2025,10 @@ fn committing_a_load_of_a_node_another_load_is_landing_is_refused() {
         .load_back(LoadTarget::Node(upper), None, None)
         .unwrap()
         .unwrap();
+    let (deep_id, shallow_id) = (deep.id(), shallow.id());
     c.commit_load(deep).unwrap();
-    c.start(shallow).unwrap();
-    c.complete(shallow).unwrap();
+    c.start(shallow_id).unwrap();
+    c.complete(shallow_id).unwrap();
     let r = c.commit_load(shallow);
     assert_eq!(
         c.match_prefix(None, &[1, 2, 3, 4]).device_len,
@@ -2011,9 +2036,8 @@ fn committing_a_load_of_a_node_another_load_is_landing_is_refused() {
         "the deep load's copies have not landed: nothing of it may match"
     );
     assert!(matches!(r, Err(Error::Request(_))), "{r:?}");
-    c.cancel_load(shallow).unwrap();
-    c.start(deep).unwrap();
-    c.complete(deep).unwrap();
+    c.start(deep_id).unwrap();
+    c.complete(deep_id).unwrap();
     assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).device_len, 4);
     c.audit().unwrap();
 }
@@ -2054,7 +2078,7 @@ fn loading_a_node_above_a_requests_prefix_for_it_loads_nothing() {
     c.audit().unwrap();
     let before = (c.snapshot(), c.request(r).unwrap());
     let out = c.load_back(LoadTarget::Node(upper), None, Some(r));
-    assert_eq!(out, Ok(None));
+    assert!(matches!(out, Ok(None)), "{out:?}");
     assert_eq!((c.snapshot(), c.request(r).unwrap()), before);
     c.audit().unwrap();
 }

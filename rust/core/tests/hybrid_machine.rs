@@ -6,7 +6,8 @@
 //! finished or aborted requests, `take_batches`, `start` / `complete` / `fail` (also of
 //! unknown or acknowledged batch ids), `match_prefix`, `insert_with_state` (with a held
 //! state slot, none, or a bad one), `alloc_kv` / `free_kv`, `alloc_mamba` / `free_mamba`
-//! (good and bad), `lock` / `unlock` (also stale nodes and released receipts) and `evict`,
+//! (good and bad), `lock` / `unlock` (also stale nodes, receipts dropped unreleased and
+//! receipts of another cache) and `evict`,
 //! over page sizes 1, 2 and 4, 16..64 KV slots and 2..6 state slots (so that state and KV
 //! pressure are high), two namespaces, a small alphabet and shared "system prompts".
 //!
@@ -67,15 +68,15 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use common::{
-    add_lock, arg_of, assert_locks, assert_sizes, cached_len, cached_slots, evicted_pages,
-    extensions, i64_of, key, ns_of, page_of, page_slots, proptest_config, remember,
+    add_lock, arg_of, assert_locks, assert_sizes, batch_id, cached_len, cached_slots,
+    evicted_pages, extensions, i64_of, key, ns_of, page_of, page_slots, proptest_config, remember,
     some_held_slots, tail, take_allocated, tok_spec_of, tree_pages, valid_insert_args, Key, Ns,
     OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
 use radixcache_core::{
-    BatchId, BatchKind, Cache, Config, Copy as BatchCopy, Error, LockId, Match, NodeId, NodeInfo,
-    PageState, PoolCounts, PoolKind, RequestId, RequestView, Tier, TransferBatch,
+    BatchId, BatchKind, Cache, Config, Error, LockReceipt, Match, NodeId, NodeInfo, PageState,
+    PoolCounts, PoolKind, RequestId, RequestView, SlotCopy, Tier, TransferBatch,
 };
 /// Longest a request grows (prompt and generated tokens).
 const MAX_REQUEST: usize = 24;
@@ -187,9 +188,10 @@ enum Op {
     Unlock {
         pick: usize,
     },
-    UnlockReleased {
+    DropReceipt {
         pick: usize,
     },
+    UnlockForeign,
     Evict {
         kv: usize,
         mamba: usize,
@@ -308,7 +310,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (ns(), tok_spec(), prop::option::weighted(0.3, any::<usize>()))
             .prop_map(|(ns, toks, recent)| Op::Lock { ns, toks, recent }),
         3 => any::<usize>().prop_map(|pick| Op::Unlock { pick }),
-        1 => any::<usize>().prop_map(|pick| Op::UnlockReleased { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::DropReceipt { pick }),
+        1 => Just(Op::UnlockForeign),
         3 => (
             prop_oneof![3 => 0usize..8, 1 => 0usize..72],
             prop_oneof![2 => Just(0usize), 2 => 1usize..3, 1 => 3usize..8]
@@ -482,7 +485,7 @@ struct Pending {
 }
 
 struct Receipt {
-    id: LockId,
+    held: LockReceipt,
     key: Key,
     mamba: bool,
     node: NodeId,
@@ -501,7 +504,6 @@ struct Model {
     acked: Vec<BatchId>,
     next_batch: u64,
     receipts: Vec<Receipt>,
-    released: Vec<LockId>,
     recent_nodes: Vec<NodeId>,
     history: Vec<Vec<u32>>,
     /// When each state was last used (placed, or reused by a match): the Mamba LRU.
@@ -784,7 +786,6 @@ impl Machine {
                 acked: Vec::new(),
                 next_batch: 0,
                 receipts: Vec::new(),
-                released: Vec::new(),
                 recent_nodes: Vec::new(),
                 history: Vec::new(),
                 used: HashMap::new(),
@@ -948,8 +949,13 @@ impl Machine {
         );
         assert_eq!(stat(&self.cache, "live_locks"), locks as u64, "live_locks");
         for l in &self.m.receipts {
-            assert_eq!(self.cache.lock_node(l.id), Ok(l.node));
-            assert_eq!(r.ids.get(&l.node), Some(&l.key), "receipt {}'s node", l.id);
+            assert_eq!(self.cache.lock_node(&l.held), Ok(l.node));
+            assert_eq!(
+                r.ids.get(&l.node),
+                Some(&l.key),
+                "receipt {}'s node",
+                l.held.id()
+            );
         }
         for id in self.m.batches.keys() {
             assert!(
@@ -1284,20 +1290,24 @@ impl Machine {
         };
         if let Some(k) = self.read.ids.get(&node).cloned() {
             let mamba = self.m.content.states.contains_key(&k);
-            let id = self.cache.lock(node).unwrap();
+            let receipt = self.cache.lock(node).unwrap();
             assert!(
-                self.m.receipts.iter().all(|l| l.id != id),
-                "receipt {id} handed out twice"
+                self.m
+                    .receipts
+                    .iter()
+                    .all(|l| l.held.id() != receipt.id()),
+                "receipt {} handed out twice",
+                receipt.id()
             );
             self.m.receipts.push(Receipt {
-                id,
+                held: receipt,
                 key: k,
                 mamba,
                 node,
             });
         } else {
             let before = self.frozen();
-            assert_eq!(self.cache.lock(node), Err(Error::StaleNode(node)));
+            assert_eq!(self.cache.lock(node).err(), Some(Error::StaleNode(node)));
             assert_eq!(self.frozen(), before, "a stale lock changed something");
         }
         self.check();
@@ -1308,20 +1318,30 @@ impl Machine {
             return self.do_evict(pick % 8, pick % 3);
         }
         let l = self.m.receipts.swap_remove(pick % self.m.receipts.len());
-        self.cache.unlock(l.id).unwrap();
-        assert!(matches!(self.cache.lock_node(l.id), Err(Error::Lock(_))));
-        self.m.released.push(l.id);
+        self.cache.unlock(l.held).unwrap();
         self.check();
     }
 
-    fn do_unlock_released(&mut self, pick: usize) {
-        if self.m.released.is_empty() {
-            return self.do_unlock(pick);
+    /// A receipt dropped instead of released: the cache's next call releases it.
+    fn do_drop_receipt(&mut self, pick: usize) {
+        if self.m.receipts.is_empty() {
+            return self.do_evict(pick % 8, pick % 3);
         }
-        let id = self.m.released[pick % self.m.released.len()];
+        let l = self.m.receipts.swap_remove(pick % self.m.receipts.len());
+        drop(l.held);
+        self.cache.reap();
+        self.check();
+    }
+
+    /// A receipt of another cache is refused and changes nothing here.
+    fn do_unlock_foreign(&mut self) {
+        let mut other = Cache::new(Config::kv(4, 1)).unwrap();
+        let slots = other.alloc_kv(1).unwrap().unwrap();
+        let node = other.insert(None, &[1], &slots, 0).unwrap().node;
+        let foreign = other.lock(node).unwrap();
         let before = self.frozen();
-        assert!(matches!(self.cache.unlock(id), Err(Error::Lock(_))));
-        assert_eq!(self.frozen(), before, "a second unlock changed something");
+        assert!(matches!(self.cache.unlock(foreign), Err(Error::Lock(_))));
+        assert_eq!(self.frozen(), before, "a foreign unlock changed something");
         self.check();
     }
 
@@ -1375,7 +1395,7 @@ impl Machine {
         TransferBatch {
             id,
             kind: BatchKind::Cow,
-            copies: vec![BatchCopy {
+            copies: vec![SlotCopy {
                 pool: PoolKind::Mamba,
                 src_tier: Tier::Device,
                 dst_tier: Tier::Device,
@@ -1474,7 +1494,7 @@ impl Machine {
 
     fn do_bad_ack(&mut self, pick: usize, call: u8, unknown: bool) {
         let id = if unknown || self.m.acked.is_empty() {
-            BatchId(self.m.next_batch + (pick % 3) as u64)
+            batch_id(&self.cache, self.m.next_batch + (pick % 3) as u64)
         } else {
             self.m.acked[pick % self.m.acked.len()]
         };
@@ -1504,7 +1524,7 @@ impl Machine {
         let ok = src.is_none() || self.m.obtainable(Some(&k));
         let free = self.m.slots_in(PageState::Free);
         let pinned = self.m.pinned();
-        let next = BatchId(self.m.next_batch);
+        let next = batch_id(&self.cache, self.m.next_batch);
         let victims = if src.is_some() {
             self.m.state_victims(Some(&k), None)
         } else {
@@ -1723,7 +1743,7 @@ impl Machine {
         let ok = emit && self.m.obtainable(None);
         let free = self.m.slots_in(PageState::Free);
         let pinned = self.m.pinned();
-        let next = BatchId(self.m.next_batch);
+        let next = batch_id(&self.cache, self.m.next_batch);
         let victims = if emit {
             self.m.state_victims(None, None)
         } else {
@@ -1882,7 +1902,8 @@ impl Machine {
                 self.do_lock(&ns_of(*ns), &t, *recent);
             }
             Op::Unlock { pick } => self.do_unlock(*pick),
-            Op::UnlockReleased { pick } => self.do_unlock_released(*pick),
+            Op::DropReceipt { pick } => self.do_drop_receipt(*pick),
+            Op::UnlockForeign => self.do_unlock_foreign(),
             Op::Evict { kv, mamba } => self.do_evict(*kv, *mamba),
         }
     }

@@ -16,7 +16,8 @@
 //! * `alloc_kv` success/failure exactly (`None` iff free + evictable < n), page-structured
 //!   results taken only from free or evicted pages, no eviction when the pool has room;
 //! * `free_kv` results, and that bad slots fail and change nothing;
-//! * lock receipts: `lock` / `unlock` / double `unlock` / `lock` of an evicted node;
+//! * lock receipts: `lock` / `unlock`, a receipt dropped unreleased (released by the
+//!   cache's next call), a receipt of another cache refused, `lock` of an evicted node;
 //! * eviction legality after `alloc_kv` and `evict` (read back from `snapshot()`): only
 //!   unlocked page-prefixes are removed, the removed set is closed under extension,
 //!   whole nodes go, remaining slots are unchanged, `evict` frees what it reports (at
@@ -47,7 +48,7 @@ use common::{
     OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
-use radixcache_core::{Cache, Config, Error, LockId, Match, NodeId, NodeInfo, PoolCounts};
+use radixcache_core::{Cache, Config, Error, LockReceipt, Match, NodeId, NodeInfo, PoolCounts};
 
 // ---------------------------------------------------------------------------------------
 // Operations
@@ -104,9 +105,10 @@ enum Op {
     Unlock {
         pick: usize,
     },
-    UnlockReleased {
+    DropReceipt {
         pick: usize,
     },
+    UnlockForeign,
     LockStale {
         pick: usize,
     },
@@ -172,7 +174,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(bad, seed)| Op::Free { bad, seed }),
         10 => (ns(), tok_spec()).prop_map(|(ns, toks)| Op::Lock { ns, toks }),
         8 => any::<usize>().prop_map(|pick| Op::Unlock { pick }),
-        2 => any::<usize>().prop_map(|pick| Op::UnlockReleased { pick }),
+        2 => any::<usize>().prop_map(|pick| Op::DropReceipt { pick }),
+        1 => Just(Op::UnlockForeign),
         3 => any::<usize>().prop_map(|pick| Op::LockStale { pick }),
         6 => prop_oneof![3 => 0usize..8, 1 => 0usize..72].prop_map(|n| Op::Evict { n }),
     ]
@@ -210,7 +213,7 @@ fn frozen(c: &Cache) -> Frozen {
 // The reference model
 
 struct LiveLock {
-    id: LockId,
+    receipt: LockReceipt,
     ns: Ns,
     prefix: Vec<u32>,
     node: NodeId,
@@ -225,7 +228,6 @@ struct Model {
     /// Pages the caller holds (from `alloc_kv`).
     held: BTreeSet<i64>,
     locks: Vec<LiveLock>,
-    released: Vec<LockId>,
     /// Live node handles by the prefix they end at (roots at the empty prefix).
     nodes: HashMap<Key, NodeId>,
     dead: Vec<NodeId>,
@@ -314,7 +316,6 @@ impl Machine {
                 cached: Pages::new(),
                 held: BTreeSet::new(),
                 locks: Vec::new(),
-                released: Vec::new(),
                 nodes: HashMap::new(),
                 dead: Vec::new(),
                 dead_set: HashSet::new(),
@@ -351,7 +352,7 @@ impl Machine {
             }
         );
         for l in &self.m.locks {
-            assert_eq!(self.cache.lock_node(l.id), Ok(l.node));
+            assert_eq!(self.cache.lock_node(&l.receipt), Ok(l.node));
         }
     }
 
@@ -779,13 +780,14 @@ impl Machine {
 
     fn do_lock(&mut self, ns: &Ns, toks: &[u32]) {
         let m = self.do_match(ns, toks);
-        let id = self.cache.lock(m.node).unwrap();
+        let receipt = self.cache.lock(m.node).unwrap();
         assert!(
-            self.m.locks.iter().all(|l| l.id != id),
-            "receipt {id} handed out twice"
+            self.m.locks.iter().all(|l| l.receipt.id() != receipt.id()),
+            "receipt {} handed out twice",
+            receipt.id()
         );
         self.m.locks.push(LiveLock {
-            id,
+            receipt,
             ns: ns.clone(),
             prefix: toks[..m.device_len].to_vec(),
             node: m.node,
@@ -798,24 +800,38 @@ impl Machine {
             return self.do_evict(pick % 8);
         }
         let l = self.m.locks.swap_remove(pick % self.m.locks.len());
-        self.cache.unlock(l.id).unwrap();
-        assert!(matches!(self.cache.lock_node(l.id), Err(Error::Lock(_))));
-        self.m.released.push(l.id);
+        self.cache.unlock(l.receipt).unwrap();
         self.check();
     }
 
-    fn do_unlock_released(&mut self, pick: usize) {
-        if self.m.released.is_empty() {
-            return self.do_unlock(pick);
+    /// A receipt dropped instead of released: the cache's next call releases it.
+    fn do_drop_receipt(&mut self, pick: usize) {
+        if self.m.locks.is_empty() {
+            return self.do_evict(pick % 8);
         }
-        let id = self.m.released[pick % self.m.released.len()];
+        let l = self.m.locks.swap_remove(pick % self.m.locks.len());
+        drop(l.receipt);
+        self.cache.reap();
+        self.check();
+    }
+
+    /// A receipt of another cache is refused and changes nothing here.
+    fn do_unlock_foreign(&mut self) {
+        let mut other = Cache::new(Config::kv(4, 1)).unwrap();
+        let slots = other.alloc_kv(1).unwrap().unwrap();
+        let node = other.insert(None, &[1], &slots, 0).unwrap().node;
+        let foreign = other.lock(node).unwrap();
         let before = frozen(&self.cache);
-        assert!(matches!(self.cache.unlock(id), Err(Error::Lock(_))));
+        assert!(matches!(self.cache.unlock(foreign), Err(Error::Lock(_))));
         assert_eq!(
             frozen(&self.cache),
             before,
-            "a second unlock changed something"
+            "a foreign unlock changed something"
         );
+        // The refused receipt was released in its own cache.
+        other.reap();
+        assert_eq!(other.protected_size(), 0);
+        other.audit().unwrap();
         self.check();
     }
 
@@ -825,7 +841,7 @@ impl Machine {
         }
         let id = self.m.dead[pick % self.m.dead.len()];
         let before = frozen(&self.cache);
-        assert_eq!(self.cache.lock(id), Err(Error::StaleNode(id)));
+        assert_eq!(self.cache.lock(id).err(), Some(Error::StaleNode(id)));
         assert_eq!(
             frozen(&self.cache),
             before,
@@ -860,7 +876,8 @@ impl Machine {
                 self.do_lock(&ns_of(*ns), &t);
             }
             Op::Unlock { pick } => self.do_unlock(*pick),
-            Op::UnlockReleased { pick } => self.do_unlock_released(*pick),
+            Op::DropReceipt { pick } => self.do_drop_receipt(*pick),
+            Op::UnlockForeign => self.do_unlock_foreign(),
             Op::LockStale { pick } => self.do_lock_stale(*pick),
             Op::Evict { n } => self.do_evict(*n),
         }

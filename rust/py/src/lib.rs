@@ -10,7 +10,7 @@ use std::ffi::CString;
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyResourceWarning, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
 use radixcache_core as core;
@@ -50,21 +50,39 @@ fn err(e: core::Error) -> PyErr {
         core::Error::InvalidArgument { .. } => PyValueError::new_err(msg),
         core::Error::StaleNode(_) => StaleNodeError::new_err(msg),
         core::Error::Lock(_) => LockError::new_err(msg),
-        core::Error::Request(_) => CacheError::new_err(msg),
+        core::Error::Request(_) | core::Error::Broken(_) => CacheError::new_err(msg),
         core::Error::Invariant(_) => InvariantError::new_err(msg),
+        core::Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
     }
 }
 
-/// Work above this many tokens runs with the GIL released.
+/// Calls over this many tokens run with the GIL released even when the cache is free:
+/// long enough that another Python thread should not wait for them (see `run`).
 const DETACH_TOKENS: usize = 4096;
 
-/// Runs `f` with the GIL released when the input is long enough for it to pay off.
-fn run<T: Send>(py: Python<'_>, n: usize, f: impl FnOnce() -> T + Send) -> T {
-    if n >= DETACH_TOKENS {
-        py.detach(f)
+/// Runs `f` on the cache and converts its error: the one way every binding method
+/// reaches the core.
+///
+/// GIL policy (measured by `benches/py_calls.py --threads`): a call takes the cache
+/// without releasing the GIL when no other thread holds it (releasing and retaking the
+/// GIL costs more than most calls); when another thread holds the cache, the call
+/// releases the GIL before it waits, so the holder's thread and every other Python
+/// thread go on; a call over `DETACH_TOKENS` tokens always releases it.
+fn run<T: Send>(
+    py: Python<'_>,
+    cache: &core::HybridCache,
+    n: usize,
+    f: impl FnOnce(&mut Cache) -> core::Result<T> + Send,
+) -> PyResult<T> {
+    let f = if n < DETACH_TOKENS {
+        match cache.with_uncontended(f) {
+            Ok(out) => return out.and_then(|r| r).map_err(err),
+            Err(f) => f,
+        }
     } else {
-        f()
-    }
+        f
+    };
+    py.detach(|| cache.call(f)).map_err(err)
 }
 
 fn out_of_range(arg: &str, what: &str, v: impl std::fmt::Display, pos: usize, hi: &str) -> PyErr {
@@ -214,17 +232,33 @@ impl Int {
     }
 }
 
-/// A batch id: a non-negative integer (an unknown one is the core's error).
-fn batch_arg(id: Int) -> PyResult<core::BatchId> {
-    if let Int::TooLarge(v) = &id {
-        return Err(PyValueError::new_err(format!(
-            "batch_id: no batch {v} in flight"
-        )));
+/// A batch id: the integer `TransferBatch.id` (the issuing cache in its high 64 bits).
+#[derive(Clone, Copy)]
+struct BatchArg(core::BatchId);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BatchArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if !obj.is_instance_of::<pyo3::types::PyInt>()
+            || obj.is_instance_of::<pyo3::types::PyBool>()
+        {
+            return Err(PyTypeError::new_err(format!(
+                "batch_id: expected an integer, got {}",
+                obj.get_type().name()?
+            )));
+        }
+        obj.extract::<u128>()
+            .ok()
+            .and_then(core::BatchId::from_u128)
+            .map(BatchArg)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "batch_id: no batch {} in flight",
+                    obj.str().map(|s| s.to_string()).unwrap_or_default()
+                ))
+            })
     }
-    let v = id.get("batch_id")?;
-    u64::try_from(v).map(core::BatchId).map_err(|_| {
-        PyValueError::new_err(format!("batch_id: no batch {v} in flight (ids are >= 0)"))
-    })
 }
 
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
@@ -245,6 +279,8 @@ fn resource_warning(py: Python<'_>, msg: &str) {
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 struct PyHybridCache {
     inner: core::HybridCache,
+    /// The configuration (immutable: read without taking the cache).
+    config: core::Config,
 }
 
 #[pymethods]
@@ -253,8 +289,8 @@ impl PyHybridCache {
     #[pyo3(signature = (kv_slots=Int::Value(8192), page_size=Int::Value(1),
                         mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
-                        write_through_threshold=Int::Value(2)),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=2)")]
+                        write_through_threshold=None),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -262,9 +298,18 @@ impl PyHybridCache {
         host_kv_slots: Int,
         host_mamba_slots: Int,
         write_policy: &str,
-        write_through_threshold: Int,
+        write_through_threshold: Option<Int>,
     ) -> PyResult<Self> {
-        let threshold = write_through_threshold.get("write_through_threshold")?;
+        let threshold = write_through_threshold
+            .map(|t| {
+                let t = t.get("write_through_threshold")?;
+                u32::try_from(t).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "write_through_threshold: must be in [1, 2**32), got {t}"
+                    ))
+                })
+            })
+            .transpose()?;
         let config = core::Config {
             kv_slots: kv_slots.count("kv_slots")?,
             page_size: page_size.count("page_size")?,
@@ -272,51 +317,58 @@ impl PyHybridCache {
             host_kv_slots: host_kv_slots.count("host_kv_slots")?,
             host_mamba_slots: host_mamba_slots.count("host_mamba_slots")?,
             write_policy: write_policy.parse().map_err(err)?,
-            write_through_threshold: u32::try_from(threshold).map_err(|_| {
-                PyValueError::new_err(format!(
-                    "write_through_threshold: must be in [1, 2**32), got {threshold}"
-                ))
-            })?,
+            write_through_threshold: threshold,
         };
         Ok(PyHybridCache {
-            inner: core::HybridCache::new(config).map_err(err)?,
+            inner: core::HybridCache::new(config.clone()).map_err(err)?,
+            config,
         })
     }
 
     /// Tokens per page.
     #[getter]
     fn page_size(&self) -> usize {
-        self.inner.with(|c| c.page_size())
+        self.config.page_size
     }
 
     /// Device KV token slots.
     #[getter]
     fn kv_slots(&self) -> usize {
-        self.inner.with(|c| c.config().kv_slots)
+        self.config.kv_slots
     }
 
     /// Device Mamba state slots (0 for an attention-only model).
     #[getter]
     fn mamba_slots(&self) -> usize {
-        self.inner.with(|c| c.config().mamba_slots)
+        self.config.mamba_slots
     }
 
     /// Host-tier KV token slots (0: no host tier).
     #[getter]
     fn host_kv_slots(&self) -> usize {
-        self.inner.with(|c| c.config().host_kv_slots)
+        self.config.host_kv_slots
     }
 
     /// Host-tier Mamba state slots.
     #[getter]
     fn host_mamba_slots(&self) -> usize {
-        self.inner.with(|c| c.config().host_mamba_slots)
+        self.config.host_mamba_slots
     }
 
     /// When device data is backed up to the host tier.
     #[getter]
     fn write_policy(&self) -> &'static str {
-        self.inner.with(|c| c.config().write_policy.as_str())
+        self.config.write_policy.as_str()
+    }
+
+    /// Inserts before a selective backup (None unless the policy is selective).
+    #[getter]
+    fn write_through_threshold(&self) -> Option<u32> {
+        (self.config.write_policy == core::WritePolicy::WriteThroughSelective).then(|| {
+            self.config
+                .write_through_threshold
+                .unwrap_or(core::Config::DEFAULT_WRITE_THROUGH_THRESHOLD)
+        })
     }
 
     /// Load the host-only part of a cached prefix back to the device. `target`: a
@@ -332,24 +384,26 @@ impl PyHybridCache {
         request: Option<&Bound<'_, PyRequest>>,
     ) -> PyResult<Option<PyLoadBack>> {
         let quota = mem_quota.map(|q| q.count("mem_quota")).transpose()?;
-        let guard = if let Ok(node) = target.cast::<PyNode>() {
-            let req = request.map(|r| &r.get().inner);
-            self.inner.load_back(node.get().id, quota, req)
+        let (target, request) = if let Ok(node) = target.cast::<PyNode>() {
+            let req = request.map(|r| self.request_id(r)).transpose()?;
+            (core::LoadTarget::Node(node.get().id), req)
         } else if let Ok(req) = target.cast::<PyRequest>() {
             if request.is_some() {
                 return Err(PyValueError::new_err(
                     "request: the target is a Request already; pass request= only with a Node",
                 ));
             }
-            self.inner.load_back_request(&req.get().inner, quota)
+            (core::LoadTarget::Request(self.request_id(req)?), None)
         } else {
             return Err(PyTypeError::new_err(format!(
                 "target: expected a Node or a Request, got {}",
                 target.get_type().name()?
             )));
-        }
-        .map_err(err)?;
-        guard.map(|g| PyLoadBack::new(py, g)).transpose()
+        };
+        let record = run(py, &self.inner, 0, |c| c.load_back(target, quota, request))?;
+        record
+            .map(|r| PyLoadBack::new(py, self.inner.own_load(r)))
+            .transpose()
     }
 
     /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.
@@ -361,9 +415,9 @@ impl PyHybridCache {
         namespace: Option<&str>,
     ) -> PyResult<PyMatch> {
         let tokens = tokens_arg(tokens, "tokens")?;
-        let m = run(py, tokens.len(), || {
-            self.inner.with(|c| c.match_prefix(namespace, &tokens))
-        });
+        let m = run(py, &self.inner, tokens.len(), |c| {
+            Ok(c.match_prefix(namespace, &tokens))
+        })?;
         Ok(PyMatch {
             device_len: m.device_len,
             kv_indices: array(py, m.kv_indices),
@@ -392,11 +446,9 @@ impl PyHybridCache {
         let kv = indices_arg(kv_indices, "kv_indices")?;
         let owned_from = owned_from.count("owned_from")?;
         let mamba_slot = mamba_slot.map(|s| s.get("mamba_slot")).transpose()?;
-        let r = run(py, tokens.len(), || {
-            self.inner
-                .with(|c| c.insert_with_state(namespace, &tokens, &kv, owned_from, mamba_slot))
-        })
-        .map_err(err)?;
+        let r = run(py, &self.inner, tokens.len(), |c| {
+            c.insert_with_state(namespace, &tokens, &kv, owned_from, mamba_slot)
+        })?;
         Ok(PyInsert {
             prefix_len: r.prefix_len,
             node: self.node(py, r.node)?,
@@ -405,11 +457,12 @@ impl PyHybridCache {
     }
 
     /// Protect the path from `node` to the root from eviction; returns the receipt.
-    fn lock(&self, node: &Bound<'_, PyNode>) -> PyResult<PyLock> {
-        let lock = self.inner.lock(node.get().id).map_err(err)?;
+    fn lock(&self, py: Python<'_>, node: &Bound<'_, PyNode>) -> PyResult<PyLock> {
+        let id = node.get().id;
+        let receipt = run(py, &self.inner, 0, |c| c.lock(id))?;
         Ok(PyLock {
             node: node.clone().unbind(),
-            slot: Mutex::new(Some(lock)),
+            slot: Mutex::new(Some(self.inner.own_lock(receipt, id))),
             cache: self.inner.clone(),
         })
     }
@@ -423,10 +476,10 @@ impl PyHybridCache {
     /// Evict at least that much (or all that is evictable), LRU leaves first.
     #[pyo3(signature = (*, kv_tokens=Int::Value(0), mamba_states=Int::Value(0)),
            text_signature = "($self, *, kv_tokens=0, mamba_states=0)")]
-    fn evict(&self, kv_tokens: Int, mamba_states: Int) -> PyResult<PyEvicted> {
+    fn evict(&self, py: Python<'_>, kv_tokens: Int, mamba_states: Int) -> PyResult<PyEvicted> {
         let kv_tokens = kv_tokens.count("kv_tokens")?;
         let mamba_states = mamba_states.count("mamba_states")?;
-        let e = self.inner.with(|c| c.evict(kv_tokens, mamba_states));
+        let e = run(py, &self.inner, 0, |c| Ok(c.evict(kv_tokens, mamba_states)))?;
         Ok(PyEvicted {
             kv_tokens: e.kv_tokens,
             mamba_states: e.mamba_states,
@@ -436,26 +489,25 @@ impl PyHybridCache {
     /// `n` device KV slots (whole pages), evicting first when short; None if impossible.
     fn alloc_kv(&self, py: Python<'_>, n: Int) -> PyResult<Option<Py<PyArray1<i64>>>> {
         let n = n.count("n")?;
-        let r = self.inner.with(|c| c.alloc_kv(n)).map_err(err)?;
+        let r = run(py, &self.inner, 0, |c| c.alloc_kv(n))?;
         Ok(r.map(|v| array(py, v)))
     }
 
     /// Give back slots the caller holds; a bad slot fails the call, which frees nothing.
-    fn free_kv(&self, indices: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free_kv(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<()> {
         let idx = indices_arg(indices, "indices")?;
-        self.inner.with(|c| c.free_kv(&idx)).map_err(err)?;
-        Ok(())
+        run(py, &self.inner, idx.len(), |c| c.free_kv(&idx)).map(|_| ())
     }
 
     /// One device state slot, evicting the least recently used state first when short.
-    fn alloc_mamba(&self) -> Option<u32> {
-        self.inner.with(Cache::alloc_mamba)
+    fn alloc_mamba(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        run(py, &self.inner, 0, |c| Ok(c.alloc_mamba()))
     }
 
     /// Give back a state slot the caller holds.
-    fn free_mamba(&self, slot: Int) -> PyResult<()> {
+    fn free_mamba(&self, py: Python<'_>, slot: Int) -> PyResult<()> {
         let slot = slot.get("slot")?;
-        self.inner.with(|c| c.free_mamba(slot)).map_err(err)
+        run(py, &self.inner, 0, |c| c.free_mamba(slot))
     }
 
     /// Admit a request: match, lock the reused prefix, copy-on-write its state.
@@ -467,8 +519,16 @@ impl PyHybridCache {
         namespace: Option<&str>,
     ) -> PyResult<Option<PyRequest>> {
         let tokens = tokens_arg(tokens, "tokens")?;
-        let r = run(py, tokens.len(), || self.inner.admit(namespace, &tokens));
-        Ok(r.map(|inner| PyRequest { inner }))
+        let id = run(py, &self.inner, tokens.len(), |c| {
+            let id = c.admit(namespace, &tokens);
+            if let Some(id) = id {
+                c.own_request(id)?;
+            }
+            Ok(id)
+        })?;
+        Ok(id.map(|id| PyRequest {
+            inner: self.inner.request_handle(id),
+        }))
     }
 
     /// One KV slot per token (and a state slot if the request has none); None if full.
@@ -479,32 +539,32 @@ impl PyHybridCache {
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Py<PyArray1<i64>>>> {
         let tokens = tokens_arg(tokens, "tokens")?;
-        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
-        let r = self.inner.with(|c| c.extend(id, &tokens)).map_err(err)?;
+        let id = self.request_id(request)?;
+        let r = run(py, &self.inner, tokens.len(), |c| c.extend(id, &tokens))?;
         Ok(r.map(|v| array(py, v)))
     }
 
     /// Cache what the request holds so far; forks its state for the tree.
-    fn checkpoint(&self, request: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
-        self.inner.with(|c| c.checkpoint(id)).map_err(err)
+    fn checkpoint(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = self.request_id(request)?;
+        run(py, &self.inner, 0, |c| c.checkpoint(id))
     }
 
     /// Cache every token fed, donate the state, unlock: the request holds nothing after.
-    fn finish(&self, request: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
-        self.inner.with(|c| c.finish(id)).map_err(err)
+    fn finish(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = self.request_id(request)?;
+        run(py, &self.inner, 0, |c| c.finish(id))
     }
 
     /// Give back everything the request holds and cache nothing.
-    fn abort(&self, request: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = self.inner.request_id(&request.get().inner).map_err(err)?;
-        self.inner.with(|c| c.abort(id)).map_err(err)
+    fn abort(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
+        let id = self.request_id(request)?;
+        run(py, &self.inner, 0, |c| c.abort(id))
     }
 
     /// The data movement the cache needs (copy-on-write, backups) since the last call.
     fn take_batches(&self, py: Python<'_>) -> PyResult<Vec<PyTransferBatch>> {
-        let batches = self.inner.with(Cache::take_batches);
+        let batches = run(py, &self.inner, 0, |c| Ok(c.take_batches()))?;
         batches
             .into_iter()
             .map(|b| PyTransferBatch::new(py, b))
@@ -512,51 +572,48 @@ impl PyHybridCache {
     }
 
     /// The engine is about to run a batch's copies.
-    fn start(&self, batch_id: Int) -> PyResult<()> {
-        let id = batch_arg(batch_id)?;
-        self.inner.with(|c| c.start(id)).map_err(err)
+    fn start(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
+        run(py, &self.inner, 0, |c| c.start(batch_id.0))
     }
 
     /// A batch's copies are done: releases what it held.
-    fn complete(&self, batch_id: Int) -> PyResult<()> {
-        let id = batch_arg(batch_id)?;
-        self.inner.with(|c| c.complete(id)).map_err(err)
+    fn complete(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
+        run(py, &self.inner, 0, |c| c.complete(batch_id.0))
     }
 
     /// A batch's copies failed: undoes what it would have published.
-    fn fail(&self, batch_id: Int) -> PyResult<()> {
-        let id = batch_arg(batch_id)?;
-        self.inner.with(|c| c.fail(id)).map_err(err)
+    fn fail(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
+        run(py, &self.inner, 0, |c| c.fail(batch_id.0))
     }
 
     /// Device KV tokens in the tree that eviction may take.
-    fn evictable_size(&self) -> usize {
-        self.inner.with(|c| c.evictable_size())
+    fn evictable_size(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, &self.inner, 0, |c| Ok(c.evictable_size()))
     }
 
     /// Device KV tokens in the tree protected by locks.
-    fn protected_size(&self) -> usize {
-        self.inner.with(|c| c.protected_size())
+    fn protected_size(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, &self.inner, 0, |c| Ok(c.protected_size()))
     }
 
     /// Device KV tokens in the tree.
-    fn total_size(&self) -> usize {
-        self.inner.with(|c| c.total_size())
+    fn total_size(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, &self.inner, 0, |c| Ok(c.total_size()))
     }
 
     /// Free device KV slots.
-    fn available_kv(&self) -> usize {
-        self.inner.with(|c| c.available_kv())
+    fn available_kv(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, &self.inner, 0, |c| Ok(c.available_kv()))
     }
 
     /// Free device Mamba state slots.
-    fn available_mamba(&self) -> usize {
-        self.inner.with(|c| c.available_mamba())
+    fn available_mamba(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, &self.inner, 0, |c| Ok(c.available_mamba()))
     }
 
     /// Counters and gauges as a dict of ints.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let entries = self.inner.with(|c| c.stats());
+        let entries = run(py, &self.inner, 0, |c| Ok(c.stats()))?;
         let d = PyDict::new(py);
         for (k, v) in entries {
             d.set_item(k, v)?;
@@ -565,22 +622,32 @@ impl PyHybridCache {
     }
 
     /// Check every invariant; raises `InvariantError` naming the first broken one.
-    fn audit(&self) -> PyResult<()> {
-        self.inner.with(|c| c.audit()).map_err(err)
+    fn audit(&self, py: Python<'_>) -> PyResult<()> {
+        run(py, &self.inner, 0, |c| c.audit())
     }
 
     /// Return the tree as indented text, one line per node.
     #[pyo3(signature = (max_nodes=200, max_tokens=8))]
-    fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
-        self.inner.with(|c| c.pretty(max_nodes, max_tokens))
+    fn pretty(&self, py: Python<'_>, max_nodes: usize, max_tokens: usize) -> PyResult<String> {
+        run(py, &self.inner, 0, |c| Ok(c.pretty(max_nodes, max_tokens)))
     }
 
-    fn __repr__(&self) -> String {
-        self.inner.with(|c| c.summary())
+    /// Simulates a bug: a panic inside the core in the middle of a change. The cache is
+    /// then broken and every later call raises `CacheError`. For tests of that path.
+    fn _panic_for_tests(&self, py: Python<'_>) -> PyResult<()> {
+        run(py, &self.inner, 0, |c| {
+            c.evict(usize::MAX, usize::MAX);
+            panic!("deliberate panic for tests")
+        })
     }
 
-    fn __str__(&self) -> String {
-        self.pretty(200, 8)
+    fn __repr__(&self, py: Python<'_>) -> String {
+        run(py, &self.inner, 0, |c| Ok(c.summary()))
+            .unwrap_or_else(|e| format!("<HybridCache ({e})>"))
+    }
+
+    fn __str__(&self, py: Python<'_>) -> PyResult<String> {
+        self.pretty(py, 200, 8)
     }
 }
 
@@ -594,6 +661,11 @@ impl PyHybridCache {
             },
         )
     }
+
+    /// The id of `request` in this cache (`CacheError` for another cache's request).
+    fn request_id(&self, request: &Bound<'_, PyRequest>) -> PyResult<core::RequestId> {
+        self.inner.request_id(&request.get().inner).map_err(err)
+    }
 }
 
 /// An opaque handle to a tree node: hashable, equal for the same live node.
@@ -606,7 +678,7 @@ struct PyNode {
 #[pymethods]
 impl PyNode {
     fn __repr__(&self) -> String {
-        match self.cache.with(|c| c.describe(self.id)) {
+        match self.cache.call(|c| c.describe(self.id)) {
             Ok(s) => format!("<Node {s}>"),
             Err(_) => format!("<Node {} (gone)>", self.id),
         }
@@ -619,7 +691,7 @@ impl PyNode {
     }
 
     fn __hash__(&self) -> u64 {
-        (u64::from(self.id.index()) << 32) | u64::from(self.id.generation())
+        (u64::from(self.id.index()) << 32) ^ self.id.generation()
     }
 }
 
@@ -763,7 +835,7 @@ impl PyRequest {
     }
 
     fn inner_cache<T>(&self, f: impl FnOnce(&Cache) -> core::Result<T>) -> PyResult<T> {
-        self.inner.with(f).map_err(err)
+        self.inner.cache().call(|c| f(c)).map_err(err)
     }
 }
 
@@ -813,21 +885,21 @@ impl PyRequest {
     fn node(&self) -> PyResult<PyNode> {
         Ok(PyNode {
             id: self.view()?.node,
-            cache: self.inner.cache(),
+            cache: self.inner.cache().clone(),
         })
     }
 
     /// The admission copy-on-write batch id until it is acknowledged, else None.
     #[getter]
-    fn copy_pending(&self) -> PyResult<Option<u64>> {
-        Ok(self.view()?.copy_pending.map(|b| b.0))
+    fn copy_pending(&self) -> PyResult<Option<u128>> {
+        Ok(self.view()?.copy_pending.map(core::BatchId::to_u128))
     }
 
     /// The batch id of a load-back for this request, from `load_back` until its copies
     /// are acknowledged (or its guard released), else None.
     #[getter]
-    fn load_pending(&self) -> PyResult<Option<u64>> {
-        Ok(self.view()?.load_pending.map(|b| b.0))
+    fn load_pending(&self) -> PyResult<Option<u128>> {
+        Ok(self.view()?.load_pending.map(core::BatchId::to_u128))
     }
 
     /// True until the request is finished or aborted.
@@ -871,7 +943,7 @@ impl Drop for PyRequest {
 struct PyLoadBack {
     guard: Mutex<Option<core::LoadBack>>,
     batch: Py<PyTransferBatch>,
-    id: u64,
+    id: u128,
     kv_tokens: usize,
     committed: std::sync::atomic::AtomicBool,
 }
@@ -880,7 +952,7 @@ impl PyLoadBack {
     fn new(py: Python<'_>, guard: core::LoadBack) -> PyResult<Self> {
         let batch = Py::new(py, PyTransferBatch::new(py, guard.batch().clone())?)?;
         Ok(PyLoadBack {
-            id: guard.id().0,
+            id: guard.id().to_u128(),
             kv_tokens: guard.kv_tokens(),
             guard: Mutex::new(Some(guard)),
             batch,
@@ -1018,7 +1090,7 @@ impl PyCopy {
 /// Data movement the cache needs; run it, then `complete(id)` or `fail(id)`.
 #[pyclass(frozen, module = "radixcache._core", name = "TransferBatch", get_all)]
 struct PyTransferBatch {
-    id: u64,
+    id: u128,
     kind: &'static str,
     copies: Vec<Py<PyCopy>>,
 }
@@ -1042,7 +1114,7 @@ impl PyTransferBatch {
             })
             .collect::<PyResult<_>>()?;
         Ok(PyTransferBatch {
-            id: b.id.0,
+            id: b.id.to_u128(),
             kind: b.kind.as_str(),
             copies,
         })

@@ -8,24 +8,12 @@
 //! draining, and no copy ever reads a reused slot or writes one handed to someone else.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use crate::error::{Error, Result};
+use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
-use crate::tree::NodeId;
 
-use super::request::RequestId;
 use super::Cache;
-
-/// Identifies a batch; ids are never reused within a cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BatchId(pub u64);
-
-impl fmt::Display for BatchId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
 
 /// Why a batch exists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,9 +75,10 @@ impl Tier {
     }
 }
 
-/// One copy: slot `src[i]` of `src_tier` to slot `dst[i]` of `dst_tier`, in `pool`.
+/// One copy: slot `src[i]` of `src_tier` to slot `dst[i]` of `dst_tier`, in `pool`
+/// (Python: `Copy`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Copy {
+pub struct SlotCopy {
     /// The pool whose slots move.
     pub pool: PoolKind,
     /// Where the data is read.
@@ -110,7 +99,7 @@ pub struct TransferBatch {
     /// Why it exists.
     pub kind: BatchKind,
     /// The copies, in the order they may run.
-    pub copies: Vec<Copy>,
+    pub copies: Vec<SlotCopy>,
 }
 
 /// What acknowledging a batch does besides dropping its pins.
@@ -161,28 +150,18 @@ impl Batches {
 }
 
 impl Cache {
-    /// The pool a copy's slots index.
-    pub(crate) fn pool_of(&self, pool: PoolKind, tier: Tier) -> &crate::pool::Pool {
-        match (pool, tier) {
-            (PoolKind::Kv, Tier::Device) => &self.kv_pool,
-            (PoolKind::Kv, Tier::Host) => &self.host_kv_pool,
-            (PoolKind::Mamba, Tier::Device) => &self.mamba_pool,
-            (PoolKind::Mamba, Tier::Host) => &self.host_mamba_pool,
-        }
-    }
-
     /// Emits a batch: pins every page its copies read or write and, when `queued`,
     /// queues it for `take_batches` (a load-back's batch is reached through its guard).
     pub(crate) fn emit(
         &mut self,
         kind: BatchKind,
-        copies: Vec<Copy>,
+        copies: Vec<SlotCopy>,
         action: Action,
         queued: bool,
     ) -> BatchId {
-        let id = BatchId(self.batches.next);
+        let id = BatchId::new(self.id(), self.batches.next);
         self.batches.next += 1;
-        let ps = self.config.page_size;
+        let ps = self.page_size();
         let mut pins: Vec<Pins> = Vec::new();
         for c in &copies {
             for (tier, slots) in [(c.src_tier, &c.src), (c.dst_tier, &c.dst)] {
@@ -192,7 +171,7 @@ impl Cache {
                     .map(|&s| crate::pool::page_of_slot(s, page_size))
                     .collect();
                 pages.dedup();
-                self.pool_of(c.pool, tier).pin(&pages);
+                self.pools.of(c.pool, tier).pin(&pages);
                 pins.push(Pins {
                     pool: c.pool,
                     tier,
@@ -223,7 +202,7 @@ impl Cache {
     /// Drops a finished batch's pins: a page given back meanwhile becomes free now.
     pub(crate) fn unpin_all(&self, pins: &[Pins]) {
         for p in pins {
-            self.pool_of(p.pool, p.tier).unpin(&p.pages);
+            self.pools.of(p.pool, p.tier).unpin(&p.pages);
         }
     }
 
@@ -236,15 +215,34 @@ impl Cache {
     }
 
     fn pending_mut(&mut self, id: BatchId) -> Result<&mut Pending> {
+        self.check_batch_id(id)?;
         self.batches
             .pending
             .get_mut(&id)
             .ok_or_else(|| no_batch(id))
     }
 
-    /// The engine is about to run the batch's copies.
+    /// A batch id of another cache is refused as such (never taken for one of ours).
+    fn check_batch_id(&self, id: BatchId) -> Result<()> {
+        if id.cache() == self.id() {
+            Ok(())
+        } else {
+            Err(Error::arg(
+                "batch_id",
+                format!("no batch {id} in flight here: that id was issued by another cache"),
+            ))
+        }
+    }
+
+    /// The engine is about to run the batch's copies. Starting a batch twice raises
+    /// [`Error::Request`] and changes nothing.
     pub fn start(&mut self, id: BatchId) -> Result<()> {
-        self.pending_mut(id)?.started = true;
+        self.reap();
+        let p = self.pending_mut(id)?;
+        if p.started {
+            return Err(Error::Request(format!("batch {id} was started already")));
+        }
+        p.started = true;
         Ok(())
     }
 
@@ -255,6 +253,8 @@ impl Cache {
 
     /// Removes an acknowledged batch from the books and drops its pins.
     fn end_batch(&mut self, id: BatchId) -> Result<Pending> {
+        self.reap();
+        self.check_batch_id(id)?;
         let p = self
             .batches
             .pending

@@ -9,39 +9,56 @@
 //! are freed when the backup completes.
 
 use crate::config::WritePolicy;
-use crate::pool::Pages;
-use crate::tree::NodeId;
+use crate::ids::NodeId;
+use crate::pool::{PageRun, Pages};
 
-use super::batch::{Action, BatchKind, Copy, PoolKind, Tier};
-use super::{Cache, Evicted, LockId};
+use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
+use super::locks::LockReceipt;
+use super::Cache;
 
-/// Pages for page offsets along a root-to-node path, handed out node by node. Offsets
-/// are ascending and unique; `pages[k]` is the page for `offsets[k]`.
+/// Pages for page offsets along a root-to-node path, handed out node by node as a walk
+/// goes down the path. Offsets are ascending and unique; the `k`-th page is for
+/// `offsets[k]`.
 pub(crate) struct PathPages {
-    pub pages: Pages,
-    pub offsets: Vec<usize>,
+    pages: PageRun,
+    offsets: Vec<usize>,
+    /// Offsets before this index were handed out or passed.
+    next: usize,
 }
 
 impl PathPages {
-    /// The pages for offsets `start..end`, when this holds every one of them.
-    pub fn take(&mut self, start: usize, end: usize) -> Option<Pages> {
-        let lo = self.offsets.partition_point(|&o| o < start);
-        let hi = self.offsets.partition_point(|&o| o < end);
-        if hi - lo != end - start || start == end {
-            return None;
+    pub fn new(pages: Pages, offsets: Vec<usize>) -> PathPages {
+        debug_assert_eq!(pages.len(), offsets.len());
+        PathPages {
+            pages: pages.into_run(),
+            offsets,
+            next: 0,
         }
-        let mut mid = self.pages.split_off(lo);
-        let rest = mid.split_off(hi - lo);
-        self.pages.append(rest);
-        self.offsets.drain(lo..hi);
-        Some(mid)
+    }
+
+    /// The pages for offsets `start..end`, when this holds every one of them. Calls go
+    /// down the path (`start` never decreases): pages of offsets passed over belong to
+    /// no node any more and are dropped.
+    pub fn take(&mut self, start: usize, end: usize) -> Option<Pages> {
+        let rest = &self.offsets[self.next..];
+        let lo = self.next + rest.partition_point(|&o| o < start);
+        drop(self.pages.take(lo - self.next));
+        let hi = lo + self.offsets[lo..].partition_point(|&o| o < end);
+        self.next = hi;
+        let here = self.pages.take(hi - lo);
+        (start < end && hi - lo == end - start).then_some(here)
+    }
+
+    /// The pages not handed out yet.
+    pub fn pages(&self) -> &[u32] {
+        self.pages.pages()
     }
 }
 
 /// What a backup batch carries until it is acknowledged.
 pub(crate) struct Backup {
     /// Locks the path to `end` (every backed-up node) on the device.
-    pub lock: LockId,
+    pub lock: LockReceipt,
     /// The deepest node of the batch (split-stable: a split keeps the lower identity).
     pub end: NodeId,
     /// Host pages for the KV of the nodes backed up, by page offset along the path.
@@ -54,31 +71,11 @@ pub(crate) struct Backup {
 }
 
 impl Cache {
-    /// True when the cache has a host tier for KV.
-    pub(crate) fn has_host_tier(&self) -> bool {
-        self.config.host_kv_slots > 0
-    }
-
-    /// Nodes from the root (excluded) to `i`, in order.
-    pub(crate) fn path_to(&self, i: u32) -> Vec<u32> {
-        let mut path = Vec::new();
-        let mut cur = i;
-        while !self.tree.node(cur).is_root() {
-            path.push(cur);
-            cur = self.tree.node(cur).parent;
-        }
-        path.reverse();
-        path
-    }
-
     /// Write-through: after an insert ended at `end`, backs up the deepest node on its
     /// path whose insert count reached the threshold, with its unbacked ancestors.
     pub(crate) fn maybe_backup(&mut self, end: u32) {
-        let threshold = match self.config.write_policy {
-            _ if !self.has_host_tier() => return,
-            WritePolicy::WriteBack => return,
-            WritePolicy::WriteThrough => 1,
-            WritePolicy::WriteThroughSelective => u64::from(self.config.write_through_threshold),
+        let Some(threshold) = self.config().backup_threshold().map(u64::from) else {
+            return;
         };
         let mut path = self.path_to(end);
         while let Some(&last) = path.last() {
@@ -90,39 +87,12 @@ impl Cache {
         }
     }
 
-    /// Host pages, evicting host-only leaves first when short; `None` when even
-    /// evicting every unlocked host-only node would not do, and then nothing is evicted.
-    fn alloc_host_pages(&mut self, n: usize) -> Option<Pages> {
-        let free = self.host_kv_pool.free_pages();
-        if free < n {
-            if free + self.host_evictable / self.config.page_size < n {
-                return None;
-            }
-            self.evict_host(n, 0);
-        }
-        self.host_kv_pool.try_alloc(n)
-    }
-
-    /// One host state slot; when none is free, evicts the least recently used unlocked
-    /// host-only leaf that holds one (and nothing when there is none).
-    fn alloc_host_state(&mut self) -> Option<Pages> {
-        if self.host_mamba_pool.free_pages() == 0 {
-            let victim = self
-                .host_lru
-                .iter()
-                .map(|&(_, i)| i)
-                .find(|&i| self.tree.node(i).mamba.host.is_some())?;
-            self.delete_host_leaf(victim);
-        }
-        self.host_mamba_pool.try_alloc(1)
-    }
-
     /// Backs up the nodes of `path` (root first) that have device data without a host
     /// copy: their KV, and their state when they have one. Host room is made by host
     /// eviction; when it cannot be, the chain stops there. Emits one batch.
     fn backup_path(&mut self, path: &[u32]) {
-        let ps = self.config.page_size;
-        let mut host_kv = self.host_kv_pool.empty();
+        let ps = self.config().page_size;
+        let mut host_kv = self.pools.host_kv.empty();
         let mut offsets = Vec::new();
         let (mut kv_src, mut kv_dst) = (Vec::new(), Vec::new());
         let (mut st_src, mut st_dst) = (Vec::new(), Vec::new());
@@ -175,10 +145,7 @@ impl Cache {
             return;
         };
         self.stats.backup_tokens += kv_src.len() as u64;
-        let kv = PathPages {
-            pages: host_kv,
-            offsets,
-        };
+        let kv = PathPages::new(host_kv, offsets);
         self.emit_backup(
             end,
             &marked,
@@ -215,7 +182,7 @@ impl Cache {
         let mut copies = Vec::new();
         for (pool, (src, dst)) in [(PoolKind::Kv, kv_copy), (PoolKind::Mamba, state_copy)] {
             if !src.is_empty() {
-                copies.push(Copy {
+                copies.push(SlotCopy {
                     pool,
                     src_tier: Tier::Device,
                     dst_tier: Tier::Host,
@@ -239,10 +206,10 @@ impl Cache {
     /// taken nothing, when there is no host room or the copy would leave a hybrid leaf
     /// without a state on the host (useless there).
     pub(crate) fn backup_for_eviction(&mut self, i: u32) -> bool {
-        if !self.has_host_tier() || self.config.write_policy != WritePolicy::WriteBack {
+        if !self.has_host_tier() || self.config().write_policy != WritePolicy::WriteBack {
             return false;
         }
-        let ps = self.config.page_size;
+        let ps = self.config().page_size;
         let n = self.tree.node(i);
         let np = n.key.len() / ps;
         let needs_state = self.is_hybrid() && n.children.is_empty() && n.mamba.host.is_none();
@@ -272,7 +239,7 @@ impl Cache {
         }
         let mut kv_copy = (Vec::new(), Vec::new());
         let mut offsets = Vec::new();
-        let mut kv_pages = self.host_kv_pool.empty();
+        let mut kv_pages = self.pools.host_kv.empty();
         if let Some(h) = host_kv {
             if let Some(pages) = &self.tree.node(i).kv.device {
                 self.expand_into(pages, &mut kv_copy.0);
@@ -296,10 +263,7 @@ impl Cache {
             states.push((self.tree.id(i), h));
         }
         self.stats.backup_tokens += kv_copy.0.len() as u64;
-        let kv = PathPages {
-            pages: kv_pages,
-            offsets,
-        };
+        let kv = PathPages::new(kv_pages, offsets);
         let id = self.tree.id(i);
         self.emit_backup(i, &[i], kv, states, kv_copy, state_copy, Some(id));
         true
@@ -308,7 +272,7 @@ impl Cache {
     /// Walks the path to the backup's end and hands each node the host pages the batch
     /// wrote for it (`publish`), or just clears the in-flight marks.
     fn settle_backup(&mut self, b: &mut Backup, publish: bool) {
-        let ps = self.config.page_size;
+        let ps = self.config().page_size;
         if let Ok(end) = self.tree.resolve(b.end) {
             let mut offset = 0;
             for i in self.path_to(end) {
@@ -318,8 +282,8 @@ impl Cache {
                     let n = self.tree.node_mut(i);
                     n.kv.backup_pending = false;
                     if publish && n.kv.host.is_none() {
-                        n.kv.host = Some(pages.into_tree());
-                        self.host_tokens += len;
+                        self.edit(i, |n| n.kv.host = Some(pages.into_tree()));
+                        self.refresh(i);
                     } else {
                         drop(pages);
                     }
@@ -335,7 +299,7 @@ impl Cache {
             let n = self.tree.node_mut(i);
             n.mamba.backup_pending = false;
             if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
-                n.mamba.host = h.into_tree().first().copied();
+                self.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
             } else {
                 drop(h);
             }
@@ -357,134 +321,5 @@ impl Cache {
         let _ = self.unlock(b.lock);
         self.stats.backups_failed += 1;
         self.finish_eviction(b.demote, false);
-    }
-
-    /// The end of a write-back eviction: the node, if nothing locked it meanwhile, is
-    /// demoted (backed up) or removed (backup failed).
-    fn finish_eviction(&mut self, demote: Option<NodeId>, backed_up: bool) {
-        let Some(i) = demote.and_then(|id| self.tree.resolve(id).ok()) else {
-            return;
-        };
-        let n = self.tree.node(i);
-        if !n.kv.in_lru {
-            return;
-        }
-        self.kv_lru.remove(&(n.last_access, i));
-        self.tree.node_mut(i).kv.in_lru = false;
-        let mut out = Evicted::default();
-        if backed_up {
-            self.remove_leaf(i, &mut out);
-        } else {
-            let parent = self.delete_subtree(i, &mut out);
-            self.refresh_candidate(parent);
-        }
-    }
-
-    /// Demotes an unlocked device leaf that has a host copy: frees its device KV and
-    /// state, keeps the node with its host data.
-    pub(crate) fn demote(&mut self, i: u32, out: &mut Evicted) {
-        self.drop_state(i, out);
-        out.kv_tokens += self.take_device_pages(i);
-        self.stats.demotions += 1;
-    }
-
-    /// Frees node `i`'s device KV (it has no device child and keeps its host copy),
-    /// keeping the sizes and eviction sets right; returns its tokens.
-    pub(crate) fn take_device_pages(&mut self, i: u32) -> usize {
-        let n = self.tree.node_mut(i);
-        let (len, parent, locked) = (n.key.len(), n.parent, n.kv.lock > 0);
-        let Some(pages) = n.kv.device.take() else {
-            return 0;
-        };
-        self.kv_pool.release_tree(&pages);
-        if locked {
-            self.protected_tokens -= len;
-        } else {
-            self.evictable_tokens -= len;
-            self.host_evictable += len;
-        }
-        self.tree.node_mut(parent).device_children -= 1;
-        self.refresh_candidate(i);
-        self.refresh_candidate(parent);
-        len
-    }
-
-    /// Frees a node's host copies (KV and state).
-    fn drop_host(&mut self, i: u32) {
-        let n = self.tree.node_mut(i);
-        if n.kv.in_host_lru {
-            n.kv.in_host_lru = false;
-            let key = (n.last_access, i);
-            self.host_lru.remove(&key);
-        }
-        let n = self.tree.node_mut(i);
-        let len = n.key.len();
-        let host_only_unlocked = n.kv.device.is_none() && n.kv.lock == 0;
-        if let Some(pages) = n.kv.host.take() {
-            self.host_kv_pool.release_tree(&pages);
-            self.host_tokens -= len;
-            if host_only_unlocked {
-                self.host_evictable -= len;
-            }
-        }
-        if let Some(slot) = self.tree.node_mut(i).mamba.host.take() {
-            self.host_mamba_pool.release_tree(&[slot]);
-        }
-    }
-
-    /// Deletes an unlocked device leaf together with the host-only nodes below it (an
-    /// unlocked node has no locked descendant); returns its parent.
-    pub(crate) fn delete_subtree(&mut self, i: u32, out: &mut Evicted) -> u32 {
-        let below = self.tree.preorder(i);
-        for &d in below[1..].iter().rev() {
-            let len = self.tree.node(d).key.len();
-            self.drop_host(d);
-            let parent = self.tree.node(d).parent;
-            self.tree.unlink_child(parent, d);
-            self.tree.free_node(d);
-            self.stats.host_evictions += 1;
-            self.stats.host_evicted_tokens += len as u64;
-        }
-        self.drop_state(i, out);
-        self.drop_host(i);
-        let n = self.tree.node_mut(i);
-        let len = n.key.len();
-        let parent = n.parent;
-        let pages = n.kv.device.take().unwrap_or_default();
-        self.kv_pool.release_tree(&pages);
-        self.evictable_tokens -= len;
-        out.kv_tokens += len;
-        self.tree.unlink_child(parent, i);
-        self.tree.free_node(i);
-        self.tree.node_mut(parent).device_children -= 1;
-        self.refresh_candidate(parent);
-        self.stats.evicted_nodes += 1;
-        parent
-    }
-
-    /// Host eviction: deletes unlocked host-only leaves, least recently used first,
-    /// until `kv_pages` host pages and `states` host state slots are free (or there is
-    /// nothing left to evict).
-    pub(crate) fn evict_host(&mut self, kv_pages: usize, states: usize) {
-        while self.host_kv_pool.free_pages() < kv_pages
-            || self.host_mamba_pool.free_pages() < states
-        {
-            let Some(&(_, i)) = self.host_lru.first() else {
-                return;
-            };
-            self.delete_host_leaf(i);
-        }
-    }
-
-    /// Deletes an unlocked host-only leaf.
-    fn delete_host_leaf(&mut self, i: u32) {
-        let len = self.tree.node(i).key.len();
-        self.drop_host(i);
-        let parent = self.tree.node(i).parent;
-        self.tree.unlink_child(parent, i);
-        self.tree.free_node(i);
-        self.refresh_candidate(parent);
-        self.stats.host_evictions += 1;
-        self.stats.host_evicted_tokens += len as u64;
     }
 }

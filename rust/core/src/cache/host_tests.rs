@@ -4,7 +4,9 @@
 #![allow(clippy::many_single_char_names)]
 
 use super::*;
-use crate::config::WritePolicy;
+use crate::config::{Config, WritePolicy};
+use crate::ids::NodeId;
+use crate::pool::PoolCounts;
 
 fn hybrid(policy: WritePolicy) -> Cache {
     Cache::new(Config {
@@ -14,7 +16,7 @@ fn hybrid(policy: WritePolicy) -> Cache {
         host_kv_slots: 32,
         host_mamba_slots: 4,
         write_policy: policy,
-        write_through_threshold: 2,
+        write_through_threshold: None,
     })
     .unwrap()
 }
@@ -41,10 +43,10 @@ fn run_all(c: &mut Cache) {
 
 fn counts(c: &Cache) -> [PoolCounts; 4] {
     [
-        c.kv_pool.counts(),
-        c.mamba_pool.counts(),
-        c.host_kv_pool.counts(),
-        c.host_mamba_pool.counts(),
+        c.kv_pool().counts(),
+        c.mamba_pool().counts(),
+        c.host_kv_pool().counts(),
+        c.host_mamba_pool().counts(),
     ]
 }
 
@@ -67,8 +69,8 @@ fn write_through_backs_up_on_insert_and_eviction_demotes() {
     let m = c.match_prefix(None, &[1, 2, 3, 4, 5]);
     assert_eq!((m.device_len, m.host_len), (0, 4));
     assert_eq!(m.host_node, node);
-    assert_eq!(c.kv_pool.counts().tree, 0);
-    assert_eq!(c.host_kv_pool.counts().tree, 4);
+    assert_eq!(c.kv_pool().counts().tree, 0);
+    assert_eq!(c.host_kv_pool().counts().tree, 4);
     assert_eq!(c.stats.demotions, 1);
     c.audit().unwrap();
 }
@@ -79,12 +81,13 @@ fn load_back_for_a_request_uses_two_state_slots_and_publishes_on_complete() {
     let r = c.admit(None, &[1, 2, 3, 4, 5]).unwrap();
     assert_eq!(c.request(r).unwrap().host_len, 4);
     let free_states = c.available_mamba();
-    let id = c
+    let rec = c
         .load_back(LoadTarget::Request(r), None, None)
         .unwrap()
         .unwrap();
+    let id = rec.id();
     assert_eq!(c.available_mamba(), free_states - 2);
-    let b = c.load_batch(id).unwrap();
+    let b = rec.batch().clone();
     assert_eq!(b.kind, BatchKind::LoadBack);
     assert_eq!(b.copies.len(), 3, "kv, restore, request copy");
     assert!(
@@ -93,7 +96,7 @@ fn load_back_for_a_request_uses_two_state_slots_and_publishes_on_complete() {
     );
     c.audit().unwrap();
     c.start(id).unwrap();
-    c.commit_load(id).unwrap();
+    c.commit_load(rec).unwrap();
     let v = c.request(r).unwrap();
     assert_eq!(v.prefix_len, 4);
     assert_eq!(v.node, node);
@@ -122,11 +125,12 @@ fn fail_after_commit_turns_the_load_into_a_miss() {
     let (mut c, _) = demoted();
     let r = c.admit(None, &[1, 2, 3, 4]).unwrap();
     let before = counts(&c);
-    let id = c
+    let rec = c
         .load_back(LoadTarget::Request(r), None, None)
         .unwrap()
         .unwrap();
-    c.commit_load(id).unwrap();
+    let id = rec.id();
+    c.commit_load(rec).unwrap();
     c.start(id).unwrap();
     c.fail(id).unwrap();
     let v = c.request(r).unwrap();
@@ -145,21 +149,22 @@ fn fail_after_commit_turns_the_load_into_a_miss() {
 fn cancel_before_start_frees_at_once_and_after_start_drains() {
     let (mut c, node) = demoted();
     let before = counts(&c);
-    let id = c
+    let rec = c
         .load_back(LoadTarget::Node(node), None, None)
         .unwrap()
         .unwrap();
-    c.cancel_load(id).unwrap();
+    c.cancel_load(rec);
     assert_eq!(counts(&c), before);
     c.audit().unwrap();
-    let id = c
+    let rec = c
         .load_back(LoadTarget::Node(node), None, None)
         .unwrap()
         .unwrap();
+    let id = rec.id();
     c.start(id).unwrap();
-    c.cancel_load(id).unwrap();
-    assert_eq!(c.kv_pool.counts().draining, 4);
-    assert_eq!(c.mamba_pool.counts().draining, 1);
+    c.cancel_load(rec);
+    assert_eq!(c.kv_pool().counts().draining, 4);
+    assert_eq!(c.mamba_pool().counts().draining, 1);
     c.audit().unwrap();
     c.complete(id).unwrap();
     assert_eq!(counts(&c), before);
@@ -173,7 +178,7 @@ fn write_back_backs_up_at_eviction_and_frees_at_completion() {
     assert!(c.take_batches().is_empty(), "no insert-time backups");
     assert_eq!(c.evict(4, 0).kv_tokens, 4);
     assert_eq!(
-        c.kv_pool.counts().tree,
+        c.kv_pool().counts().tree,
         4,
         "freed only when the backup lands"
     );
@@ -181,7 +186,7 @@ fn write_back_backs_up_at_eviction_and_frees_at_completion() {
     assert_eq!(b.len(), 1);
     c.audit().unwrap();
     c.complete(b[0].id).unwrap();
-    assert_eq!(c.kv_pool.counts().tree, 0);
+    assert_eq!(c.kv_pool().counts().tree, 0);
     assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).host_len, 4);
     c.audit().unwrap();
 }
@@ -192,7 +197,25 @@ fn insert_revives_a_host_only_node() {
     let kv = c.alloc_kv(4).unwrap().unwrap();
     let ins = c.insert(None, &[1, 2, 3, 4], &kv, 0).unwrap();
     assert_eq!(ins.node, node);
-    assert_eq!(c.kv_pool.counts().tree, 4);
+    assert_eq!(c.kv_pool().counts().tree, 4);
     run_all(&mut c);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_request_admitted_through_a_split_host_only_path_can_load_it() {
+    // [1, 2, 3, 4] host-only, then split by a match of [1, 2]: the admitted sequence
+    // spans two nodes, neither of which the request holds on the device.
+    let (mut c, _) = demoted();
+    c.match_prefix(None, &[1, 2]);
+    let r = c.admit(None, &[1, 2, 3, 4, 9]).unwrap();
+    assert_eq!(c.request(r).unwrap().host_len, 4);
+    let rec = c
+        .load_back(LoadTarget::Request(r), None, None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.kv_tokens(), 4);
+    c.commit_load(rec).unwrap();
+    assert_eq!(c.request(r).unwrap().prefix_len, 4);
     c.audit().unwrap();
 }

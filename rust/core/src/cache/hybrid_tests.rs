@@ -1,7 +1,9 @@
 //! Unit tests of the Mamba component, transfer batches and requests.
 
 use super::*;
+use crate::error::Error;
 use crate::handle::HybridCache;
+use crate::ids::BatchId;
 use crate::pool::{PageState, PoolCounts};
 
 fn hybrid(kv: usize, ps: usize, states: usize) -> Cache {
@@ -191,7 +193,7 @@ fn cow_batch_copies_from_the_node_slot_to_the_request_slot() {
     assert_eq!(view.copy_pending, Some(b.id));
     assert_eq!(
         b.copies,
-        vec![Copy {
+        vec![SlotCopy {
             pool: PoolKind::Mamba,
             src_tier: Tier::Device,
             dst_tier: Tier::Device,
@@ -219,7 +221,7 @@ fn admit_without_a_free_state_slot_takes_nothing() {
     assert_eq!(before.1, after.1);
     assert_eq!(before.2, after.2);
     assert_eq!(c.stats.admits_refused, 1);
-    assert_eq!(c.live_locks, 0);
+    assert_eq!(c.locks.live(), 0);
     c.audit().unwrap();
 }
 
@@ -291,7 +293,7 @@ fn a_failed_admission_copy_drops_the_request_back_to_nothing() {
     c.fail(b[0].id).unwrap();
     let v = c.request(id).unwrap();
     assert_eq!((v.prefix_len, v.len, v.mamba_slot), (0, 0, None));
-    assert_eq!(c.live_locks, 0);
+    assert_eq!(c.locks.live(), 0);
     // The request recomputes from scratch.
     c.extend(id, &[1, 2, 3, 4]).unwrap().unwrap();
     c.finish(id).unwrap();
@@ -317,7 +319,7 @@ fn a_state_freed_while_a_copy_reads_it_drains_until_the_copy_ends() {
     // still read it, nor the request's slot while it may still be written.
     c.abort(id).unwrap();
     c.evict(usize::MAX, usize::MAX);
-    assert_eq!(c.mamba_pool.state(src), Some(PageState::Draining));
+    assert_eq!(c.mamba_pool().state(src), Some(PageState::Draining));
     assert_eq!(c.mamba_counts().draining, 2);
     assert_eq!(c.alloc_mamba(), None, "nothing may be handed out yet");
     c.audit().unwrap();
@@ -352,15 +354,19 @@ fn a_dropped_request_handle_gives_everything_back() {
     })
     .unwrap();
     {
-        let r = cache.admit(None, &[1, 2, 3]).unwrap();
-        cache.with(|c| c.extend(r.id(), &[1, 2, 3]).unwrap().unwrap());
-        assert_eq!(cache.with(|c| c.mamba_counts().owned), 1);
+        let r = cache.admit(None, &[1, 2, 3]).unwrap().unwrap();
+        cache
+            .with(|c| c.extend(r.id(), &[1, 2, 3]).unwrap().unwrap())
+            .unwrap();
+        assert_eq!(cache.with(|c| c.mamba_counts().owned).unwrap(), 1);
     }
-    cache.with(|c| {
-        assert!(full(c));
-        assert_eq!(c.stats.requests_dropped, 1);
-        c.audit().unwrap();
-    });
+    cache
+        .with(|c| {
+            assert!(full(c));
+            assert_eq!(c.stats.requests_dropped, 1);
+            c.audit().unwrap();
+        })
+        .unwrap();
 }
 
 #[test]
@@ -372,22 +378,26 @@ fn a_panic_inside_a_request_scope_gives_everything_back() {
     .unwrap();
     let inner = cache.clone();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-        let r = inner.admit(None, &[1, 2]).unwrap();
-        inner.with(|c| c.extend(r.id(), &[1, 2]).unwrap().unwrap());
+        let r = inner.admit(None, &[1, 2]).unwrap().unwrap();
+        inner
+            .with(|c| c.extend(r.id(), &[1, 2]).unwrap().unwrap())
+            .unwrap();
         panic!("the scheduler crashed mid-request");
     }));
     assert!(r.is_err());
-    cache.with(|c| {
-        assert!(full(c));
-        assert_eq!(
-            c.mamba_counts(),
-            PoolCounts {
-                free: 2,
-                ..PoolCounts::default()
-            }
-        );
-        c.audit().unwrap();
-    });
+    cache
+        .with(|c| {
+            assert!(full(c));
+            assert_eq!(
+                c.mamba_counts(),
+                PoolCounts {
+                    free: 2,
+                    ..PoolCounts::default()
+                }
+            );
+            c.audit().unwrap();
+        })
+        .unwrap();
 }
 
 #[test]
@@ -397,27 +407,32 @@ fn a_finished_request_handle_drops_silently() {
         ..Config::kv(16, 1)
     })
     .unwrap();
-    let r = cache.admit(None, &[1, 2]).unwrap();
+    let r = cache.admit(None, &[1, 2]).unwrap().unwrap();
     let id = cache.request_id(&r).unwrap();
-    cache.with(|c| c.extend(id, &[1, 2]).unwrap().unwrap());
-    cache.with(|c| c.finish(id).unwrap());
+    cache
+        .with(|c| c.extend(id, &[1, 2]).unwrap().unwrap())
+        .unwrap();
+    cache.with(|c| c.finish(id).unwrap()).unwrap();
     assert!(!r.is_live());
     drop(r);
-    cache.with(|c| {
-        assert_eq!(c.stats.requests_dropped, 0);
-        assert_eq!(c.match_prefix(None, &[1, 2]).device_len, 2);
-    });
+    cache
+        .with(|c| {
+            assert_eq!(c.stats.requests_dropped, 0);
+            assert_eq!(c.match_prefix(None, &[1, 2]).device_len, 2);
+        })
+        .unwrap();
     let other = HybridCache::new(Config::kv(8, 1)).unwrap();
-    let foreign = other.admit(None, &[1]).unwrap();
+    let foreign = other.admit(None, &[1]).unwrap().unwrap();
     assert!(matches!(cache.request_id(&foreign), Err(Error::Request(_))));
 }
 
 #[test]
 fn batch_ids_are_checked() {
     let mut c = hybrid(16, 1, 2);
+    let unknown = BatchId::new(c.id(), 7);
     for f in [Cache::start, Cache::complete, Cache::fail] {
         assert!(matches!(
-            f(&mut c, BatchId(7)),
+            f(&mut c, unknown),
             Err(Error::InvalidArgument {
                 arg: "batch_id",
                 ..

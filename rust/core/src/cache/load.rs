@@ -16,13 +16,18 @@
 //!   slot: at once when the batch was never started, otherwise they drain until the
 //!   batch is acknowledged. The request never saw any of it.
 
-use crate::error::{Error, Result};
-use crate::pool::Pages;
-use crate::tree::NodeId;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
 
-use super::batch::{Action, BatchId, BatchKind, Copy, PoolKind, Tier, TransferBatch};
-use super::request::RequestId;
-use super::{Cache, LockId};
+use crate::error::{Error, Result};
+use crate::ids::{BatchId, NodeId, RequestId};
+use crate::pool::Pages;
+
+use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::locks::LockReceipt;
+use super::returns::{Returned, Returns};
+use super::Cache;
 
 /// What to load back: the path to a node, or what a request's admission found on the
 /// host.
@@ -68,7 +73,7 @@ impl CallOff {
 
 /// Where a load-back's batch stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Copies {
+pub(crate) enum CopyOutcome {
     Pending,
     Completed,
     Failed,
@@ -76,12 +81,12 @@ pub(crate) enum Copies {
 
 /// A request as it was before a committed load changed it: restored if the load fails,
 /// released when it completes.
-pub(crate) struct Before {
+pub(crate) struct SavedRequest {
     prefix_len: usize,
     host_len: usize,
     host_node: Option<NodeId>,
     node: u32,
-    lock: Option<LockId>,
+    lock: Option<LockReceipt>,
     /// The request's earlier state slot, when the load gave it a fresh one.
     pub mamba: Option<Pages>,
     swapped: bool,
@@ -91,7 +96,7 @@ pub(crate) struct Before {
 pub(crate) struct Load {
     target: NodeId,
     request: Option<RequestId>,
-    lock: Option<LockId>,
+    lock: Option<LockReceipt>,
     /// Page offset, along the path to the target, of the first page `kv` is for.
     start: usize,
     /// Device pages for the host-only nodes, in path order (moved into the nodes at
@@ -102,11 +107,89 @@ pub(crate) struct Load {
     /// The request's fresh state slot (moved into the request at commit).
     pub req_slot: Option<Pages>,
     kv_tokens: usize,
-    pub copies: Copies,
+    pub copies: CopyOutcome,
     /// Set at commit.
     pub committed: bool,
     /// The request as it was before the commit, when there is one.
-    pub before: Option<Before>,
+    pub saved: Option<SavedRequest>,
+}
+
+/// Load-backs by batch id: uncommitted ones (their [`LoadRecord`] is outstanding), and
+/// committed ones whose copies are in flight.
+#[derive(Default)]
+pub(crate) struct Loads {
+    table: BTreeMap<BatchId, Load>,
+}
+
+impl Loads {
+    /// Load-backs pending.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Every pending load-back with its batch id (audit).
+    pub fn iter(&self) -> impl Iterator<Item = (&BatchId, &Load)> {
+        self.table.iter()
+    }
+
+    /// Whether load-back `id` is pending.
+    pub fn contains(&self, id: BatchId) -> bool {
+        self.table.contains_key(&id)
+    }
+}
+
+/// An uncommitted load-back, owned by whoever called [`Cache::load_back`]: it names
+/// everything the load took (kept in the cache). [`Cache::commit_load`] publishes it,
+/// [`Cache::cancel_load`] calls it off; dropped instead, it is called off by the cache's
+/// next call.
+#[must_use = "a dropped load-back record is called off (at the cache's next call)"]
+#[clippy::has_significant_drop]
+pub struct LoadRecord {
+    id: BatchId,
+    batch: TransferBatch,
+    kv_tokens: usize,
+    /// Where the drop leaves the id; `None` once committed or cancelled.
+    returns: Option<Arc<Returns>>,
+}
+
+impl fmt::Debug for LoadRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadRecord")
+            .field("id", &self.id)
+            .field("kv_tokens", &self.kv_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadRecord {
+    /// The batch id (acknowledge it with `complete` / `fail`).
+    pub fn id(&self) -> BatchId {
+        self.id
+    }
+
+    /// The copies to run (host to device), before or after commit.
+    pub fn batch(&self) -> &TransferBatch {
+        &self.batch
+    }
+
+    /// KV tokens this load moves.
+    pub fn kv_tokens(&self) -> usize {
+        self.kv_tokens
+    }
+
+    /// Ends the record without calling anything off (the caller settles `id`).
+    fn defuse(mut self) -> BatchId {
+        self.returns = None;
+        self.id
+    }
+}
+
+impl Drop for LoadRecord {
+    fn drop(&mut self) {
+        if let Some(returns) = self.returns.take() {
+            returns.put(Returned::Load(self.id));
+        }
+    }
 }
 
 /// What `load_back` found to do.
@@ -121,8 +204,8 @@ struct Plan {
 
 impl Cache {
     /// Starts a load-back of the host-only part of the path to `target` (for
-    /// `request`, when given). Returns the batch id that names the guard, or `None`
-    /// having taken nothing when there is nothing to load, the load exceeds
+    /// `request`, when given). Returns the record that owns it until it is committed or
+    /// called off, or `None` having taken nothing when there is nothing to load, the load exceeds
     /// `mem_quota` plus the tokens its own lock newly protected, or the device cannot
     /// make room for the KV pages or the state slots.
     ///
@@ -135,7 +218,8 @@ impl Cache {
         target: LoadTarget,
         mem_quota: Option<usize>,
         request: Option<RequestId>,
-    ) -> Result<Option<BatchId>> {
+    ) -> Result<Option<LoadRecord>> {
+        self.reap();
         let (node, request) = match target {
             LoadTarget::Node(n) => (Some(self.tree.resolve(n)?), request),
             LoadTarget::Request(r) => {
@@ -170,10 +254,10 @@ impl Cache {
         if plan.pages == 0 && plan.restore.is_none() {
             return Ok(self.called_off(CallOff::Nothing));
         }
-        let ps = self.config.page_size;
-        let before = self.protected_tokens;
+        let ps = self.page_size();
+        let protected = self.sizes.protected_tokens;
         let lock = self.lock_index(j);
-        let newly = self.protected_tokens - before;
+        let newly = self.sizes.protected_tokens - protected;
         let kv_tokens = plan.pages * ps;
         if mem_quota.is_some_and(|q| kv_tokens > q.saturating_add(newly)) {
             let _ = self.unlock(lock);
@@ -206,10 +290,11 @@ impl Cache {
         let start = plan.start;
         let copies = self.load_copies(plan, &kv, restore.as_ref(), req_slot.as_ref());
         let id = self.emit(BatchKind::LoadBack, copies, Action::LoadBack, false);
-        if let Some(r) = request {
-            self.request_mut(r)?.load = Some(id);
+        if let Some(rs) = request.and_then(|r| self.request_mut(r).ok()) {
+            rs.load = Some(id);
         }
-        self.loads.insert(
+        let batch = self.batches.pending[&id].batch.clone();
+        self.loads.table.insert(
             id,
             Load {
                 target: self.tree.id(j),
@@ -220,13 +305,18 @@ impl Cache {
                 restore,
                 req_slot,
                 kv_tokens,
-                copies: Copies::Pending,
+                copies: CopyOutcome::Pending,
                 committed: false,
-                before: None,
+                saved: None,
             },
         );
         self.stats.load_backs += 1;
-        Ok(Some(id))
+        Ok(Some(LoadRecord {
+            id,
+            batch,
+            kv_tokens,
+            returns: Some(Arc::clone(&self.returns)),
+        }))
     }
 
     /// The copies of a load: host KV to the new device pages, the host state to the
@@ -237,12 +327,12 @@ impl Cache {
         kv: &Pages,
         restore: Option<&Pages>,
         req_slot: Option<&Pages>,
-    ) -> Vec<Copy> {
+    ) -> Vec<SlotCopy> {
         let mut copies = Vec::new();
         if plan.pages > 0 {
             let mut dst = Vec::with_capacity(plan.host_slots.len());
             self.expand_into(kv.pages(), &mut dst);
-            copies.push(Copy {
+            copies.push(SlotCopy {
                 pool: PoolKind::Kv,
                 src_tier: Tier::Host,
                 dst_tier: Tier::Device,
@@ -252,7 +342,7 @@ impl Cache {
         }
         if let Some(h) = plan.restore {
             for s in restore.into_iter().chain(req_slot) {
-                copies.push(Copy {
+                copies.push(SlotCopy {
                     pool: PoolKind::Mamba,
                     src_tier: Tier::Host,
                     dst_tier: Tier::Device,
@@ -277,12 +367,12 @@ impl Cache {
         let kv = if pages > 0 {
             self.alloc_pages(pages).ok_or(CallOff::Room)?
         } else {
-            self.kv_pool.empty()
+            self.pools.kv.empty()
         };
         Ok((kv, slots))
     }
 
-    fn called_off(&mut self, why: CallOff) -> Option<BatchId> {
+    fn called_off(&mut self, why: CallOff) -> Option<LoadRecord> {
         self.stats.load_backs_called_off += 1;
         match why {
             CallOff::Nothing => self.stats.load_backs_called_off_nothing += 1,
@@ -318,11 +408,7 @@ impl Cache {
             let mut matches = true;
             for i in self.path_to(j) {
                 let key = &self.tree.node(i).key;
-                matches = matches
-                    && rs
-                        .admitted
-                        .get(len..len + key.len())
-                        .is_some_and(|part| part == key.as_slice());
+                matches = matches && rs.admitted_is(len, key);
                 len += key.len();
             }
             // And on the path through the request's own node (in its namespace, which
@@ -340,24 +426,9 @@ impl Cache {
         Ok(())
     }
 
-    /// Whether node `a` is node `b` or one of its ancestors.
-    fn is_ancestor_or_self(&self, a: u32, b: u32) -> bool {
-        let mut cur = b;
-        loop {
-            if cur == a {
-                return true;
-            }
-            let n = self.tree.node(cur);
-            if n.is_root() {
-                return false;
-            }
-            cur = n.parent;
-        }
-    }
-
     /// What loading the path to `j` takes.
     fn load_plan(&self, j: u32, for_request: bool) -> Result<Plan> {
-        let ps = self.config.page_size;
+        let ps = self.page_size();
         let mut plan = Plan {
             start: 0,
             host_slots: Vec::new(),
@@ -394,7 +465,7 @@ impl Cache {
     }
 
     fn load_ref(&self, id: BatchId) -> Result<&Load> {
-        self.loads.get(&id).ok_or_else(|| {
+        self.loads.table.get(&id).ok_or_else(|| {
             Error::Request(format!(
                 "load-back {id} is not pending in this cache (released, acknowledged, or \
                  from another cache)"
@@ -402,22 +473,8 @@ impl Cache {
         })
     }
 
-    /// The copies of a load-back (its guard's batch).
-    pub fn load_batch(&self, id: BatchId) -> Result<TransferBatch> {
-        self.load_ref(id)?;
-        self.batches
-            .pending
-            .get(&id)
-            .map(|p| p.batch.clone())
-            .ok_or_else(|| Error::Request(format!("load-back {id} was acknowledged already")))
-    }
-
-    /// KV tokens a load-back moves.
-    pub fn load_kv_tokens(&self, id: BatchId) -> Result<usize> {
-        Ok(self.load_ref(id)?.kv_tokens)
-    }
-
-    /// Whether the load-back was committed.
+    /// Whether the load-back was committed (`Error::Request` once it is no longer
+    /// pending: acknowledged, or called off).
     pub fn load_committed(&self, id: BatchId) -> Result<bool> {
         Ok(self.load_ref(id)?.committed)
     }
@@ -427,36 +484,51 @@ impl Cache {
     /// and the fresh state slot becomes the request's. The loaded data is visible to
     /// `match_prefix` once the batch is also completed (in either order).
     ///
-    /// Fails (`Error::Request`, nothing changed) when the batch failed already, when
-    /// the load was committed or released already, when its request extended since, or
-    /// when another committed load-back is still landing on the path (an overlapping
-    /// load that was committed first).
-    pub fn commit_load(&mut self, id: BatchId) -> Result<()> {
+    /// Fails with `Error::Request` when the batch failed already, when its request
+    /// extended since, or when another committed load-back is still landing on the path
+    /// (an overlapping load that was committed first); the load is then called off (a
+    /// miss), as if the record had been given to [`Cache::cancel_load`].
+    pub fn commit_load(&mut self, record: LoadRecord) -> Result<()> {
+        self.reap();
+        match self.check_commit(record.id) {
+            Ok(j) => {
+                let id = record.defuse();
+                self.publish_load(id, j);
+                Ok(())
+            }
+            Err(e) => {
+                self.cancel_load(record);
+                Err(e)
+            }
+        }
+    }
+
+    /// Why load-back `id` cannot be committed now, if it cannot; else its target node.
+    fn check_commit(&self, id: BatchId) -> Result<u32> {
         let load = self.load_ref(id)?;
         if load.committed {
             return Err(Error::Request(format!(
                 "load-back {id} is committed already"
             )));
         }
-        if load.copies == Copies::Failed {
+        if load.copies == CopyOutcome::Failed {
             return Err(Error::Request(format!(
                 "load-back {id} cannot be committed: its copies failed (a failed load is a \
                  miss); release it"
             )));
         }
-        let request = load.request.filter(|&r| self.request_live(r));
-        if let Some(r) = request {
-            let rs = self.request_ref(r)?;
+        if let Some(rs) = load.request.and_then(|r| self.request_ref(r).ok()) {
             if rs.tokens.len() != rs.prefix_len {
                 return Err(Error::Request(format!(
-                    "load-back {id} cannot be committed: request {r} extended since \
+                    "load-back {id} cannot be committed: its request extended since \
                      load_back; release it"
                 )));
             }
         }
+        // The target is locked by the load: it is live.
+        let target = self.tree.resolve(load.target)?;
         // Another committed load-back still landing on the path: publishing below its
         // nodes, or settling them as landed, would expose slots its copies still write.
-        let target = self.tree.resolve(load.target)?;
         if self
             .path_to(target)
             .iter()
@@ -467,16 +539,20 @@ impl Cache {
                  its path; release it"
             )));
         }
-        let Some(mut load) = self.loads.remove(&id) else {
-            return Ok(());
+        Ok(target)
+    }
+
+    /// The commit itself (checked: cannot fail).
+    fn publish_load(&mut self, id: BatchId, j: u32) {
+        let Some(mut load) = self.loads.table.remove(&id) else {
+            return;
         };
-        let done = load.copies == Copies::Completed;
-        // The target is locked by the load: it is live.
-        let j = self.tree.resolve(load.target)?;
+        let done = load.copies == CopyOutcome::Completed;
         self.publish_loaded(&mut load, j, !done);
         let slot = load.req_slot.take();
-        let before = if let Some(r) = request {
-            Some(self.move_request_to(r, j, slot)?)
+        let request = load.request.filter(|&r| self.request_live(r));
+        let saved = if let Some(r) = request {
+            self.move_request_to(r, j, slot)
         } else {
             drop(slot);
             None
@@ -484,20 +560,20 @@ impl Cache {
         self.stats.load_backs_committed += 1;
         self.stats.loaded_tokens += load.kv_tokens as u64;
         if done {
-            self.settle_load(id, load, j, before, true);
+            self.settle_load(id, load, j, saved, true);
         } else {
             load.committed = true;
-            load.before = before;
-            self.loads.insert(id, load);
+            load.saved = saved;
+            self.loads.table.insert(id, load);
         }
-        Ok(())
     }
 
     /// Moves the load's pages into the host-only nodes on the path to `j` (a node an
     /// insert revived meanwhile keeps its own; the load's pages for it are dropped).
     fn publish_loaded(&mut self, load: &mut Load, j: u32, loading: bool) {
-        let ps = self.config.page_size;
+        let ps = self.page_size();
         let mut offset = 0;
+        let mut pages = std::mem::replace(&mut load.kv, self.pools.kv.empty()).into_run();
         for i in self.path_to(j) {
             let n = self.tree.node(i);
             let np = n.key.len() / ps;
@@ -506,8 +582,7 @@ impl Cache {
             if offset <= load.start {
                 continue;
             }
-            let rest = load.kv.split_off(np.min(load.kv.len()));
-            let here = std::mem::replace(&mut load.kv, rest);
+            let here = pages.take(np);
             if has_device || here.len() != np {
                 drop(here);
                 continue;
@@ -519,15 +594,19 @@ impl Cache {
 
     /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
     /// given, becomes its state slot. Returns what it was, to restore on failure.
-    fn move_request_to(&mut self, r: RequestId, j: u32, slot: Option<Pages>) -> Result<Before> {
+    /// `None` (nothing changed) when the request is gone.
+    fn move_request_to(
+        &mut self,
+        r: RequestId,
+        j: u32,
+        slot: Option<Pages>,
+    ) -> Option<SavedRequest> {
+        self.request_ref(r).ok()?;
         let new_lock = self.lock_index(j);
-        let mut tokens = Vec::new();
-        for i in self.path_to(j) {
-            tokens.extend_from_slice(&self.tree.node(i).key);
-        }
-        let rs = self.request_mut(r)?;
+        let tokens = self.path_tokens(j);
+        let rs = self.request_mut(r).ok()?;
         let swapped = slot.is_some();
-        let before = Before {
+        let saved = SavedRequest {
             prefix_len: rs.prefix_len,
             host_len: rs.host_len,
             host_node: rs.host_node,
@@ -545,7 +624,7 @@ impl Cache {
         rs.node = j;
         rs.host_len = 0;
         rs.host_node = None;
-        Ok(before)
+        Some(saved)
     }
 
     /// The end of a committed load: `ok` makes its data visible and lets go of what the
@@ -556,14 +635,12 @@ impl Cache {
         id: BatchId,
         mut load: Load,
         j: u32,
-        before: Option<Before>,
+        saved: Option<SavedRequest>,
         ok: bool,
     ) {
-        let request = load.request.filter(|&r| {
-            self.requests
-                .get_mut(self.tree.cache_id, r)
-                .is_some_and(|rs| rs.load == Some(id))
-        });
+        let request = load
+            .request
+            .filter(|&r| self.request_ref(r).is_ok_and(|rs| rs.load == Some(id)));
         // Nodes marked loading by this load: the path's deepest ones, up from `j`.
         let mut cur = j;
         while self.tree.node(cur).kv.loading {
@@ -573,7 +650,7 @@ impl Cache {
                 // Locked, no device child: nothing is cached below a load in flight.
                 self.take_device_pages(cur);
             }
-            self.refresh_candidate(cur);
+            self.refresh(cur);
             cur = parent;
         }
         if let Some(state) = load.restore.take() {
@@ -585,26 +662,26 @@ impl Cache {
             }
         }
         let mut release = Vec::new();
-        if let Some(before) = before {
+        if let Some(saved) = saved {
             match request {
                 Some(r) if !ok => {
-                    let empty = self.kv_pool.empty();
+                    let empty = self.pools.kv.empty();
                     if let Ok(rs) = self.request_mut(r) {
-                        release.extend(std::mem::replace(&mut rs.lock, before.lock));
-                        rs.node = before.node;
-                        rs.prefix_len = before.prefix_len;
-                        rs.host_len = before.host_len;
-                        rs.host_node = before.host_node;
-                        rs.tokens.truncate(before.prefix_len);
+                        release.extend(std::mem::replace(&mut rs.lock, saved.lock));
+                        rs.node = saved.node;
+                        rs.prefix_len = saved.prefix_len;
+                        rs.host_len = saved.host_len;
+                        rs.host_node = saved.host_node;
+                        rs.tokens.truncate(saved.prefix_len);
                         drop(std::mem::replace(&mut rs.kv, empty));
-                        if before.swapped {
-                            drop(std::mem::replace(&mut rs.mamba, before.mamba));
+                        if saved.swapped {
+                            drop(std::mem::replace(&mut rs.mamba, saved.mamba));
                         }
                     }
                 }
                 _ => {
-                    release.extend(before.lock);
-                    drop(before.mamba);
+                    release.extend(saved.lock);
+                    drop(saved.mamba);
                 }
             }
         }
@@ -631,40 +708,45 @@ impl Cache {
     }
 
     fn end_copies(&mut self, id: BatchId, ok: bool) {
-        let Some(load) = self.loads.get_mut(&id) else {
+        let Some(load) = self.loads.table.get_mut(&id) else {
             // Its guard was released while the copies ran: they only drained.
             return;
         };
         if !load.committed {
             load.copies = if ok {
-                Copies::Completed
+                CopyOutcome::Completed
             } else {
-                Copies::Failed
+                CopyOutcome::Failed
             };
             return;
         }
-        let Some(mut load) = self.loads.remove(&id) else {
+        let Some(mut load) = self.loads.table.remove(&id) else {
             return;
         };
-        let before = load.before.take();
+        let saved = load.saved.take();
         match self.tree.resolve(load.target) {
-            Ok(j) => self.settle_load(id, load, j, before, ok),
+            Ok(j) => self.settle_load(id, load, j, saved, ok),
             // The target is locked until here; never reached.
-            Err(_) => drop((load, before)),
+            Err(_) => drop((load, saved)),
         }
     }
 
-    /// Releases an uncommitted load-back (its guard was dropped): the lock goes, and
-    /// every slot it took returns at once, or, when its batch was started and not yet
-    /// acknowledged, drains until it is. The request never saw any of it.
-    pub fn cancel_load(&mut self, id: BatchId) -> Result<()> {
-        if self.load_ref(id)?.committed {
-            return Err(Error::Request(format!(
-                "load-back {id} is committed; it ends with complete or fail"
-            )));
+    /// Calls off an uncommitted load-back: the lock goes, and every slot it took
+    /// returns at once, or, when its batch was started and not yet acknowledged, drains
+    /// until it is. The request never saw any of it.
+    pub fn cancel_load(&mut self, record: LoadRecord) {
+        let id = record.defuse();
+        self.drop_load(id);
+    }
+
+    /// [`Cache::cancel_load`] by id (a dropped record, or a record being cancelled).
+    /// Nothing happens for a load that is not pending or is committed.
+    pub(crate) fn drop_load(&mut self, id: BatchId) {
+        if self.loads.table.get(&id).is_none_or(|l| l.committed) {
+            return;
         }
-        let Some(mut load) = self.loads.remove(&id) else {
-            return Ok(());
+        let Some(mut load) = self.loads.table.remove(&id) else {
+            return;
         };
         if self.batches.pending.get(&id).is_some_and(|p| !p.started) {
             // Never started: withdraw the batch, so the slots are free at once.
@@ -672,20 +754,17 @@ impl Cache {
                 self.unpin_all(&p.pins);
             }
         }
-        if let Some(r) = load.request {
-            if let Some(rs) = self.requests.get_mut(self.tree.cache_id, r) {
-                if rs.load == Some(id) {
-                    rs.load = None;
-                }
+        if let Some(rs) = load.request.and_then(|r| self.request_mut(r).ok()) {
+            if rs.load == Some(id) {
+                rs.load = None;
             }
         }
         if let Some(lock) = load.lock.take() {
             let _ = self.unlock(lock);
         }
-        if load.copies != Copies::Failed {
+        if load.copies != CopyOutcome::Failed {
             self.called_off(CallOff::Released);
         }
         drop(load);
-        Ok(())
     }
 }

@@ -7,28 +7,14 @@
 //! returns it: `finish` caches everything and donates the state, `abort` gives
 //! everything back, and a dropped handle aborts.
 
-use std::fmt;
-
 use crate::error::{Error, Result};
+use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
-use crate::tree::{NodeId, NONE};
+use crate::slab::Slab;
 
-use super::batch::{Action, BatchId, BatchKind, Copy, PoolKind, Tier};
-use super::{Cache, LockId};
-
-/// Identifies a request of one cache; stale once the request is finished or aborted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RequestId {
-    cache: u32,
-    index: u32,
-    generation: u32,
-}
-
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "#{}.{}", self.index, self.generation)
-    }
-}
+use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
+use super::locks::LockReceipt;
+use super::Cache;
 
 pub(crate) struct RequestState {
     pub namespace: Option<String>,
@@ -37,7 +23,7 @@ pub(crate) struct RequestState {
     /// Tokens covered by the tree path to `node` (page-aligned, locked by `lock`).
     pub prefix_len: usize,
     pub node: u32,
-    pub lock: Option<LockId>,
+    pub lock: Option<LockReceipt>,
     /// Pages for `tokens[prefix_len..]`, in order.
     pub kv: Pages,
     /// The request's own state slot.
@@ -49,67 +35,47 @@ pub(crate) struct RequestState {
     /// The last node of the match counting host data, when it is deeper than `node`:
     /// what `load_back(request)` loads.
     pub host_node: Option<NodeId>,
-    /// The tokens of the admission match on any tier (`Match.kv_len` of them): a
-    /// load-back for the request may only load a prefix of these (API rule 9).
-    pub admitted: Vec<u32>,
+    /// The admission match on any tier (`Match.kv_len` tokens) is `tokens[..admitted_from]`
+    /// then `admitted_tail`: a load-back for the request may only load a prefix of it
+    /// (API rule 9). Only the tokens past the device match are copied a second time.
+    pub admitted_from: usize,
+    pub admitted_tail: Vec<u32>,
     /// A load-back for this request: its guard is outstanding, or it was committed and
     /// its copies are not acknowledged yet.
     pub load: Option<BatchId>,
+    /// An owned handle ([`crate::Request`]) aborts the request when dropped.
+    pub handle: bool,
 }
 
-/// The request table (a slab with generations).
+impl RequestState {
+    /// Whether the admitted sequence holds `key` at position `at`.
+    pub fn admitted_is(&self, at: usize, key: &[u32]) -> bool {
+        let end = at + key.len();
+        if end > self.admitted_from + self.admitted_tail.len() {
+            return false;
+        }
+        // The part below `admitted_from` is in `tokens`, the rest in the tail.
+        let split = self.admitted_from.clamp(at, end) - at;
+        let (head, tail) = key.split_at(split);
+        let from_tail = at.max(self.admitted_from) - self.admitted_from;
+        (head.is_empty() || self.tokens.get(at..at + split) == Some(head))
+            && self.admitted_tail[from_tail..from_tail + tail.len()] == *tail
+    }
+}
+
+/// The request table.
 #[derive(Default)]
 pub(crate) struct Requests {
-    slots: Vec<(u32, Option<RequestState>)>,
-    free: Vec<u32>,
-    live: usize,
+    table: Slab<RequestState>,
 }
 
 impl Requests {
     pub fn live(&self) -> usize {
-        self.live
+        self.table.len()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &RequestState> {
-        self.slots.iter().filter_map(|(_, r)| r.as_ref())
-    }
-
-    fn insert(&mut self, cache: u32, r: RequestState) -> RequestId {
-        let index = self.free.pop().unwrap_or_else(|| {
-            self.slots.push((0, None));
-            crate::pool::page_u32(self.slots.len() - 1)
-        });
-        let slot = &mut self.slots[index as usize];
-        slot.1 = Some(r);
-        self.live += 1;
-        RequestId {
-            cache,
-            index,
-            generation: slot.0,
-        }
-    }
-
-    fn get(&self, cache: u32, id: RequestId) -> Option<&RequestState> {
-        match self.slots.get(id.index as usize) {
-            Some((g, Some(r))) if *g == id.generation && id.cache == cache => Some(r),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn get_mut(&mut self, cache: u32, id: RequestId) -> Option<&mut RequestState> {
-        match self.slots.get_mut(id.index as usize) {
-            Some((g, Some(r))) if *g == id.generation && id.cache == cache => Some(r),
-            _ => None,
-        }
-    }
-
-    fn remove(&mut self, cache: u32, id: RequestId) -> Option<RequestState> {
-        self.get(cache, id)?;
-        let slot = &mut self.slots[id.index as usize];
-        slot.0 = slot.0.wrapping_add(1);
-        self.free.push(id.index);
-        self.live -= 1;
-        slot.1.take()
+        self.table.iter().map(|(_, r)| r)
     }
 }
 
@@ -136,21 +102,22 @@ pub struct RequestView {
 
 impl Cache {
     pub(crate) fn request_ref(&self, id: RequestId) -> Result<&RequestState> {
-        self.requests
-            .get(self.tree.cache_id, id)
+        (id.cache == self.id())
+            .then(|| self.requests.table.get(id.slot))
+            .flatten()
             .ok_or_else(|| stale_request(id))
     }
 
     pub(crate) fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestState> {
-        let cache = self.tree.cache_id;
-        self.requests
-            .get_mut(cache, id)
+        (id.cache == self.id())
+            .then(|| self.requests.table.get_mut(id.slot))
+            .flatten()
             .ok_or_else(|| stale_request(id))
     }
 
     /// Whether `id` is a live request of this cache.
     pub fn request_live(&self, id: RequestId) -> bool {
-        self.requests.get(self.tree.cache_id, id).is_some()
+        self.request_ref(id).is_ok()
     }
 
     /// Admits a request for `tokens`: matches, locks the reused prefix, and (with Mamba
@@ -159,9 +126,8 @@ impl Cache {
     /// even after eviction. The request then holds only the reused prefix; `extend`
     /// adds the rest.
     pub fn admit(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Option<RequestId> {
-        let m = self.match_prefix(namespace, tokens);
-        // Resolves: the match just returned it.
-        let node = self.tree.resolve(m.node).ok()?;
+        let m = self.find(namespace, tokens, None);
+        let node = m.end;
         let lock = self.lock_index(node);
         let mut state = None;
         let mut cow = None;
@@ -182,16 +148,21 @@ impl Cache {
             prefix_len: m.device_len,
             node,
             lock: Some(lock),
-            kv: self.kv_pool.empty(),
+            kv: self.pools.kv.empty(),
             mamba: state,
             branch_len: m.kv_len,
             host_len: m.host_len,
             cow: None,
-            host_node: (m.host_len > 0).then_some(m.host_node),
-            admitted: tokens[..m.kv_len].to_vec(),
+            host_node: (m.host_len > 0).then(|| self.tree.id(m.host_end)),
+            admitted_from: m.device_len,
+            admitted_tail: tokens[m.device_len..m.kv_len.max(m.device_len)].to_vec(),
             load: None,
+            handle: false,
         };
-        let id = self.requests.insert(self.tree.cache_id, r);
+        let id = RequestId {
+            cache: self.id(),
+            slot: self.requests.table.insert(r),
+        };
         if let Some((src, dst)) = cow {
             let batch = self.emit(
                 BatchKind::Cow,
@@ -199,7 +170,7 @@ impl Cache {
                 Action::AdmitCow { request: id },
                 true,
             );
-            if let Some(r) = self.requests.get_mut(self.tree.cache_id, id) {
+            if let Ok(r) = self.request_mut(id) {
                 r.cow = Some(batch);
             }
         }
@@ -211,7 +182,7 @@ impl Cache {
     /// first), plus a state slot if it has none. Returns the new tokens' slots, or
     /// `None` (nothing taken) when they cannot be had even after eviction.
     pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
-        let ps = self.config.page_size;
+        let ps = self.page_size();
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
@@ -241,7 +212,7 @@ impl Cache {
             };
             p
         } else {
-            self.kv_pool.empty()
+            self.pools.kv.empty()
         };
         let r = self.request_mut(id)?;
         r.kv.append(pages);
@@ -272,7 +243,7 @@ impl Cache {
         let hybrid = self.is_hybrid();
         let r = self.request_ref(id)?;
         let src = r.mamba.as_ref().map(|s| s.pages()[0]);
-        let at_node_end = r.tokens.len() == cached && end != self.root_of(r);
+        let at_node_end = r.tokens.len() == cached && Some(end) != self.root_of(r);
         if hybrid {
             match src {
                 Some(src) if at_node_end && self.tree.node(end).mamba.device.is_none() => {
@@ -332,15 +303,30 @@ impl Cache {
     /// Removes a request from the table and releases its lock; what it still owns
     /// returns to the pools when the returned state drops.
     fn take_request(&mut self, id: RequestId) -> Result<RequestState> {
+        self.request_ref(id)?;
         let mut r = self
             .requests
-            .remove(self.tree.cache_id, id)
+            .table
+            .remove(id.slot)
             .ok_or_else(|| stale_request(id))?;
         if let Some(lock) = r.lock.take() {
             // Cannot fail: the request's receipt is live until here.
             let _ = self.unlock(lock);
         }
         Ok(r)
+    }
+
+    /// Marks request `id` as owned by a handle ([`crate::HybridCache::request_handle`]);
+    /// a request has at most one.
+    pub fn own_request(&mut self, id: RequestId) -> Result<()> {
+        let r = self.request_mut(id)?;
+        if r.handle {
+            return Err(Error::Request(format!(
+                "request {id} is owned by a handle already"
+            )));
+        }
+        r.handle = true;
+        Ok(())
     }
 
     /// [`Cache::abort`] for a handle dropped while its request was live.
@@ -367,8 +353,8 @@ impl Cache {
         Ok(())
     }
 
-    fn root_of(&self, r: &RequestState) -> u32 {
-        self.existing_root(r.namespace.as_deref()).unwrap_or(NONE)
+    fn root_of(&self, r: &RequestState) -> Option<u32> {
+        self.roots.get(r.namespace.as_deref())
     }
 
     /// Inserts the request's whole pages; the lock moves to the end node (unless the
@@ -376,7 +362,7 @@ impl Cache {
     /// aligned length, or less when a load in flight stopped the insert: the pages past
     /// it stay the request's).
     fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
-        let ps = self.config.page_size;
+        let ps = self.page_size();
         let r = self.request_mut(id)?;
         let tokens = std::mem::take(&mut r.tokens);
         let aligned = tokens.len() / ps * ps;
@@ -398,7 +384,7 @@ impl Cache {
         } else {
             Some(self.lock_index(end))
         };
-        let empty = self.kv_pool.empty();
+        let empty = self.pools.kv.empty();
         let r = self.request_mut(id)?;
         r.tokens = tokens;
         let old = if finishing {
@@ -420,7 +406,7 @@ impl Cache {
 
     /// The admission copy landed: the request's state is good.
     pub(crate) fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
-        if let Some(r) = self.requests.get_mut(self.tree.cache_id, id) {
+        if let Ok(r) = self.request_mut(id) {
             if r.cow == Some(batch) {
                 r.cow = None;
             }
@@ -430,20 +416,26 @@ impl Cache {
     /// The admission copy failed: the request's state is garbage, so the request drops
     /// back to nothing reused (`prefix_len == 0`, no tokens, no slots) and recomputes.
     pub(crate) fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
-        let cache = self.tree.cache_id;
-        let Some(r) = self.requests.get_mut(cache, id) else {
+        let empty = self.pools.kv.empty();
+        let Ok(r) = self.request_mut(id) else {
             return;
         };
         if r.cow != Some(batch) {
             return;
         }
         r.cow = None;
-        r.tokens.clear();
+        // The admitted sequence stays what it was (rule 9 still refers to it): its head
+        // moves from the tokens, which the request no longer holds, to the tail.
+        let mut admitted = std::mem::take(&mut r.tokens);
+        admitted.truncate(r.admitted_from);
+        admitted.append(&mut r.admitted_tail);
+        r.admitted_tail = admitted;
+        r.admitted_from = 0;
         r.prefix_len = 0;
         r.branch_len = 0;
         r.host_len = 0;
         r.host_node = None;
-        let kv = std::mem::replace(&mut r.kv, self.kv_pool.empty());
+        let kv = std::mem::replace(&mut r.kv, empty);
         let state = r.mamba.take();
         let lock = r.lock.take();
         let namespace = r.namespace.clone();
@@ -452,7 +444,7 @@ impl Cache {
             let _ = self.unlock(lock);
         }
         let root = self.root(namespace.as_deref());
-        if let Some(r) = self.requests.get_mut(cache, id) {
+        if let Ok(r) = self.request_mut(id) {
             r.node = root;
         }
     }
@@ -487,8 +479,8 @@ impl Cache {
     }
 }
 
-fn state_copy(src: u32, dst: u32) -> Copy {
-    Copy {
+fn state_copy(src: u32, dst: u32) -> SlotCopy {
+    SlotCopy {
         pool: PoolKind::Mamba,
         src_tier: Tier::Device,
         dst_tier: Tier::Device,

@@ -390,3 +390,8 @@ pub fn evicted_pages<'a>(
     }
     gone
 }
+
+/// The id the cache gives its batch number `seq` (0, 1, ... in emission order).
+pub fn batch_id(c: &Cache, seq: u64) -> radixcache_core::BatchId {
+    radixcache_core::BatchId::from_u128((u128::from(c.id().get()) << 64) | u128::from(seq)).unwrap()
+}

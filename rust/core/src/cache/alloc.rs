@@ -1,0 +1,166 @@
+//! Allocation: device KV pages and state slots (evicting first when short, or refusing
+//! having evicted nothing), host pages and state slots for backups, and giving back
+//! what a caller holds.
+
+use crate::error::{Error, Result};
+use crate::pool::{as_i64, page_of_slot, Pages};
+
+use super::{Cache, Evicted};
+
+impl Cache {
+    /// `n` device KV slots (whole pages) as raw indices the caller now holds, evicting
+    /// first when the pool is short; `None` when it cannot, having taken nothing and
+    /// evicted nothing.
+    pub fn alloc_kv(&mut self, n: usize) -> Result<Option<Vec<i64>>> {
+        self.reap();
+        let ps = self.config.page_size;
+        if !n.is_multiple_of(ps) {
+            return Err(Error::arg(
+                "n",
+                format!("{n} is not a multiple of page_size {ps}"),
+            ));
+        }
+        self.stats.alloc_calls += 1;
+        let Some(owned) = self.alloc_pages(n / ps) else {
+            return Ok(None);
+        };
+        let mut out = Vec::with_capacity(n);
+        self.expand_into(&owned.into_caller(), &mut out);
+        Ok(Some(out))
+    }
+
+    /// `pages` device KV pages as an owned value, evicting LRU leaves first when short.
+    /// `None` when even evicting everything evictable would not do, and then nothing is
+    /// evicted: every unlocked node is reclaimable (locks cover whole paths, so an
+    /// unlocked node has no locked descendant), so the check is exact.
+    pub(crate) fn alloc_pages(&mut self, pages: usize) -> Option<Pages> {
+        let ps = self.config.page_size;
+        let free = self.pools.kv.free_pages();
+        if free < pages {
+            if free * ps + self.sizes.evictable_tokens < pages * ps {
+                self.stats.alloc_failures += 1;
+                return None;
+            }
+            self.evict((pages - free) * ps, 0);
+        }
+        let got = self.pools.kv.try_alloc(pages);
+        if got.is_none() {
+            self.stats.alloc_failures += 1;
+        }
+        got
+    }
+
+    /// One device state slot the caller now holds, evicting the least recently used
+    /// unlocked state first when the pool is empty; `None` when none can be had.
+    pub fn alloc_mamba(&mut self) -> Option<u32> {
+        self.reap();
+        self.alloc_state()
+            .and_then(|s| s.into_caller().first().copied())
+    }
+
+    /// One device state slot as an owned value (see [`Cache::alloc_mamba`]). When the
+    /// pool is empty it evicts the least recently used state that no transfer pins (a
+    /// pinned one would only drain); when there is none it evicts nothing.
+    pub(crate) fn alloc_state(&mut self) -> Option<Pages> {
+        if self.pools.mamba.free_pages() == 0 {
+            let Some(victim) = self.reclaimable_state() else {
+                self.stats.mamba_alloc_failures += 1;
+                return None;
+            };
+            let mut out = Evicted::default();
+            self.evict_state_of(victim, &mut out);
+            self.count_evicted(out);
+        }
+        let got = self.pools.mamba.try_alloc(1);
+        if got.is_none() {
+            self.stats.mamba_alloc_failures += 1;
+        }
+        got
+    }
+
+    /// Unlocked states whose slot no transfer pins, least recently used first.
+    fn reclaimable_states(&self) -> impl Iterator<Item = u32> + '_ {
+        self.lru.states().filter(|&i| {
+            self.tree
+                .node(i)
+                .mamba
+                .device
+                .is_some_and(|s| self.pools.mamba.pins(s) == 0)
+        })
+    }
+
+    /// The least recently used unlocked state whose slot no transfer pins.
+    fn reclaimable_state(&self) -> Option<u32> {
+        self.reclaimable_states().next()
+    }
+
+    /// Whether `n` state slots can be had now: free, or held by states that can be
+    /// reclaimed.
+    pub(crate) fn states_available(&self, n: usize) -> bool {
+        let free = self.pools.mamba.free_pages();
+        free >= n || free + self.reclaimable_states().take(n - free).count() >= n
+    }
+
+    /// Whether `pages` KV pages can be had now, by allocation or eviction (exact: every
+    /// unlocked node is reclaimable).
+    pub(crate) fn kv_available(&self, pages: usize) -> bool {
+        let ps = self.config.page_size;
+        self.pools.kv.free_pages() * ps + self.sizes.evictable_tokens >= pages * ps
+    }
+
+    /// Gives back a state slot the caller holds (from `alloc_mamba`). A slot that is
+    /// free, owned by the cache or out of range fails, and nothing changes.
+    pub fn free_mamba(&mut self, slot: i64) -> Result<()> {
+        let p = self.state_slot_arg(slot, "slot")?;
+        self.pools.mamba.free_caller(&[p], "slot").map(|_| ())
+    }
+
+    /// Gives back slots the caller holds (from `alloc_kv`). The pages containing them
+    /// are freed; a page named more than once is freed once. A slot that is free,
+    /// owned by the cache or out of range fails the call, which then changes nothing.
+    pub fn free_kv(&mut self, indices: &[i64]) -> Result<usize> {
+        let ps = self.config.page_size;
+        let capacity = as_i64(self.config.kv_slots);
+        let mut pages = Vec::with_capacity(indices.len());
+        for &s in indices {
+            if !(0..capacity).contains(&s) {
+                return Err(Error::arg(
+                    "indices",
+                    format!("slot {s} is out of range [0, {capacity})"),
+                ));
+            }
+            let p = page_of_slot(s, ps);
+            if pages.last() != Some(&p) {
+                pages.push(p);
+            }
+        }
+        let freed = self.pools.kv.free_caller(&pages, "indices")?;
+        Ok(freed * self.config.page_size)
+    }
+
+    /// Host pages, evicting host-only leaves first when short; `None` when even
+    /// evicting every unlocked host-only node would not do, and then nothing is evicted.
+    pub(crate) fn alloc_host_pages(&mut self, n: usize) -> Option<Pages> {
+        let free = self.pools.host_kv.free_pages();
+        if free < n {
+            if free + self.sizes.host_evictable / self.config.page_size < n {
+                return None;
+            }
+            self.evict_host(n, 0);
+        }
+        self.pools.host_kv.try_alloc(n)
+    }
+
+    /// One host state slot; when none is free, evicts the least recently used unlocked
+    /// host-only leaf that holds one (and nothing when there is none).
+    pub(crate) fn alloc_host_state(&mut self) -> Option<Pages> {
+        if self.pools.host_mamba.free_pages() == 0 {
+            let victim = self
+                .lru
+                .hosts()
+                .find(|&i| self.tree.node(i).mamba.host.is_some())?;
+            self.delete_host_leaf(victim);
+        }
+        self.pools.host_mamba.try_alloc(1)
+    }
+}

@@ -1,0 +1,186 @@
+//! Path locks and their receipts.
+//!
+//! A lock protects the path from a node to its root from eviction (the KV lock count of
+//! every node on it) and, when the node has a state, that state (a single-node count).
+//! It is held by a [`LockReceipt`], an owned value: [`Cache::unlock`] consumes it, and
+//! one dropped instead is released by the cache's next call (see `returns.rs`), so no
+//! code path can leave a lock behind. [`Locks`] owns the table of live receipts.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::ids::{CacheId, LockId, NodeId};
+use crate::slab::Slab;
+use crate::tree::NONE;
+
+use super::returns::{Returned, Returns};
+use super::Cache;
+
+/// What a live receipt locked.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    /// Arena index of the node the receipt locked (its path to the root is locked).
+    pub node: u32,
+    /// Whether the receipt also holds the node's state (single-node lock).
+    pub mamba: bool,
+}
+
+/// The live receipts of a cache.
+#[derive(Default)]
+pub(crate) struct Locks {
+    table: Slab<Held>,
+}
+
+impl Locks {
+    /// Live receipts.
+    pub fn live(&self) -> usize {
+        self.table.len()
+    }
+
+    /// What each live receipt locked (audit).
+    pub fn held(&self) -> impl Iterator<Item = Held> + '_ {
+        self.table.iter().map(|(_, h)| *h)
+    }
+}
+
+/// A lock receipt: the only way to release a lock. [`Cache::unlock`] consumes it; one
+/// that is dropped instead is released by the cache's next call.
+#[must_use = "a dropped receipt is released (at the cache's next call)"]
+#[clippy::has_significant_drop]
+pub struct LockReceipt {
+    id: LockId,
+    /// Where the drop leaves the id; `None` once given back.
+    returns: Option<Arc<Returns>>,
+}
+
+impl fmt::Debug for LockReceipt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("LockReceipt").field(&self.id).finish()
+    }
+}
+
+impl LockReceipt {
+    /// The receipt's id.
+    pub fn id(&self) -> LockId {
+        self.id
+    }
+
+    /// Ends the receipt without releasing anything (the caller releases `id`).
+    fn defuse(mut self) -> LockId {
+        self.returns = None;
+        self.id
+    }
+}
+
+impl Drop for LockReceipt {
+    fn drop(&mut self) {
+        if let Some(returns) = self.returns.take() {
+            returns.put(Returned::Lock(self.id));
+        }
+    }
+}
+
+impl Cache {
+    /// Locks the path from `node` to its root against eviction, and the node's state if
+    /// it has one (single-node lock); returns the receipt.
+    pub fn lock(&mut self, node: NodeId) -> Result<LockReceipt> {
+        self.reap();
+        let i = self.tree.resolve(node)?;
+        Ok(self.lock_index(i))
+    }
+
+    pub(crate) fn lock_index(&mut self, i: u32) -> LockReceipt {
+        let mut cur = i;
+        while cur != NONE {
+            let first = self.edit(cur, |n| {
+                n.kv.lock += 1;
+                n.kv.lock == 1
+            });
+            let parent = self.tree.node(cur).parent;
+            if first && parent != NONE {
+                self.refresh(cur);
+            }
+            cur = parent;
+        }
+        let mamba = self.tree.node(i).mamba.device.is_some();
+        if mamba {
+            self.edit(i, |n| n.mamba.lock += 1);
+            self.refresh(i);
+        }
+        let slot = self.locks.table.insert(Held { node: i, mamba });
+        self.stats.locks += 1;
+        LockReceipt {
+            id: LockId {
+                cache: self.id(),
+                slot,
+            },
+            returns: Some(Arc::clone(&self.returns)),
+        }
+    }
+
+    /// Releases a receipt. A receipt of another cache raises [`Error::Lock`] (it is then
+    /// released in its own cache, as if dropped).
+    pub fn unlock(&mut self, receipt: LockReceipt) -> Result<()> {
+        self.reap();
+        if receipt.id.cache != self.id() {
+            return Err(Error::Lock(format!(
+                "lock receipt {} belongs to another cache",
+                receipt.id
+            )));
+        }
+        self.release(receipt.defuse())
+    }
+
+    /// Releases the lock `id` names. One that is not live raises [`Error::Lock`] and
+    /// changes nothing.
+    pub(crate) fn release(&mut self, id: LockId) -> Result<()> {
+        let held = (id.cache == self.id())
+            .then(|| self.locks.table.remove(id.slot))
+            .flatten()
+            .ok_or_else(|| {
+                Error::Lock(format!(
+                    "lock receipt {id} was already released or does not belong to this cache"
+                ))
+            })?;
+        let node = held.node;
+        if held.mamba {
+            // A locked state is never evicted: it is still there.
+            self.edit(node, |n| n.mamba.lock -= 1);
+        }
+        let mut cur = node;
+        while cur != NONE {
+            let last = self.edit(cur, |n| {
+                n.kv.lock -= 1;
+                n.kv.lock == 0
+            });
+            let parent = self.tree.node(cur).parent;
+            if cur == node || last {
+                self.refresh(cur);
+            }
+            cur = parent;
+        }
+        self.stats.unlocks += 1;
+        Ok(())
+    }
+
+    /// The node a live receipt locks.
+    pub fn lock_node(&self, receipt: &LockReceipt) -> Result<NodeId> {
+        self.locked_node(receipt.id)
+            .map(|i| self.tree.id(i))
+            .ok_or_else(|| Error::Lock(format!("lock receipt {} is not live here", receipt.id)))
+    }
+
+    /// The node the live receipt `id` locks.
+    pub(crate) fn locked_node(&self, id: LockId) -> Option<u32> {
+        if id.cache != self.id() {
+            return None;
+        }
+        self.locks.table.get(id.slot).map(|h| h.node)
+    }
+
+    /// The id of this cache.
+    pub fn id(&self) -> CacheId {
+        self.tree.cache_id
+    }
+}

@@ -1,0 +1,177 @@
+//! `match_prefix` and the walks over paths: the longest cached prefix, the slots and
+//! tokens of a path, splits.
+
+use crate::tree::NONE;
+
+use super::{Cache, Match};
+
+/// What a match found, without the slots (see [`Cache::find`]).
+pub(crate) struct Found {
+    /// Tokens reusable from device memory now.
+    pub device_len: usize,
+    /// Further tokens present only on the host tier.
+    pub host_len: usize,
+    /// The last device node of the match.
+    pub end: u32,
+    /// The last node counting host data.
+    pub host_end: u32,
+    /// Device state slot at `device_len`.
+    pub mamba_slot: Option<u32>,
+    /// The deepest page-aligned KV match on any tier (the branch point).
+    pub kv_len: usize,
+}
+
+impl Cache {
+    /// Longest cached prefix of `tokens` in `namespace`. Splits the last node when the
+    /// KV match ends inside it and refreshes the LRU position of every node on the path,
+    /// ancestors older than descendants. With Mamba layers the usable match is cut back
+    /// to the deepest node that has a state (`kv_len` keeps the full KV match, the branch
+    /// point), and only that state's LRU position is refreshed.
+    pub fn match_prefix(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Match {
+        let mut kv_indices = Vec::new();
+        let f = self.find(namespace, tokens, Some(&mut kv_indices));
+        Match {
+            device_len: f.device_len,
+            kv_indices,
+            host_len: f.host_len,
+            node: self.tree.id(f.end),
+            host_node: self.tree.id(f.host_end),
+            mamba_slot: f.mamba_slot,
+            kv_len: f.kv_len,
+        }
+    }
+
+    /// [`Cache::match_prefix`], filling `slots` (when given) with the device slots of the
+    /// match. Callers that do not return the slots pass `None` and build nothing.
+    pub(crate) fn find(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        mut slots: Option<&mut Vec<i64>>,
+    ) -> Found {
+        self.reap();
+        let root = self.root(namespace);
+        let key = &tokens[..self.aligned(tokens.len())];
+        let mut probe = std::mem::take(&mut self.probe);
+        self.tree.probe(root, key, &mut probe);
+        let hybrid = self.is_hybrid();
+        if let Some(out) = slots.as_deref_mut() {
+            out.clear();
+            out.reserve(probe.matched);
+        }
+        // (node, length) of the deepest node valid for every component: on the device,
+        // and on any tier. KV on the device is prefix-closed, and data a load-back has
+        // not landed yet does not count as the device's.
+        let mut valid = (root, 0);
+        let mut any = (root, 0);
+        let mut on_device = true;
+        let mut depth = 0;
+        for &(i, n) in &probe.path {
+            let node = if n < self.tree.node(i).key.len() {
+                self.split(i, n)
+            } else {
+                i
+            };
+            depth += n;
+            let nd = self.tree.node(node);
+            on_device = on_device && !nd.kv.loading && nd.kv.device.is_some();
+            if let (true, Some(pages), Some(out)) =
+                (on_device, nd.kv.device.as_deref(), slots.as_deref_mut())
+            {
+                self.expand_into(pages, out);
+            }
+            self.touch(node);
+            let nd = self.tree.node(node);
+            if on_device && (!hybrid || nd.mamba.device.is_some()) {
+                valid = (node, depth);
+            }
+            let state_somewhere = nd.mamba.device.is_some() || nd.mamba.host.is_some();
+            if !hybrid || state_somewhere {
+                any = (node, depth);
+            }
+        }
+        let kv_len = probe.matched;
+        self.probe = probe;
+        let (end, device_len) = valid;
+        if let Some(out) = slots {
+            out.truncate(device_len);
+        }
+        let (host_end, host_len) = if any.1 > device_len {
+            (any.0, any.1 - device_len)
+        } else {
+            (end, 0)
+        };
+        let mamba_slot = self.tree.node(end).mamba.device;
+        if mamba_slot.is_some() {
+            self.touch_state(end);
+            self.stats.state_hits += 1;
+        }
+        self.stats.match_calls += 1;
+        self.stats.match_tokens += key.len() as u64;
+        self.stats.hit_tokens += device_len as u64;
+        self.stats.host_hit_tokens += host_len as u64;
+        Found {
+            device_len,
+            host_len,
+            end,
+            host_end,
+            mamba_slot,
+            kv_len,
+        }
+    }
+
+    /// Device slots of the `len` tokens from the root to the end of node `end`.
+    pub(crate) fn path_slots(&self, end: u32, len: usize) -> Vec<i64> {
+        let mut out = Vec::with_capacity(len);
+        for i in self.path_to(end) {
+            if let Some(pages) = &self.tree.node(i).kv.device {
+                self.expand_into(pages, &mut out);
+            }
+        }
+        debug_assert_eq!(out.len(), len);
+        out
+    }
+
+    /// Nodes from the root (excluded) to `i`, in order.
+    pub(crate) fn path_to(&self, i: u32) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut cur = i;
+        while cur != NONE && !self.tree.node(cur).is_root() {
+            path.push(cur);
+            cur = self.tree.node(cur).parent;
+        }
+        path.reverse();
+        path
+    }
+
+    /// Every token from the root to the end of node `i`.
+    pub(crate) fn path_tokens(&self, i: u32) -> Vec<u32> {
+        let mut tokens = Vec::new();
+        for j in self.path_to(i) {
+            tokens.extend_from_slice(&self.tree.node(j).key);
+        }
+        tokens
+    }
+
+    /// Whether node `a` is node `b` or one of its ancestors.
+    pub(crate) fn is_ancestor_or_self(&self, a: u32, b: u32) -> bool {
+        let mut cur = b;
+        loop {
+            if cur == a {
+                return true;
+            }
+            let n = self.tree.node(cur);
+            if n.is_root() {
+                return false;
+            }
+            cur = n.parent;
+        }
+    }
+
+    /// Splits node `i` after `at` tokens; returns the new upper node. Sizes do not move:
+    /// both parts are what the node was.
+    pub(crate) fn split(&mut self, i: u32, at: usize) -> u32 {
+        self.stats.splits += 1;
+        self.tree.split(i, at)
+    }
+}

@@ -1,0 +1,230 @@
+//! The cache: namespaces of radix trees over one set of pools.
+//!
+//! [`Cache`] is the single-threaded core (`&mut self` methods, owned lock receipts);
+//! [`crate::HybridCache`] shares it between owners. Every node carries KV data (device
+//! and host pages, a path lock count) and Mamba data (at most one state per tier, a
+//! single-node lock count). The cache is split by responsibility, each part owning the
+//! fields it changes (docs/design.md has the map):
+//!
+//! | file | owns | does |
+//! |---|---|---|
+//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it) |
+//! | `namespaces.rs` | the roots | one tree per namespace |
+//! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
+//! | `lru.rs` | the eviction sets, the clock | which nodes eviction may take |
+//! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
+//! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
+//! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
+//! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
+//! | `evict.rs` | — | device eviction, demotion, host eviction |
+//! | `alloc.rs` | — | allocation, evicting first when short |
+//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail` |
+//! | `host.rs` | — | backups to the host tier |
+//! | `load.rs` | load-back records | `load_back`, commit, cancel, settle |
+//! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort` |
+//! | `report.rs` | — | `stats`, `snapshot`, `pretty` |
+
+mod alloc;
+pub(crate) mod batch;
+mod evict;
+pub(crate) mod host;
+#[cfg(test)]
+mod host_tests;
+#[cfg(test)]
+mod hybrid_tests;
+mod insert;
+pub(crate) mod load;
+pub(crate) mod locks;
+mod lookup;
+mod lru;
+mod namespaces;
+mod report;
+pub(crate) mod request;
+mod results;
+pub(crate) mod returns;
+pub(crate) mod sizes;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+pub use batch::{BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
+pub use load::{CallOff, LoadRecord, LoadTarget};
+pub use locks::LockReceipt;
+pub use request::RequestView;
+pub use results::{Evicted, Insert, Match, NodeInfo};
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::pool::{as_i64, Pool};
+use crate::stats::Stats;
+use crate::tree::{Node, Probe, Tree};
+
+/// The four pools: device and host, KV and states.
+pub(crate) struct Pools {
+    /// Device KV pool.
+    pub kv: Pool,
+    /// Device state pool (`page_size` 1; no pages for an attention-only model).
+    pub mamba: Pool,
+    /// Host-tier KV pool (no pages without a host tier).
+    pub host_kv: Pool,
+    /// Host-tier state pool.
+    pub host_mamba: Pool,
+}
+
+impl Pools {
+    /// The pool a copy's slots index.
+    pub fn of(&self, pool: PoolKind, tier: Tier) -> &Pool {
+        match (pool, tier) {
+            (PoolKind::Kv, Tier::Device) => &self.kv,
+            (PoolKind::Kv, Tier::Host) => &self.host_kv,
+            (PoolKind::Mamba, Tier::Device) => &self.mamba,
+            (PoolKind::Mamba, Tier::Host) => &self.host_mamba,
+        }
+    }
+}
+
+/// The single-threaded cache core.
+pub struct Cache {
+    config: Config,
+    pub(crate) tree: Tree,
+    pub(crate) pools: Pools,
+    pub(crate) roots: namespaces::Namespaces,
+    pub(crate) sizes: sizes::Sizes,
+    pub(crate) lru: lru::Lru,
+    pub(crate) locks: locks::Locks,
+    returns: Arc<returns::Returns>,
+    pub(crate) requests: request::Requests,
+    pub(crate) batches: batch::Batches,
+    pub(crate) loads: load::Loads,
+    pub(crate) stats: Stats,
+    /// Scratch space of walks (kept to avoid an allocation per call).
+    probe: Probe,
+}
+
+impl std::fmt::Debug for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.summary())
+    }
+}
+
+impl Cache {
+    /// A cache with the given configuration (validated; errors name the argument).
+    pub fn new(config: Config) -> Result<Cache> {
+        config.validate()?;
+        let pools = Pools {
+            kv: Pool::new("kv_slots", config.kv_slots, config.page_size)?,
+            mamba: Pool::new("mamba_slots", config.mamba_slots, 1)?,
+            host_kv: Pool::new("host_kv_slots", config.host_kv_slots, config.page_size)?,
+            host_mamba: Pool::new("host_mamba_slots", config.host_mamba_slots, 1)?,
+        };
+        let mut tree = Tree::new(config.page_size);
+        let roots = namespaces::Namespaces::new(&mut tree);
+        Ok(Cache {
+            config,
+            tree,
+            pools,
+            roots,
+            sizes: sizes::Sizes::default(),
+            lru: lru::Lru::default(),
+            locks: locks::Locks::default(),
+            returns: Arc::default(),
+            requests: request::Requests::default(),
+            batches: batch::Batches::default(),
+            loads: load::Loads::default(),
+            stats: Stats::default(),
+            probe: Probe::default(),
+        })
+    }
+
+    /// The configuration the cache was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.config.page_size
+    }
+
+    /// The device KV pool.
+    pub fn kv_pool(&self) -> &Pool {
+        &self.pools.kv
+    }
+
+    /// The device Mamba state pool (empty for an attention-only model).
+    pub fn mamba_pool(&self) -> &Pool {
+        &self.pools.mamba
+    }
+
+    /// The host-tier KV pool (empty without a host tier).
+    pub fn host_kv_pool(&self) -> &Pool {
+        &self.pools.host_kv
+    }
+
+    /// The host-tier state pool.
+    pub fn host_mamba_pool(&self) -> &Pool {
+        &self.pools.host_mamba
+    }
+
+    /// True when the model has Mamba layers (`mamba_slots > 0`): matches are then cut
+    /// at the deepest node with a state.
+    pub fn is_hybrid(&self) -> bool {
+        self.config.mamba_slots > 0
+    }
+
+    /// True when the cache has a host tier for KV.
+    pub(crate) fn has_host_tier(&self) -> bool {
+        self.config.host_kv_slots > 0
+    }
+
+    /// `n` rounded down to whole pages.
+    pub(crate) fn aligned(&self, n: usize) -> usize {
+        n / self.config.page_size * self.config.page_size
+    }
+
+    /// Changes node `i` with `f`, keeping the size tallies right: the node's
+    /// contribution is taken out before and put back after. Every change to what a node
+    /// holds or to its lock counts goes through here.
+    pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
+        let n = self.tree.node_mut(i);
+        self.sizes -= sizes::Sizes::of(n);
+        let out = f(n);
+        self.sizes += sizes::Sizes::of(n);
+        out
+    }
+
+    /// Puts node `i` in or out of the eviction sets according to what it is now.
+    pub(crate) fn refresh(&mut self, i: u32) {
+        self.lru.refresh(&mut self.tree, i);
+    }
+
+    /// Marks node `i` as accessed now.
+    pub(crate) fn touch(&mut self, i: u32) {
+        self.lru.touch(&mut self.tree, i);
+    }
+
+    /// Marks node `i`'s state as used now.
+    pub(crate) fn touch_state(&mut self, i: u32) {
+        self.lru.touch_state(&mut self.tree, i);
+    }
+
+    /// Appends the slots of KV pages `pages` to `out`.
+    pub(crate) fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
+        let ps = self.config.page_size;
+        if ps == 1 {
+            out.extend(pages.iter().map(|&p| i64::from(p)));
+        } else {
+            // Filled page by page in place: the inner loop over a fixed-size chunk
+            // vectorises, where extending from a range per page does not.
+            let start = out.len();
+            out.resize(start + pages.len() * ps, 0);
+            for (chunk, &p) in out[start..].chunks_exact_mut(ps).zip(pages) {
+                let base = i64::from(p) * as_i64(ps);
+                for (slot, offset) in chunk.iter_mut().zip(0..) {
+                    *slot = base + offset;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! What the cache reports: sizes, `stats()`, `snapshot()`, and text for people.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use crate::error::Result;
+use crate::ids::NodeId;
+use crate::pool::{as_i64, PoolCounts};
+use crate::tree::NONE;
+
+use super::{Cache, NodeInfo};
+
+impl Cache {
+    /// Device KV tokens in the tree that eviction may take (unlocked).
+    pub fn evictable_size(&self) -> usize {
+        self.sizes.evictable_tokens
+    }
+
+    /// Device KV tokens in the tree protected by locks.
+    pub fn protected_size(&self) -> usize {
+        self.sizes.protected_tokens
+    }
+
+    /// Device KV tokens in the tree.
+    pub fn total_size(&self) -> usize {
+        self.sizes.device_tokens()
+    }
+
+    /// Free device KV slots.
+    pub fn available_kv(&self) -> usize {
+        self.pools.kv.free_pages() * self.config.page_size
+    }
+
+    /// Free device Mamba state slots.
+    pub fn available_mamba(&self) -> usize {
+        self.pools.mamba.free_pages()
+    }
+
+    /// Device states in the tree that eviction may take (unlocked).
+    pub fn evictable_states(&self) -> usize {
+        self.sizes.evictable_states
+    }
+
+    /// Device states in the tree protected by locks.
+    pub fn protected_states(&self) -> usize {
+        self.sizes.protected_states
+    }
+
+    /// Counters and gauges, in a fixed order.
+    pub fn stats(&self) -> Vec<(&'static str, u64)> {
+        let c = self.pools.kv.counts();
+        let m = self.pools.mamba.counts();
+        let h = self.pools.host_kv.counts();
+        let ps = self.config.page_size as u64;
+        let mut out = self.stats.entries();
+        out.extend([
+            (
+                "nodes",
+                (self.tree.live_nodes - self.roots.named() - 1) as u64,
+            ),
+            ("namespaces", self.roots.named() as u64 + 1),
+            ("live_locks", self.locks.live() as u64),
+            ("live_requests", self.requests.live() as u64),
+            ("batches_in_flight", self.batches.len() as u64),
+            ("kv_cached_tokens", self.total_size() as u64),
+            ("kv_evictable_tokens", self.sizes.evictable_tokens as u64),
+            ("kv_protected_tokens", self.sizes.protected_tokens as u64),
+            ("kv_free_slots", c.free as u64 * ps),
+            ("kv_caller_slots", c.caller as u64 * ps),
+            ("kv_request_slots", c.owned as u64 * ps),
+            ("kv_capacity_slots", self.config.kv_slots as u64),
+            ("mamba_cached_states", (self.sizes.device_states()) as u64),
+            ("mamba_evictable_states", self.sizes.evictable_states as u64),
+            ("mamba_protected_states", self.sizes.protected_states as u64),
+            ("mamba_free_slots", m.free as u64),
+            ("mamba_caller_slots", m.caller as u64),
+            ("mamba_request_slots", m.owned as u64),
+            ("mamba_draining_slots", m.draining as u64),
+            ("mamba_capacity_slots", self.config.mamba_slots as u64),
+            ("host_kv_cached_tokens", self.sizes.host_tokens as u64),
+            ("host_kv_evictable_tokens", self.sizes.host_evictable as u64),
+            ("host_kv_free_slots", h.free as u64 * ps),
+            ("host_kv_capacity_slots", self.config.host_kv_slots as u64),
+            (
+                "host_mamba_cached_states",
+                self.pools.host_mamba.counts().tree as u64,
+            ),
+            (
+                "host_mamba_free_slots",
+                self.pools.host_mamba.free_pages() as u64,
+            ),
+            (
+                "host_mamba_capacity_slots",
+                self.config.host_mamba_slots as u64,
+            ),
+            ("load_backs_pending", self.loads.len() as u64),
+        ]);
+        out
+    }
+
+    /// Every live node (roots included), per namespace, parents before children.
+    pub fn snapshot(&self) -> Vec<NodeInfo> {
+        let mut out = Vec::new();
+        for (ns, root) in self.roots.all() {
+            let mut prefix_at: HashMap<u32, Vec<u32>> = HashMap::new();
+            for i in self.tree.preorder(root) {
+                let n = self.tree.node(i);
+                let mut prefix = if n.is_root() {
+                    Vec::new()
+                } else {
+                    prefix_at.get(&n.parent).cloned().unwrap_or_default()
+                };
+                prefix.extend_from_slice(&n.key);
+                let kv_indices = n.kv.device.as_ref().map(|pages| {
+                    let mut v = Vec::new();
+                    self.expand_into(pages, &mut v);
+                    v
+                });
+                out.push(NodeInfo {
+                    id: self.tree.id(i),
+                    namespace: ns.map(str::to_owned),
+                    prefix: prefix.clone(),
+                    key_len: n.key.len(),
+                    kv_indices,
+                    lock: n.kv.lock,
+                    last_access: n.last_access,
+                    mamba_slot: n.mamba.device,
+                    mamba_lock: n.mamba.lock,
+                    host_kv_indices: n.kv.host.as_ref().map(|pages| {
+                        let mut v = Vec::new();
+                        self.expand_into(pages, &mut v);
+                        v
+                    }),
+                    host_mamba_slot: n.mamba.host,
+                    loading: n.kv.loading,
+                });
+                prefix_at.insert(i, prefix);
+            }
+        }
+        out
+    }
+
+    /// A short description of a node for handles' `repr`: its id, depth, the end of its
+    /// key and its lock count. A stale handle gives [`Error::StaleNode`].
+    pub fn describe(&self, node: NodeId) -> Result<String> {
+        let i = self.tree.resolve(node)?;
+        let n = self.tree.node(i);
+        if n.is_root() {
+            return Ok(format!("{node} root"));
+        }
+        let mut depth = 0;
+        let mut cur = i;
+        while cur != NONE {
+            depth += self.tree.node(cur).key.len();
+            cur = self.tree.node(cur).parent;
+        }
+        let shown: Vec<String> = n
+            .key
+            .iter()
+            .rev()
+            .take(4)
+            .rev()
+            .map(u32::to_string)
+            .collect();
+        let more = if n.key.len() > 4 { "..., " } else { "" };
+        let lock = if n.kv.lock > 0 {
+            format!(" locked×{}", n.kv.lock)
+        } else {
+            String::new()
+        };
+        let state = n
+            .mamba
+            .device
+            .map_or(String::new(), |s| format!(" state={s}"));
+        Ok(format!(
+            "{node} depth={depth} key=[{more}{}] ({} tokens){state}{lock}",
+            shown.join(", "),
+            n.key.len()
+        ))
+    }
+
+    /// A one-line summary.
+    pub fn summary(&self) -> String {
+        let states = if self.is_hybrid() {
+            format!(
+                ", mamba_slots={}, cached_states={}, free_mamba={}",
+                self.config.mamba_slots,
+                self.sizes.device_states(),
+                self.available_mamba()
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "HybridCache(kv_slots={}, page_size={}, cached_tokens={}, evictable={}, protected={}, \
+             free_kv={}, nodes={}{states})",
+            self.config.kv_slots,
+            self.config.page_size,
+            self.total_size(),
+            self.sizes.evictable_tokens,
+            self.sizes.protected_tokens,
+            self.available_kv(),
+            self.tree.live_nodes - self.roots.named() - 1
+        )
+    }
+
+    /// The tree as indented text: one line per node with its tokens (the first
+    /// `max_tokens` of them), slots and lock count; at most `max_nodes` nodes.
+    pub fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
+        let mut s = self.summary();
+        let mut shown = 0;
+        for (ns, root) in self.roots.all() {
+            let _ = write!(
+                s,
+                "\n{}",
+                ns.map_or("<default>".to_owned(), |n| format!("namespace {n:?}"))
+            );
+            let mut stack = vec![(root, 0usize)];
+            while let Some((i, depth)) = stack.pop() {
+                let n = self.tree.node(i);
+                if !n.is_root() {
+                    if shown == max_nodes {
+                        s.push_str("\n  ...");
+                        return s;
+                    }
+                    shown += 1;
+                    let toks: Vec<String> =
+                        n.key.iter().take(max_tokens).map(u32::to_string).collect();
+                    let more = if n.key.len() > max_tokens {
+                        ", ..."
+                    } else {
+                        ""
+                    };
+                    let kv = match (&n.kv.device, &n.kv.host) {
+                        (Some(p), _) if !p.is_empty() => {
+                            let first = i64::from(p[0]) * as_i64(self.config.page_size);
+                            let host = if n.kv.host.is_some() { " +host" } else { "" };
+                            let loading = if n.kv.loading { " loading" } else { "" };
+                            format!("kv@{first}..{host}{loading}")
+                        }
+                        (_, Some(_)) => "host only".to_owned(),
+                        _ => "no device kv".to_owned(),
+                    };
+                    let lock = if n.kv.lock > 0 {
+                        format!(" locked×{}", n.kv.lock)
+                    } else {
+                        String::new()
+                    };
+                    let state = match (n.mamba.device, n.mamba.host, self.is_hybrid()) {
+                        (Some(slot), Some(_), _) => format!(", state@{slot} +host"),
+                        (Some(slot), None, _) => format!(", state@{slot}"),
+                        (None, Some(h), _) => format!(", host state@{h}"),
+                        (None, None, true) => ", no state".to_owned(),
+                        (None, None, false) => String::new(),
+                    };
+                    let _ = write!(
+                        s,
+                        "\n{}└ {} [{}{}] {} tokens, {kv}{state}{lock}",
+                        "  ".repeat(depth),
+                        self.tree.id(i),
+                        toks.join(", "),
+                        more,
+                        n.key.len()
+                    );
+                }
+                let mut kids: Vec<u32> = n.children.iter().map(|&(_, c)| c).collect();
+                kids.sort_unstable_by(|a, b| self.tree.node(*b).key.cmp(&self.tree.node(*a).key));
+                let d = if n.is_root() { 1 } else { depth + 1 };
+                stack.extend(kids.into_iter().map(|c| (c, d)));
+            }
+        }
+        s
+    }
+
+    /// Pool counts of the device KV pool (pages).
+    pub fn kv_counts(&self) -> PoolCounts {
+        self.pools.kv.counts()
+    }
+
+    /// Pool counts of the device Mamba pool (slots).
+    pub fn mamba_counts(&self) -> PoolCounts {
+        self.pools.mamba.counts()
+    }
+}

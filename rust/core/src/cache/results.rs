@@ -1,0 +1,72 @@
+//! What the cache's calls answer.
+
+use crate::ids::NodeId;
+
+/// The answer of [`super::Cache::match_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    /// Tokens reusable from device memory now (a multiple of the page size).
+    pub device_len: usize,
+    /// Device slots of the first `device_len` tokens.
+    pub kv_indices: Vec<i64>,
+    /// Further tokens present only on the host tier.
+    pub host_len: usize,
+    /// The last device node of the match (a root when nothing matched).
+    pub node: NodeId,
+    /// The last node counting host data (`node` when `host_len == 0`).
+    pub host_node: NodeId,
+    /// Device state slot at `device_len`, if the model has Mamba layers.
+    pub mamba_slot: Option<u32>,
+    /// The deepest page-aligned KV match on any tier, ignoring states (the branch point).
+    pub kv_len: usize,
+}
+
+/// The answer of [`super::Cache::insert`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Insert {
+    /// Tokens that were already cached (their passed slots were freed, except the
+    /// caller's own prefix below `owned_from`).
+    pub prefix_len: usize,
+    /// The node where the insert ended (a root when no whole page was given).
+    pub node: NodeId,
+    /// Whether that node already had a Mamba state (always false without Mamba layers).
+    pub mamba_existed: bool,
+}
+
+/// What [`super::Cache::evict`] actually evicted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Evicted {
+    /// Device KV tokens freed.
+    pub kv_tokens: usize,
+    /// Device Mamba states freed.
+    pub mamba_states: usize,
+}
+
+/// One node as seen by [`super::Cache::snapshot`] (tests, tools and pretty printing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The node's handle.
+    pub id: NodeId,
+    /// Its namespace (`None` for the default one).
+    pub namespace: Option<String>,
+    /// Every token from the root to the end of this node.
+    pub prefix: Vec<u32>,
+    /// Tokens of this node alone (the tail of `prefix`).
+    pub key_len: usize,
+    /// Device slots of this node's tokens, if it has device KV.
+    pub kv_indices: Option<Vec<i64>>,
+    /// Live receipts covering the node.
+    pub lock: u32,
+    /// Logical time of the last access.
+    pub last_access: u64,
+    /// Device Mamba state slot at the node's end, if any.
+    pub mamba_slot: Option<u32>,
+    /// Receipts holding that state.
+    pub mamba_lock: u32,
+    /// Host-tier slots of this node's tokens, if it is backed up.
+    pub host_kv_indices: Option<Vec<i64>>,
+    /// Host-tier state slot, if its state is backed up.
+    pub host_mamba_slot: Option<u32>,
+    /// Its device data arrived by a load-back whose copies are not acknowledged yet.
+    pub loading: bool,
+}

@@ -1,0 +1,94 @@
+//! Token and state tallies of the tree (`evictable_size()`, `protected_size()`, the host
+//! figures of `stats()`), kept as the sum of every node's [`Sizes::of`].
+//!
+//! One formula says what a node contributes; the cache keeps the tallies right by taking
+//! a node's contribution out before it changes the node and putting it back after
+//! ([`super::Cache::edit`]). `audit()` sums the same contributions over the tree from
+//! scratch and compares.
+
+use std::ops::{AddAssign, SubAssign};
+
+use crate::tree::Node;
+
+/// Tallies over nodes (or one node's contribution to them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Sizes {
+    /// Device KV tokens of unlocked nodes.
+    pub evictable_tokens: usize,
+    /// Device KV tokens of locked nodes.
+    pub protected_tokens: usize,
+    /// Device states no receipt holds.
+    pub evictable_states: usize,
+    /// Device states a receipt holds.
+    pub protected_states: usize,
+    /// Host KV tokens.
+    pub host_tokens: usize,
+    /// Host KV tokens of unlocked host-only nodes: what host eviction can reclaim (an
+    /// unlocked host-only node has only unlocked host-only nodes below it).
+    pub host_evictable: usize,
+}
+
+impl Sizes {
+    /// What node `n` contributes (nothing for a root).
+    pub fn of(n: &Node) -> Sizes {
+        let mut s = Sizes::default();
+        if n.is_root() {
+            return s;
+        }
+        let len = n.key.len();
+        let locked = n.kv.lock > 0;
+        if n.kv.device.is_some() {
+            if locked {
+                s.protected_tokens = len;
+            } else {
+                s.evictable_tokens = len;
+            }
+        }
+        if n.kv.host.is_some() {
+            s.host_tokens = len;
+            if n.kv.device.is_none() && !locked {
+                s.host_evictable = len;
+            }
+        }
+        if n.mamba.device.is_some() {
+            if n.mamba.lock > 0 {
+                s.protected_states = 1;
+            } else {
+                s.evictable_states = 1;
+            }
+        }
+        s
+    }
+
+    /// Device KV tokens in the tree.
+    pub fn device_tokens(&self) -> usize {
+        self.evictable_tokens + self.protected_tokens
+    }
+
+    /// Device states in the tree.
+    pub fn device_states(&self) -> usize {
+        self.evictable_states + self.protected_states
+    }
+}
+
+impl AddAssign for Sizes {
+    fn add_assign(&mut self, o: Sizes) {
+        self.evictable_tokens += o.evictable_tokens;
+        self.protected_tokens += o.protected_tokens;
+        self.evictable_states += o.evictable_states;
+        self.protected_states += o.protected_states;
+        self.host_tokens += o.host_tokens;
+        self.host_evictable += o.host_evictable;
+    }
+}
+
+impl SubAssign for Sizes {
+    fn sub_assign(&mut self, o: Sizes) {
+        self.evictable_tokens -= o.evictable_tokens;
+        self.protected_tokens -= o.protected_tokens;
+        self.evictable_states -= o.evictable_states;
+        self.protected_states -= o.protected_states;
+        self.host_tokens -= o.host_tokens;
+        self.host_evictable -= o.host_evictable;
+    }
+}
