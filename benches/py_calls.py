@@ -14,15 +14,16 @@ calls when nothing has to happen between them; the tables give the median and p9
   (``extend(req, [t])``, then read; only the read is timed).
 
 Every call that takes tokens is measured with a Python list of ints (what serving engines
-hold), an int64 and a uint32 numpy array, sampled in turn so that load on a shared machine
-hits the three alike. Each group of cells gets its own ``HybridCache(page_size=1,
-mamba_slots=64)`` sized so that nothing is evicted; what a repetition needs around the
-timed call (building a request, running the batches the cache emits, aborting, evicting
-the leaf a finish or checkpoint cached) is done untimed, so every timed call does the
-same work. A decode request is rebuilt after growing by 1/8 of
-its length (1/10 for getters). A call timed alone includes one timer read (the "timer
-floor" in the header); nothing is subtracted. The goals at the end are evaluated on this
-run's numbers.
+hold), an int64 and a uint32 numpy array. The cells a goal compares (list and arrays of one
+call; a getter at every length) are sampled in turn, so that load on a shared machine hits
+them alike. Each length gets its own caches (``HybridCache(page_size=1, mamba_slots=64)``),
+sized so that nothing is evicted; what a repetition needs around the timed call (building
+a request, running the batches the cache emits, aborting, evicting the leaf a finish or
+checkpoint cached) is done untimed, so every timed call does the same work. A decode
+request is rebuilt after growing by 1/8 of its length (1/10 for getters). A call timed
+singly (not in a loop) includes one timer read (the "timer floor" in the header); nothing
+is subtracted. The goals at the end are evaluated on this run's numbers; the absolute one
+depends on how busy the machine is (the load average is printed before and after).
 
 Run it by hand at full size (20-60 s; ``--check`` exits 1 when a goal fails)::
 
@@ -204,12 +205,15 @@ class Timed:
 
     op: str
     variant: str
+    length: int
     tokens: int
     sample: Callable[[], int]
     calls: int = 1
 
 
-def looped(op: str, variant: str, tokens: int, fn: Callable[[Any], object], arg: object) -> Timed:
+def looped(
+    op: str, variant: str, length: int, tokens: int, fn: Callable[[Any], object], arg: object
+) -> Timed:
     """Return a cell timing a loop of calls ``fn(arg)``, its length calibrated to LOOP_NS."""
 
     def loop(k: int) -> int:
@@ -221,15 +225,16 @@ def looped(op: str, variant: str, tokens: int, fn: Callable[[Any], object], arg:
     loop(1)  # warm-up before calibrating
     per_call = max(1, min(loop(1) for _ in range(5)))
     k = max(1, min(MAX_LOOP, LOOP_NS // per_call))
-    return Timed(op, variant, tokens, functools.partial(loop, k), k)
+    return Timed(op, variant, length, tokens, functools.partial(loop, k), k)
 
 
 def measure(cells: list[Timed], size: Size) -> list[list[float]]:
     """Per-call ns of each cell's samples, taken in turn until the budget is spent.
 
-    A group is the list, int64 and uint32 cells of one call (other cells are measured
-    alone): interleaving them exposes them alike to load changes on a shared machine, so
-    their ratios hold when the absolute numbers move.
+    A group is the cells a goal compares: the list, int64 and uint32 cells of one call, or
+    one getter at every length (other cells are measured alone). Interleaving them exposes
+    them alike to load changes on a shared machine, so their ratios hold when the absolute
+    numbers move.
     """
     for cell in cells:
         cell.sample()  # warm-up
@@ -260,12 +265,12 @@ class Bench:
         per_getter_length = len(GETTERS) * len(PATTERNS)
         self.total = len(size.lengths) * per_length + len(size.getter_lengths) * per_getter_length
 
-    def run(self, length: int, group: list[Timed]) -> None:
+    def run(self, group: list[Timed]) -> None:
         """Measure a group of cells together (interleaved) and record each."""
         for timed, times in zip(group, measure(group, self.size)):
             cell = Cell(
                 op=timed.op,
-                length=length,
+                length=timed.length,
                 tokens=timed.tokens,
                 variant=timed.variant,
                 median_us=float(np.median(times)) / 1e3,
@@ -275,7 +280,7 @@ class Bench:
             )
             self.cells.append(cell)
             print(
-                f"[{len(self.cells):>3}/{self.total}] {cell.op:<18} {length:>7} "
+                f"[{len(self.cells):>3}/{self.total}] {cell.op:<18} {cell.length:>7} "
                 f"{cell.variant:<9} {cell.median_us:10.2f} us  ({cell.samples} x {timed.calls})",
                 file=sys.stderr,
             )
@@ -376,53 +381,62 @@ def token_calls(bench: Bench, length: int, rng: np.random.Generator) -> None:
         group = []
         for variant, x in inputs(tokens).items():
             _expect(match(x).device_len == want, f"match is not a {op}")
-            group.append(looped(f"match_prefix {op}", variant, length, match, x))
-        bench.run(length, group)
+            group.append(looped(f"match_prefix {op}", variant, length, length, match, x))
+        bench.run(group)
     hits.verify()
 
     fx = Fixture(4 * length)  # the cached half and three decode requests of <= 1.125 * length
     fx.cache_prompt(prompt[:half])
     bench.run(
-        length,
-        [Timed("admit", v, length, admit_sample(fx, x, half)) for v, x in inputs(prompt).items()],
+        [
+            Timed("admit", v, length, length, admit_sample(fx, x, half))
+            for v, x in inputs(prompt).items()
+        ]
     )
     bench.run(
-        length,
         [
-            Timed("extend rest", v, length - half, extend_rest_sample(fx, prompt, x))
+            Timed("extend rest", v, length, length - half, extend_rest_sample(fx, prompt, x))
             for v, x in inputs(prompt[half:]).items()
-        ],
+        ]
     )
     growing = {v: Growing(fx, prompt, max(1, length // 8)) for v in INPUTS}
     bench.run(
-        length,
         [
-            Timed("extend decode", v, 1, extend_decode_sample(fx, growing[v], x))
+            Timed("extend decode", v, length, 1, extend_decode_sample(fx, growing[v], x))
             for v, x in inputs(np.array([DECODE_TOKEN])).items()
-        ],
+        ]
     )
     for g in growing.values():
         g.close()
     for op in REQUEST_OPS:
-        bench.run(length, [Timed(op, "-", 0, ending_sample(fx, prompt, op, half))])
+        bench.run([Timed(op, "-", length, 0, ending_sample(fx, prompt, op, half))])
     fx.verify()
 
 
-def getter_calls(bench: Bench, length: int, rng: np.random.Generator) -> None:
-    """Read each getter of a request of ``length`` tokens: unchanged, and after each extend."""
-    fx = Fixture(2 * length)  # a request of up to 1.1 * length at a time
-    prompt = rng.integers(0, VOCAB, length)
-    req = fx.request(prompt)
-    _expect(len(req.kv_indices) == length and req.mamba_slot is not None, "request not built")
+def getter_calls(bench: Bench, lengths: tuple[int, ...], rng: np.random.Generator) -> None:
+    """Read each getter of requests of each length: unchanged, and after each extend."""
+    fxs = {n: Fixture(2 * n) for n in lengths}  # a request of up to 1.1 * n at a time
+    prompts = {n: rng.integers(0, VOCAB, n) for n in lengths}
+    reqs = {n: fxs[n].request(prompts[n]) for n in lengths}
+    for n, req in reqs.items():
+        _expect(len(req.kv_indices) == n and req.mamba_slot is not None, "request not built")
     for name in GETTERS:
-        bench.run(length, [looped(name, "unchanged", 0, attrgetter(name), req)])
-    fx.cache.abort(req)
+        bench.run([looped(name, "unchanged", n, 0, attrgetter(name), reqs[n]) for n in lengths])
+    for n, req in reqs.items():
+        fxs[n].cache.abort(req)
 
     for name in GETTERS:
-        growing = Growing(fx, prompt, max(1, length // 10))
-        bench.run(length, [Timed(name, "decode", 0, read_after_extend_sample(fx, growing, name))])
-        growing.close()
-    fx.verify()
+        growing = {n: Growing(fxs[n], prompts[n], max(1, n // 10)) for n in lengths}
+        bench.run(
+            [
+                Timed(name, "decode", n, 0, read_after_extend_sample(fxs[n], growing[n], name))
+                for n in lengths
+            ]
+        )
+        for g in growing.values():
+            g.close()
+    for fx in fxs.values():
+        fx.verify()
 
 
 def medians(cells: list[Cell]) -> dict[tuple[str, int, str], float]:
@@ -618,8 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for length in size.lengths:
         token_calls(bench, length, rng)
-    for length in size.getter_lengths:
-        getter_calls(bench, length, rng)
+    getter_calls(bench, size.getter_lengths, rng)
     seconds = time.perf_counter() - start
     ctx["load_average_1m_end"] = load_average()
 
