@@ -7,14 +7,17 @@
 
 use std::ffi::CString;
 
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
+use pyo3::types::PyDict;
 use radixcache_core as core;
 use radixcache_core::Cache;
+
+mod convert;
+use convert::{batch_arg, indices_arg, tokens_arg, Int};
 
 create_exception!(
     _core,
@@ -65,166 +68,6 @@ fn run<T: Send>(py: Python<'_>, n: usize, f: impl FnOnce() -> T + Send) -> T {
     } else {
         f()
     }
-}
-
-fn out_of_range(arg: &str, what: &str, v: impl std::fmt::Display, pos: usize, hi: &str) -> PyErr {
-    PyValueError::new_err(format!(
-        "{arg}: {what} {v} at position {pos} is out of range [0, {hi})"
-    ))
-}
-
-/// Reads a 1-D integer numpy array of any integer dtype into `Vec<i128>`-free values:
-/// `conv` checks and converts each element (in Rust, no Python object per element).
-macro_rules! read_array {
-    ($obj:expr, $conv:expr, $($t:ty),+) => {{
-        $(
-            if let Ok(a) = $obj.cast::<PyArray1<$t>>() {
-                let ro = a.readonly();
-                let view = ro.as_array();
-                let mut out = Vec::with_capacity(view.len());
-                for (pos, &v) in view.iter().enumerate() {
-                    #[allow(clippy::cast_lossless, clippy::cast_possible_wrap)]
-                    out.push($conv(v as i128, pos)?);
-                }
-                return Ok(out);
-            }
-        )+
-    }};
-}
-
-/// A 1-D integer sequence (list, tuple, or numpy array of any integer dtype), each
-/// element converted by `conv(value, position)`. Non-integers raise `TypeError`, a
-/// 2-D array `ValueError`; both name `arg`.
-fn int_seq<T>(
-    obj: &Bound<'_, PyAny>,
-    arg: &str,
-    conv: impl Fn(i128, usize) -> PyResult<T>,
-) -> PyResult<Vec<T>> {
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Err(PyValueError::new_err(format!(
-                "{arg}: expected a 1-D sequence of integers, got a {}-D array",
-                arr.ndim()
-            )));
-        }
-        read_array!(obj, &conv, i64, i32, u32, u64, i16, u16, i8, u8);
-        return Err(PyTypeError::new_err(format!(
-            "{arg}: expected integers, got an array of dtype {}",
-            arr.dtype()
-        )));
-    }
-    if obj.is_instance_of::<PyString>()
-        || obj.is_instance_of::<PyBytes>()
-        || obj.is_instance_of::<PyByteArray>()
-    {
-        return Err(PyTypeError::new_err(format!(
-            "{arg}: expected a sequence of integers, got {}",
-            obj.get_type().name()?
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{arg}: expected a sequence of integers, got {}",
-            obj.get_type().name()?
-        )));
-    };
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for (pos, item) in iter.enumerate() {
-        let item = item?;
-        let v: i128 = match item.extract::<i64>() {
-            Ok(v) => i128::from(v),
-            Err(_) => match item.extract::<u64>() {
-                Ok(v) => i128::from(v),
-                Err(_) if item.hasattr("__index__")? => {
-                    return Err(PyValueError::new_err(format!(
-                        "{arg}: value at position {pos} is out of the 64-bit range"
-                    )))
-                }
-                Err(_) => {
-                    return Err(PyTypeError::new_err(format!(
-                        "{arg}: expected integers, got {} at position {pos}",
-                        item.get_type().name()?
-                    )))
-                }
-            },
-        };
-        out.push(conv(v, pos)?);
-    }
-    Ok(out)
-}
-
-/// Token ids: `0 <= t < 2**32`.
-fn tokens_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
-    int_seq(obj, arg, |v, pos| {
-        u32::try_from(v).map_err(|_| out_of_range(arg, "token id", v, pos, "2**32"))
-    })
-}
-
-/// Slot indices as int64 (range against the pool is the core's check).
-fn indices_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<i64>> {
-    int_seq(obj, arg, |v, pos| {
-        i64::try_from(v).map_err(|_| out_of_range(arg, "slot", v, pos, "2**63"))
-    })
-}
-
-/// An integer argument, extracted without failing so that the error can name the
-/// argument on every Python version (pyo3 names it only in an exception note, which
-/// Python < 3.11 does not have).
-enum Int {
-    Value(i64),
-    /// Not an integer: its type name.
-    Other(String),
-    /// An integer out of the 64-bit range (its decimal form).
-    TooLarge(String),
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Int {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if let Ok(v) = obj.extract::<i64>() {
-            return Ok(Int::Value(v));
-        }
-        if obj.hasattr("__index__")? {
-            return Ok(Int::TooLarge(obj.str()?.to_string()));
-        }
-        Ok(Int::Other(obj.get_type().name()?.to_string()))
-    }
-}
-
-impl Int {
-    /// The value, or a `TypeError`/`ValueError` naming `arg`.
-    fn get(self, arg: &str) -> PyResult<i64> {
-        match self {
-            Int::Value(v) => Ok(v),
-            Int::Other(t) => Err(PyTypeError::new_err(format!(
-                "{arg}: expected an integer, got {t}"
-            ))),
-            Int::TooLarge(v) => Err(PyValueError::new_err(format!(
-                "{arg}: {v} is out of the 64-bit range"
-            ))),
-        }
-    }
-
-    /// A count: an integer >= 0.
-    fn count(self, arg: &str) -> PyResult<usize> {
-        let v = self.get(arg)?;
-        usize::try_from(v)
-            .map_err(|_| PyValueError::new_err(format!("{arg}: must be >= 0, got {v}")))
-    }
-}
-
-/// A batch id: a non-negative integer (an unknown one is the core's error).
-fn batch_arg(id: Int) -> PyResult<core::BatchId> {
-    if let Int::TooLarge(v) = &id {
-        return Err(PyValueError::new_err(format!(
-            "batch_id: no batch {v} in flight"
-        )));
-    }
-    let v = id.get("batch_id")?;
-    u64::try_from(v).map(core::BatchId).map_err(|_| {
-        PyValueError::new_err(format!("batch_id: no batch {v} in flight (ids are >= 0)"))
-    })
 }
 
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
@@ -570,17 +413,20 @@ impl PyHybridCache {
     }
 
     /// Return the tree as indented text, one line per node.
-    #[pyo3(signature = (max_nodes=200, max_tokens=8))]
-    fn pretty(&self, max_nodes: usize, max_tokens: usize) -> String {
-        self.inner.with(|c| c.pretty(max_nodes, max_tokens))
+    #[pyo3(signature = (max_nodes=Int::Value(200), max_tokens=Int::Value(8)),
+           text_signature = "($self, max_nodes=200, max_tokens=8)")]
+    fn pretty(&self, max_nodes: Int, max_tokens: Int) -> PyResult<String> {
+        let max_nodes = max_nodes.count("max_nodes")?;
+        let max_tokens = max_tokens.count("max_tokens")?;
+        Ok(self.inner.with(|c| c.pretty(max_nodes, max_tokens)))
     }
 
     fn __repr__(&self) -> String {
         self.inner.with(|c| c.summary())
     }
 
-    fn __str__(&self) -> String {
-        self.pretty(200, 8)
+    fn __str__(&self) -> PyResult<String> {
+        self.pretty(Int::Value(200), Int::Value(8))
     }
 }
 
