@@ -373,7 +373,9 @@ fn from_array<T: Target>(arr: &Bound<'_, PyUntypedArray>, arg: &str) -> PyResult
             // match below checks kind and size): for every `i < n`, `data + i * stride`
             // is the address of an element inside the array's buffer. The buffer lives
             // as long as `arr` (we hold it) and we read it with the GIL held, running no
-            // Python code, so nothing frees or resizes it meanwhile.
+            // Python code, so nothing frees or resizes it meanwhile. (Code that released
+            // the GIL could still write the integers while we read them, as it could
+            // under any reader; the values would be torn, never out of bounds.)
             unsafe { read::<$s, T, $swap>(data, n, stride, &mut out, arg) }
         };
     }
@@ -515,6 +517,9 @@ impl Int {
         if unsafe { ffi::PyIndex_Check(obj.as_ptr()) } == 0 {
             return Ok(Int::Other(type_name(obj)));
         }
+        if is_numpy_bool(obj) {
+            return Ok(Int::Bool);
+        }
         // `__index__` may run arbitrary code: `obj` is a strong reference, so the object
         // outlives the call whatever it does.
         // SAFETY: `obj` is live; `PyNumber_Index` returns a new reference or NULL with an
@@ -573,6 +578,15 @@ impl Int {
         usize::try_from(v)
             .map_err(|_| PyValueError::new_err(format!("{arg}: must be >= 0, got {v}")))
     }
+}
+
+/// numpy's bool scalar (`np.True_`). Before numpy 2.1 it has an `__index__` that only
+/// warns, so it must be refused by type; it cannot be subclassed, so the check is exact.
+fn is_numpy_bool(obj: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: reads a type object pointer from numpy's C-API table (loaded on first use,
+    // as by every array check).
+    let ty = unsafe { npyffi::get_type_object(obj.py(), npyffi::NpyTypes::PyBoolArrType_Type) };
+    obj.get_type().as_type_ptr() == ty
 }
 
 /// The error for an `__index__` that raised `err`, with `err` as its `__cause__`: a
