@@ -4,7 +4,7 @@
 //! Sequences (`tokens_arg`, `indices_arg`) accept, in the order they are tried:
 //! - an exact `list` or `tuple`: indexed in place (borrowed references), one type check
 //!   per element; an exact `int` converts straight to the target type, anything else
-//!   takes the slow path of [`Int`] (`__index__`, with `bool` refused);
+//!   takes the slow path of [`Int`] (`__index__`; `bool` and numpy's bool refused);
 //! - a 1-D numpy array of any integer dtype and either byte order: read in Rust from
 //!   numpy's buffer with no Python work per element (one copy when the dtype is already
 //!   the target's); masked arrays are refused, since their mask would be ignored;
