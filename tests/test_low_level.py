@@ -172,20 +172,21 @@ def test_tokens_as_numpy_arrays_of_any_integer_dtype(cache: rc.HybridCache, dtyp
     assert cache.match_prefix((1, 2)).device_len == 2
 
 
+NOT_A_SEQUENCE = "expected a sequence of integers (list, tuple or 1-D integer array), got"
 BAD_TOKENS = [
     ([1, -1], ValueError, "tokens: token id -1 at position 1 is out of range"),
     ([2**32], ValueError, "tokens: token id 4294967296"),
-    ([2**70], ValueError, "tokens: value at position 0 is out of the 64-bit range"),
+    ([2**70], ValueError, "tokens: token id 1180591620717411303424 at position 0 is out of range"),
     (np.array([1, -5]), ValueError, "tokens: token id -5"),
     (np.array([2**40], dtype=np.uint64), ValueError, "tokens: token id"),
     (np.array([[1, 2], [3, 4]]), ValueError, "tokens: expected a 1-D sequence"),
     (np.array([1.0, 2.0]), TypeError, "tokens: expected integers, got an array of dtype"),
     ([1, 2.5], TypeError, "tokens: expected integers, got float at position 1"),
     (["a"], TypeError, "tokens: expected integers, got str"),
-    ("abc", TypeError, "tokens: expected a sequence of integers, got str"),
-    (b"abc", TypeError, "tokens: expected a sequence of integers, got bytes"),
-    (None, TypeError, "tokens: expected a sequence of integers, got NoneType"),
-    (5, TypeError, "tokens: expected a sequence of integers, got int"),
+    ("abc", TypeError, f"tokens: {NOT_A_SEQUENCE} str"),
+    (b"abc", TypeError, f"tokens: {NOT_A_SEQUENCE} bytes"),
+    (None, TypeError, f"tokens: {NOT_A_SEQUENCE} NoneType"),
+    (5, TypeError, f"tokens: {NOT_A_SEQUENCE} int"),
 ]
 
 

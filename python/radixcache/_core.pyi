@@ -26,9 +26,17 @@ __all__ = [
     "__version__",
 ]
 
-#: A token sequence: a list/tuple of ints or a 1-D integer numpy array; ids in [0, 2**32).
+#: A token sequence, ids in [0, 2**32): a list or tuple (the fast path: exact ints, or
+#: objects with ``__index__`` such as numpy integer scalars), a 1-D numpy array of any
+#: integer dtype, byte order and stride (read without Python work per element; ``uint32``
+#: is copied as is), or another sequence (``range``, ``array.array``, a class with
+#: ``__getitem__``), read element by element. Refused with ``TypeError``: ``bool``
+#: elements and ``bool`` arrays, masked arrays (pass ``.filled()``/``.compressed()``),
+#: str/bytes/bytearray, and what is not a sequence (sets, dicts and their views,
+#: iterators, generators): their order is meaningless or they can be read only once.
 _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
-#: Slot indices: a list/tuple of ints or a 1-D integer numpy array.
+#: Slot indices: the same forms as ``_Tokens``, values in the 64-bit range (``int64``
+#: arrays are copied as is).
 _Indices: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 
 class CacheError(Exception):
@@ -537,4 +545,7 @@ class HybridCache:
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""
     def pretty(self, max_nodes: int = 200, max_tokens: int = 8) -> str:
-        """Return the tree as indented text (``str(cache)`` gives the same with the defaults)."""
+        """Return the tree as indented text (``str(cache)`` gives the same with the defaults).
+
+        ``max_nodes`` and ``max_tokens`` are counts: a negative one raises ``ValueError``.
+        """

@@ -7,14 +7,17 @@
 
 use std::ffi::CString;
 
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyMemoryError, PyResourceWarning, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
+use pyo3::types::PyDict;
 use radixcache_core as core;
 use radixcache_core::Cache;
+
+mod convert;
+use convert::{indices_arg, tokens_arg, BatchArg, Int};
 
 create_exception!(
     _core,
@@ -83,182 +86,6 @@ fn run<T: Send>(
         f
     };
     py.detach(|| cache.call(f)).map_err(err)
-}
-
-fn out_of_range(arg: &str, what: &str, v: impl std::fmt::Display, pos: usize, hi: &str) -> PyErr {
-    PyValueError::new_err(format!(
-        "{arg}: {what} {v} at position {pos} is out of range [0, {hi})"
-    ))
-}
-
-/// Reads a 1-D integer numpy array of any integer dtype into `Vec<i128>`-free values:
-/// `conv` checks and converts each element (in Rust, no Python object per element).
-macro_rules! read_array {
-    ($obj:expr, $conv:expr, $($t:ty),+) => {{
-        $(
-            if let Ok(a) = $obj.cast::<PyArray1<$t>>() {
-                let ro = a.readonly();
-                let view = ro.as_array();
-                let mut out = Vec::with_capacity(view.len());
-                for (pos, &v) in view.iter().enumerate() {
-                    #[allow(clippy::cast_lossless, clippy::cast_possible_wrap)]
-                    out.push($conv(v as i128, pos)?);
-                }
-                return Ok(out);
-            }
-        )+
-    }};
-}
-
-/// A 1-D integer sequence (list, tuple, or numpy array of any integer dtype), each
-/// element converted by `conv(value, position)`. Non-integers raise `TypeError`, a
-/// 2-D array `ValueError`; both name `arg`.
-fn int_seq<T>(
-    obj: &Bound<'_, PyAny>,
-    arg: &str,
-    conv: impl Fn(i128, usize) -> PyResult<T>,
-) -> PyResult<Vec<T>> {
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Err(PyValueError::new_err(format!(
-                "{arg}: expected a 1-D sequence of integers, got a {}-D array",
-                arr.ndim()
-            )));
-        }
-        read_array!(obj, &conv, i64, i32, u32, u64, i16, u16, i8, u8);
-        return Err(PyTypeError::new_err(format!(
-            "{arg}: expected integers, got an array of dtype {}",
-            arr.dtype()
-        )));
-    }
-    if obj.is_instance_of::<PyString>()
-        || obj.is_instance_of::<PyBytes>()
-        || obj.is_instance_of::<PyByteArray>()
-    {
-        return Err(PyTypeError::new_err(format!(
-            "{arg}: expected a sequence of integers, got {}",
-            obj.get_type().name()?
-        )));
-    }
-    let Ok(iter) = obj.try_iter() else {
-        return Err(PyTypeError::new_err(format!(
-            "{arg}: expected a sequence of integers, got {}",
-            obj.get_type().name()?
-        )));
-    };
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for (pos, item) in iter.enumerate() {
-        let item = item?;
-        let v: i128 = match item.extract::<i64>() {
-            Ok(v) => i128::from(v),
-            Err(_) => match item.extract::<u64>() {
-                Ok(v) => i128::from(v),
-                Err(_) if item.hasattr("__index__")? => {
-                    return Err(PyValueError::new_err(format!(
-                        "{arg}: value at position {pos} is out of the 64-bit range"
-                    )))
-                }
-                Err(_) => {
-                    return Err(PyTypeError::new_err(format!(
-                        "{arg}: expected integers, got {} at position {pos}",
-                        item.get_type().name()?
-                    )))
-                }
-            },
-        };
-        out.push(conv(v, pos)?);
-    }
-    Ok(out)
-}
-
-/// Token ids: `0 <= t < 2**32`.
-fn tokens_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
-    int_seq(obj, arg, |v, pos| {
-        u32::try_from(v).map_err(|_| out_of_range(arg, "token id", v, pos, "2**32"))
-    })
-}
-
-/// Slot indices as int64 (range against the pool is the core's check).
-fn indices_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<i64>> {
-    int_seq(obj, arg, |v, pos| {
-        i64::try_from(v).map_err(|_| out_of_range(arg, "slot", v, pos, "2**63"))
-    })
-}
-
-/// An integer argument, extracted without failing so that the error can name the
-/// argument on every Python version (pyo3 names it only in an exception note, which
-/// Python < 3.11 does not have).
-enum Int {
-    Value(i64),
-    /// Not an integer: its type name.
-    Other(String),
-    /// An integer out of the 64-bit range (its decimal form).
-    TooLarge(String),
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Int {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if let Ok(v) = obj.extract::<i64>() {
-            return Ok(Int::Value(v));
-        }
-        if obj.hasattr("__index__")? {
-            return Ok(Int::TooLarge(obj.str()?.to_string()));
-        }
-        Ok(Int::Other(obj.get_type().name()?.to_string()))
-    }
-}
-
-impl Int {
-    /// The value, or a `TypeError`/`ValueError` naming `arg`.
-    fn get(self, arg: &str) -> PyResult<i64> {
-        match self {
-            Int::Value(v) => Ok(v),
-            Int::Other(t) => Err(PyTypeError::new_err(format!(
-                "{arg}: expected an integer, got {t}"
-            ))),
-            Int::TooLarge(v) => Err(PyValueError::new_err(format!(
-                "{arg}: {v} is out of the 64-bit range"
-            ))),
-        }
-    }
-
-    /// A count: an integer >= 0.
-    fn count(self, arg: &str) -> PyResult<usize> {
-        let v = self.get(arg)?;
-        usize::try_from(v)
-            .map_err(|_| PyValueError::new_err(format!("{arg}: must be >= 0, got {v}")))
-    }
-}
-
-/// A batch id: the integer `TransferBatch.id` (the issuing cache in its high 64 bits).
-#[derive(Clone, Copy)]
-struct BatchArg(core::BatchId);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for BatchArg {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if !obj.is_instance_of::<pyo3::types::PyInt>()
-            || obj.is_instance_of::<pyo3::types::PyBool>()
-        {
-            return Err(PyTypeError::new_err(format!(
-                "batch_id: expected an integer, got {}",
-                obj.get_type().name()?
-            )));
-        }
-        obj.extract::<u128>()
-            .ok()
-            .and_then(core::BatchId::from_u128)
-            .map(BatchArg)
-            .ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "batch_id: no batch {} in flight",
-                    obj.str().map(|s| s.to_string()).unwrap_or_default()
-                ))
-            })
-    }
 }
 
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
@@ -573,17 +400,20 @@ impl PyHybridCache {
 
     /// The engine is about to run a batch's copies.
     fn start(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
-        run(py, &self.inner, 0, |c| c.start(batch_id.0))
+        let id = batch_id.get()?;
+        run(py, &self.inner, 0, |c| c.start(id))
     }
 
     /// A batch's copies are done: releases what it held.
     fn complete(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
-        run(py, &self.inner, 0, |c| c.complete(batch_id.0))
+        let id = batch_id.get()?;
+        run(py, &self.inner, 0, |c| c.complete(id))
     }
 
     /// A batch's copies failed: undoes what it would have published.
     fn fail(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
-        run(py, &self.inner, 0, |c| c.fail(batch_id.0))
+        let id = batch_id.get()?;
+        run(py, &self.inner, 0, |c| c.fail(id))
     }
 
     /// Device KV tokens in the tree that eviction may take.
@@ -627,8 +457,11 @@ impl PyHybridCache {
     }
 
     /// Return the tree as indented text, one line per node.
-    #[pyo3(signature = (max_nodes=200, max_tokens=8))]
-    fn pretty(&self, py: Python<'_>, max_nodes: usize, max_tokens: usize) -> PyResult<String> {
+    #[pyo3(signature = (max_nodes=Int::Value(200), max_tokens=Int::Value(8)),
+           text_signature = "($self, max_nodes=200, max_tokens=8)")]
+    fn pretty(&self, py: Python<'_>, max_nodes: Int, max_tokens: Int) -> PyResult<String> {
+        let max_nodes = max_nodes.count("max_nodes")?;
+        let max_tokens = max_tokens.count("max_tokens")?;
         run(py, &self.inner, 0, |c| Ok(c.pretty(max_nodes, max_tokens)))
     }
 
@@ -647,7 +480,7 @@ impl PyHybridCache {
     }
 
     fn __str__(&self, py: Python<'_>) -> PyResult<String> {
-        self.pretty(py, 200, 8)
+        self.pretty(py, Int::Value(200), Int::Value(8))
     }
 }
 
