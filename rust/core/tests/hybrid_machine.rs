@@ -1292,10 +1292,7 @@ impl Machine {
             let mamba = self.m.content.states.contains_key(&k);
             let receipt = self.cache.lock(node).unwrap();
             assert!(
-                self.m
-                    .receipts
-                    .iter()
-                    .all(|l| l.held.id() != receipt.id()),
+                self.m.receipts.iter().all(|l| l.held.id() != receipt.id()),
                 "receipt {} handed out twice",
                 receipt.id()
             );
