@@ -56,12 +56,22 @@ fn audit(c: &Cache) -> Result<()> {
     let (expected_lock, expected_mamba_lock) = expected_locks(c)?;
 
     let mut sums = Sums::default();
-    for (_, root) in c.roots.all() {
+    let empty = c.roots.empty();
+    if !tree.node(empty).children.is_empty() {
+        return broken("the empty root (answer of unknown namespaces) has children".to_owned());
+    }
+    let roots = c.roots.all();
+    for (ns, root) in roots.into_iter().chain([(None, empty)]) {
         let r = tree.node(root);
         if !r.live || !r.is_root() || !r.key.is_empty() || r.mamba.device.is_some() {
             return broken(format!(
                 "root slot {root} is not a live, empty, stateless root"
             ));
+        }
+        if let Some(ns) = ns {
+            if r.children.is_empty() && r.kv.lock == 0 {
+                return broken(format!("namespace {ns:?} holds nothing but keeps its root"));
+            }
         }
         for i in tree.preorder(root) {
             sums.reached += 1;

@@ -16,6 +16,8 @@
 //! * `alloc_kv` success/failure exactly (`None` iff free + evictable < n), page-structured
 //!   results taken only from free or evicted pages, no eviction when the pool has room;
 //! * `free_kv` results, and that bad slots fail and change nothing;
+//! * namespaces: a named one has a root only while it caches something or a lock holds
+//!   its root; reads of one without answer the shared empty root;
 //! * lock receipts: `lock` / `unlock`, a receipt dropped unreleased (released by the
 //!   cache's next call), a receipt of another cache refused, `lock` of an evicted node;
 //! * eviction legality after `alloc_kv` and `evict` (read back from `snapshot()`): only
@@ -232,6 +234,8 @@ struct Model {
     nodes: HashMap<Key, NodeId>,
     dead: Vec<NodeId>,
     dead_set: HashSet<NodeId>,
+    /// The shared empty root, once a read of a namespace without a root returned it.
+    empty_root: Option<NodeId>,
     history: Vec<Vec<u32>>,
 }
 
@@ -246,6 +250,33 @@ impl Model {
             5 | 6 if !self.history.is_empty() => self.history[t.hist % self.history.len()].clone(),
             _ => Vec::new(),
         })
+    }
+
+    /// Whether namespace `ns` has a root: the default one always, a named one while it
+    /// caches something or a lock holds its root.
+    fn has_root(&self, ns: &Ns) -> bool {
+        ns.is_none()
+            || self.cached.keys().any(|k| &k.0 == ns)
+            || self
+                .locks
+                .iter()
+                .any(|l| &l.ns == ns && Some(l.node) != self.empty_root)
+    }
+
+    /// Roots of namespaces left holding nothing are dropped: their handles go stale.
+    fn forget_dropped_roots(&mut self) {
+        let gone: Vec<Key> = self
+            .nodes
+            .keys()
+            .filter(|k| k.1.is_empty() && !self.has_root(&k.0))
+            .cloned()
+            .collect();
+        for k in gone {
+            if let Some(id) = self.nodes.remove(&k) {
+                self.dead.push(id);
+                self.dead_set.insert(id);
+            }
+        }
     }
 
     /// Live receipts covering each page-prefix.
@@ -289,6 +320,21 @@ impl Model {
             !self.dead_set.contains(&id),
             "evicted node {id} handed out again"
         );
+        if prefix.is_empty() && !self.has_root(ns) {
+            // A namespace that holds nothing has no root: reads answer the shared empty
+            // root, the same node for every such namespace.
+            match self.empty_root {
+                Some(e) => assert_eq!(e, id, "the empty root changed"),
+                None => {
+                    assert!(
+                        !self.nodes.values().any(|&n| n == id),
+                        "{id} is a real node"
+                    );
+                    self.empty_root = Some(id);
+                }
+            }
+            return;
+        }
         match self.nodes.get(&(ns.clone(), prefix.to_vec())) {
             Some(&old) => assert_eq!(old, id, "node handle for {ns:?} {prefix:?} changed"),
             None => {
@@ -319,6 +365,7 @@ impl Machine {
                 nodes: HashMap::new(),
                 dead: Vec::new(),
                 dead_set: HashSet::new(),
+                empty_root: None,
                 history: Vec::new(),
             },
         }
@@ -397,6 +444,7 @@ impl Machine {
             "evicted {freed} tokens (largest node {largest}) to free {target}"
         );
         self.m.cached = after;
+        self.m.forget_dropped_roots();
         removed
     }
 
@@ -881,6 +929,7 @@ impl Machine {
             Op::LockStale { pick } => self.do_lock_stale(*pick),
             Op::Evict { n } => self.do_evict(*n),
         }
+        self.m.forget_dropped_roots();
     }
 }
 

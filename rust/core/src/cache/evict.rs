@@ -93,6 +93,7 @@ impl Cache {
                 self.lru.unlist_kv(&mut self.tree, parent);
                 i = parent;
             } else {
+                self.drop_root_if_empty(parent);
                 return;
             }
         }
@@ -114,6 +115,7 @@ impl Cache {
         } else {
             let parent = self.delete_subtree(i, &mut out);
             self.refresh(parent);
+            self.drop_root_if_empty(parent);
         }
     }
 
@@ -153,7 +155,8 @@ impl Cache {
     }
 
     /// Deletes an unlocked device leaf together with the host-only nodes below it (an
-    /// unlocked node has no locked descendant); returns its parent.
+    /// unlocked node has no locked descendant); returns its parent (the caller drops it
+    /// if it is a root left empty).
     pub(crate) fn delete_subtree(&mut self, i: u32, out: &mut Evicted) -> u32 {
         let below = self.tree.preorder(i);
         for &d in below[1..].iter().rev() {
@@ -202,6 +205,7 @@ impl Cache {
         self.tree.unlink_child(parent, i);
         self.tree.free_node(i);
         self.refresh(parent);
+        self.drop_root_if_empty(parent);
         self.stats.host_evictions += 1;
         self.stats.host_evicted_tokens += len as u64;
     }

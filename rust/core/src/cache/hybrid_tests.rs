@@ -293,7 +293,12 @@ fn a_failed_admission_copy_drops_the_request_back_to_nothing() {
     c.fail(b[0].id).unwrap();
     let v = c.request(id).unwrap();
     assert_eq!((v.prefix_len, v.len, v.mamba_slot), (0, 0, None));
-    assert_eq!(c.locks.live(), 0);
+    assert_eq!(
+        c.locks.live(),
+        1,
+        "the request holds its namespace's root only"
+    );
+    assert_eq!(c.protected_size(), 0);
     // The request recomputes from scratch.
     c.extend(id, &[1, 2, 3, 4]).unwrap().unwrap();
     c.finish(id).unwrap();

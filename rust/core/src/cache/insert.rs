@@ -119,9 +119,10 @@ impl Cache {
                 return Err(e);
             }
         };
-        // From here on nothing can fail.
+        // From here on nothing can fail. A namespace gets a root only for a page to cache.
         let root = match existing_root {
             Some(root) => root,
+            None if aligned == 0 => self.roots.empty(),
             None => self.root(namespace),
         };
         let out = self.publish(root, &probe, tokens, owned_from, owned, state);

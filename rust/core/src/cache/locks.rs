@@ -158,6 +158,9 @@ impl Cache {
             if cur == node || last {
                 self.refresh(cur);
             }
+            if parent == NONE && last {
+                self.drop_root_if_empty(cur);
+            }
             cur = parent;
         }
         self.stats.unlocks += 1;

@@ -50,7 +50,7 @@ impl Cache {
         mut slots: Option<&mut Vec<i64>>,
     ) -> Found {
         self.reap();
-        let root = self.root(namespace);
+        let root = self.roots.read(namespace);
         let key = &tokens[..self.aligned(tokens.len())];
         let mut probe = std::mem::take(&mut self.probe);
         self.tree.probe(root, key, &mut probe);

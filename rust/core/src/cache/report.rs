@@ -56,7 +56,7 @@ impl Cache {
         out.extend([
             (
                 "nodes",
-                (self.tree.live_nodes - self.roots.named() - 1) as u64,
+                (self.tree.live_nodes - self.roots.named() - 2) as u64,
             ),
             ("namespaces", self.roots.named() as u64 + 1),
             ("live_locks", self.locks.live() as u64),
@@ -200,7 +200,7 @@ impl Cache {
             self.sizes.evictable_tokens,
             self.sizes.protected_tokens,
             self.available_kv(),
-            self.tree.live_nodes - self.roots.named() - 1
+            self.tree.live_nodes - self.roots.named() - 2
         )
     }
 

@@ -126,6 +126,9 @@ impl Cache {
     /// even after eviction. The request then holds only the reused prefix; `extend`
     /// adds the rest.
     pub fn admit(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Option<RequestId> {
+        // The request will cache into its namespace: it gets a root now (dropped again
+        // with the admission's lock if the admission is refused).
+        self.root(namespace);
         let m = self.find(namespace, tokens, None);
         let node = m.end;
         let lock = self.lock_index(node);
@@ -437,15 +440,16 @@ impl Cache {
         r.host_node = None;
         let kv = std::mem::replace(&mut r.kv, empty);
         let state = r.mamba.take();
-        let lock = r.lock.take();
         let namespace = r.namespace.clone();
         drop((kv, state));
-        if let Some(lock) = lock {
-            let _ = self.unlock(lock);
-        }
+        // The request now holds its namespace's root (locked, so that it stays).
         let root = self.root(namespace.as_deref());
+        let root_lock = self.lock_index(root);
         if let Ok(r) = self.request_mut(id) {
             r.node = root;
+            if let Some(old) = r.lock.replace(root_lock) {
+                let _ = self.unlock(old);
+            }
         }
     }
 
