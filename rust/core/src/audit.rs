@@ -56,23 +56,7 @@ fn audit(c: &Cache) -> Result<()> {
     let (expected_lock, expected_mamba_lock) = expected_locks(c)?;
 
     let mut sums = Sums::default();
-    let empty = c.roots.empty();
-    if !tree.node(empty).children.is_empty() {
-        return broken("the empty root (answer of unknown namespaces) has children".to_owned());
-    }
-    let roots = c.roots.all();
-    for (ns, root) in roots.into_iter().chain([(None, empty)]) {
-        let r = tree.node(root);
-        if !r.live || !r.is_root() || !r.key.is_empty() || r.mamba.device.is_some() {
-            return broken(format!(
-                "root slot {root} is not a live, empty, stateless root"
-            ));
-        }
-        if let Some(ns) = ns {
-            if r.children.is_empty() && r.kv.lock == 0 {
-                return broken(format!("namespace {ns:?} holds nothing but keeps its root"));
-            }
-        }
+    for root in check_roots(c)? {
         for i in tree.preorder(root) {
             sums.reached += 1;
             check_node(tree, i, tree.page_size)?;
@@ -149,6 +133,31 @@ fn audit(c: &Cache) -> Result<()> {
     check_pins(c)?;
     check_loads(c)?;
     check_sums(c, &sums)
+}
+
+/// Every root: live, keyless and stateless; a named namespace's holds something; the
+/// shared empty root has no child. Returns them all, the empty one last.
+fn check_roots(c: &Cache) -> Result<Vec<u32>> {
+    let empty = c.roots.empty();
+    if !c.tree.node(empty).children.is_empty() {
+        return broken("the empty root (answer of unknown namespaces) has children".to_owned());
+    }
+    let mut out = Vec::new();
+    for (ns, root) in c.roots.all().into_iter().chain([(None, empty)]) {
+        let r = c.tree.node(root);
+        if !r.live || !r.is_root() || !r.key.is_empty() || r.mamba.device.is_some() {
+            return broken(format!(
+                "root slot {root} is not a live, empty, stateless root"
+            ));
+        }
+        if let Some(ns) = ns {
+            if r.children.is_empty() && r.kv.lock == 0 {
+                return broken(format!("namespace {ns:?} holds nothing but keeps its root"));
+            }
+        }
+        out.push(root);
+    }
+    Ok(out)
 }
 
 /// 4 and 5: sizes and eviction sets equal what the walk added up.
