@@ -323,15 +323,14 @@ impl Model {
         if prefix.is_empty() && !self.has_root(ns) {
             // A namespace that holds nothing has no root: reads answer the shared empty
             // root, the same node for every such namespace.
-            match self.empty_root {
-                Some(e) => assert_eq!(e, id, "the empty root changed"),
-                None => {
-                    assert!(
-                        !self.nodes.values().any(|&n| n == id),
-                        "{id} is a real node"
-                    );
-                    self.empty_root = Some(id);
-                }
+            if let Some(e) = self.empty_root {
+                assert_eq!(e, id, "the empty root changed");
+            } else {
+                assert!(
+                    !self.nodes.values().any(|&n| n == id),
+                    "{id} is a real node"
+                );
+                self.empty_root = Some(id);
             }
             return;
         }
