@@ -34,6 +34,7 @@ struct Sums {
     kv_candidates: BTreeSet<(u64, u32)>,
     mamba_candidates: BTreeSet<(u64, u32)>,
     host_candidates: BTreeSet<(u64, u32)>,
+    host_state_candidates: BTreeSet<(u64, u32)>,
     reached: usize,
 }
 
@@ -56,6 +57,7 @@ fn audit(c: &Cache) -> Result<()> {
     let (expected_lock, expected_mamba_lock) = expected_locks(c)?;
 
     let mut sums = Sums::default();
+    let mut states_placed = 0;
     for root in check_roots(c)? {
         for i in tree.preorder(root) {
             sums.reached += 1;
@@ -88,16 +90,8 @@ fn audit(c: &Cache) -> Result<()> {
                     in_tree[k] += 1;
                 }
             }
-            // 3. A state sits at the end of a node that has KV on the same tier.
-            if n.mamba.device.is_some() && (n.kv.device.is_none() || n.is_root()) {
-                return broken(format!("node {id} has a state but no device KV"));
-            }
-            if n.mamba.host.is_some() && n.kv.host.is_none() {
-                return broken(format!("node {id} has a host state but no host KV"));
-            }
-            if n.mamba.device.is_none() && n.mamba.lock > 0 {
-                return broken(format!("node {id} has a state lock but no state"));
-            }
+            check_states(c, i)?;
+            states_placed += usize::from(n.mamba.device.is_some());
             check_marks(c, i)?;
             add_sizes(c, i, &mut sums);
             if n.kv.in_lru != sums.kv_candidates.contains(&(n.last_access, i))
@@ -111,6 +105,12 @@ fn audit(c: &Cache) -> Result<()> {
                 ));
             }
         }
+    }
+    let mapped = c.state_nodes.iter().filter(|&&i| i != NONE).count();
+    if mapped != states_placed {
+        return broken(format!(
+            "{mapped} state slots are mapped to nodes, {states_placed} nodes hold one"
+        ));
     }
     if sums.reached != tree.live_nodes {
         return broken(format!(
@@ -133,6 +133,36 @@ fn audit(c: &Cache) -> Result<()> {
     check_pins(c)?;
     check_loads(c)?;
     check_sums(c, &sums)
+}
+
+/// 3. A state sits at the end of a node that has KV on the same tier; the node holding a
+///    device state is the one the state's slot maps to, and it knows whether a transfer
+///    pins the slot.
+fn check_states(c: &Cache, i: u32) -> Result<()> {
+    let n = c.tree.node(i);
+    let id = c.tree.id(i);
+    if n.mamba.device.is_some() && (n.kv.device.is_none() || n.is_root()) {
+        return broken(format!("node {id} has a state but no device KV"));
+    }
+    if n.mamba.host.is_some() && n.kv.host.is_none() {
+        return broken(format!("node {id} has a host state but no host KV"));
+    }
+    if n.mamba.device.is_none() && n.mamba.lock > 0 {
+        return broken(format!("node {id} has a state lock but no state"));
+    }
+    if let Some(s) = n.mamba.device {
+        if c.state_nodes[s as usize] != i {
+            return broken(format!("state slot {s} of node {id} is not mapped to it"));
+        }
+    }
+    let pinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) > 0);
+    if n.mamba.pinned != pinned {
+        return broken(format!(
+            "node {id} marks its state pinned {}, the pool says {pinned}",
+            n.mamba.pinned
+        ));
+    }
+    Ok(())
 }
 
 /// Every root: live, keyless and stateless; a named namespace's holds something; the
@@ -199,11 +229,12 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
         ));
     }
     // 5. The eviction sets are exactly the candidates.
-    let [kv, mamba, host] = c.lru.sets();
+    let [kv, mamba, host, host_states] = c.lru.sets();
     for (name, set, candidates) in [
         ("kv", kv, &sums.kv_candidates),
         ("mamba", mamba, &sums.mamba_candidates),
         ("host", host, &sums.host_candidates),
+        ("host state", host_states, &sums.host_state_candidates),
     ] {
         if set != candidates {
             return broken(format!(
@@ -238,11 +269,15 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     }
     if n.kv.host.is_some() && n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
         sums.host_candidates.insert((n.last_access, i));
+        if n.mamba.host.is_some() {
+            sums.host_state_candidates.insert((n.last_access, i));
+        }
     }
     if n.kv.device.is_some() && n.kv.lock == 0 && n.mamba.lock == 0 && n.device_children == 0 {
         sums.kv_candidates.insert((n.last_access, i));
     }
-    if n.mamba.device.is_some() && n.mamba.lock == 0 {
+    let unpinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) == 0);
+    if unpinned && n.mamba.lock == 0 {
         sums.mamba_candidates.insert((n.mamba.last_access, i));
     }
 }

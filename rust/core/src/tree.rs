@@ -47,6 +47,9 @@ pub(crate) struct MambaNode {
     pub host: Option<u32>,
     /// A backup of this state to the host tier is in flight.
     pub backup_pending: bool,
+    /// A transfer pins the device state's slot (it is not an eviction candidate: evicting
+    /// it would only leave the slot draining). Kept by the cache from the pool's pins.
+    pub pinned: bool,
     /// Single-node lock count (receipts that copy or use this state).
     pub lock: u32,
     /// Whether the node is in the Mamba eviction set (a state, unlocked).

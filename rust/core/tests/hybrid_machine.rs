@@ -694,34 +694,27 @@ impl Model {
     }
 
     /// The states a state eviction takes, least recently used first among the unlocked
-    /// ones (`also_locked`: a state the call holds meanwhile): `Some(m)`: `m` of them
+    /// ones that no batch pins (evicting a pinned one would only leave its slot
+    /// draining; `also_locked`: a state the call holds meanwhile): `Some(m)`: `m` of them
     /// (`evict(0, m)`); `None`: an allocation's eviction when no slot is free, which
-    /// takes the least recently used state that no batch pins (a pinned one would
-    /// only drain), and nothing when there is none.
+    /// takes one, and nothing when there is none.
     fn state_victims(&self, also_locked: Option<&Key>, count: Option<usize>) -> BTreeSet<Key> {
         let (_, ml) = self.locks();
-        let mut lru: Vec<(u64, &Key, u32)> = self
+        let pinned = self.pinned();
+        let mut lru: Vec<(u64, &Key)> = self
             .content
             .states
             .iter()
-            .filter(|(k, _)| !ml.contains_key(*k) && Some(*k) != also_locked)
-            .map(|(k, &s)| (self.used[k], k, s))
+            .filter(|(k, s)| !ml.contains_key(*k) && Some(*k) != also_locked && !pinned.contains(s))
+            .map(|(k, _)| (self.used[k], k))
             .collect();
         lru.sort_unstable();
         let n = match count {
             Some(m) => m.min(lru.len()),
             None if !self.slots_in(PageState::Free).is_empty() => 0,
-            None => {
-                let pinned = self.pinned();
-                return lru
-                    .iter()
-                    .find(|(_, _, s)| !pinned.contains(s))
-                    .map(|(_, k, _)| (*k).clone())
-                    .into_iter()
-                    .collect();
-            }
+            None => 1.min(lru.len()),
         };
-        lru[..n].iter().map(|(_, k, _)| (*k).clone()).collect()
+        lru[..n].iter().map(|(_, k)| (*k).clone()).collect()
     }
 
     fn req_index(&self, id: RequestId) -> Option<usize> {
@@ -1367,12 +1360,13 @@ impl Machine {
         let ps = self.m.ps;
         let evictable = self.m.unlocked_pages() * ps;
         let (_, ml) = self.m.locks();
+        let pinned = self.m.pinned();
         let states = self
             .m
             .content
             .states
-            .keys()
-            .filter(|k| !ml.contains_key(*k))
+            .iter()
+            .filter(|(k, s)| !ml.contains_key(*k) && !pinned.contains(s))
             .count();
         let victims = self.m.state_victims(None, Some(mamba));
         let r = self.cache.evict(kv, mamba);
@@ -1398,7 +1392,16 @@ impl Machine {
             assert_eq!(self.cache.evictable_size(), 0);
         }
         if r.mamba_states < mamba {
-            assert_eq!(self.cache.evictable_states(), 0);
+            // What is left unlocked is pinned by a batch (not evicted: it would drain).
+            let (_, ml) = self.m.locks();
+            let left = self
+                .m
+                .content
+                .states
+                .iter()
+                .filter(|(k, _)| !ml.contains_key(*k));
+            assert!(left.clone().all(|(_, s)| pinned.contains(s)));
+            assert_eq!(self.cache.evictable_states(), left.count());
         }
         if kv == 0 && mamba == 0 {
             assert!(removed.is_empty());

@@ -63,7 +63,7 @@ impl Cache {
     /// pinned one would only drain); when there is none it evicts nothing.
     pub(crate) fn alloc_state(&mut self) -> Option<Pages> {
         if self.pools.mamba.free_pages() == 0 {
-            let Some(victim) = self.reclaimable_state() else {
+            let Some(victim) = self.lru.first_state() else {
                 self.stats.mamba_alloc_failures += 1;
                 return None;
             };
@@ -78,27 +78,10 @@ impl Cache {
         got
     }
 
-    /// Unlocked states whose slot no transfer pins, least recently used first.
-    fn reclaimable_states(&self) -> impl Iterator<Item = u32> + '_ {
-        self.lru.states().filter(|&i| {
-            self.tree
-                .node(i)
-                .mamba
-                .device
-                .is_some_and(|s| self.pools.mamba.pins(s) == 0)
-        })
-    }
-
-    /// The least recently used unlocked state whose slot no transfer pins.
-    fn reclaimable_state(&self) -> Option<u32> {
-        self.reclaimable_states().next()
-    }
-
     /// Whether `n` state slots can be had now: free, or held by states that can be
-    /// reclaimed.
+    /// reclaimed (unlocked, unpinned: the state eviction set).
     pub(crate) fn states_available(&self, n: usize) -> bool {
-        let free = self.pools.mamba.free_pages();
-        free >= n || free + self.reclaimable_states().take(n - free).count() >= n
+        self.pools.mamba.free_pages() + self.lru.state_count() >= n
     }
 
     /// Whether `pages` KV pages can be had now, by allocation or eviction (exact: every
@@ -155,10 +138,7 @@ impl Cache {
     /// host-only leaf that holds one (and nothing when there is none).
     pub(crate) fn alloc_host_state(&mut self) -> Option<Pages> {
         if self.pools.host_mamba.free_pages() == 0 {
-            let victim = self
-                .lru
-                .hosts()
-                .find(|&i| self.tree.node(i).mamba.host.is_some())?;
+            let victim = self.lru.first_host_state()?;
             self.delete_host_leaf(victim);
         }
         self.pools.host_mamba.try_alloc(1)

@@ -172,6 +172,9 @@ impl Cache {
                     .collect();
                 pages.dedup();
                 self.pools.of(c.pool, tier).pin(&pages);
+                if (c.pool, tier) == (PoolKind::Mamba, Tier::Device) {
+                    self.refresh_pinned(&pages);
+                }
                 pins.push(Pins {
                     pool: c.pool,
                     tier,
@@ -200,9 +203,12 @@ impl Cache {
     }
 
     /// Drops a finished batch's pins: a page given back meanwhile becomes free now.
-    pub(crate) fn unpin_all(&self, pins: &[Pins]) {
+    pub(crate) fn unpin_all(&mut self, pins: &[Pins]) {
         for p in pins {
             self.pools.of(p.pool, p.tier).unpin(&p.pages);
+            if (p.pool, p.tier) == (PoolKind::Mamba, Tier::Device) {
+                self.refresh_pinned(&p.pages);
+            }
         }
     }
 

@@ -2,6 +2,7 @@
 //! of deletion, and host eviction.
 
 use crate::ids::NodeId;
+use crate::tree::NONE;
 
 use super::{Cache, Evicted};
 
@@ -60,6 +61,8 @@ impl Cache {
         debug_assert_eq!(self.tree.node(i).mamba.lock, 0);
         self.lru.unlist_state(&mut self.tree, i);
         if let Some(slot) = self.edit(i, |n| n.mamba.device.take()) {
+            self.place_state(slot, NONE);
+            self.tree.node_mut(i).mamba.pinned = false;
             self.pools.mamba.release_tree(&[slot]);
             out.mamba_states += 1;
         }

@@ -219,3 +219,36 @@ fn a_request_admitted_through_a_split_host_only_path_can_load_it() {
     assert_eq!(c.request(r).unwrap().prefix_len, 4);
     c.audit().unwrap();
 }
+
+#[test]
+fn a_host_state_slot_comes_from_the_oldest_host_leaf_holding_one() {
+    // One host state slot. [1, 2] is demoted with its state; [1, 2, 3, 4] below it is
+    // host-only too but has no state on the host (the slot was taken): the next backup
+    // of a state takes the slot from the oldest host leaf that holds one, never from a
+    // leaf whose eviction would free none.
+    let mut c = Cache::new(Config {
+        kv_slots: 16,
+        page_size: 1,
+        mamba_slots: 4,
+        host_kv_slots: 32,
+        host_mamba_slots: 1,
+        ..Config::default()
+    })
+    .unwrap();
+    cached(&mut c, &[1, 2]);
+    run_all(&mut c);
+    c.evict(16, 0);
+    assert_eq!(c.match_prefix(None, &[1, 2]).host_len, 2);
+    let [_, _, host, host_states] = c.lru.sets();
+    assert_eq!((host.len(), host_states.len()), (1, 1));
+    cached(&mut c, &[7, 8]);
+    run_all(&mut c);
+    let m = c.match_prefix(None, &[7, 8]);
+    assert_eq!(m.device_len, 2);
+    assert_eq!(
+        c.match_prefix(None, &[1, 2]).host_len,
+        0,
+        "evicted for its state slot"
+    );
+    c.audit().unwrap();
+}

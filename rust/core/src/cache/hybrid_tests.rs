@@ -472,3 +472,28 @@ fn a_refused_extend_evicts_nothing() {
     c.abort(b).unwrap();
     c.audit().unwrap();
 }
+
+#[test]
+fn a_state_a_copy_reads_is_no_eviction_candidate_until_the_copy_ends() {
+    let mut c = hybrid(64, 1, 3);
+    cached_with_state(&mut c, &[1]);
+    cached_with_state(&mut c, &[2]);
+    // Admission of [1, 9] copies [1]'s state (its source is pinned by the cow batch);
+    // the admission's own lock on [1] goes when the request is aborted.
+    let r = c.admit(None, &[1, 9]).unwrap();
+    c.abort(r).unwrap();
+    let b = c.take_batches();
+    assert_eq!(c.lru.state_count(), 1, "only [2]'s state: [1]'s is pinned");
+    // [1] is the least recently used state, but evicting it would only drain its slot.
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert_eq!(
+        c.match_prefix(None, &[1]).device_len,
+        1,
+        "[1] kept its state"
+    );
+    assert_eq!(c.match_prefix(None, &[2]).device_len, 0, "[2]'s went");
+    c.audit().unwrap();
+    c.complete(b[0].id).unwrap();
+    assert_eq!(c.lru.state_count(), 1, "unpinned: a candidate again");
+    c.audit().unwrap();
+}

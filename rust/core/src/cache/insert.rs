@@ -265,6 +265,9 @@ impl Cache {
             debug_assert!(n.mamba.device.is_none() && n.kv.device.is_some() && slot.len() == 1);
             n.mamba.device = slot.first().copied();
         });
+        for &s in &slot {
+            self.place_state(s, i);
+        }
         self.stats.states_cached += 1;
         self.touch_state(i);
         self.refresh(i);

@@ -17,10 +17,13 @@ pub(crate) type LruSet = BTreeSet<(u64, u32)>;
 pub(crate) struct Lru {
     /// Unlocked device leaves whose state (if any) is unlocked too.
     kv: LruSet,
-    /// Unlocked device states.
+    /// Unlocked device states that no transfer pins (evicting a pinned one would only
+    /// leave its slot draining).
     mamba: LruSet,
     /// Unlocked host-only leaves.
     host: LruSet,
+    /// Those of `host` that hold a host state (where a host state slot can be had).
+    host_states: LruSet,
     clock: u64,
 }
 
@@ -42,6 +45,10 @@ impl Lru {
         if n.kv.in_host_lru {
             self.host.remove(&(old, i));
             self.host.insert((now, i));
+            if n.mamba.host.is_some() {
+                self.host_states.remove(&(old, i));
+                self.host_states.insert((now, i));
+            }
         }
     }
 
@@ -59,8 +66,9 @@ impl Lru {
     /// Puts node `i` in or out of each set according to what it is now.
     ///
     /// KV: an unlocked device leaf whose state (if any) is unlocked too, since evicting
-    /// the leaf's KV takes its state with it. Mamba: a device state, unlocked. Host: an
-    /// unlocked host-only leaf.
+    /// the leaf's KV takes its state with it. Mamba: a device state, unlocked, that no
+    /// transfer pins. Host: an unlocked host-only leaf (and, in the host-state set, one
+    /// holding a host state).
     pub fn refresh(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node(i);
         let host = !n.is_root()
@@ -73,11 +81,14 @@ impl Lru {
             && n.kv.lock == 0
             && n.mamba.lock == 0
             && n.device_children == 0;
-        let mamba = n.mamba.device.is_some() && n.mamba.lock == 0;
+        let mamba = n.mamba.device.is_some() && n.mamba.lock == 0 && !n.mamba.pinned;
+        let host_state = host && n.mamba.host.is_some();
         let (key, state_key) = ((n.last_access, i), (n.mamba.last_access, i));
         set_membership(&mut self.kv, key, n.kv.in_lru, kv);
         set_membership(&mut self.mamba, state_key, n.mamba.in_lru, mamba);
+        let host_state_was = n.kv.in_host_lru && self.host_states.contains(&key);
         set_membership(&mut self.host, key, n.kv.in_host_lru, host);
+        set_membership(&mut self.host_states, key, host_state_was, host_state);
         let n = tree.node_mut(i);
         n.kv.in_lru = kv;
         n.mamba.in_lru = mamba;
@@ -105,6 +116,7 @@ impl Lru {
         let n = tree.node_mut(i);
         if std::mem::take(&mut n.kv.in_host_lru) {
             self.host.remove(&(n.last_access, i));
+            self.host_states.remove(&(n.last_access, i));
         }
     }
 
@@ -127,19 +139,24 @@ impl Lru {
         self.host.first().map(|&(_, i)| i)
     }
 
-    /// State candidates, least recently used first.
-    pub fn states(&self) -> impl Iterator<Item = u32> + '_ {
-        self.mamba.iter().map(|&(_, i)| i)
+    /// The least recently used state candidate (left in the set).
+    pub fn first_state(&self) -> Option<u32> {
+        self.mamba.first().map(|&(_, i)| i)
     }
 
-    /// Host candidates, least recently used first.
-    pub fn hosts(&self) -> impl Iterator<Item = u32> + '_ {
-        self.host.iter().map(|&(_, i)| i)
+    /// State candidates.
+    pub fn state_count(&self) -> usize {
+        self.mamba.len()
     }
 
-    /// The three sets, for `audit()`: KV, states, host.
-    pub fn sets(&self) -> [&LruSet; 3] {
-        [&self.kv, &self.mamba, &self.host]
+    /// The least recently used host candidate that holds a host state (left in the set).
+    pub fn first_host_state(&self) -> Option<u32> {
+        self.host_states.first().map(|&(_, i)| i)
+    }
+
+    /// The sets, for `audit()`: KV, states, host, host with a state.
+    pub fn sets(&self) -> [&LruSet; 4] {
+        [&self.kv, &self.mamba, &self.host, &self.host_states]
     }
 
     /// Drops the oldest KV candidate without updating its node (audit tests corrupt

@@ -58,7 +58,7 @@ use crate::config::Config;
 use crate::error::Result;
 use crate::pool::{as_i64, Pool};
 use crate::stats::Stats;
-use crate::tree::{Node, Probe, Tree};
+use crate::tree::{Node, Probe, Tree, NONE};
 
 /// The four pools: device and host, KV and states.
 pub(crate) struct Pools {
@@ -98,6 +98,8 @@ pub struct Cache {
     pub(crate) batches: batch::Batches,
     pub(crate) loads: load::Loads,
     pub(crate) stats: Stats,
+    /// The node holding each device state slot (`NONE`: not in the tree).
+    pub(crate) state_nodes: Vec<u32>,
     /// Scratch space of walks (kept to avoid an allocation per call).
     probe: Probe,
 }
@@ -112,6 +114,7 @@ impl Cache {
     /// A cache with the given configuration (validated; errors name the argument).
     pub fn new(config: Config) -> Result<Cache> {
         config.validate()?;
+        let states = config.mamba_slots;
         let pools = Pools {
             kv: Pool::new("kv_slots", config.kv_slots, config.page_size)?,
             mamba: Pool::new("mamba_slots", config.mamba_slots, 1)?,
@@ -133,6 +136,7 @@ impl Cache {
             batches: batch::Batches::default(),
             loads: load::Loads::default(),
             stats: Stats::default(),
+            state_nodes: vec![NONE; states],
             probe: Probe::default(),
         })
     }
@@ -197,6 +201,27 @@ impl Cache {
     /// Puts node `i` in or out of the eviction sets according to what it is now.
     pub(crate) fn refresh(&mut self, i: u32) {
         self.lru.refresh(&mut self.tree, i);
+    }
+
+    /// Records that device state `slot` now sits on node `node` (`NONE`: left the tree),
+    /// with whether a transfer pins it.
+    pub(crate) fn place_state(&mut self, slot: u32, node: u32) {
+        self.state_nodes[slot as usize] = node;
+        if node != NONE {
+            self.tree.node_mut(node).mamba.pinned = self.pools.mamba.pins(slot) > 0;
+        }
+    }
+
+    /// After device state slots were pinned or unpinned: the nodes holding them become
+    /// eviction candidates, or stop being ones, accordingly.
+    pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
+        for &slot in slots {
+            let i = self.state_nodes[slot as usize];
+            if i != NONE {
+                self.tree.node_mut(i).mamba.pinned = self.pools.mamba.pins(slot) > 0;
+                self.refresh(i);
+            }
+        }
     }
 
     /// Marks node `i` as accessed now.
