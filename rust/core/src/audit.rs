@@ -205,6 +205,12 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
             want.protected_tokens
         ));
     }
+    if want.evicting_tokens != got.evicting_tokens {
+        return broken(format!(
+            "evicting tokens are {}, the nodes being evicted sum to {}",
+            got.evicting_tokens, want.evicting_tokens
+        ));
+    }
     if (want.evictable_states, want.protected_states)
         != (got.evictable_states, got.protected_states)
     {
@@ -273,7 +279,13 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
             sums.host_state_candidates.insert((n.last_access, i));
         }
     }
-    if n.kv.device.is_some() && n.kv.lock == 0 && n.mamba.lock == 0 && n.device_children == 0 {
+    if n.kv.device.is_some()
+        && n.kv.lock == 0
+        && n.mamba.lock == 0
+        && !n.kv.evicting
+        && !n.kv.backup_pending
+        && n.device_children == n.evicting_children
+    {
         sums.kv_candidates.insert((n.last_access, i));
     }
     let unpinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) == 0);
@@ -411,8 +423,15 @@ fn check_marks(c: &Cache, i: u32) -> Result<()> {
     if n.kv.loading && (n.kv.device.is_none() || n.kv.lock == 0) {
         return broken(format!("node {id} is loading without device KV or a lock"));
     }
-    if (n.kv.backup_pending || n.mamba.backup_pending) && n.kv.lock == 0 {
-        return broken(format!("node {id} is being backed up but is not locked"));
+    if (n.kv.backup_pending || n.mamba.backup_pending) && n.kv.in_lru {
+        return broken(format!(
+            "node {id} is being backed up but is an eviction candidate"
+        ));
+    }
+    if n.kv.evicting && (n.kv.device.is_none() || n.kv.lock > 0) {
+        return broken(format!(
+            "node {id} is being evicted without device KV or locked"
+        ));
     }
     if !n.is_root() {
         let p = c.tree.node(n.parent);
@@ -486,6 +505,7 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
         ));
     }
     let mut device_children = 0;
+    let mut evicting_children = 0;
     for &(h, c) in &n.children {
         let child = tree.node(c);
         if !child.live || child.parent != i {
@@ -501,7 +521,19 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
         }
         if child.kv.device.is_some() {
             device_children += 1;
+            evicting_children += u32::from(child.kv.evicting);
         }
+    }
+    if evicting_children != n.evicting_children {
+        return broken(format!(
+            "node {id} counts {} device children being evicted, has {evicting_children}",
+            n.evicting_children
+        ));
+    }
+    if n.kv.evicting && n.device_children != n.evicting_children {
+        return broken(format!(
+            "node {id} is being evicted but has a device child that is not"
+        ));
     }
     if device_children != n.device_children {
         return broken(format!(

@@ -35,6 +35,10 @@ pub(crate) struct KvNode {
     pub loading: bool,
     /// A backup of this node's KV to the host tier is in flight.
     pub backup_pending: bool,
+    /// Chosen by an eviction (write-back): its device KV is freed once its backup, if
+    /// any, has landed and its device children are gone. Unlocked and out of the
+    /// eviction set meanwhile; a lock or a new device child calls it off.
+    pub evicting: bool,
 }
 
 /// Per-node data of the Mamba component: at most one state, for the prefix that ends
@@ -71,6 +75,9 @@ pub(crate) struct Node {
     pub children: HashTable<(u64, u32)>,
     /// Children that hold device KV: a node with none is a device leaf.
     pub device_children: u32,
+    /// Those of them being evicted: a node all of whose device children are is a leaf
+    /// to be, and an eviction can choose it in the same pass.
+    pub evicting_children: u32,
     pub kv: KvNode,
     pub mamba: MambaNode,
     /// Logical time of the last access (larger is more recent).
@@ -87,6 +94,7 @@ impl Node {
             key: Vec::new(),
             children: HashTable::new(),
             device_children: 0,
+            evicting_children: 0,
             kv: KvNode::default(),
             mamba: MambaNode::default(),
             last_access: 0,
@@ -250,7 +258,8 @@ impl Tree {
     /// The lower part keeps the node's identity (handles stay valid and still end where
     /// they did); a new upper node takes the first `at` tokens (device and host pages
     /// alike), the parent link, a copy of the KV lock count (so that receipts below it
-    /// stay balanced) and the in-flight marks. A Mamba state
+    /// stay balanced) and the in-flight and eviction marks (it is part of what was being
+    /// backed up or evicted, and its only child is the lower part). A Mamba state
     /// (and its single-node lock) stays with the lower node, which still ends where the
     /// state was taken; the upper node is a Mamba tombstone.
     pub fn split(&mut self, i: u32, at: usize) -> u32 {
@@ -271,12 +280,13 @@ impl Tree {
             let upper_host = n.kv.host.as_mut().map(split_pages);
             (upper_key, upper_device, upper_host, n.kv.device.is_some())
         };
-        let (lock, loading, backup_pending, last_access, hits) = {
+        let (lock, loading, backup_pending, evicting, last_access, hits) = {
             let n = &self.nodes[i as usize];
             (
                 n.kv.lock,
                 n.kv.loading,
                 n.kv.backup_pending,
+                n.kv.evicting,
                 n.last_access,
                 n.hits,
             )
@@ -289,9 +299,11 @@ impl Tree {
             un.kv.lock = lock;
             un.kv.loading = loading;
             un.kv.backup_pending = backup_pending;
+            un.kv.evicting = evicting;
             un.last_access = last_access;
             un.hits = hits;
             un.device_children = u32::from(has_kv);
+            un.evicting_children = u32::from(has_kv && evicting);
         }
         self.nodes[i as usize].parent = u;
         self.link_child(parent, u);

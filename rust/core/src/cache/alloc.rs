@@ -33,15 +33,22 @@ impl Cache {
     /// `None` when even evicting everything evictable would not do, and then nothing is
     /// evicted: every unlocked node is reclaimable (locks cover whole paths, so an
     /// unlocked node has no locked descendant), so the check is exact.
+    ///
+    /// Under write-back the room an eviction makes arrives when its backups land: the
+    /// call then returns `None` having started, in this one round, every backup the room
+    /// needs (room already on its way from earlier evictions is not evicted again).
     pub(crate) fn alloc_pages(&mut self, pages: usize) -> Option<Pages> {
         let ps = self.config.page_size;
-        let free = self.pools.kv.free_pages();
-        if free < pages {
-            if free * ps + self.sizes.evictable_tokens < pages * ps {
+        let (free, need) = (self.pools.kv.free_pages() * ps, pages * ps);
+        if free < need {
+            if !self.kv_available(pages) {
                 self.stats.alloc_failures += 1;
                 return None;
             }
-            self.evict((pages - free) * ps, 0);
+            let coming = free + self.sizes.evicting_tokens;
+            if coming < need {
+                self.evict(need - coming, 0);
+            }
         }
         let got = self.pools.kv.try_alloc(pages);
         if got.is_none() {
@@ -85,10 +92,12 @@ impl Cache {
     }
 
     /// Whether `pages` KV pages can be had now, by allocation or eviction (exact: every
-    /// unlocked node is reclaimable).
+    /// unlocked node is reclaimable), counting the room evictions already on their way
+    /// will make (write-back: once their backups land).
     pub(crate) fn kv_available(&self, pages: usize) -> bool {
         let ps = self.config.page_size;
-        self.pools.kv.free_pages() * ps + self.sizes.evictable_tokens >= pages * ps
+        let s = &self.sizes;
+        self.pools.kv.free_pages() * ps + s.evictable_tokens + s.evicting_tokens >= pages * ps
     }
 
     /// Gives back a state slot the caller holds (from `alloc_mamba`). A slot that is

@@ -1,7 +1,6 @@
 //! Device eviction (LRU leaves, states, tombstones), demotion to the host tier instead
 //! of deletion, and host eviction.
 
-use crate::ids::NodeId;
 use crate::tree::NONE;
 
 use super::{Cache, Evicted};
@@ -68,24 +67,31 @@ impl Cache {
         }
     }
 
-    /// Evicts an unlocked device leaf (out of the KV set already). A leaf with a
-    /// useful host copy is demoted (kept with its host data only); under write-back one
-    /// without is backed up first and demoted when the copy completes; any other is
-    /// deleted with the host-only nodes below it. Ancestors left as childless stateless
-    /// unlocked leaves of a hybrid tree (unmatchable dead weight) go too.
+    /// Evicts a KV candidate (out of the KV set already): an unlocked device leaf, or a
+    /// leaf to be (every device child is being evicted).
+    ///
+    /// A leaf with a useful host copy is demoted (kept with its host data only). Under
+    /// write-back, one without is backed up and marked *evicting*: it is demoted when
+    /// the backup lands, and its parent, if that leaves it a leaf to be, becomes a
+    /// candidate in the same pass, so one round of backups makes all the room the
+    /// eviction counted (API rule 11). A leaf to be is marked evicting too (backed up
+    /// first if it needs it) and goes once its children have. Anything else is deleted
+    /// with what is below it. Ancestors left as childless stateless unlocked leaves of a
+    /// hybrid tree (unmatchable dead weight) go too. What is marked evicting counts as
+    /// evicted now.
     pub(crate) fn remove_leaf(&mut self, mut i: u32, out: &mut Evicted) {
         let hybrid = self.is_hybrid();
         loop {
             let n = self.tree.node(i);
-            let useful_on_host = n.kv.host.is_some()
-                && (!hybrid || n.mamba.host.is_some() || !n.children.is_empty());
-            if useful_on_host {
+            let (len, has_state, waits) =
+                (n.key.len(), n.mamba.device.is_some(), n.device_children > 0);
+            let useful = self.useful_on_host(i);
+            if useful && !waits {
                 self.demote(i, out);
                 return;
             }
-            let (len, has_state) = (n.key.len(), n.mamba.device.is_some());
-            if self.backup_for_eviction(i) {
-                // Counted as evicted now: its slots are free once the backup completes.
+            if useful || self.backup_for_eviction(i) {
+                self.set_evicting(i, true);
                 out.kv_tokens += len;
                 out.mamba_states += usize::from(has_state);
                 return;
@@ -102,23 +108,68 @@ impl Cache {
         }
     }
 
-    /// The end of a write-back eviction: the node, if nothing locked it meanwhile, is
-    /// demoted (backed up) or removed (backup failed).
-    pub(crate) fn finish_eviction(&mut self, demote: Option<NodeId>, backed_up: bool) {
-        let Some(i) = demote.and_then(|id| self.tree.resolve(id).ok()) else {
-            return;
-        };
-        if !self.tree.node(i).kv.in_lru {
+    /// Whether node `i` is worth keeping as host-only: it has a host KV copy and, in a
+    /// hybrid tree, a host state or children (a match needs a state on its path).
+    fn useful_on_host(&self, i: u32) -> bool {
+        let n = self.tree.node(i);
+        n.kv.host.is_some()
+            && (!self.is_hybrid() || n.mamba.host.is_some() || !n.children.is_empty())
+    }
+
+    /// Marks node `i` as being evicted or not, keeping its parent's count of evicting
+    /// children (what makes it a leaf to be) and both nodes' candidacy right.
+    fn set_evicting(&mut self, i: u32, on: bool) {
+        if self.tree.node(i).kv.evicting == on {
             return;
         }
-        self.lru.unlist_kv(&mut self.tree, i);
-        let mut out = Evicted::default();
-        if backed_up {
-            self.remove_leaf(i, &mut out);
-        } else {
-            let parent = self.delete_subtree(i, &mut out);
-            self.refresh(parent);
-            self.drop_root_if_empty(parent);
+        self.edit(i, |n| n.kv.evicting = on);
+        let parent = self.tree.node(i).parent;
+        if self.tree.node(i).kv.device.is_some() {
+            let p = self.tree.node_mut(parent);
+            if on {
+                p.evicting_children += 1;
+            } else {
+                p.evicting_children -= 1;
+            }
+        }
+        self.refresh(i);
+        self.refresh(parent);
+    }
+
+    /// Calls off the eviction of node `i` and of the ancestors waiting for it (a lock
+    /// wants it, or it gains a device child that is not being evicted). A backup of it
+    /// in flight still lands: the node then keeps its host copy.
+    pub(crate) fn cancel_eviction(&mut self, mut i: u32) {
+        while self.tree.node(i).kv.evicting {
+            self.set_evicting(i, false);
+            i = self.tree.node(i).parent;
+        }
+    }
+
+    /// Finishes the eviction of node `i` if it is ready (no backup in flight, no device
+    /// child left): demoted when it has a useful host copy, deleted (with what is below
+    /// it) when its backup failed; then the same for the ancestor that waited for it.
+    /// The room was counted when the eviction chose the node.
+    pub(crate) fn settle_eviction(&mut self, mut i: u32) {
+        loop {
+            let n = self.tree.node(i);
+            if !n.kv.evicting
+                || n.kv.backup_pending
+                || n.mamba.backup_pending
+                || n.device_children > 0
+            {
+                return;
+            }
+            let parent = n.parent;
+            self.set_evicting(i, false);
+            let mut uncounted = Evicted::default();
+            if self.useful_on_host(i) {
+                self.demote(i, &mut uncounted);
+            } else {
+                self.delete_subtree(i, &mut uncounted);
+                self.drop_root_if_empty(parent);
+            }
+            i = parent;
         }
     }
 
@@ -157,13 +208,20 @@ impl Cache {
         }
     }
 
-    /// Deletes an unlocked device leaf together with the host-only nodes below it (an
-    /// unlocked node has no locked descendant); returns its parent (the caller drops it
-    /// if it is a root left empty).
+    /// Deletes an unlocked device node together with what is below it: host-only nodes
+    /// and nodes being evicted (an unlocked node has no locked descendant; their room was
+    /// counted when the eviction chose them). Returns its parent (the caller drops it if
+    /// it is a root left empty).
     pub(crate) fn delete_subtree(&mut self, i: u32, out: &mut Evicted) -> u32 {
         let below = self.tree.preorder(i);
+        let mut counted = Evicted::default();
         for &d in below[1..].iter().rev() {
             let len = self.tree.node(d).key.len();
+            self.drop_state(d, &mut counted);
+            if let Some(pages) = self.edit(d, |n| n.kv.device.take()) {
+                self.pools.kv.release_tree(&pages);
+            }
+            self.lru.unlist_kv(&mut self.tree, d);
             self.drop_host(d);
             let parent = self.tree.node(d).parent;
             self.tree.unlink_child(parent, d);
@@ -171,6 +229,8 @@ impl Cache {
             self.stats.host_evictions += 1;
             self.stats.host_evicted_tokens += len as u64;
         }
+        self.set_evicting(i, false);
+        self.lru.unlist_kv(&mut self.tree, i);
         self.drop_state(i, out);
         self.drop_host(i);
         let pages = self.edit(i, |n| n.kv.device.take()).unwrap_or_default();

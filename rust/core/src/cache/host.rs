@@ -57,8 +57,10 @@ impl PathPages {
 
 /// What a backup batch carries until it is acknowledged.
 pub(crate) struct Backup {
-    /// Locks the path to `end` (every backed-up node) on the device.
-    pub lock: LockReceipt,
+    /// Locks the path to `end` (every backed-up node) on the device; `None` for the
+    /// backup of a node being evicted (it is out of the eviction set meanwhile, and a
+    /// lock would keep its ancestors from being evicted in the same round).
+    pub lock: Option<LockReceipt>,
     /// The deepest node of the batch (split-stable: a split keeps the lower identity).
     pub end: NodeId,
     /// Host pages for the KV of the nodes backed up, by page offset along the path.
@@ -170,15 +172,14 @@ impl Cache {
         demote: Option<NodeId>,
     ) {
         for &i in marked {
-            let n = self.tree.node_mut(i);
-            n.kv.backup_pending = n.kv.host.is_none();
+            self.edit(i, |n| n.kv.backup_pending = n.kv.host.is_none());
         }
         for (id, _) in &states {
             if let Ok(i) = self.tree.resolve(*id) {
                 self.tree.node_mut(i).mamba.backup_pending = true;
             }
         }
-        let lock = self.lock_index(end);
+        let lock = demote.is_none().then(|| self.lock_index(end));
         let mut copies = Vec::new();
         for (pool, (src, dst)) in [(PoolKind::Kv, kv_copy), (PoolKind::Mamba, state_copy)] {
             if !src.is_empty() {
@@ -279,14 +280,13 @@ impl Cache {
                 let len = self.tree.node(i).key.len();
                 let np = len / ps;
                 if let Some(pages) = b.kv.take(offset, offset + np) {
-                    let n = self.tree.node_mut(i);
-                    n.kv.backup_pending = false;
-                    if publish && n.kv.host.is_none() {
+                    self.edit(i, |n| n.kv.backup_pending = false);
+                    if publish && self.tree.node(i).kv.host.is_none() {
                         self.edit(i, |n| n.kv.host = Some(pages.into_tree()));
-                        self.refresh(i);
                     } else {
                         drop(pages);
                     }
+                    self.refresh(i);
                 }
                 offset += np;
             }
@@ -307,19 +307,25 @@ impl Cache {
     }
 
     /// A backup landed: the nodes get their host copies; a write-back eviction demotes.
-    pub(crate) fn backup_done(&mut self, mut b: Backup) {
-        self.settle_backup(&mut b, true);
-        let _ = self.unlock(b.lock);
+    pub(crate) fn backup_done(&mut self, b: Backup) {
         self.stats.backups_done += 1;
-        self.finish_eviction(b.demote, true);
+        self.end_backup(b, true);
     }
 
     /// A backup failed: the nodes stay not backed up; a write-back eviction removes the
     /// node instead of demoting it.
-    pub(crate) fn backup_failed(&mut self, mut b: Backup) {
-        self.settle_backup(&mut b, false);
-        let _ = self.unlock(b.lock);
+    pub(crate) fn backup_failed(&mut self, b: Backup) {
         self.stats.backups_failed += 1;
-        self.finish_eviction(b.demote, false);
+        self.end_backup(b, false);
+    }
+
+    fn end_backup(&mut self, mut b: Backup, landed: bool) {
+        self.settle_backup(&mut b, landed);
+        if let Some(lock) = b.lock.take() {
+            let _ = self.unlock(lock);
+        }
+        if let Some(i) = b.demote.and_then(|id| self.tree.resolve(id).ok()) {
+            self.settle_eviction(i);
+        }
     }
 }

@@ -253,6 +253,8 @@ impl Cache {
     pub(crate) fn give_device_pages(&mut self, i: u32, pages: Pages) {
         self.edit(i, |n| n.kv.device = Some(pages.into_tree()));
         let parent = self.tree.node(i).parent;
+        // A parent being evicted now has a device child that is not: it stays.
+        self.cancel_eviction(parent);
         self.tree.node_mut(parent).device_children += 1;
         self.refresh(parent);
         self.refresh(i);
@@ -384,6 +386,7 @@ impl Cache {
         let leaf = self.tree.alloc_node(parent, key);
         self.edit(leaf, |n| n.kv.device = Some(pages.into_tree()));
         self.tree.link_child(parent, leaf);
+        self.cancel_eviction(parent);
         self.tree.node_mut(parent).device_children += 1;
         self.touch(leaf);
         self.refresh(parent);

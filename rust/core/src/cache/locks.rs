@@ -99,6 +99,8 @@ impl Cache {
             });
             let parent = self.tree.node(cur).parent;
             if first && parent != NONE {
+                // Wanted again: a node being evicted stays (with ancestors waiting on it).
+                self.cancel_eviction(cur);
                 self.refresh(cur);
             }
             cur = parent;

@@ -65,8 +65,9 @@ impl Lru {
 
     /// Puts node `i` in or out of each set according to what it is now.
     ///
-    /// KV: an unlocked device leaf whose state (if any) is unlocked too, since evicting
-    /// the leaf's KV takes its state with it. Mamba: a device state, unlocked, that no
+    /// KV: an unlocked device leaf (or a leaf to be: every device child is being
+    /// evicted) whose state (if any) is unlocked too, since evicting the leaf's KV takes
+    /// its state with it, and that is neither being evicted nor backed up already. Mamba: a device state, unlocked, that no
     /// transfer pins. Host: an unlocked host-only leaf (and, in the host-state set, one
     /// holding a host state).
     pub fn refresh(&mut self, tree: &mut Tree, i: u32) {
@@ -80,7 +81,9 @@ impl Lru {
             && n.kv.device.is_some()
             && n.kv.lock == 0
             && n.mamba.lock == 0
-            && n.device_children == 0;
+            && !n.kv.evicting
+            && !n.kv.backup_pending
+            && n.device_children == n.evicting_children;
         let mamba = n.mamba.device.is_some() && n.mamba.lock == 0 && !n.mamba.pinned;
         let host_state = host && n.mamba.host.is_some();
         let (key, state_key) = ((n.last_access, i), (n.mamba.last_access, i));

@@ -65,6 +65,8 @@ impl Cache {
             ("kv_cached_tokens", self.total_size() as u64),
             ("kv_evictable_tokens", self.sizes.evictable_tokens as u64),
             ("kv_protected_tokens", self.sizes.protected_tokens as u64),
+            ("kv_evicting_tokens", self.sizes.evicting_tokens as u64),
+            ("kv_evicting_tokens", self.sizes.evicting_tokens as u64),
             ("kv_free_slots", c.free as u64 * ps),
             ("kv_caller_slots", c.caller as u64 * ps),
             ("kv_request_slots", c.owned as u64 * ps),

@@ -13,9 +13,10 @@ use crate::tree::Node;
 /// Tallies over nodes (or one node's contribution to them).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Sizes {
-    /// Device KV tokens of unlocked nodes.
+    /// Device KV tokens of unlocked nodes, neither being evicted nor backed up already.
     pub evictable_tokens: usize,
-    /// Device KV tokens of locked nodes.
+    /// Device KV tokens of locked nodes, and of nodes being evicted or backed up (held
+    /// for their backups: data in flight counts as protected).
     pub protected_tokens: usize,
     /// Device states no receipt holds.
     pub evictable_states: usize,
@@ -26,6 +27,9 @@ pub(crate) struct Sizes {
     /// Host KV tokens of unlocked host-only nodes: what host eviction can reclaim (an
     /// unlocked host-only node has only unlocked host-only nodes below it).
     pub host_evictable: usize,
+    /// Device KV tokens of nodes an eviction chose (write-back), freed once their
+    /// backups land: room on its way (part of `protected_tokens`).
+    pub evicting_tokens: usize,
 }
 
 impl Sizes {
@@ -38,10 +42,13 @@ impl Sizes {
         let len = n.key.len();
         let locked = n.kv.lock > 0;
         if n.kv.device.is_some() {
-            if locked {
+            if locked || n.kv.evicting || n.kv.backup_pending {
                 s.protected_tokens = len;
             } else {
                 s.evictable_tokens = len;
+            }
+            if n.kv.evicting {
+                s.evicting_tokens = len;
             }
         }
         if n.kv.host.is_some() {
@@ -79,6 +86,7 @@ impl AddAssign for Sizes {
         self.protected_states += o.protected_states;
         self.host_tokens += o.host_tokens;
         self.host_evictable += o.host_evictable;
+        self.evicting_tokens += o.evicting_tokens;
     }
 }
 
@@ -90,5 +98,6 @@ impl SubAssign for Sizes {
         self.protected_states -= o.protected_states;
         self.host_tokens -= o.host_tokens;
         self.host_evictable -= o.host_evictable;
+        self.evicting_tokens -= o.evicting_tokens;
     }
 }
