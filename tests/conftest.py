@@ -21,7 +21,30 @@ GAUGES = (
     "mamba_caller_slots",
     "mamba_request_slots",
     "mamba_draining_slots",
+    "kv_draining_slots",
+    "kv_evicting_tokens",
+    "host_kv_draining_slots",
+    "host_mamba_draining_slots",
 )
+
+#: Each pool's gauges: what its slots are doing, and the name of the cached figure.
+POOLS = (
+    ("kv", "cached_tokens"),
+    ("mamba", "cached_states"),
+    ("host_kv", "cached_tokens"),
+    ("host_mamba", "cached_states"),
+)
+
+
+def assert_pool_sums(cache: rc.HybridCache) -> None:
+    """For every pool, free + cached + caller + request + draining == capacity (host
+    pools have no caller or request slots): the gauges account for every slot, also
+    while copies run."""
+    s = cache.stats()
+    for pool, cached_name in POOLS:
+        parts = ("free_slots", cached_name, "caller_slots", "request_slots", "draining_slots")
+        total = sum(s.get(f"{pool}_{p}", 0) for p in parts)
+        assert total == s[f"{pool}_capacity_slots"], (pool, s)
 
 
 def fingerprint(cache: rc.HybridCache) -> tuple[object, ...]:

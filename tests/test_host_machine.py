@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import fingerprint
+from conftest import assert_pool_sums, fingerprint
 
 SYSTEM = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12]]
 NAMESPACES = st.sampled_from([None, None, None, "a"])
@@ -1200,6 +1200,7 @@ class HostMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         c = self.cache
+        assert_pool_sums(c)
         c.audit()
         s = c.stats()
         live = self.live()

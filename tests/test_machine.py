@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import fingerprint
+from conftest import assert_pool_sums, fingerprint
 from model import Key, Model
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
@@ -241,6 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.audit()
+        assert_pool_sums(self.cache)
         assert self.cache.evictable_size() == self.model.evictable()
         assert self.cache.protected_size() == self.model.protected()
         assert self.cache.total_size() == self.model.total()

@@ -6,8 +6,8 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use crate::cache::batch::Action;
 use crate::cache::load::CopyOutcome;
+use crate::cache::report::POOLS;
 use crate::cache::sizes::Sizes;
 use crate::cache::{Cache, PoolKind, Tier};
 use crate::error::{Error, Result};
@@ -315,20 +315,19 @@ fn conserve(name: &str, counts: PoolCounts, in_tree: usize, owned: usize) -> Res
 fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
     let mut owned = [0usize; 4];
     let mut seen = HashSet::new();
-    let mut hold = |k: usize, pages: &[u32]| -> Result<()> {
+    let mut twice = None;
+    c.holdings(|k, _, pages| {
         for &p in pages {
             if !seen.insert((k, p)) {
-                return broken(format!("page {p} of pool {k} is held twice"));
+                twice.get_or_insert((k, p));
             }
         }
         owned[k] += pages.len();
-        Ok(())
-    };
+    });
+    if let Some((k, p)) = twice {
+        return broken(format!("page {p} of pool {} is held twice", POOLS[k]));
+    }
     for r in c.requests.iter() {
-        hold(0, r.kv.pages())?;
-        if let Some(s) = &r.mamba {
-            hold(1, s.pages())?;
-        }
         if let Some(id) = r.load {
             if !c.loads.contains(id) {
                 return broken(format!("a request waits on load-back {id}, which is gone"));
@@ -336,37 +335,10 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
         }
         // The request's prefix is locked by its receipt and ends at its node.
         let Some(lock) = &r.lock else {
-            if r.prefix_len != 0 {
-                return broken(format!(
-                    "a request reuses {} tokens without a lock",
-                    r.prefix_len
-                ));
-            }
-            continue;
+            return broken("a live request holds no lock".to_owned());
         };
         if c.locked_node(lock.id()) != Some(r.node) {
             return broken("a request's receipt does not lock its node".to_owned());
-        }
-    }
-    for (_, load) in c.loads.iter() {
-        hold(0, load.kv.pages())?;
-        for s in [&load.restore, &load.req_slot].into_iter().flatten() {
-            hold(1, s.pages())?;
-        }
-        if let Some(s) = load.saved.as_ref().and_then(|saved| saved.mamba.as_ref()) {
-            hold(1, s.pages())?;
-        }
-    }
-    for p in c.batches.pending.values() {
-        match &p.action {
-            Action::CheckpointCow { dst, .. } => hold(1, dst.pages())?,
-            Action::Backup(b) => {
-                hold(2, b.kv.pages())?;
-                for (_, s) in &b.states {
-                    hold(3, s.pages())?;
-                }
-            }
-            Action::AdmitCow { .. } | Action::LoadBack => {}
         }
     }
     Ok(owned)

@@ -60,8 +60,8 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 
 use common::{
-    caller_slots, i64_of, ns_of, proptest_config, remember, tail, tok_spec_of, Ns, OwnedFrom, Rng,
-    TokSpec, SYSTEM,
+    assert_pool_sums, caller_slots, i64_of, ns_of, proptest_config, remember, tail, tok_spec_of,
+    Ns, OwnedFrom, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
 use radixcache_core::{
@@ -679,6 +679,7 @@ impl Machine {
     /// Everything that must hold after every step.
     fn check(&self) {
         self.cache.audit().unwrap();
+        assert_pool_sums(&self.cache);
         self.check_tree();
         self.check_requests();
         let [kv, mamba, ..] = counts(&self.cache);

@@ -68,10 +68,10 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use common::{
-    add_lock, arg_of, assert_locks, assert_sizes, batch_id, cached_len, cached_slots,
-    evicted_pages, extensions, i64_of, key, ns_of, page_of, page_slots, proptest_config, remember,
-    some_held_slots, tail, take_allocated, tok_spec_of, tree_pages, valid_insert_args, Key, Ns,
-    OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
+    add_lock, arg_of, assert_locks, assert_pool_sums, assert_sizes, batch_id, cached_len,
+    cached_slots, evicted_pages, extensions, i64_of, key, ns_of, page_of, page_slots,
+    proptest_config, remember, some_held_slots, tail, take_allocated, tok_spec_of, tree_pages,
+    valid_insert_args, Key, Ns, OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
 use radixcache_core::{
@@ -814,6 +814,7 @@ impl Machine {
     #[allow(clippy::too_many_lines)]
     fn check(&mut self) {
         self.cache.audit().unwrap();
+        assert_pool_sums(&self.cache);
         let ps = self.m.ps;
         let r = read(&self.cache, ps);
         assert_eq!(
@@ -839,11 +840,13 @@ impl Machine {
             .filter(|k| kvl.contains_key(*k))
             .count();
         assert_sizes(&self.cache, ps, r.content.pages.len(), protected);
+        // Protected: held by a receipt, or pinned by a batch (in flight).
+        let pinned = self.m.pinned();
         let pstates = r
             .content
             .states
-            .keys()
-            .filter(|k| ml.contains_key(*k))
+            .iter()
+            .filter(|(k, s)| ml.contains_key(*k) || pinned.contains(s))
             .count();
         assert_eq!(self.cache.protected_states(), pstates, "protected_states");
         assert_eq!(
@@ -1394,14 +1397,14 @@ impl Machine {
         if r.mamba_states < mamba {
             // What is left unlocked is pinned by a batch (not evicted: it would drain).
             let (_, ml) = self.m.locks();
-            let left = self
+            let mut left = self
                 .m
                 .content
                 .states
                 .iter()
                 .filter(|(k, _)| !ml.contains_key(*k));
-            assert!(left.clone().all(|(_, s)| pinned.contains(s)));
-            assert_eq!(self.cache.evictable_states(), left.count());
+            assert!(left.all(|(_, s)| pinned.contains(s)));
+            assert_eq!(self.cache.evictable_states(), 0);
         }
         if kv == 0 && mamba == 0 {
             assert!(removed.is_empty());

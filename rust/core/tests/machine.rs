@@ -44,10 +44,10 @@ mod common;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use common::{
-    add_lock, arg_of, assert_locks, assert_sizes, cached_len, cached_slots, caller_slots,
-    evicted_pages, i64_of, key, ns_of, page_of, page_slots, proptest_config, remember,
-    some_held_slots, tail, take_allocated, tok_spec_of, tree_pages, valid_insert_args, Key, Ns,
-    OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
+    add_lock, arg_of, assert_locks, assert_pool_sums, assert_sizes, cached_len, cached_slots,
+    caller_slots, evicted_pages, i64_of, key, ns_of, page_of, page_slots, proptest_config,
+    remember, some_held_slots, tail, take_allocated, tok_spec_of, tree_pages, valid_insert_args,
+    Key, Ns, OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
 use radixcache_core::{Cache, Config, Error, LockReceipt, Match, NodeId, NodeInfo, PoolCounts};
@@ -373,6 +373,7 @@ impl Machine {
     /// After every step: audit, model == tree, sizes exact.
     fn check(&self) {
         self.cache.audit().unwrap();
+        assert_pool_sums(&self.cache);
         let ps = self.m.ps;
         let (tree, tree_locks) = tree_pages(&self.cache.snapshot(), ps);
         assert_eq!(tree, self.m.cached, "model and tree disagree");

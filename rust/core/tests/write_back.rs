@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::proptest_config;
+use common::{assert_pool_sums, proptest_config};
 use proptest::prelude::*;
 use radixcache_core::{Cache, Config, WritePolicy};
 
@@ -147,8 +147,10 @@ proptest! {
                 "write-back could not make {n} slots in one round: {wb:?}"
             );
         }
-        wt.audit().unwrap();
-        wb.audit().unwrap();
+        for c in [&wt, &wb] {
+            c.audit().unwrap();
+            assert_pool_sums(c);
+        }
     }
 }
 
@@ -183,6 +185,7 @@ fn a_chain_of_nodes_is_evicted_in_one_round() {
     for b in batches.iter().rev() {
         c.complete(b.id).unwrap();
         c.audit().unwrap();
+        assert_pool_sums(&c);
     }
     assert_eq!(c.alloc_kv(12).unwrap().map(|s| s.len()), Some(12));
     assert_eq!(

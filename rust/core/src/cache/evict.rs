@@ -59,9 +59,11 @@ impl Cache {
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
         debug_assert_eq!(self.tree.node(i).mamba.lock, 0);
         self.lru.unlist_state(&mut self.tree, i);
-        if let Some(slot) = self.edit(i, |n| n.mamba.device.take()) {
+        if let Some(slot) = self.edit(i, |n| {
+            n.mamba.pinned = false;
+            n.mamba.device.take()
+        }) {
             self.place_state(slot, NONE);
-            self.tree.node_mut(i).mamba.pinned = false;
             self.pools.mamba.release_tree(&[slot]);
             out.mamba_states += 1;
         }

@@ -263,13 +263,14 @@ impl Cache {
     /// Publishes a state slot on node `i` (which has device KV and no state).
     pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
         let slot = state.into_tree();
+        for &s in &slot {
+            // Marked pinned or not first, so that the tallies count it right at once.
+            self.place_state(s, i);
+        }
         self.edit(i, |n| {
             debug_assert!(n.mamba.device.is_none() && n.kv.device.is_some() && slot.len() == 1);
             n.mamba.device = slot.first().copied();
         });
-        for &s in &slot {
-            self.place_state(s, i);
-        }
         self.stats.states_cached += 1;
         self.touch_state(i);
         self.refresh(i);

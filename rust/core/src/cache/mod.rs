@@ -38,7 +38,7 @@ pub(crate) mod locks;
 mod lookup;
 mod lru;
 mod namespaces;
-mod report;
+pub(crate) mod report;
 pub(crate) mod request;
 mod results;
 pub(crate) mod returns;
@@ -208,7 +208,8 @@ impl Cache {
     pub(crate) fn place_state(&mut self, slot: u32, node: u32) {
         self.state_nodes[slot as usize] = node;
         if node != NONE {
-            self.tree.node_mut(node).mamba.pinned = self.pools.mamba.pins(slot) > 0;
+            let pinned = self.pools.mamba.pins(slot) > 0;
+            self.edit(node, |n| n.mamba.pinned = pinned);
         }
     }
 
@@ -218,7 +219,8 @@ impl Cache {
         for &slot in slots {
             let i = self.state_nodes[slot as usize];
             if i != NONE {
-                self.tree.node_mut(i).mamba.pinned = self.pools.mamba.pins(slot) > 0;
+                let pinned = self.pools.mamba.pins(slot) > 0;
+                self.edit(i, |n| n.mamba.pinned = pinned);
                 self.refresh(i);
             }
         }

@@ -8,9 +8,97 @@ use crate::ids::NodeId;
 use crate::pool::{as_i64, PoolCounts};
 use crate::tree::NONE;
 
+use super::batch::Action;
 use super::{Cache, NodeInfo};
 
+/// Who holds pages as owned values (what a pool counts as `owned`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holder {
+    /// A request, or a load-back record not committed yet (its guard's).
+    Request,
+    /// A transfer in flight: a batch's destinations (checkpoint copy, backup), or what a
+    /// committed load-back keeps until its copies end.
+    InFlight,
+}
+
+/// The pools in the order of the per-pool figures: device KV, device states, host KV,
+/// host states.
+pub(crate) const POOLS: [&str; 4] = ["kv", "mamba", "host_kv", "host_mamba"];
+
 impl Cache {
+    /// Calls `f(pool, holder, pages)` for every run of pages held as an owned value (by
+    /// requests, load-back records and batches); `pool` indexes [`POOLS`]. `stats()`
+    /// sums them per holder; `audit()` checks that each page is held once and that they
+    /// are exactly the pools' owned pages.
+    pub(crate) fn holdings(&self, mut f: impl FnMut(usize, Holder, &[u32])) {
+        for r in self.requests.iter() {
+            f(0, Holder::Request, r.kv.pages());
+            if let Some(s) = &r.mamba {
+                f(1, Holder::Request, s.pages());
+            }
+        }
+        for (_, load) in self.loads.iter() {
+            let holder = if load.committed {
+                Holder::InFlight
+            } else {
+                Holder::Request
+            };
+            f(0, holder, load.kv.pages());
+            for s in [&load.restore, &load.req_slot].into_iter().flatten() {
+                f(1, holder, s.pages());
+            }
+            if let Some(s) = load.saved.as_ref().and_then(|saved| saved.mamba.as_ref()) {
+                f(1, Holder::InFlight, s.pages());
+            }
+        }
+        for p in self.batches.pending.values() {
+            match &p.action {
+                Action::CheckpointCow { dst, .. } => f(1, Holder::InFlight, dst.pages()),
+                Action::Backup(b) => {
+                    f(2, Holder::InFlight, b.kv.pages());
+                    for (_, s) in &b.states {
+                        f(3, Holder::InFlight, s.pages());
+                    }
+                }
+                Action::AdmitCow { .. } | Action::LoadBack => {}
+            }
+        }
+    }
+
+    /// Slots of each pool by where they are: `[free, cached, caller, request,
+    /// draining]`, summing to the capacity. Cached: in the tree. Caller: raw indices from
+    /// `alloc_kv`/`alloc_mamba`. Request: held by requests and uncommitted load-backs.
+    /// Draining: held by transfers in flight, or given back while a transfer pins them
+    /// (free once it ends).
+    pub(crate) fn pool_slots(&self) -> [[u64; 5]; 4] {
+        let mut in_flight = [0usize; 4];
+        self.holdings(|k, holder, pages| {
+            if holder == Holder::InFlight {
+                in_flight[k] += pages.len();
+            }
+        });
+        let pools = [
+            &self.pools.kv,
+            &self.pools.mamba,
+            &self.pools.host_kv,
+            &self.pools.host_mamba,
+        ];
+        let mut out = [[0u64; 5]; 4];
+        for (k, pool) in pools.into_iter().enumerate() {
+            let c = pool.counts();
+            let per = pool.page_size() as u64;
+            let slots = |n: usize| n as u64 * per;
+            out[k] = [
+                slots(c.free),
+                slots(c.tree),
+                slots(c.caller),
+                slots(c.owned - in_flight[k]),
+                slots(c.draining + in_flight[k]),
+            ];
+        }
+        out
+    }
+
     /// Device KV tokens in the tree that eviction may take (unlocked).
     pub fn evictable_size(&self) -> usize {
         self.sizes.evictable_tokens
@@ -48,10 +136,7 @@ impl Cache {
 
     /// Counters and gauges, in a fixed order.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
-        let c = self.pools.kv.counts();
-        let m = self.pools.mamba.counts();
-        let h = self.pools.host_kv.counts();
-        let ps = self.config.page_size as u64;
+        let [kv, mamba, host_kv, host_mamba] = self.pool_slots();
         let mut out = self.stats.entries();
         out.extend([
             (
@@ -62,40 +147,37 @@ impl Cache {
             ("live_locks", self.locks.live() as u64),
             ("live_requests", self.requests.live() as u64),
             ("batches_in_flight", self.batches.len() as u64),
-            ("kv_cached_tokens", self.total_size() as u64),
+            ("load_backs_pending", self.loads.len() as u64),
+            // Each pool: free + cached + caller + request + draining = capacity.
+            ("kv_free_slots", kv[0]),
+            ("kv_cached_tokens", kv[1]),
+            ("kv_caller_slots", kv[2]),
+            ("kv_request_slots", kv[3]),
+            ("kv_draining_slots", kv[4]),
+            ("kv_capacity_slots", self.config.kv_slots as u64),
             ("kv_evictable_tokens", self.sizes.evictable_tokens as u64),
             ("kv_protected_tokens", self.sizes.protected_tokens as u64),
             ("kv_evicting_tokens", self.sizes.evicting_tokens as u64),
-            ("kv_evicting_tokens", self.sizes.evicting_tokens as u64),
-            ("kv_free_slots", c.free as u64 * ps),
-            ("kv_caller_slots", c.caller as u64 * ps),
-            ("kv_request_slots", c.owned as u64 * ps),
-            ("kv_capacity_slots", self.config.kv_slots as u64),
-            ("mamba_cached_states", (self.sizes.device_states()) as u64),
+            ("mamba_free_slots", mamba[0]),
+            ("mamba_cached_states", mamba[1]),
+            ("mamba_caller_slots", mamba[2]),
+            ("mamba_request_slots", mamba[3]),
+            ("mamba_draining_slots", mamba[4]),
+            ("mamba_capacity_slots", self.config.mamba_slots as u64),
             ("mamba_evictable_states", self.sizes.evictable_states as u64),
             ("mamba_protected_states", self.sizes.protected_states as u64),
-            ("mamba_free_slots", m.free as u64),
-            ("mamba_caller_slots", m.caller as u64),
-            ("mamba_request_slots", m.owned as u64),
-            ("mamba_draining_slots", m.draining as u64),
-            ("mamba_capacity_slots", self.config.mamba_slots as u64),
-            ("host_kv_cached_tokens", self.sizes.host_tokens as u64),
-            ("host_kv_evictable_tokens", self.sizes.host_evictable as u64),
-            ("host_kv_free_slots", h.free as u64 * ps),
+            ("host_kv_free_slots", host_kv[0]),
+            ("host_kv_cached_tokens", host_kv[1]),
+            ("host_kv_draining_slots", host_kv[4]),
             ("host_kv_capacity_slots", self.config.host_kv_slots as u64),
-            (
-                "host_mamba_cached_states",
-                self.pools.host_mamba.counts().tree as u64,
-            ),
-            (
-                "host_mamba_free_slots",
-                self.pools.host_mamba.free_pages() as u64,
-            ),
+            ("host_kv_evictable_tokens", self.sizes.host_evictable as u64),
+            ("host_mamba_free_slots", host_mamba[0]),
+            ("host_mamba_cached_states", host_mamba[1]),
+            ("host_mamba_draining_slots", host_mamba[4]),
             (
                 "host_mamba_capacity_slots",
                 self.config.host_mamba_slots as u64,
             ),
-            ("load_backs_pending", self.loads.len() as u64),
         ]);
         out
     }

@@ -18,9 +18,9 @@ pub(crate) struct Sizes {
     /// Device KV tokens of locked nodes, and of nodes being evicted or backed up (held
     /// for their backups: data in flight counts as protected).
     pub protected_tokens: usize,
-    /// Device states no receipt holds.
+    /// Device states no receipt holds and no transfer pins.
     pub evictable_states: usize,
-    /// Device states a receipt holds.
+    /// Device states a receipt holds or a transfer pins (in flight counts as protected).
     pub protected_states: usize,
     /// Host KV tokens.
     pub host_tokens: usize,
@@ -58,7 +58,7 @@ impl Sizes {
             }
         }
         if n.mamba.device.is_some() {
-            if n.mamba.lock > 0 {
+            if n.mamba.lock > 0 || n.mamba.pinned {
                 s.protected_states = 1;
             } else {
                 s.evictable_states = 1;

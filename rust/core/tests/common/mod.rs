@@ -395,3 +395,37 @@ pub fn evicted_pages<'a>(
 pub fn batch_id(c: &Cache, seq: u64) -> radixcache_core::BatchId {
     radixcache_core::BatchId::from_u128((u128::from(c.id().get()) << 64) | u128::from(seq)).unwrap()
 }
+
+/// The pool gauges of `stats()` add up: for each pool, free + cached + caller + request +
+/// draining slots are its capacity (host pools have no caller or request slots).
+pub fn assert_pool_sums(c: &Cache) {
+    let stats: HashMap<&str, u64> = c.stats().into_iter().collect();
+    let get = |k: String| -> u64 {
+        *stats
+            .get(k.as_str())
+            .unwrap_or_else(|| panic!("no gauge {k}"))
+    };
+    for (pool, cached) in [
+        ("kv", "cached_tokens"),
+        ("mamba", "cached_states"),
+        ("host_kv", "cached_tokens"),
+        ("host_mamba", "cached_states"),
+    ] {
+        let parts = [
+            "free_slots",
+            cached,
+            "caller_slots",
+            "request_slots",
+            "draining_slots",
+        ];
+        let sum: u64 = parts
+            .iter()
+            .filter_map(|p| stats.get(format!("{pool}_{p}").as_str()))
+            .sum();
+        assert_eq!(
+            sum,
+            get(format!("{pool}_capacity_slots")),
+            "{pool}: free + cached + caller + request + draining != capacity: {stats:?}"
+        );
+    }
+}
