@@ -151,7 +151,7 @@ fn check_states(c: &Cache, i: u32) -> Result<()> {
         return broken(format!("node {id} has a state lock but no state"));
     }
     if let Some(s) = n.mamba.device {
-        if c.state_nodes[s as usize] != i {
+        if c.state_nodes.get(s as usize) != Some(&i) {
             return broken(format!("state slot {s} of node {id} is not mapped to it"));
         }
     }

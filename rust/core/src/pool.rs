@@ -63,17 +63,37 @@ impl PoolCounts {
     }
 }
 
+/// The books of a pool. They cover only the pages handed out at least once (`state` and
+/// `pins` have one entry per such page): the pages from there on are free and have
+/// never been used, so a pool costs memory in proportion to its high-water mark, not to
+/// its size (a pool of 2**32 - 1 slots is made at once and costs nothing until used).
 struct PoolInner {
-    /// Stack of free pages: O(1) alloc and free per page.
+    /// Pages given back, handed out again first (a stack: O(1) per page).
     free: Vec<u32>,
+    /// Per page handed out at least once (`state.len()` pages): its state.
     state: Vec<PageState>,
-    /// Transfers that may read or write each page. A pinned page never reaches the free
-    /// list: freeing it only marks it `Draining`.
+    /// Per such page, the transfers that may read or write it. A pinned page never
+    /// reaches the free list: freeing it only marks it `Draining`.
     pins: Vec<u32>,
     counts: PoolCounts,
 }
 
 impl PoolInner {
+    /// Pages handed out at least once (the first never-used page).
+    fn used(&self) -> usize {
+        self.state.len()
+    }
+
+    /// The state of page `p` of a pool of `pages` pages (`None` when out of range).
+    fn get(&self, p: u32, pages: usize) -> Option<PageState> {
+        let i = p as usize;
+        match self.state.get(i) {
+            Some(&s) => Some(s),
+            None if i < pages => Some(PageState::Free),
+            None => None,
+        }
+    }
+
     fn set(&mut self, page: u32, to: PageState) {
         let from = std::mem::replace(&mut self.state[page as usize], to);
         *self.counts.slot(from) -= 1;
@@ -155,13 +175,10 @@ impl Pool {
             return Err(Error::arg(name, format!("{slots} exceeds 2**32 - 1 slots")));
         }
         let pages = slots / page_size;
-        // Reversed so that pops hand out pages in ascending order: easier to read in tests
-        // and in dumps, and friendlier to the memory that backs them.
-        let free: Vec<u32> = (0..pages).rev().map(index_u32).collect();
         let inner = PoolInner {
-            free,
-            state: vec![PageState::Free; pages],
-            pins: vec![0; pages],
+            free: Vec::new(),
+            state: Vec::new(),
+            pins: Vec::new(),
             counts: PoolCounts {
                 free: pages,
                 ..PoolCounts::default()
@@ -199,7 +216,7 @@ impl Pool {
 
     /// The state of one page (`None` when out of range).
     pub fn state(&self, page: u32) -> Option<PageState> {
-        self.shared.inner.lock().state.get(page as usize).copied()
+        self.shared.inner.lock().get(page, self.shared.pages)
     }
 
     /// True when both handles share one pool.
@@ -207,15 +224,31 @@ impl Pool {
         Arc::ptr_eq(&self.shared, &other.shared)
     }
 
-    /// `n` pages, or `None` (and nothing taken) when fewer than `n` are free.
+    /// `n` pages, or `None` (and nothing taken) when fewer than `n` are free. Pages given
+    /// back are handed out first (the most recent first), then never-used ones in
+    /// ascending order.
     pub fn try_alloc(&self, n: usize) -> Option<Pages> {
         let mut inner = self.shared.inner.lock();
-        if inner.free.len() < n {
+        if inner.counts.free < n {
             return None;
         }
-        let at = inner.free.len() - n;
-        let mut pages = inner.free.split_off(at);
-        pages.reverse();
+        let reused = n.min(inner.free.len());
+        let fresh = n - reused;
+        let used = inner.used();
+        // The books grow for the never-used pages; memory that cannot be had (only for
+        // absurd sizes) is no room, and nothing is taken.
+        let mut pages = Vec::new();
+        if pages.try_reserve_exact(n).is_err()
+            || inner.state.try_reserve(fresh).is_err()
+            || inner.pins.try_reserve(fresh).is_err()
+        {
+            return None;
+        }
+        let at = inner.free.len() - reused;
+        pages.extend(inner.free.drain(at..).rev());
+        pages.extend((used..used + fresh).map(index_u32));
+        inner.state.resize(used + fresh, PageState::Free);
+        inner.pins.resize(used + fresh, 0);
         inner.move_all(&pages, PageState::Free, PageState::Owned);
         drop(inner);
         Some(Pages {
@@ -238,7 +271,7 @@ impl Pool {
     pub fn claim_caller(&self, pages: &[u32], arg: &'static str) -> Result<Pages> {
         let mut inner = self.shared.inner.lock();
         for (i, &p) in pages.iter().enumerate() {
-            let state = inner.state.get(p as usize).copied();
+            let state = inner.get(p, self.shared.pages);
             if state != Some(PageState::Caller) {
                 // Roll back what this call already claimed, so nothing changes.
                 for &q in &pages[..i] {
@@ -270,7 +303,7 @@ impl Pool {
     pub fn free_caller(&self, pages: &[u32], arg: &'static str) -> Result<usize> {
         let mut inner = self.shared.inner.lock();
         for &p in pages {
-            let state = inner.state.get(p as usize).copied();
+            let state = inner.get(p, self.shared.pages);
             if state != Some(PageState::Caller) {
                 return Err(Error::arg(arg, self.describe(p, state)));
             }
@@ -318,7 +351,9 @@ impl Pool {
 
     /// Pins on every page (audit).
     pub(crate) fn all_pins(&self) -> Vec<u32> {
-        self.shared.inner.lock().pins.clone()
+        let mut pins = self.shared.inner.lock().pins.clone();
+        pins.resize(self.shared.pages, 0);
+        pins
     }
 
     /// Pins on one page (audit and tests).
@@ -356,8 +391,9 @@ impl Pool {
         }
     }
 
-    /// Checks the pool's own bookkeeping: the free list holds exactly the free pages, once
-    /// each, and the counts match the states.
+    /// Checks the pool's own bookkeeping: the free list holds exactly the free pages that
+    /// were used before, once each (the others were never used), and the counts match
+    /// the states.
     pub(crate) fn audit(&self) -> Result<PoolCounts> {
         let inner = self.shared.inner.lock();
         let name = self.shared.name;
@@ -365,15 +401,25 @@ impl Pool {
         for &s in &inner.state {
             *counts.slot(s) += 1;
         }
+        let never_used = self.shared.pages - inner.used();
+        counts.free += never_used;
+        if inner.pins.len() != inner.used() {
+            return Err(Error::Invariant(format!(
+                "{name}: {} pages have pin counts, {} were used",
+                inner.pins.len(),
+                inner.used()
+            )));
+        }
         if counts != inner.counts {
             return Err(Error::Invariant(format!(
                 "{name}: state counts {counts:?} differ from the pool's tally {:?}",
                 inner.counts
             )));
         }
-        if inner.free.len() != counts.free {
+        if inner.free.len() + never_used != counts.free {
             return Err(Error::Invariant(format!(
-                "{name}: free list has {} pages, {} pages are free",
+                "{name}: free list has {} pages and {never_used} were never used, {} pages \
+                 are free",
                 inner.free.len(),
                 counts.free
             )));
@@ -398,8 +444,11 @@ impl Pool {
         Ok(counts)
     }
 
+    /// The state of every page (audit).
     pub(crate) fn snapshot_states(&self) -> Vec<PageState> {
-        self.shared.inner.lock().state.clone()
+        let mut states = self.shared.inner.lock().state.clone();
+        states.resize(self.shared.pages, PageState::Free);
+        states
     }
 
     fn transition(&self, pages: &[u32], from: PageState, to: PageState) {
@@ -587,6 +636,24 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_pool_costs_memory_for_the_pages_it_used_not_for_its_size() {
+        // 2**32 - 1 slots would need 36 GiB of books up front; none is allocated.
+        let p = pool(u32::MAX as usize, 1);
+        assert_eq!(p.free_pages(), u32::MAX as usize);
+        let a = p.try_alloc(3).unwrap();
+        assert_eq!(a.pages(), &[0, 1, 2]);
+        assert_eq!(p.shared.inner.lock().state.len(), 3);
+        assert_eq!(p.state(u32::MAX - 1), Some(PageState::Free));
+        assert_eq!(p.state(u32::MAX), None);
+        drop(a);
+        // Given back pages are handed out again first, most recent first.
+        let b = p.try_alloc(4).unwrap();
+        assert_eq!(b.pages(), &[2, 1, 0, 3]);
+        drop(b);
+        assert_eq!(p.counts().free, u32::MAX as usize);
     }
 
     #[test]

@@ -21,10 +21,20 @@ impl Cache {
             ));
         }
         self.stats.alloc_calls += 1;
+        if !self.kv_available(n / ps) {
+            self.stats.alloc_failures += 1;
+            return Ok(None);
+        }
+        // Room for the answer first (fallibly): an absurd `n` the pool could grant is an
+        // error, not an abort, and takes nothing.
+        let mut out = Vec::new();
+        out.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+            arg: "n",
+            reason: format!("cannot hold {n} slot indices"),
+        })?;
         let Some(owned) = self.alloc_pages(n / ps) else {
             return Ok(None);
         };
-        let mut out = Vec::with_capacity(n);
         self.expand_into(&owned.into_caller(), &mut out);
         Ok(Some(out))
     }

@@ -98,7 +98,8 @@ pub struct Cache {
     pub(crate) batches: batch::Batches,
     pub(crate) loads: load::Loads,
     pub(crate) stats: Stats,
-    /// The node holding each device state slot (`NONE`: not in the tree).
+    /// The node holding each device state slot (`NONE`, or past the end: not in the
+    /// tree). Grows with the slots used, like the pools' books.
     pub(crate) state_nodes: Vec<u32>,
     /// Scratch space of walks (kept to avoid an allocation per call).
     probe: Probe,
@@ -114,7 +115,6 @@ impl Cache {
     /// A cache with the given configuration (validated; errors name the argument).
     pub fn new(config: Config) -> Result<Cache> {
         config.validate()?;
-        let states = config.mamba_slots;
         let pools = Pools {
             kv: Pool::new("kv_slots", config.kv_slots, config.page_size)?,
             mamba: Pool::new("mamba_slots", config.mamba_slots, 1)?,
@@ -136,7 +136,7 @@ impl Cache {
             batches: batch::Batches::default(),
             loads: load::Loads::default(),
             stats: Stats::default(),
-            state_nodes: vec![NONE; states],
+            state_nodes: Vec::new(),
             probe: Probe::default(),
         })
     }
@@ -206,7 +206,11 @@ impl Cache {
     /// Records that device state `slot` now sits on node `node` (`NONE`: left the tree),
     /// with whether a transfer pins it.
     pub(crate) fn place_state(&mut self, slot: u32, node: u32) {
-        self.state_nodes[slot as usize] = node;
+        let i = slot as usize;
+        if i >= self.state_nodes.len() {
+            self.state_nodes.resize(i + 1, NONE);
+        }
+        self.state_nodes[i] = node;
         if node != NONE {
             let pinned = self.pools.mamba.pins(slot) > 0;
             self.edit(node, |n| n.mamba.pinned = pinned);
@@ -217,7 +221,7 @@ impl Cache {
     /// eviction candidates, or stop being ones, accordingly.
     pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
         for &slot in slots {
-            let i = self.state_nodes[slot as usize];
+            let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
             if i != NONE {
                 let pinned = self.pools.mamba.pins(slot) > 0;
                 self.edit(i, |n| n.mamba.pinned = pinned);
