@@ -23,7 +23,7 @@ mod stats;
 mod tree;
 
 pub use cache::{
-    BatchKind, Cache, CallOff, Evicted, Insert, LoadRecord, LoadTarget, LockReceipt, Match,
+    BatchKind, Cache, CallOff, Evicted, Grown, Insert, LoadRecord, LoadTarget, LockReceipt, Match,
     NodeInfo, PoolKind, RequestView, SlotCopy, Tier, TransferBatch,
 };
 pub use config::{Config, WritePolicy};

@@ -469,6 +469,8 @@ struct Req {
     cow: Option<BatchId>,
     /// The receipt on `tokens[..prefix_len]`, if any, and whether it holds that state.
     lock: Option<bool>,
+    /// What a reader that kept its reads has: the epoch, the slots and the tokens.
+    read: (Option<u64>, Vec<i64>, Vec<u32>),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -929,6 +931,7 @@ impl Machine {
                 q.id
             );
         }
+        self.check_incremental_reads();
         for &id in &self.m.dead_reqs {
             assert!(!self.cache.request_live(id));
         }
@@ -1035,6 +1038,47 @@ impl Machine {
         self.m.content = after.content;
         self.read.ends = after.ends;
         removed
+    }
+
+    /// A reader that keeps what it read and asks only for what is new
+    /// (`request_slots_from`, `request_tokens_from`) ends up with the full answer; while
+    /// the epoch is unchanged it is given only the tail.
+    fn check_incremental_reads(&mut self) {
+        for q in &mut self.m.reqs {
+            let (epoch, slots, toks) = &mut q.read;
+            let g = self
+                .cache
+                .request_slots_from(q.id, *epoch, slots.len())
+                .unwrap();
+            let t = self
+                .cache
+                .request_tokens_from(q.id, *epoch, toks.len())
+                .unwrap();
+            assert_eq!((g.epoch, t.epoch), (t.epoch, g.epoch));
+            if *epoch == Some(g.epoch) {
+                assert_eq!(
+                    (g.start, t.start),
+                    (slots.len(), toks.len()),
+                    "only the tail"
+                );
+            }
+            slots.truncate(g.start);
+            slots.extend(g.items);
+            toks.truncate(t.start);
+            toks.extend(t.items);
+            *epoch = Some(g.epoch);
+            assert_eq!(
+                *toks, q.tokens,
+                "request {}'s tokens, read as they grew",
+                q.id
+            );
+            assert_eq!(
+                *slots,
+                self.cache.request_kv_indices(q.id).unwrap(),
+                "request {}'s kv_indices, read as they grew",
+                q.id
+            );
+        }
     }
 
     // ----- low level ---------------------------------------------------------------
@@ -1588,6 +1632,7 @@ impl Machine {
             mamba: v.mamba_slot,
             cow: None,
             lock: Some(src.is_some()),
+            read: (None, Vec::new(), Vec::new()),
         };
         if let Some(src) = src {
             let dst = v

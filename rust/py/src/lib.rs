@@ -17,7 +17,9 @@ use radixcache_core as core;
 use radixcache_core::Cache;
 
 mod convert;
+mod grown;
 use convert::{indices_arg, tokens_arg, BatchArg, Int};
+use grown::GrownArray;
 
 create_exception!(
     _core,
@@ -353,9 +355,7 @@ impl PyHybridCache {
             }
             Ok(id)
         })?;
-        Ok(id.map(|id| PyRequest {
-            inner: self.inner.request_handle(id),
-        }))
+        Ok(id.map(|id| PyRequest::new(self.inner.request_handle(id))))
     }
 
     /// One KV slot per token (and a state slot if the request has none); None if full.
@@ -659,9 +659,20 @@ impl Drop for PyLock {
 #[pyclass(frozen, module = "radixcache._core", name = "Request")]
 struct PyRequest {
     inner: core::Request,
+    /// The last reads of `tokens` and `kv_indices`, grown read after read.
+    tokens: Mutex<GrownArray>,
+    kv_indices: Mutex<GrownArray>,
 }
 
 impl PyRequest {
+    fn new(inner: core::Request) -> PyRequest {
+        PyRequest {
+            inner,
+            tokens: Mutex::default(),
+            kv_indices: Mutex::default(),
+        }
+    }
+
     fn view(&self) -> PyResult<core::RequestView> {
         let id = self.inner.id();
         self.inner_cache(|c| c.request(id))
@@ -669,6 +680,29 @@ impl PyRequest {
 
     fn inner_cache<T>(&self, f: impl FnOnce(&Cache) -> core::Result<T>) -> PyResult<T> {
         self.inner.cache().call(|c| f(c)).map_err(err)
+    }
+
+    /// One of the request's arrays, read incrementally: `fetch(cache, epoch, from)` is
+    /// what the request gained since the last read. The core is called without holding
+    /// the array's lock (the call may release the GIL); a read that raced another is
+    /// not kept.
+    fn grown<T: Copy + Into<i64> + Send>(
+        &self,
+        py: Python<'_>,
+        array: &Mutex<GrownArray>,
+        fetch: impl Fn(&Cache, Option<u64>, usize) -> core::Result<core::Grown<T>> + Send + Sync,
+    ) -> PyResult<Py<PyArray1<i64>>> {
+        let position = array.lock().position();
+        let (epoch, from) = position;
+        let grown = run(py, self.inner.cache(), 0, |c| fetch(c, epoch, from))?;
+        let mut last = array.lock();
+        if last.position() == position {
+            return last.apply(py, grown);
+        }
+        // Another thread read meanwhile: answer from a fresh read of our own.
+        drop(last);
+        let full = run(py, self.inner.cache(), 0, |c| fetch(c, None, 0))?;
+        GrownArray::default().apply(py, full)
     }
 }
 
@@ -678,8 +712,9 @@ impl PyRequest {
     #[getter]
     fn tokens(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
         let id = self.inner.id();
-        let t = self.inner_cache(|c| c.request_tokens(id))?;
-        Ok(array(py, t.into_iter().map(i64::from).collect()))
+        self.grown(py, &self.tokens, |c, epoch, from| {
+            c.request_tokens_from(id, epoch, from)
+        })
     }
 
     /// Tokens reusable on the device now (the locked cached prefix).
@@ -704,7 +739,9 @@ impl PyRequest {
     #[getter]
     fn kv_indices(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
         let id = self.inner.id();
-        Ok(array(py, self.inner_cache(|c| c.request_kv_indices(id))?))
+        self.grown(py, &self.kv_indices, |c, epoch, from| {
+            c.request_slots_from(id, epoch, from)
+        })
     }
 
     /// The request's own state slot, or None.

@@ -621,6 +621,7 @@ impl Cache {
         };
         rs.prefix_len = tokens.len();
         rs.tokens = tokens;
+        rs.epoch += 1;
         rs.node = j;
         rs.host_len = 0;
         rs.host_node = None;
@@ -673,6 +674,7 @@ impl Cache {
                         rs.host_len = saved.host_len;
                         rs.host_node = saved.host_node;
                         rs.tokens.truncate(saved.prefix_len);
+                        rs.epoch += 1;
                         drop(std::mem::replace(&mut rs.kv, empty));
                         if saved.swapped {
                             drop(std::mem::replace(&mut rs.mamba, saved.mamba));

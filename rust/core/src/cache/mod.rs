@@ -51,7 +51,7 @@ use std::sync::Arc;
 pub use batch::{BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
 pub use load::{CallOff, LoadRecord, LoadTarget};
 pub use locks::LockReceipt;
-pub use request::RequestView;
+pub use request::{Grown, RequestView};
 pub use results::{Evicted, Insert, Match, NodeInfo};
 
 use crate::config::Config;

@@ -45,6 +45,10 @@ pub(crate) struct RequestState {
     pub load: Option<BatchId>,
     /// An owned handle ([`crate::Request`]) aborts the request when dropped.
     pub handle: bool,
+    /// Bumped whenever the request's tokens or slots change other than by growing at
+    /// the end (a checkpoint, a load-back, a failed copy): readers that keep what they
+    /// read know when to read it all again ([`Cache::request_slots_from`]).
+    pub epoch: u64,
 }
 
 impl RequestState {
@@ -161,6 +165,7 @@ impl Cache {
             admitted_tail: tokens[m.device_len..m.kv_len.max(m.device_len)].to_vec(),
             load: None,
             handle: false,
+            epoch: 0,
         };
         let id = RequestId {
             cache: self.id(),
@@ -382,6 +387,10 @@ impl Cache {
         let published = self.publish(root, &probe, &tokens[..aligned], prefix_len, given, None);
         self.probe = probe;
         let (end, cached) = (published.end, published.cached);
+        if let Ok(r) = self.request_mut(id) {
+            // Slots of pages another request cached meanwhile are now the tree's.
+            r.epoch += 1;
+        }
         let new_lock = if finishing {
             None
         } else {
@@ -427,6 +436,7 @@ impl Cache {
             return;
         }
         r.cow = None;
+        r.epoch += 1;
         // The admitted sequence stays what it was (rule 9 still refers to it): its head
         // moves from the tokens, which the request no longer holds, to the tail.
         let mut admitted = std::mem::take(&mut r.tokens);
@@ -475,12 +485,71 @@ impl Cache {
 
     /// The device KV slot of every token the request holds, in order.
     pub fn request_kv_indices(&self, id: RequestId) -> Result<Vec<i64>> {
-        let r = self.request_ref(id)?;
-        let mut out = self.path_slots(r.node, r.prefix_len);
-        self.expand_into(r.kv.pages(), &mut out);
-        out.truncate(r.tokens.len());
-        Ok(out)
+        Ok(self.request_slots_from(id, None, 0)?.items)
     }
+
+    /// What a reader that kept the first `from` tokens of the request, read at `epoch`,
+    /// lacks: the tokens from `from` on while the epoch is unchanged (what the request
+    /// grew by since), or all of them (`start == 0`) when it changed or was not given.
+    /// Costs time in proportion to what it returns.
+    pub fn request_tokens_from(
+        &self,
+        id: RequestId,
+        epoch: Option<u64>,
+        from: usize,
+    ) -> Result<Grown<u32>> {
+        let r = self.request_ref(id)?;
+        let start = unchanged(r, epoch, from).unwrap_or(0);
+        Ok(Grown {
+            epoch: r.epoch,
+            start,
+            items: r.tokens[start..].to_vec(),
+        })
+    }
+
+    /// [`Cache::request_tokens_from`] for the request's device KV slots.
+    pub fn request_slots_from(
+        &self,
+        id: RequestId,
+        epoch: Option<u64>,
+        from: usize,
+    ) -> Result<Grown<i64>> {
+        let r = self.request_ref(id)?;
+        let len = r.tokens.len();
+        let (ps, prefix) = (self.page_size(), r.prefix_len);
+        // Slots past the reused prefix are the request's own pages, in order.
+        let own_slot = |q: usize| {
+            i64::from(r.kv.pages()[q / ps]) * crate::pool::as_i64(ps) + crate::pool::as_i64(q % ps)
+        };
+        let (start, items) = if let Some(f) = unchanged(r, epoch, from).filter(|&f| f >= prefix) {
+            (f, (f - prefix..len - prefix).map(own_slot).collect())
+        } else {
+            let mut out = self.path_slots(r.node, prefix);
+            out.extend((0..len - prefix).map(own_slot));
+            (0, out)
+        };
+        Ok(Grown {
+            epoch: r.epoch,
+            start,
+            items,
+        })
+    }
+}
+
+/// What a request grew by since a read ([`Cache::request_tokens_from`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grown<T> {
+    /// The request's epoch now: keep it for the next read.
+    pub epoch: u64,
+    /// Where `items` start: the reader's `from`, or 0 when everything is returned.
+    pub start: usize,
+    /// The entries from `start` to the end.
+    pub items: Vec<T>,
+}
+
+/// `from`, when a reader at `epoch` that kept `from` entries may keep them.
+fn unchanged(r: &RequestState, epoch: Option<u64>, from: usize) -> Option<usize> {
+    (epoch == Some(r.epoch) && from <= r.tokens.len()).then_some(from)
 }
 
 fn state_copy(src: u32, dst: u32) -> SlotCopy {
