@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -88,3 +92,19 @@ def cached(
 @pytest.fixture
 def cache() -> rc.HybridCache:
     return rc.HybridCache(kv_slots=64)
+
+
+def run_child(code: str) -> subprocess.CompletedProcess[str]:
+    """Runs `code` in a fresh interpreter (radixcache and numpy imported as rc, np): for
+    inputs that once crashed the process, so that a regression fails a test instead of
+    killing the test run."""
+    src = "import sys\nimport numpy as np\nimport radixcache as rc\n" + textwrap.dedent(code)
+    return subprocess.run(
+        [sys.executable, "-c", src], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def assert_child_ok(child: subprocess.CompletedProcess[str]) -> None:
+    assert child.returncode == 0, f"child died ({child.returncode}):\n{child.stderr}"
+    assert "panicked" not in child.stderr
+    assert "PanicException" not in child.stderr

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import array
 import re
-import subprocess
 import sys
-import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,7 +20,7 @@ from hypothesis import strategies as st
 
 import radixcache as rc
 
-from conftest import cached, fingerprint
+from conftest import assert_child_ok, cached, fingerprint, run_child
 
 #: Every integer width, in both byte orders (1-byte dtypes have none: '|').
 WIDTHS = ("i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")
@@ -33,20 +31,6 @@ NON_NATIVE = "<" if sys.byteorder == "big" else ">"
 BASE = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]
 
 NOT_A_SEQUENCE = "expected a sequence of integers (list, tuple or 1-D integer array), got"
-
-
-def run_child(code: str) -> subprocess.CompletedProcess[str]:
-    """Runs `code` in a fresh interpreter (radixcache and numpy imported as rc, np)."""
-    src = "import sys\nimport numpy as np\nimport radixcache as rc\n" + textwrap.dedent(code)
-    return subprocess.run(
-        [sys.executable, "-c", src], capture_output=True, text=True, timeout=300, check=False
-    )
-
-
-def assert_child_ok(child: subprocess.CompletedProcess[str]) -> None:
-    assert child.returncode == 0, f"child died ({child.returncode}):\n{child.stderr}"
-    assert "panicked" not in child.stderr
-    assert "PanicException" not in child.stderr
 
 
 def strided(values: Sequence[int], dtype: np.dtype[Any], step: int) -> np.ndarray[Any, Any]:

@@ -549,3 +549,8 @@ class HybridCache:
 
         ``max_nodes`` and ``max_tokens`` are counts: a negative one raises ``ValueError``.
         """
+    def _panic_for_tests(self) -> None:
+        """For tests: a panic inside the core in the middle of a change, as a bug would.
+
+        The cache is then broken: this and every later call raise ``CacheError``.
+        """
