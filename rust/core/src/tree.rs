@@ -429,6 +429,23 @@ mod tests {
     }
 
     #[test]
+    fn generations_do_not_wrap_at_32_bits() {
+        // A slot reused 2^32 times: with 32-bit generations the handle of its first node
+        // would alias the node living there now.
+        let mut t = Tree::new(1);
+        let root = t.alloc_node(NONE, Vec::new());
+        let a = leaf(&mut t, root, &[5]);
+        let first = t.id(a);
+        t.node_mut(a).generation = u64::from(u32::MAX);
+        t.unlink_child(root, a);
+        t.free_node(a);
+        let b = leaf(&mut t, root, &[6]);
+        assert_eq!(b, a, "slot reused");
+        assert_eq!(t.id(b).generation(), 1 << 32);
+        assert!(t.resolve(first).is_err(), "the first handle (generation 0) is stale");
+    }
+
+    #[test]
     fn freed_node_handles_go_stale_even_when_the_slot_is_reused() {
         let mut t = Tree::new(1);
         let root = t.alloc_node(NONE, Vec::new());
