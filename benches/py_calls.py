@@ -42,7 +42,9 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -595,6 +597,74 @@ def plot(pyplot: Any, cells: list[Cell], path: str, ctx: dict[str, Any]) -> None
     print(f"wrote {path}", file=sys.stderr)
 
 
+def spin(stop: threading.Event, out: list[int]) -> None:
+    """Count loop turns until `stop`: pure-Python work (a thread that needs the GIL)."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+    out.append(n)
+
+
+def hammer(cache: rc.HybridCache, tokens: Any, stop: threading.Event, out: list[int]) -> None:
+    """Call `match_prefix(tokens)` until `stop`; record how many calls it made."""
+    n = 0
+    while not stop.is_set():
+        cache.match_prefix(tokens)
+        n += 1
+    out.append(n)
+
+
+def threads_section(size: Size) -> dict[str, float]:
+    """Measure the GIL policy: a call alone, and threads sharing one cache.
+
+    A call takes the cache without releasing the GIL when no other thread holds it, and
+    releases the GIL before waiting when one does (or always, over 4,096 tokens). The
+    figures to compare policies by: what a small call costs with no other thread (what
+    releasing the GIL every time would add to each), and, while two threads share one
+    cache, the calls they make and what a pure-Python thread beside them gets done (what
+    holding the GIL while waiting would take from them).
+    """
+    seconds = 0.05 if size.name == "tiny" else 1.0
+    cache = rc.HybridCache(kv_slots=1 << 16)
+    tokens = np.arange(128, dtype=np.int64)
+    cache.insert(tokens, cache.alloc_kv(128))
+
+    def run(workers: int, spinner: bool) -> tuple[float, float]:
+        stop = threading.Event()
+        calls: list[int] = []
+        turns: list[int] = []
+        threads = [
+            threading.Thread(target=hammer, args=(cache, tokens, stop, calls))
+            for _ in range(workers)
+        ]
+        if spinner:
+            threads.append(threading.Thread(target=spin, args=(stop, turns)))
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        return sum(calls) / seconds, sum(turns) / seconds
+
+    def loop() -> float:
+        start = ns()
+        for _ in range(1000):
+            cache.match_prefix(tokens)
+        return (ns() - start) / 1000
+
+    one_us = statistics.median(loop() for _ in range(20 if size.name == "tiny" else 200)) / 1000
+    _, solo_turns = run(0, True)
+    alone_calls, _ = run(2, False)
+    calls, turns = run(2, True)
+    return {
+        "match_prefix_128_us": one_us,
+        "two_threads_calls_per_s": alone_calls,
+        "with_python_thread_calls_per_s": calls,
+        "python_thread_progress": turns / solo_turns if solo_turns else 0.0,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     ap = argparse.ArgumentParser(
@@ -633,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     for length in size.lengths:
         token_calls(bench, length, rng)
     getter_calls(bench, size.getter_lengths, rng)
+    threads = threads_section(size)
     seconds = time.perf_counter() - start
     ctx["load_average_1m_end"] = load_average()
 
@@ -648,10 +719,18 @@ def main(argv: list[str] | None = None) -> int:
                 for name, (measured, flat) in decode_reads(bench.cells, size).items()
             },
             "goals": None if goals is None else [{**asdict(g), "passed": g.passed} for g in goals],
+            "threads": threads,
         }
         print(json.dumps(out, indent=1))
     else:
         report(bench.cells, goals, seconds, size)
+        print(
+            "\nthreads (GIL policy): match_prefix of 128 tokens "
+            f"{threads['match_prefix_128_us']:.2f} us alone; two threads sharing a cache "
+            f"make {threads['two_threads_calls_per_s']:,.0f} calls/s, "
+            f"{threads['with_python_thread_calls_per_s']:,.0f} beside a pure-Python thread, "
+            f"which gets {threads['python_thread_progress']:.0%} of what it does alone"
+        )
         print(f"load average at the end {ctx['load_average_1m_end']} ({ctx['cpus']} CPUs)")
     if pyplot is not None:
         plot(pyplot, bench.cells, args.plot, ctx)

@@ -442,7 +442,10 @@ mod tests {
         let b = leaf(&mut t, root, &[6]);
         assert_eq!(b, a, "slot reused");
         assert_eq!(t.id(b).generation(), 1 << 32);
-        assert!(t.resolve(first).is_err(), "the first handle (generation 0) is stale");
+        assert!(
+            t.resolve(first).is_err(),
+            "the first handle (generation 0) is stale"
+        );
     }
 
     #[test]

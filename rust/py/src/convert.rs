@@ -54,6 +54,11 @@ pub(crate) trait Target:
     const RANGE: &'static str;
     /// Signed: a numpy dtype of the same width and signedness is this very type.
     const SIGNED: bool;
+    /// Whether values whose 64-bit forms (sign-extended from a signed source, whose
+    /// signedness is `signed`) OR together to `or` all fit this type.
+    fn all_fit(or: u64, signed: bool) -> bool;
+    /// A value known to fit, from its 64-bit form.
+    fn from_bits(bits: u64) -> Self;
 }
 
 impl Target for u32 {
@@ -61,6 +66,16 @@ impl Target for u32 {
     const PLURAL: &'static str = "tokens";
     const RANGE: &'static str = "[0, 2**32)";
     const SIGNED: bool = false;
+
+    fn all_fit(or: u64, _signed: bool) -> bool {
+        // A negative value, sign-extended, sets the high bits too.
+        or >> 32 == 0
+    }
+
+    #[allow(clippy::cast_possible_truncation)] // known to fit
+    fn from_bits(bits: u64) -> u32 {
+        bits as u32
+    }
 }
 
 impl Target for i64 {
@@ -69,6 +84,16 @@ impl Target for i64 {
     // Negative slots pass here and are refused by the core, which names the slot.
     const RANGE: &'static str = "[0, 2**63)";
     const SIGNED: bool = true;
+
+    fn all_fit(or: u64, signed: bool) -> bool {
+        // Signed sources always fit; an unsigned 64-bit one must leave the sign bit clear.
+        signed || or >> 63 == 0
+    }
+
+    #[allow(clippy::cast_possible_wrap)] // known to fit
+    fn from_bits(bits: u64) -> i64 {
+        bits as i64
+    }
 }
 
 /// Token ids: `0 <= t < 2**32`.
@@ -334,21 +359,28 @@ fn refuse_masked(arr: &Bound<'_, PyUntypedArray>, arg: &str) -> PyResult<()> {
 trait Src: Copy + Display {
     const SIGNED: bool;
     fn swap(self) -> Self;
+    /// The value as 64 bits: sign-extended when signed, zero-extended when not.
+    fn widen(self) -> u64;
 }
 
 macro_rules! src {
-    ($($t:ty => $signed:literal),+) => {$(
+    ($($t:ty => $signed:literal, $via:ty),+) => {$(
         impl Src for $t {
             const SIGNED: bool = $signed;
             #[inline(always)]
             fn swap(self) -> Self {
                 self.swap_bytes()
             }
+            #[inline(always)]
+            #[allow(clippy::cast_sign_loss, clippy::cast_lossless)] // the bits, on purpose
+            fn widen(self) -> u64 {
+                self as $via as u64
+            }
         }
     )+};
 }
-src!(i8 => true, i16 => true, i32 => true, i64 => true,
-     u8 => false, u16 => false, u32 => false, u64 => false);
+src!(i8 => true, i64, i16 => true, i64, i32 => true, i64, i64 => true, i64,
+     u8 => false, u64, u16 => false, u64, u32 => false, u64, u64 => false, u64);
 
 /// A 1-D numpy array of any integer dtype and byte order.
 fn from_array<T: Target>(arr: &Bound<'_, PyUntypedArray>, arg: &str) -> PyResult<Vec<T>> {
@@ -437,10 +469,9 @@ unsafe fn read<S: Src, T: Target + TryFrom<S>, const SWAP: bool>(
             }
             return Ok(());
         }
-        // SAFETY: the caller's contract with `stride == width`: `data + i * width` for
-        // `i < n` is an element.
-        let at = |i: usize| unsafe { data.add(i * width).cast::<S>().read_unaligned() };
-        convert::<S, T, SWAP>(n, at, out, arg)
+        // SAFETY: the caller's contract with `stride == width`: `n` elements of `S` from
+        // `data`, and room for `n` more in `out`.
+        unsafe { convert_contiguous::<S, T, SWAP>(data.cast::<S>(), n, out, arg) }
     } else {
         #[allow(clippy::cast_possible_wrap)] // i < n <= isize::MAX (numpy's npy_intp shape)
         // SAFETY: the caller's contract: `data + i * stride` for `i < n` is an element
@@ -453,6 +484,50 @@ unsafe fn read<S: Src, T: Target + TryFrom<S>, const SWAP: bool>(
         };
         convert::<S, T, SWAP>(n, at, out, arg)
     }
+}
+
+/// [`convert`] for a contiguous array, written as plain loops over raw reads and writes
+/// (what the compiler vectorises best: about twice as fast as the general loop).
+///
+/// # Safety
+/// `src[..n]` are readable (possibly unaligned) elements that stay unchanged for the
+/// call; `out` has room for `n` more elements.
+unsafe fn convert_contiguous<S: Src, T: Target + TryFrom<S>, const SWAP: bool>(
+    src: *const S,
+    n: usize,
+    out: &mut Vec<T>,
+    arg: &str,
+) -> PyResult<()> {
+    let get = |i: usize| {
+        // SAFETY: called with `i < n` only: within the caller's `n` elements.
+        let v = unsafe { src.add(i).read_unaligned() };
+        if SWAP {
+            v.swap()
+        } else {
+            v
+        }
+    };
+    // The range check as one OR over the values' 64-bit forms: a reduction the
+    // compiler turns into vector code, where a per-element check would not be.
+    let mut or = 0u64;
+    for i in 0..n {
+        or |= get(i).widen();
+    }
+    if !T::all_fit(or, S::SIGNED) {
+        let first = (0..n).find(|&i| T::try_from(get(i)).is_err()).unwrap_or(0);
+        return Err(out_of_range::<T>(arg, get(first), first));
+    }
+    let len = out.len();
+    // SAFETY: the caller's contract: room for `n` elements past `len`; each is written
+    // below before the length covers it.
+    let dst = unsafe { out.as_mut_ptr().add(len) };
+    for i in 0..n {
+        // SAFETY: `i < n`, within the room.
+        unsafe { dst.add(i).write(T::from_bits(get(i).widen())) };
+    }
+    // SAFETY: the `n` elements past `len` were just written.
+    unsafe { out.set_len(len + n) };
+    Ok(())
 }
 
 /// The conversion loop of [`read`]: a range check over all elements first (no early
