@@ -42,8 +42,11 @@ _Indices: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 class CacheError(Exception):
     """Root of the errors radixcache raises (argument errors stay ValueError/TypeError).
 
-    Raised as such for request misuse: a finished, aborted or foreign request, or a
-    checkpoint/finish while the request's admission copy is unacknowledged.
+    Raised as such for request misuse (a finished, aborted or foreign request; a
+    checkpoint/finish while the request's admission copy is unacknowledged; a batch
+    started twice), and when the cache is broken: an internal error (a panic, which is a
+    bug in radixcache) interrupted a change, so the cache refuses every call from then
+    on, saying so. Build a new cache; dropping the old one's handles is safe.
     """
 
 class InvariantError(CacheError):
@@ -151,7 +154,11 @@ class Request:
 
     @property
     def tokens(self) -> npt.NDArray[np.int64]:
-        """Every token the request holds KV for: the reused prefix, then what was extended."""
+        """Every token the request holds KV for: the reused prefix, then what was extended.
+
+        Like ``kv_indices``: a read-only snapshot, costing what the request gained since
+        the last read.
+        """
     @property
     def prefix_len(self) -> int:
         """Tokens reusable on the device now (the locked cached prefix)."""
@@ -165,8 +172,12 @@ class Request:
     def kv_indices(self) -> npt.NDArray[np.int64]:
         """Device KV slots of every token the request holds, in order.
 
-        Re-read it after ``checkpoint``: tokens another request cached meanwhile then
-        use the cache's slots.
+        A read-only array that never changes once returned: a snapshot of the request
+        when it was read. Reading costs what the request gained since the last read (the
+        new slots are appended to a buffer the snapshots share), not its length, so a
+        scheduler can read it every decode step; reading an unchanged request returns
+        the same array. Re-read it after ``checkpoint``: tokens another request cached
+        meanwhile then use the cache's slots.
         """
     @property
     def mamba_slot(self) -> int | None:
@@ -283,7 +294,10 @@ class TransferBatch:
 
     @property
     def id(self) -> int:
-        """The id to acknowledge."""
+        """The id to acknowledge.
+
+        It names the cache too (its high bits): another cache refuses it.
+        """
     @property
     def kind(self) -> Literal["cow", "backup", "load_back"]:
         """Why the batch exists."""
@@ -313,6 +327,16 @@ class HybridCache:
             to back up to).
         write_through_threshold: inserts before a selective backup (>= 1; default 2).
             Only with ``"write_through_selective"``: the other policies refuse it.
+
+    Under write-back, an allocation that must evict nodes without a host copy starts,
+    in one round, every backup that the room it asked for needs (a parent is chosen in
+    the same pass as the children it waits for) and returns None: run
+    ``take_batches()`` and retry once.
+
+    Pools keep books only for the slots they have used, so a large ``kv_slots`` costs
+    nothing until used. Threads may share a cache: a call takes it without releasing
+    the GIL when no other thread holds it, and releases the GIL while it waits for one
+    that does (and always for inputs over 4,096 tokens).
 
     Raises:
         ValueError: a bad argument (the message names it).
@@ -382,7 +406,10 @@ class HybridCache:
         """Longest cached prefix of ``tokens``, rounded down to whole pages.
 
         Refreshes the LRU position of every node on the path. ``namespace`` selects a
-        separate tree (LoRA adapter, cache salt); ``None`` is the default tree.
+        separate tree (LoRA adapter, cache salt); ``None`` is the default tree. A
+        namespace has a tree only while it caches something (``insert`` and ``admit``
+        make it; it goes with the last thing it held), so reads with ever new names cost
+        no memory: a miss there answers one shared empty root.
         """
     def insert(
         self,
@@ -504,13 +531,16 @@ class HybridCache:
         """Tell the cache the engine is about to run the batch's copies.
 
         Raises:
-            ValueError: no such batch in flight (``batch_id``).
+            ValueError: no such batch in flight (``batch_id``), or the id is another
+                cache's.
+            CacheError: the batch was started already.
         """
     def complete(self, batch_id: int) -> None:
         """Acknowledge a batch whose copies are done: publishes what it carried.
 
         Raises:
-            ValueError: no such batch in flight (``batch_id``).
+            ValueError: no such batch in flight (``batch_id``), or the id is another
+                cache's.
         """
     def fail(self, batch_id: int) -> None:
         """Acknowledge a batch whose copies failed: a failed copy is a miss, never a hit.
@@ -523,7 +553,8 @@ class HybridCache:
         request back to its prefix before the load (tokens extended since are dropped).
 
         Raises:
-            ValueError: no such batch in flight (``batch_id``).
+            ValueError: no such batch in flight (``batch_id``), or the id is another
+                cache's.
         """
     def evictable_size(self) -> int:
         """Device KV tokens in the tree that eviction may take."""
@@ -540,7 +571,14 @@ class HybridCache:
 
         Matches and hits (device and host), inserts, evictions, allocations, requests,
         copies, backups (done, skipped, failed), demotions, host evictions, load-backs
-        (committed, called off per reason, failed) and pool levels.
+        (committed, called off per reason, failed) and pool levels. For each pool
+        (``kv``, ``mamba``, ``host_kv``, ``host_mamba``) the gauges account for every
+        slot, also while copies run: ``*_free_slots`` + ``*_cached_tokens`` (or
+        ``_states``) + ``*_caller_slots`` + ``*_request_slots`` + ``*_draining_slots``
+        = ``*_capacity_slots`` (host pools have no caller or request slots). Draining
+        slots are held by transfers in flight or wait for one to end before they are
+        free. ``kv_evicting_tokens``: device tokens an eviction chose under write-back,
+        free once their backups land.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""
