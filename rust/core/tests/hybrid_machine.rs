@@ -69,9 +69,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use common::{
     add_lock, arg_of, assert_locks, assert_pool_sums, assert_sizes, batch_id, cached_len,
-    cached_slots, evicted_pages, extensions, i64_of, key, ns_of, page_of, page_slots,
-    proptest_config, remember, some_held_slots, tail, take_allocated, tok_spec_of, tree_pages,
-    valid_insert_args, Key, Ns, OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
+    cached_slots, evicted_pages, extensions, foreign_receipt, i64_of, key, ns_of, page_of,
+    page_slots, proptest_config, remember, some_held_slots, tail, take_allocated, tok_spec_of,
+    tree_pages, valid_insert_args, Key, Ns, OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
 use radixcache_core::{
@@ -1393,10 +1393,7 @@ impl Machine {
 
     /// A receipt of another cache is refused and changes nothing here.
     fn do_unlock_foreign(&mut self) {
-        let mut other = Cache::new(Config::kv(4, 1)).unwrap();
-        let slots = other.alloc_kv(1).unwrap().unwrap();
-        let node = other.insert(None, &[1], &slots, 0).unwrap().node;
-        let foreign = other.lock(node).unwrap();
+        let (_other, foreign) = foreign_receipt();
         let before = self.frozen();
         assert!(matches!(self.cache.unlock(foreign), Err(Error::Lock(_))));
         assert_eq!(self.frozen(), before, "a foreign unlock changed something");

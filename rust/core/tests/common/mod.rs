@@ -429,3 +429,12 @@ pub fn assert_pool_sums(c: &Cache) {
         );
     }
 }
+
+/// A lock receipt of another cache (with that cache, which must outlive it).
+pub fn foreign_receipt() -> (Cache, radixcache_core::LockReceipt) {
+    let mut other = Cache::new(radixcache_core::Config::kv(4, 1)).unwrap();
+    let slots = other.alloc_kv(1).unwrap().unwrap();
+    let node = other.insert(None, &[1], &slots, 0).unwrap().node;
+    let receipt = other.lock(node).unwrap();
+    (other, receipt)
+}
