@@ -13,12 +13,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 seconds=${FUZZ_SECONDS:-60}
+step() { printf '\n==> fuzz-ci: %s (%ss)\n' "$*" "$SECONDS"; }
 
 if ! cargo +nightly --version >/dev/null 2>&1; then
   echo "fuzz-ci: the nightly toolchain is missing (rustup toolchain install nightly)" >&2
   exit 2
 fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
+  step "install cargo-fuzz"
   cargo install cargo-fuzz --locked
 fi
 
@@ -28,8 +30,11 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 
 # -s none: the core has no unsafe code, and without AddressSanitizer the target runs about
-# twice as fast. -a: the core's debug_assert!s and overflow checks are on.
+# three times as fast. -a: the core's debug_assert!s and overflow checks are on.
 # -timeout: one input runs in milliseconds; 10 s means a hang.
+step "build the ops target"
 cargo +nightly fuzz build -s none -a ops
+step "fuzz for ${seconds}s from fuzz/corpus/ops"
 cargo +nightly fuzz run -s none -a ops "$scratch" fuzz/corpus/ops -- \
   -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1
+step "done"
