@@ -104,8 +104,9 @@ enum Ack {
 enum Target {
     /// A remembered node id (perhaps stale).
     Node(u8),
-    /// A node with KV on the host only (from the snapshot).
-    HostOnly { ns: u8, k: u8 },
+    /// A node with KV on the host only (from the snapshot), or one of its host-only
+    /// ancestors (`up`), so that load-backs overlap.
+    HostOnly { ns: u8, k: u8, up: u8 },
     /// The `host_node` of a fresh match (what a scheduler would load).
     HostOf { ns: u8, toks: Toks },
     /// `LoadTarget::Request` of a request, live or not.
@@ -247,6 +248,7 @@ impl<'a> Arbitrary<'a> for Target {
             2 | 3 => Target::HostOnly {
                 ns: u.arbitrary()?,
                 k: u.arbitrary()?,
+                up: u.arbitrary()?,
             },
             4 | 5 => Target::Request(u.arbitrary()?),
             6 => Target::Node(u.arbitrary()?),
@@ -619,10 +621,10 @@ impl H {
         toks
     }
 
-    /// Where the `k`-th node of namespace `ns` with KV on the host only ends (in a hybrid
-    /// cache, one with a state on the host, when there is one): what a load-back brings
-    /// back.
-    fn host_only_node(&self, ns: u8, k: usize) -> Option<radixcache_core::NodeInfo> {
+    /// The `k`-th node of namespace `ns` with KV on the host only (in a hybrid cache, one
+    /// with a state on the host, when there is one): what a load-back brings back. With
+    /// `up > 0`, one of its host-only ancestors when it has some.
+    fn host_only_node(&self, ns: u8, k: usize, up: usize) -> Option<radixcache_core::NodeInfo> {
         if self.c.host_kv_pool().capacity_pages() == 0 {
             return None;
         }
@@ -640,11 +642,25 @@ impl H {
         if self.c.is_hybrid() && all.iter().any(|n| n.host_mamba_slot.is_some()) {
             all.retain(|n| n.host_mamba_slot.is_some());
         }
-        (!all.is_empty()).then(|| all.swap_remove(k % all.len()))
+        if all.is_empty() {
+            return None;
+        }
+        let n = all.swap_remove(k % all.len());
+        if up % 2 == 0 {
+            return Some(n);
+        }
+        let above: Vec<&radixcache_core::NodeInfo> = all
+            .iter()
+            .filter(|a| a.prefix.len() < n.prefix.len() && n.prefix.starts_with(&a.prefix))
+            .collect();
+        if above.is_empty() {
+            return Some(n);
+        }
+        Some(above[(up / 2) % above.len()].clone())
     }
 
     fn host_only(&self, ns: u8, k: usize) -> Option<Vec<u32>> {
-        self.host_only_node(ns, k).map(|n| n.prefix)
+        self.host_only_node(ns, k, 0).map(|n| n.prefix)
     }
 
     fn remember(&mut self, toks: &[u32]) {
@@ -1112,10 +1128,12 @@ impl H {
                 None => return,
             },
             Target::HostOf { ns, toks } => LoadTarget::Node(self.do_match(*ns, toks).0.host_node),
-            Target::HostOnly { ns, k } => match self.host_only_node(*ns, usize::from(*k)) {
-                Some(n) => LoadTarget::Node(n.id),
-                None => return,
-            },
+            Target::HostOnly { ns, k, up } => {
+                match self.host_only_node(*ns, usize::from(*k), usize::from(*up)) {
+                    Some(n) => LoadTarget::Node(n.id),
+                    None => return,
+                }
+            }
             Target::Request(p) => match self.req(*p) {
                 Some(r) => LoadTarget::Request(r),
                 None => return,
@@ -1139,14 +1157,20 @@ impl H {
         if let Some(Some(rec)) = allowed(self.c.load_back(target, quota, request)) {
             assert_eq!(self.c.started(rec.id()), Some(false), "load-back batch");
             assert_eq!(self.c.load_committed(rec.id()), Ok(false));
-            match then % 4 {
+            match then % 5 {
                 0 | 1 => self.keep_load(rec),
                 2 => {
                     self.inflight.push(rec.id());
                     allowed(self.c.commit_load(rec));
                 }
-                _ => {
+                3 => {
                     allowed(self.c.start(rec.id()));
+                    self.keep_load(rec);
+                }
+                _ => {
+                    // The copies land before the commit (which then publishes at once).
+                    allowed(self.c.start(rec.id()));
+                    allowed(self.c.complete(rec.id()));
                     self.keep_load(rec);
                 }
             }
