@@ -673,13 +673,9 @@ impl PyRequest {
         }
     }
 
-    fn view(&self) -> PyResult<core::RequestView> {
+    fn view(&self, py: Python<'_>) -> PyResult<core::RequestView> {
         let id = self.inner.id();
-        self.inner_cache(|c| c.request(id))
-    }
-
-    fn inner_cache<T>(&self, f: impl FnOnce(&Cache) -> core::Result<T>) -> PyResult<T> {
-        self.inner.cache().call(|c| f(c)).map_err(err)
+        run(py, self.inner.cache(), 0, |c| c.request(id))
     }
 
     /// One of the request's arrays, read incrementally: `fetch(cache, epoch, from)` is
@@ -719,20 +715,20 @@ impl PyRequest {
 
     /// Tokens reusable on the device now (the locked cached prefix).
     #[getter]
-    fn prefix_len(&self) -> PyResult<usize> {
-        Ok(self.view()?.prefix_len)
+    fn prefix_len(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.view(py)?.prefix_len)
     }
 
     /// Further tokens loadable from the host tier.
     #[getter]
-    fn host_len(&self) -> PyResult<usize> {
-        Ok(self.view()?.host_len)
+    fn host_len(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.view(py)?.host_len)
     }
 
     /// `Match.kv_len` at admission: checkpoint here during prefill.
     #[getter]
-    fn branch_len(&self) -> PyResult<usize> {
-        Ok(self.view()?.branch_len)
+    fn branch_len(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.view(py)?.branch_len)
     }
 
     /// Device KV slots of every token the request holds, in order.
@@ -746,30 +742,30 @@ impl PyRequest {
 
     /// The request's own state slot, or None.
     #[getter]
-    fn mamba_slot(&self) -> PyResult<Option<u32>> {
-        Ok(self.view()?.mamba_slot)
+    fn mamba_slot(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        Ok(self.view(py)?.mamba_slot)
     }
 
     /// The end node of the locked prefix.
     #[getter]
-    fn node(&self) -> PyResult<PyNode> {
+    fn node(&self, py: Python<'_>) -> PyResult<PyNode> {
         Ok(PyNode {
-            id: self.view()?.node,
+            id: self.view(py)?.node,
             cache: self.inner.cache().clone(),
         })
     }
 
     /// The admission copy-on-write batch id until it is acknowledged, else None.
     #[getter]
-    fn copy_pending(&self) -> PyResult<Option<u128>> {
-        Ok(self.view()?.copy_pending.map(core::BatchId::to_u128))
+    fn copy_pending(&self, py: Python<'_>) -> PyResult<Option<u128>> {
+        Ok(self.view(py)?.copy_pending.map(core::BatchId::to_u128))
     }
 
     /// The batch id of a load-back for this request, from `load_back` until its copies
     /// are acknowledged (or its guard released), else None.
     #[getter]
-    fn load_pending(&self) -> PyResult<Option<u128>> {
-        Ok(self.view()?.load_pending.map(core::BatchId::to_u128))
+    fn load_pending(&self, py: Python<'_>) -> PyResult<Option<u128>> {
+        Ok(self.view(py)?.load_pending.map(core::BatchId::to_u128))
     }
 
     /// True until the request is finished or aborted.
@@ -778,8 +774,8 @@ impl PyRequest {
         self.inner.is_live()
     }
 
-    fn __repr__(&self) -> String {
-        match self.view() {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.view(py) {
             Ok(v) => format!(
                 "<Request {} tokens, prefix_len={}, mamba_slot={}>",
                 v.len,
