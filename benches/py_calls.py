@@ -620,22 +620,26 @@ def threads_section(size: Size) -> dict[str, float]:
     A call takes the cache without releasing the GIL when no other thread holds it, and
     releases the GIL before waiting when one does (or always, over 4,096 tokens). The
     figures to compare policies by: what a small call costs with no other thread (what
-    releasing the GIL every time would add to each), and, while two threads share one
-    cache, the calls they make and what a pure-Python thread beside them gets done (what
-    holding the GIL while waiting would take from them).
+    releasing the GIL every time would add to each); while two threads share one cache,
+    the calls they make and what a pure-Python thread beside them gets done; and the
+    contended case: one thread making long calls (32k tokens, which run with the GIL
+    released and so hold the cache while other threads run), one making short ones, and
+    a pure-Python thread (a short call that waited for the cache holding the GIL would
+    stop that thread for the length of a long call).
     """
     seconds = 0.05 if size.name == "tiny" else 1.0
     cache = rc.HybridCache(kv_slots=1 << 16)
     tokens = np.arange(128, dtype=np.int64)
     cache.insert(tokens, cache.alloc_kv(128))
+    long_tokens = np.arange(32768, dtype=np.int64)
 
-    def run(workers: int, spinner: bool) -> tuple[float, float]:
+    def run(workers: list[Any], spinner: bool) -> tuple[list[float], float]:
         stop = threading.Event()
-        calls: list[int] = []
+        calls: list[list[int]] = [[] for _ in workers]
         turns: list[int] = []
         threads = [
-            threading.Thread(target=hammer, args=(cache, tokens, stop, calls))
-            for _ in range(workers)
+            threading.Thread(target=hammer, args=(cache, w, stop, out))
+            for w, out in zip(workers, calls)
         ]
         if spinner:
             threads.append(threading.Thread(target=spin, args=(stop, turns)))
@@ -645,7 +649,7 @@ def threads_section(size: Size) -> dict[str, float]:
         stop.set()
         for t in threads:
             t.join()
-        return sum(calls) / seconds, sum(turns) / seconds
+        return [sum(c) / seconds for c in calls], sum(turns) / seconds
 
     def loop() -> float:
         start = ns()
@@ -654,14 +658,18 @@ def threads_section(size: Size) -> dict[str, float]:
         return (ns() - start) / 1000
 
     one_us = statistics.median(loop() for _ in range(20 if size.name == "tiny" else 200)) / 1000
-    _, solo_turns = run(0, True)
-    alone_calls, _ = run(2, False)
-    calls, turns = run(2, True)
+    _, solo_turns = run([], True)
+    alone_calls, _ = run([tokens, tokens], False)
+    calls, turns = run([tokens, tokens], True)
+    mixed_calls, mixed_turns = run([long_tokens, tokens], True)
     return {
         "match_prefix_128_us": one_us,
-        "two_threads_calls_per_s": alone_calls,
-        "with_python_thread_calls_per_s": calls,
+        "two_threads_calls_per_s": sum(alone_calls),
+        "with_python_thread_calls_per_s": sum(calls),
         "python_thread_progress": turns / solo_turns if solo_turns else 0.0,
+        "contended_long_calls_per_s": mixed_calls[0],
+        "contended_short_calls_per_s": mixed_calls[1],
+        "contended_python_thread_progress": mixed_turns / solo_turns if solo_turns else 0.0,
     }
 
 
@@ -729,7 +737,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{threads['match_prefix_128_us']:.2f} us alone; two threads sharing a cache "
             f"make {threads['two_threads_calls_per_s']:,.0f} calls/s, "
             f"{threads['with_python_thread_calls_per_s']:,.0f} beside a pure-Python thread, "
-            f"which gets {threads['python_thread_progress']:.0%} of what it does alone"
+            f"which gets {threads['python_thread_progress']:.0%} of what it does alone; "
+            f"contended (a thread making 32k-token calls beside them): "
+            f"{threads['contended_long_calls_per_s']:,.0f} long and "
+            f"{threads['contended_short_calls_per_s']:,.0f} short calls/s, the pure-Python "
+            f"thread gets {threads['contended_python_thread_progress']:.0%}"
         )
         print(f"load average at the end {ctx['load_average_1m_end']} ({ctx['cpus']} CPUs)")
     if pyplot is not None:

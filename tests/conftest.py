@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -94,13 +95,18 @@ def cache() -> rc.HybridCache:
     return rc.HybridCache(kv_slots=64)
 
 
-def run_child(code: str) -> subprocess.CompletedProcess[str]:
-    """Runs `code` in a fresh interpreter (radixcache and numpy imported as rc, np): for
-    inputs that once crashed the process, so that a regression fails a test instead of
-    killing the test run."""
+def run_child(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs `code` in a fresh interpreter (radixcache and numpy imported as rc, np), with
+    `env` added to the environment: for inputs that once crashed the process, so that a
+    regression fails a test instead of killing the test run."""
     src = "import sys\nimport numpy as np\nimport radixcache as rc\n" + textwrap.dedent(code)
     return subprocess.run(
-        [sys.executable, "-c", src], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", src],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 

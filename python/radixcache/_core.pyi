@@ -8,6 +8,11 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: Final[str]
+#: Whether token lists are read through the fast path: on CPython 3.9-3.14, an exact
+#: list's items and ints below 2**30 are read from the interpreter's memory layout, after
+#: an import-time self-test against the C API (``RADIXCACHE_INT_FAST_PATH=0`` turns it
+#: off). Results and errors are the same either way; only the speed differs.
+_int_fast_path: Final[bool]
 __all__ = [
     "CacheError",
     "Copy",

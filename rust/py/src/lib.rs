@@ -18,6 +18,7 @@ use radixcache_core::Cache;
 
 mod convert;
 mod grown;
+mod layout;
 use convert::{indices_arg, tokens_arg, BatchArg, Int};
 use grown::GrownArray;
 
@@ -1018,5 +1019,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
     m.add("LockError", py.get_type::<LockError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Private (not in `__all__`): set, not added.
+    m.setattr("_int_fast_path", layout::init(py)?)?;
     Ok(())
 }
