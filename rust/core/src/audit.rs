@@ -284,6 +284,7 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
         && n.mamba.lock == 0
         && !n.kv.evicting
         && !n.kv.backup_pending
+        && !n.mamba.backup_pending
         && n.device_children == n.evicting_children
     {
         sums.kv_candidates.insert((n.last_access, i));

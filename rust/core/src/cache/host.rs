@@ -176,7 +176,8 @@ impl Cache {
         }
         for (id, _) in &states {
             if let Ok(i) = self.tree.resolve(*id) {
-                self.tree.node_mut(i).mamba.backup_pending = true;
+                self.edit(i, |n| n.mamba.backup_pending = true);
+                self.refresh(i);
             }
         }
         let lock = demote.is_none().then(|| self.lock_index(end));
@@ -296,13 +297,14 @@ impl Cache {
                 drop(h);
                 continue;
             };
-            let n = self.tree.node_mut(i);
-            n.mamba.backup_pending = false;
+            self.edit(i, |n| n.mamba.backup_pending = false);
+            let n = self.tree.node(i);
             if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
                 self.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
             } else {
                 drop(h);
             }
+            self.refresh(i);
         }
     }
 

@@ -67,8 +67,8 @@ impl Lru {
     ///
     /// KV: an unlocked device leaf (or a leaf to be: every device child is being
     /// evicted) whose state (if any) is unlocked too, since evicting the leaf's KV takes
-    /// its state with it, and that is neither being evicted nor backed up already. Mamba: a device state, unlocked, that no
-    /// transfer pins. Host: an unlocked host-only leaf (and, in the host-state set, one
+    /// its state with it, and that is neither being evicted nor backed up (KV or state)
+    /// already. Mamba: a device state, unlocked, that no transfer pins. Host: an unlocked host-only leaf (and, in the host-state set, one
     /// holding a host state).
     pub fn refresh(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node(i);
@@ -83,6 +83,7 @@ impl Lru {
             && n.mamba.lock == 0
             && !n.kv.evicting
             && !n.kv.backup_pending
+            && !n.mamba.backup_pending
             && n.device_children == n.evicting_children;
         let mamba = n.mamba.device.is_some() && n.mamba.lock == 0 && !n.mamba.pinned;
         let host_state = host && n.mamba.host.is_some();

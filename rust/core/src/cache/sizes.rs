@@ -13,7 +13,8 @@ use crate::tree::Node;
 /// Tallies over nodes (or one node's contribution to them).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Sizes {
-    /// Device KV tokens of unlocked nodes, neither being evicted nor backed up already.
+    /// Device KV tokens of unlocked nodes, neither being evicted nor backed up (KV or
+    /// state) already.
     pub evictable_tokens: usize,
     /// Device KV tokens of locked nodes, and of nodes being evicted or backed up (held
     /// for their backups: data in flight counts as protected).
@@ -42,7 +43,7 @@ impl Sizes {
         let len = n.key.len();
         let locked = n.kv.lock > 0;
         if n.kv.device.is_some() {
-            if locked || n.kv.evicting || n.kv.backup_pending {
+            if locked || n.kv.evicting || n.kv.backup_pending || n.mamba.backup_pending {
                 s.protected_tokens = len;
             } else {
                 s.evictable_tokens = len;
