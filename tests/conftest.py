@@ -95,6 +95,16 @@ def cache() -> rc.HybridCache:
     return rc.HybridCache(kv_slots=64)
 
 
+class Index:
+    """A user integer: only `__index__`."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __index__(self) -> int:
+        return self.v
+
+
 def run_child(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Runs `code` in a fresh interpreter (radixcache and numpy imported as rc, np), with
     `env` added to the environment: for inputs that once crashed the process, so that a

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import radixcache as rc
 
-from conftest import assert_child_ok, cached, fingerprint, run_child
+from conftest import Index, assert_child_ok, cached, fingerprint, run_child
 
 #: Every integer width, in both byte orders (1-byte dtypes have none: '|').
 WIDTHS = ("i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")
@@ -114,16 +114,6 @@ def test_insert_takes_slots_from_lists_tuples_and_arrays_alike() -> None:
         results.append((ins.prefix_len, c.match_prefix(BASE).kv_indices.tolist(), str(c)))
         c.audit()
     assert all(r == results[0] for r in results)
-
-
-class Index:
-    """A user integer: only `__index__`."""
-
-    def __init__(self, v: int) -> None:
-        self.v = v
-
-    def __index__(self) -> int:
-        return self.v
 
 
 def test_numpy_scalars_and_index_objects_are_accepted_inside_sequences(

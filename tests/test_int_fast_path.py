@@ -16,7 +16,7 @@ import numpy as np
 import radixcache as rc
 from radixcache import _core
 
-from conftest import assert_child_ok, run_child
+from conftest import Index, assert_child_ok, run_child
 
 #: Around every digit (2**30), 32-bit, 64-bit and sign boundary, and beyond 64 bits.
 EDGES = [
@@ -24,16 +24,6 @@ EDGES = [
     2**32, 2**60, 2**62, 2**63 - 1, 2**63, 2**64, 2**100,
 ]  # fmt: skip
 EDGES += [-v for v in EDGES[1:]] + [-(2**63)]
-
-
-class Index:
-    """A user integer: only `__index__`."""
-
-    def __init__(self, v: int) -> None:
-        self.v = v
-
-    def __index__(self) -> int:
-        return self.v
 
 
 def element(rng: random.Random) -> Any:
