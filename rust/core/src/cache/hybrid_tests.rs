@@ -70,6 +70,31 @@ fn a_split_keeps_the_state_with_the_lower_node() {
 }
 
 #[test]
+fn a_split_of_a_node_whose_state_is_being_backed_up_protects_only_the_lower_part() {
+    // A write-back eviction backup takes no lock: when its eviction is called off, the
+    // node is unlocked, not evicting, and its state is still in flight. (The machines
+    // reach this through a long history; the mark is set here as `emit_backup` sets it.)
+    let mut c = hybrid(64, 1, 4);
+    let a = cached_with_state(&mut c, &[1, 2, 3, 4]);
+    let i = c.tree.resolve(a.node).unwrap();
+    c.edit(i, |n| n.mamba.backup_pending = true);
+    c.refresh(i);
+    assert!(
+        !c.tree.node(i).kv.in_lru,
+        "no candidate while its state is in flight"
+    );
+    assert_eq!((c.sizes.evictable_tokens, c.sizes.protected_tokens), (0, 4));
+    // The split leaves the state (and its mark) with the lower part.
+    c.match_prefix(None, &[1, 2, 7]);
+    assert_eq!((c.sizes.evictable_tokens, c.sizes.protected_tokens), (2, 2));
+    c.audit().unwrap();
+    c.edit(i, |n| n.mamba.backup_pending = false);
+    c.refresh(i);
+    assert!(c.tree.node(i).kv.in_lru);
+    c.audit().unwrap();
+}
+
+#[test]
 fn insert_places_the_state_or_frees_it() {
     let mut c = hybrid(64, 2, 4);
     let ins = cached_with_state(&mut c, &[1, 2, 3, 4]);

@@ -3,6 +3,7 @@
 
 use crate::tree::NONE;
 
+use super::sizes::Sizes;
 use super::{Cache, Match};
 
 /// What a match found, without the slots (see [`Cache::find`]).
@@ -168,10 +169,15 @@ impl Cache {
         }
     }
 
-    /// Splits node `i` after `at` tokens; returns the new upper node. Sizes do not move:
-    /// both parts are what the node was.
+    /// Splits node `i` after `at` tokens; returns the new upper node. The upper part
+    /// takes the node's KV marks but not its state's (the state stays with the lower
+    /// part), so the tallies are taken out for the node and put back for both parts.
     pub(crate) fn split(&mut self, i: u32, at: usize) -> u32 {
         self.stats.splits += 1;
-        self.tree.split(i, at)
+        self.sizes -= Sizes::of(self.tree.node(i));
+        let u = self.tree.split(i, at);
+        self.sizes += Sizes::of(self.tree.node(u));
+        self.sizes += Sizes::of(self.tree.node(i));
+        u
     }
 }
