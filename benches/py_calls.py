@@ -11,7 +11,12 @@ calls when nothing has to happen between them; the tables give the median and p9
 - ``checkpoint`` and ``finish`` of such a request (cached half plus extended half);
 - the getters ``req.kv_indices``, ``req.tokens``, ``req.prefix_len`` and ``req.mamba_slot``:
   reads of an unchanged request, and the decode pattern a scheduler runs every step
-  (``extend(req, [t])``, then read; only the read is timed).
+  (``extend(req, [t])``, then read; only the read is timed);
+- ``list.copy()`` of the cached prompt: it only touches each element once, the least any
+  reader of a list pays per token. Where reading the tokens is most of a call, the
+  list/int64 ratio is bounded below by this floor (an int64 array is 8 contiguous bytes
+  per token, a list a pointer and a 32-byte int object each), so the goals also compare
+  list input with the int64 call plus the floor.
 
 Every call that takes tokens is measured with a Python list of ints (what serving engines
 hold), an int64 and a uint32 numpy array. The cells a goal compares (list and arrays of one
@@ -67,6 +72,13 @@ LOOP_NS = 20_000  # a loop of identical calls lasts about this long (timer cost 
 MAX_LOOP = 1_000
 MAX_SAMPLES = 50_000
 LIST_RATIO_GOAL = 1.5
+#: `list.copy()` of the token list: it only touches each element (one reference count
+#: each), which is the least any reader of a list pays per token.
+LIST_FLOOR = "list.copy"
+#: List input against its floor: the int64 call plus touching each element.
+LIST_FLOOR_GOAL = 1.2
+#: Calls whose cost is mostly reading the tokens, where the floor decides.
+FLOOR_OPS = ("match_prefix hit", "match_prefix miss", "admit")
 FLAT_GOAL = 2.0
 MATCH_4K_GOAL_US = {"int64": 5.0, "list": 15.0}
 
@@ -384,6 +396,10 @@ def token_calls(bench: Bench, length: int, rng: np.random.Generator) -> None:
         for variant, x in inputs(tokens).items():
             _expect(match(x).device_len == want, f"match is not a {op}")
             group.append(looped(f"match_prefix {op}", variant, length, length, match, x))
+        if op == "hit":
+            # What any reader of the list pays at least: touching each element once.
+            x = inputs(tokens)["list"]
+            group.append(looped(LIST_FLOOR, "list", length, length, list.copy, x))
         bench.run(group)
     hits.verify()
 
@@ -457,6 +473,16 @@ def evaluate(cells: list[Cell], size: Size) -> list[Goal]:
             "x",
         )
         for op in TOKEN_OPS
+        for length in size.lengths
+    ]
+    goals += [
+        Goal(
+            f"list <= {LIST_FLOOR_GOAL}x (int64 + list.copy): {op}, {length}",
+            at[op, length, "list"] / (at[op, length, "int64"] + at[LIST_FLOOR, length, "list"]),
+            LIST_FLOOR_GOAL,
+            "x",
+        )
+        for op in FLOOR_OPS
         for length in size.lengths
     ]
     small, large = size.getter_lengths[0], size.getter_lengths[-1]
@@ -538,6 +564,8 @@ def report(cells: list[Cell], goals: list[Goal] | None, seconds: float, size: Si
             vals = "".join(f"{f'{c.median_us:.2f} ({c.p90_us:.2f})':>20}" for c in row)
             ratio = row[0].median_us / row[1].median_us
             print(f"{op:<18} {length:>7} {row[0].tokens:>7}{vals}  {ratio:10.2f}")
+    print("the list floor, list.copy() of the prompt (touches each element once): us")
+    print("  " + "  ".join(f"{n}: {at[LIST_FLOOR, n, 'list'].median_us:.2f}" for n in size.lengths))
 
     print("\ncalls on a request (prompt half cached, half extended): us per call")
     print(f"{'operation':<18} {'length':>7} {'median':>10} {'p90':>10}")
