@@ -152,11 +152,11 @@ def demoted_request() -> tuple[rc.HybridCache, rc.Request]:
     return c, r
 
 
-def split_request() -> tuple[rc.HybridCache, rc.Request]:
+def split_request(mamba_slots: int = 4) -> tuple[rc.HybridCache, rc.Request]:
     """[1, 2] on the device with its state, its child [3, 4] (with a state) only on the
     host, and a request admitted for [1, 2, 3, 4, 5]: it reuses [1, 2] and already holds
     a state slot (its admission copy ran); two tokens to load."""
-    c = host_cache()
+    c = host_cache(mamba_slots=mamba_slots)
     backed_up(c, [1, 2])
     backed_up(c, [1, 2, 3, 4])
     demote(c, 2)  # the leaf [3, 4] goes to the host, [1, 2] stays
@@ -622,11 +622,13 @@ def test_started_then_dropped_load_quarantines_its_slots_until_acknowledged(ack:
 
 
 def test_fail_after_commit_turns_the_load_into_a_miss() -> None:
-    c, r = split_request()
+    # A fifth state slot: the failed load's fresh slot stays the request's until it ends,
+    # and the second load needs two.
+    c, r = split_request(mamba_slots=5)
     old = r.mamba_slot
     old_kv = r.kv_indices.copy()
     free = pools(c)
-    before = snapshot(c)
+    tree = c.pretty(max_nodes=100).splitlines()[1:]
     ctr = counters(c)
     lb = c.load_back(r)
     assert lb is not None
@@ -642,8 +644,11 @@ def test_fail_after_commit_turns_the_load_into_a_miss() -> None:
     np.testing.assert_array_equal(r.kv_indices, old_kv)
     m = c.match_prefix([1, 2, 3, 4])
     assert (m.device_len, m.host_len) == (2, 2)
-    assert pools(c) == free
-    assert snapshot(c) == before
+    # The fresh state slot the load was filling stays the request's until it ends (a
+    # forward pass may have been queued on it): one state slot fewer is free.
+    assert pools(c) == (free[0], free[1] - 1, free[2], free[3])
+    assert c.stats()["mamba_retired_slots"] == 1
+    assert c.pretty(max_nodes=100).splitlines()[1:] == tree, "the tree is as it was"
     assert moved(ctr, c) == {
         "load_backs": 1,
         "load_backs_committed": 1,
@@ -658,7 +663,42 @@ def test_fail_after_commit_turns_the_load_into_a_miss() -> None:
         lb.commit()
     assert r.prefix_len == 4
     c.finish(r)
+    assert c.stats()["mamba_retired_slots"] == 0
     assert c.match_prefix([1, 2, 3, 4]).device_len == 4
+    c.audit()
+
+
+def test_slots_extended_before_a_failed_load_are_not_reused_until_the_request_ends() -> None:
+    c, r = split_request()
+    lb = c.load_back(r)
+    assert lb is not None
+    c.start(lb.batch.id)
+    lb.commit()
+    fresh = r.mamba_slot
+    # Extending while the committed load is in flight is allowed (stream order).
+    extended = c.extend(r, [5])
+    assert extended is not None
+    assert fresh is not None
+    c.fail(lb.batch.id)
+    assert r.prefix_len == 2
+    assert r.mamba_slot != fresh
+    s = c.stats()
+    assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (1, 1)
+    got = c.alloc_kv(c.available_kv())
+    assert got is not None
+    assert extended[0] not in got
+    c.free_kv(got)
+    states = []
+    while (g := c.alloc_mamba()) is not None:
+        states.append(g)
+    assert fresh not in states
+    for g in states:
+        c.free_mamba(g)
+    c.audit()
+    c.abort(r)
+    s = c.stats()
+    assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (0, 0)
+    assert s["kv_request_slots"] + s["mamba_request_slots"] == 0
     c.audit()
 
 
@@ -666,7 +706,9 @@ def test_fail_after_commit_restores_the_requests_host_len() -> None:
     """`fail` after commit puts "the request back to what it was" (LoadBack.commit):
     that includes what its admission found on the host, so `load_back(request)` can
     retry."""
-    c, r = split_request()
+    # A fifth state slot: the failed load's fresh slot stays the request's until it ends,
+    # and the retry needs two.
+    c, r = split_request(mamba_slots=5)
     lb = c.load_back(r)
     assert lb is not None
     c.start(lb.batch.id)

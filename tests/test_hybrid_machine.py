@@ -59,6 +59,9 @@ class Req:
     ns: str | None
     tokens: list[int] = field(default_factory=list)
     copy: int | None = None  # admission copy batch, until acknowledged
+    # What a failed admission copy took from it: held until it ends (KV pages, states).
+    retired_pages: int = 0
+    retired_states: set[int] = field(default_factory=set)
 
     @property
     def live(self) -> bool:
@@ -280,14 +283,23 @@ class HybridMachine(RuleBasedStateMachine):
                 assert b.req.handle is not None
                 assert b.req.handle.copy_pending is None
             return
+        req = b.req if b.kind == "admit" and b.req is not None and b.req.live else None
+        if req is not None:
+            h = req.handle
+            assert h is not None
+            # A failed admission copy takes the request's slots; it keeps them until it
+            # ends (a forward pass may have been queued on them).
+            req.retired_pages += -(-(len(h.tokens) - h.prefix_len) // self.ps)
+            if h.mamba_slot is not None:
+                req.retired_states.add(h.mamba_slot)
         self.cache.fail(bid)
         self.mamba_mem[b.dst] = GARBAGE
-        if b.kind == "admit" and b.req is not None and b.req.live:
-            h = b.req.handle
+        if req is not None:
+            h = req.handle
             assert h is not None
             view = (h.prefix_len, len(h.tokens), len(h.kv_indices), h.mamba_slot, h.copy_pending)
             assert view == (0, 0, 0, None, None), "rule 10: back to nothing reused"
-            self.reset(b.req)
+            self.reset(req)
 
     # -------------------------------------------------------------------- rules
 
@@ -537,10 +549,17 @@ class HybridMachine(RuleBasedStateMachine):
             assert h.copy_pending == r.copy
             assert len(h.kv_indices) == len(r.tokens)
             assert h.prefix_len == self.aligned(h.prefix_len) <= len(r.tokens)
-            req_pages += -(-(len(r.tokens) - h.prefix_len) // ps)
-            if h.mamba_slot is not None:
-                assert h.mamba_slot not in req_states
-                req_states.add(h.mamba_slot)
+            req_pages += -(-(len(r.tokens) - h.prefix_len) // ps) + r.retired_pages
+            for slot in [h.mamba_slot, *r.retired_states]:
+                if slot is not None:
+                    assert slot not in req_states
+                    req_states.add(slot)
+        retired_pages = sum(r.retired_pages for r in live)
+        retired_states = sum(len(r.retired_states) for r in live)
+        assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (
+            retired_pages * ps,
+            retired_states,
+        )
         assert s["live_requests"] == len(live)
         assert s["batches_in_flight"] == len(self.batches)
         # KV: free = capacity - tree - requests - caller.

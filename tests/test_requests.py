@@ -908,10 +908,14 @@ def test_failed_admission_copy_drops_the_request_back_to_nothing(extended: bool)
     assert "root" in repr(r.node)
     assert r.live
     s = c.stats()
-    # It holds nothing but its namespace's root (a lock that protects no token).
-    assert (s["live_locks"], s["kv_request_slots"], s["mamba_request_slots"]) == (1, 0, 0)
-    assert (s["batches_failed"], s["mamba_draining_slots"]) == (1, 0)
-    assert (c.protected_size(), c.available_mamba()) == (0, 2)
+    # It uses nothing but its namespace's root (a lock that protects no token); the
+    # slots the failed copy took from it (its state slot, what it extended) stay its own
+    # until it ends, since a forward pass may have been queued on them.
+    retired = (2 if extended else 0, 1)
+    assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == retired
+    assert (s["kv_request_slots"], s["mamba_request_slots"]) == retired
+    assert (s["live_locks"], s["batches_failed"], s["mamba_draining_slots"]) == (1, 1, 0)
+    assert (c.protected_size(), c.available_mamba()) == (0, 1)
     assert tree_states(c) == [node_slot], "the cached state itself is untouched"
     for op in (c.complete, c.fail, c.start):
         with pytest.raises(ValueError, match=rf"^batch_id: no batch {b.id} in flight"):
@@ -921,6 +925,50 @@ def test_failed_admission_copy_drops_the_request_back_to_nothing(extended: bool)
     assert r.mamba_slot is not None
     c.finish(r)
     assert c.match_prefix([1, 2, 3, 4, 5]).device_len == 5
+    s = c.stats()
+    assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (0, 0)
+    assert s["kv_request_slots"] + s["mamba_request_slots"] == 0
+    c.audit()
+
+
+def held_apart(cache: rc.HybridCache, kv: list[int], state: int | None) -> None:
+    """Takes every free KV slot and state slot and checks none is in `kv` or `state`,
+    then gives them back."""
+    got = cache.alloc_kv(cache.available_kv())
+    assert got is not None
+    assert not set(got.tolist()) & set(kv), "a slot handed to a live request was reused"
+    states = []
+    while (s := cache.alloc_mamba()) is not None:
+        states.append(s)
+    assert state not in states, "a state slot handed to a live request was reused"
+    cache.free_kv(got)
+    for s in states:
+        cache.free_mamba(s)
+
+
+def test_slots_extended_before_a_failed_admission_copy_are_not_reused_until_the_request_ends() -> (
+    None
+):
+    c = hybrid(kv_slots=16, page_size=1, mamba_slots=3)
+    with_state(c, [1, 2, 3])
+    r = admitted(c, [1, 2, 3, 4, 5])
+    b = one_batch(c)
+    state = r.mamba_slot
+    # The scheduler queued a forward pass on these before the copy's outcome was known.
+    extended = c.extend(r, [4, 5])
+    assert extended is not None
+    assert state is not None
+    c.start(b.id)
+    c.fail(b.id)
+    s = c.stats()
+    assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (2, 1)
+    held_apart(c, extended.tolist(), state)
+    c.audit()
+    c.abort(r)
+    s = c.stats()
+    assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (0, 0)
+    assert (s["kv_request_slots"], s["mamba_request_slots"]) == (0, 0)
+    assert c.available_kv() == 16 - c.total_size()
     c.audit()
 
 

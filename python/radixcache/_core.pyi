@@ -551,11 +551,16 @@ class HybridCache:
         """Acknowledge a batch whose copies failed: a failed copy is a miss, never a hit.
 
         A failed admission copy drops its request back to ``prefix_len == 0`` with no
-        tokens and no state slot, to recompute; the slots it had are released at once,
-        so compute queued for that request behind the failed copy must not run. A failed
-        backup leaves its nodes not backed up (a write-back eviction then removes the
-        node). A failed committed load-back puts the nodes back to host-only and the
-        request back to its prefix before the load (tokens extended since are dropped).
+        tokens and no state slot, to recompute. A failed backup leaves its nodes not
+        backed up (a write-back eviction then removes the node). A failed committed
+        load-back puts the nodes back to host-only and the request back to its prefix
+        before the load (tokens extended since are dropped).
+
+        The slots a fail takes from a request (the KV it extended, the state slot the
+        copy was filling) are retired, not freed: compute already queued on them may
+        still write them, so they stay the request's until it ends (``finish`` or
+        ``abort``) and are never handed out before. ``stats()`` counts them in
+        ``kv_retired_slots`` and ``mamba_retired_slots`` (part of ``*_request_slots``).
 
         Raises:
             ValueError: no such batch in flight (``batch_id``), or the id is another
@@ -583,7 +588,8 @@ class HybridCache:
         = ``*_capacity_slots`` (host pools have no caller or request slots). Draining
         slots are held by transfers in flight or wait for one to end before they are
         free. ``kv_evicting_tokens``: device tokens an eviction chose under write-back,
-        free once their backups land.
+        free once their backups land. ``kv_retired_slots`` / ``mamba_retired_slots``:
+        request slots a failed copy took from live requests, free when they end.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""

@@ -466,6 +466,9 @@ struct Req {
     /// KV pages for `tokens[prefix_len..]`.
     own: Vec<i64>,
     mamba: Option<u32>,
+    /// Slots a failed copy took from it (API: held until the request ends).
+    retired_kv: Vec<i64>,
+    retired_mamba: Vec<u32>,
     cow: Option<BatchId>,
     /// The receipt on `tokens[..prefix_len]`, if any, and whether it holds that state.
     lock: Option<bool>,
@@ -596,7 +599,7 @@ impl Model {
             put(p, PageState::Caller);
         }
         for q in &self.reqs {
-            for &p in &q.own {
+            for &p in q.own.iter().chain(&q.retired_kv) {
                 put(p, PageState::Owned);
             }
         }
@@ -623,7 +626,7 @@ impl Model {
             put(s, PageState::Caller);
         }
         for q in &self.reqs {
-            if let Some(s) = q.mamba {
+            for &s in q.mamba.iter().chain(&q.retired_mamba) {
                 put(s, PageState::Owned);
             }
         }
@@ -817,6 +820,15 @@ impl Machine {
     fn check(&mut self) {
         self.cache.audit().unwrap();
         assert_pool_sums(&self.cache);
+        let retired = self.m.reqs.iter().fold((0, 0), |(k, s), q| {
+            (k + q.retired_kv.len(), s + q.retired_mamba.len())
+        });
+        let stats: HashMap<&str, u64> = self.cache.stats().into_iter().collect();
+        assert_eq!(
+            (stats["kv_retired_slots"], stats["mamba_retired_slots"]),
+            ((retired.0 * self.m.ps) as u64, retired.1 as u64),
+            "retired slots"
+        );
         let ps = self.m.ps;
         let r = read(&self.cache, ps);
         assert_eq!(
@@ -1530,8 +1542,10 @@ impl Machine {
                         q.tokens.clear();
                         q.prefix_len = 0;
                         q.branch_len = 0;
-                        q.own.clear();
-                        q.mamba = None;
+                        // Its slots stay its own until it ends: a forward pass may
+                        // have been queued on them.
+                        q.retired_kv.append(&mut q.own);
+                        q.retired_mamba.extend(q.mamba.take());
                         // It holds its namespace's root now (no state there).
                         q.lock = Some(false);
                     }
@@ -1627,6 +1641,8 @@ impl Machine {
             branch_len: kl,
             own: Vec::new(),
             mamba: v.mamba_slot,
+            retired_kv: Vec::new(),
+            retired_mamba: Vec::new(),
             cow: None,
             lock: Some(src.is_some()),
             read: (None, Vec::new(), Vec::new()),
@@ -1766,7 +1782,7 @@ impl Machine {
             .m
             .reqs
             .iter()
-            .filter_map(|q| q.mamba)
+            .flat_map(|q| q.mamba.iter().chain(&q.retired_mamba).copied())
             .chain(self.m.batches.values().map(|b| b.dst))
             .collect();
         let found: Vec<u32> = (0..u32_of(self.m.mamba_cap))

@@ -95,6 +95,48 @@ fn a_split_of_a_node_whose_state_is_being_backed_up_protects_only_the_lower_part
 }
 
 #[test]
+fn slots_extended_before_a_failed_admission_copy_are_not_reused_until_the_request_ends() {
+    let mut c = hybrid(16, 1, 4);
+    cached_with_state(&mut c, &[1, 2, 3, 4]);
+    let r = c.admit(None, &[1, 2, 3, 4, 5, 6]).unwrap();
+    let slot = c.request(r).unwrap().mamba_slot.unwrap();
+    // The engine queued a forward pass on these before the copy's outcome was known.
+    let extended = c.extend(r, &[5, 6]).unwrap().unwrap();
+    let [cow] = c.take_batches().try_into().unwrap();
+    c.start(cow.id).unwrap();
+    c.fail(cow.id).unwrap();
+    let v = c.request(r).unwrap();
+    assert_eq!((v.prefix_len, v.len, v.mamba_slot), (0, 0, None));
+    let report: std::collections::HashMap<_, _> = c.stats().into_iter().collect();
+    assert_eq!(
+        (report["kv_retired_slots"], report["mamba_retired_slots"]),
+        (2, 1)
+    );
+    c.audit().unwrap();
+    // Everything else can be had; those slots cannot.
+    let kv = c.alloc_kv(c.available_kv()).unwrap().unwrap();
+    assert!(kv.iter().all(|s| !extended.contains(s)));
+    let mut others = Vec::new();
+    while let Some(s) = c.alloc_mamba() {
+        others.push(s);
+    }
+    assert!(!others.contains(&slot));
+    c.free_kv(&kv).unwrap();
+    for s in others {
+        c.free_mamba(i64::from(s)).unwrap();
+    }
+    // Once the request ends they are free.
+    c.abort(r).unwrap();
+    let report: std::collections::HashMap<_, _> = c.stats().into_iter().collect();
+    assert_eq!(
+        (report["kv_retired_slots"], report["mamba_retired_slots"]),
+        (0, 0)
+    );
+    assert_eq!(c.kv_counts().owned + c.mamba_counts().owned, 0);
+    c.audit().unwrap();
+}
+
+#[test]
 fn insert_places_the_state_or_frees_it() {
     let mut c = hybrid(64, 2, 4);
     let ins = cached_with_state(&mut c, &[1, 2, 3, 4]);

@@ -675,10 +675,13 @@ impl Cache {
                         rs.host_node = saved.host_node;
                         rs.tokens.truncate(saved.prefix_len);
                         rs.epoch += 1;
-                        drop(std::mem::replace(&mut rs.kv, empty));
-                        if saved.swapped {
-                            drop(std::mem::replace(&mut rs.mamba, saved.mamba));
-                        }
+                        let kv = std::mem::replace(&mut rs.kv, empty);
+                        let fresh = if saved.swapped {
+                            std::mem::replace(&mut rs.mamba, saved.mamba)
+                        } else {
+                            None
+                        };
+                        rs.retired.keep(kv, fresh);
                     }
                 }
                 _ => {

@@ -36,6 +36,12 @@ impl Cache {
             if let Some(s) = &r.mamba {
                 f(1, Holder::Request, s.pages());
             }
+            for p in &r.retired.kv {
+                f(0, Holder::Request, p.pages());
+            }
+            for s in &r.retired.states {
+                f(1, Holder::Request, s.pages());
+            }
         }
         for (_, load) in self.loads.iter() {
             let holder = if load.committed {
@@ -137,6 +143,11 @@ impl Cache {
     /// Counters and gauges, in a fixed order.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
         let [kv, mamba, host_kv, host_mamba] = self.pool_slots();
+        // Part of the request slots: what failed copies took from live requests.
+        let retired = self.requests.iter().fold((0, 0), |(k, s), r| {
+            let (rk, rs) = r.retired.counts();
+            (k + rk, s + rs)
+        });
         let mut out = self.stats.entries();
         out.extend([
             (
@@ -154,6 +165,10 @@ impl Cache {
             ("kv_caller_slots", kv[2]),
             ("kv_request_slots", kv[3]),
             ("kv_draining_slots", kv[4]),
+            (
+                "kv_retired_slots",
+                (retired.0 * self.config.page_size) as u64,
+            ),
             ("kv_capacity_slots", self.config.kv_slots as u64),
             ("kv_evictable_tokens", self.sizes.evictable_tokens as u64),
             ("kv_protected_tokens", self.sizes.protected_tokens as u64),
@@ -163,6 +178,7 @@ impl Cache {
             ("mamba_caller_slots", mamba[2]),
             ("mamba_request_slots", mamba[3]),
             ("mamba_draining_slots", mamba[4]),
+            ("mamba_retired_slots", retired.1 as u64),
             ("mamba_capacity_slots", self.config.mamba_slots as u64),
             ("mamba_evictable_states", self.sizes.evictable_states as u64),
             ("mamba_protected_states", self.sizes.protected_states as u64),

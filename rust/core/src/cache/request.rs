@@ -49,6 +49,35 @@ pub(crate) struct RequestState {
     /// the end (a checkpoint, a load-back, a failed copy): readers that keep what they
     /// read know when to read it all again ([`Cache::request_slots_from`]).
     pub epoch: u64,
+    /// Slots a failed copy took from the request (the KV it had extended, a state slot
+    /// the copy was filling): a forward pass the engine already queued may still write
+    /// them, so they stay the request's until it ends, and only then are freed.
+    pub retired: Retired,
+}
+
+/// KV pages and state slots a request holds but no longer uses ([`RequestState::retired`]).
+#[derive(Default)]
+pub(crate) struct Retired {
+    pub kv: Vec<Pages>,
+    pub states: Vec<Pages>,
+}
+
+impl Retired {
+    /// Keeps `kv` (when it holds any page) and `state` until the request ends.
+    pub fn keep(&mut self, kv: Pages, state: Option<Pages>) {
+        if !kv.pages().is_empty() {
+            self.kv.push(kv);
+        }
+        self.states.extend(state);
+    }
+
+    /// KV pages and state slots held.
+    pub fn counts(&self) -> (usize, usize) {
+        (
+            self.kv.iter().map(|p| p.pages().len()).sum(),
+            self.states.iter().map(|p| p.pages().len()).sum(),
+        )
+    }
 }
 
 impl RequestState {
@@ -166,6 +195,7 @@ impl Cache {
             load: None,
             handle: false,
             epoch: 0,
+            retired: Retired::default(),
         };
         let id = RequestId {
             cache: self.id(),
@@ -450,8 +480,8 @@ impl Cache {
         r.host_node = None;
         let kv = std::mem::replace(&mut r.kv, empty);
         let state = r.mamba.take();
+        r.retired.keep(kv, state);
         let namespace = r.namespace.clone();
-        drop((kv, state));
         // The request now holds its namespace's root (locked, so that it stays).
         let root = self.root(namespace.as_deref());
         let root_lock = self.lock_index(root);
