@@ -668,6 +668,20 @@ def test_fail_after_commit_turns_the_load_into_a_miss() -> None:
     c.audit()
 
 
+def test_pending_batches_lists_a_load_backs_batch_until_it_ends() -> None:
+    c, r = split_request()
+    lb = c.load_back(r)
+    assert lb is not None
+    assert c.pending_batches() == [(lb.batch.id, "load_back", False)]
+    c.start(lb.batch.id)
+    lb.commit()
+    assert c.pending_batches() == [(lb.batch.id, "load_back", True)]
+    c.complete(lb.batch.id)
+    assert c.pending_batches() == []
+    c.abort(r)
+    c.audit()
+
+
 def test_slots_extended_before_a_failed_load_are_not_reused_until_the_request_ends() -> None:
     c, r = split_request()
     lb = c.load_back(r)

@@ -1017,6 +1017,27 @@ def test_batches_may_be_acknowledged_in_any_order_and_before_being_taken() -> No
     c.audit()
 
 
+def test_pending_batches_lists_what_was_handed_out_and_not_ended() -> None:
+    c = hybrid(mamba_slots=6)
+    with_state(c, [1, 2])
+    rs = [admitted(c, [1, 2, i]) for i in range(3)]
+    assert c.pending_batches() == [], "nothing handed out before take_batches"
+    a, b, d = c.take_batches()
+    assert c.pending_batches() == [(a.id, "cow", False), (b.id, "cow", False), (d.id, "cow", False)]
+    c.start(b.id)
+    c.complete(a.id)
+    assert c.pending_batches() == [(b.id, "cow", True), (d.id, "cow", False)]
+    # What an engine that restarts does: end everything outstanding by id.
+    for bid, _, _ in c.pending_batches():
+        c.fail(bid)
+    assert c.pending_batches() == []
+    assert [r.prefix_len for r in rs] == [2, 0, 0]
+    for r in rs:
+        c.abort(r)
+    assert gauge(c, "batches_in_flight") == 0
+    c.audit()
+
+
 # ---------------------------------------------------------------------- state slots
 
 

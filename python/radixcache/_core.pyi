@@ -532,6 +532,14 @@ class HybridCache:
         copy fills the request's state slot, and a checkpoint copy reads the request's
         live state, which its next step overwrites.
         """
+    def pending_batches(self) -> list[tuple[int, Literal["cow", "backup", "load_back"], bool]]:
+        """Batches handed out and not yet acknowledged, as ``(id, kind, started)``.
+
+        Oldest first. Handed out: taken with ``take_batches()`` or held by a ``LoadBack`` guard (its
+        ``batch``); batches still waiting for ``take_batches()`` are not listed. An
+        engine that restarts ends each one by id (``complete``/``fail``; a started one
+        only once its copies can no longer run, since its slots drain until then).
+        """
     def start(self, batch_id: int) -> None:
         """Tell the cache the engine is about to run the batch's copies.
 

@@ -823,6 +823,24 @@ impl Machine {
         let retired = self.m.reqs.iter().fold((0, 0), |(k, s), q| {
             (k + q.retired_kv.len(), s + q.retired_mamba.len())
         });
+        // Handed out and not ended: the taken batches of the model (all `cow`).
+        let listed: Vec<(BatchId, bool)> = self
+            .cache
+            .pending_batches()
+            .into_iter()
+            .map(|(id, kind, started)| {
+                assert_eq!(kind, BatchKind::Cow);
+                (id, started)
+            })
+            .collect();
+        let taken: Vec<(BatchId, bool)> = self
+            .m
+            .batches
+            .iter()
+            .filter(|(_, b)| b.taken)
+            .map(|(&id, _)| (id, self.cache.started(id) == Some(true)))
+            .collect();
+        assert_eq!(listed, taken, "pending_batches");
         let stats: HashMap<&str, u64> = self.cache.stats().into_iter().collect();
         assert_eq!(
             (stats["kv_retired_slots"], stats["mamba_retired_slots"]),

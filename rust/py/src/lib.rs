@@ -399,6 +399,15 @@ impl PyHybridCache {
             .collect()
     }
 
+    /// Batches handed out and not acknowledged: `(id, kind, started)`, oldest first.
+    fn pending_batches(&self, py: Python<'_>) -> PyResult<Vec<(u128, &'static str, bool)>> {
+        let pending = run(py, &self.inner, 0, |c| Ok(c.pending_batches()))?;
+        Ok(pending
+            .into_iter()
+            .map(|(id, kind, started)| (id.to_u128(), kind.as_str(), started))
+            .collect())
+    }
+
     /// The engine is about to run a batch's copies.
     fn start(&self, py: Python<'_>, batch_id: BatchArg) -> PyResult<()> {
         let id = batch_id.get()?;

@@ -7,7 +7,7 @@
 //! from emission on, so that whoever gives such a slot back meanwhile only marks it
 //! draining, and no copy ever reads a reused slot or writes one handed to someone else.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
 use crate::ids::{BatchId, NodeId, RequestId};
@@ -217,6 +217,20 @@ impl Cache {
         let ids = std::mem::take(&mut self.batches.outbox);
         ids.iter()
             .filter_map(|id| self.batches.pending.get(id).map(|p| p.batch.clone()))
+            .collect()
+    }
+
+    /// Batches handed out and not yet acknowledged, oldest first: `(id, kind, started)`.
+    /// Handed out means taken with [`Cache::take_batches`] or held by a load-back record;
+    /// what still waits for `take_batches` is not listed. An engine that restarts ends
+    /// each by id (a started one only once its copies can no longer run).
+    pub fn pending_batches(&self) -> Vec<(BatchId, BatchKind, bool)> {
+        let waiting: BTreeSet<&BatchId> = self.batches.outbox.iter().collect();
+        self.batches
+            .pending
+            .iter()
+            .filter(|(id, _)| !waiting.contains(id))
+            .map(|(&id, p)| (id, p.batch.kind, p.started))
             .collect()
     }
 
