@@ -680,6 +680,15 @@ impl Machine {
     fn check(&self) {
         self.cache.audit().unwrap();
         assert_pool_sums(&self.cache);
+        // Handed out and not ended: exactly the batches the test holds (taken, and load
+        // guards' batches), with their kinds and whether they were started.
+        let listed: Vec<(BatchId, BatchKind, bool)> = self.cache.pending_batches();
+        let held: Vec<(BatchId, BatchKind, bool)> = self
+            .flights
+            .iter()
+            .map(|(&id, f)| (id, f.batch.kind, f.read.is_some()))
+            .collect();
+        assert_eq!(listed, held, "pending_batches");
         self.check_tree();
         self.check_requests();
         let [kv, mamba, ..] = counts(&self.cache);
