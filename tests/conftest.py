@@ -95,6 +95,21 @@ def cache() -> rc.HybridCache:
     return rc.HybridCache(kv_slots=64)
 
 
+def held_apart(cache: rc.HybridCache, kv: list[int], state: int | None) -> None:
+    """Takes every free KV slot and state slot and checks none is in `kv` or `state`,
+    then gives them back."""
+    got = cache.alloc_kv(cache.available_kv())
+    assert got is not None
+    assert not set(got.tolist()) & set(kv), "a slot handed to a live request was reused"
+    states = []
+    while (s := cache.alloc_mamba()) is not None:
+        states.append(s)
+    assert state not in states, "a state slot handed to a live request was reused"
+    cache.free_kv(got)
+    for s in states:
+        cache.free_mamba(s)
+
+
 class Index:
     """A user integer: only `__index__`."""
 

@@ -11,7 +11,7 @@ import pytest
 
 import radixcache as rc
 
-from conftest import cached, fingerprint
+from conftest import cached, fingerprint, held_apart
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -698,16 +698,7 @@ def test_slots_extended_before_a_failed_load_are_not_reused_until_the_request_en
     assert r.mamba_slot != fresh
     s = c.stats()
     assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (1, 1)
-    got = c.alloc_kv(c.available_kv())
-    assert got is not None
-    assert extended[0] not in got
-    c.free_kv(got)
-    states = []
-    while (g := c.alloc_mamba()) is not None:
-        states.append(g)
-    assert fresh not in states
-    for g in states:
-        c.free_mamba(g)
+    held_apart(c, extended.tolist(), fresh)
     c.audit()
     c.abort(r)
     s = c.stats()

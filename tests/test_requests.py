@@ -12,7 +12,7 @@ import pytest
 
 import radixcache as rc
 
-from conftest import cached, fingerprint
+from conftest import cached, fingerprint, held_apart
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -929,21 +929,6 @@ def test_failed_admission_copy_drops_the_request_back_to_nothing(extended: bool)
     assert (s["kv_retired_slots"], s["mamba_retired_slots"]) == (0, 0)
     assert s["kv_request_slots"] + s["mamba_request_slots"] == 0
     c.audit()
-
-
-def held_apart(cache: rc.HybridCache, kv: list[int], state: int | None) -> None:
-    """Takes every free KV slot and state slot and checks none is in `kv` or `state`,
-    then gives them back."""
-    got = cache.alloc_kv(cache.available_kv())
-    assert got is not None
-    assert not set(got.tolist()) & set(kv), "a slot handed to a live request was reused"
-    states = []
-    while (s := cache.alloc_mamba()) is not None:
-        states.append(s)
-    assert state not in states, "a state slot handed to a live request was reused"
-    cache.free_kv(got)
-    for s in states:
-        cache.free_mamba(s)
 
 
 def test_slots_extended_before_a_failed_admission_copy_are_not_reused_until_the_request_ends() -> (
