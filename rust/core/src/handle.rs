@@ -1,5 +1,5 @@
 //! [`HybridCache`]: the shareable handle over the core, and the owned handles it gives
-//! ([`Lock`], [`Request`], [`LoadBack`]).
+//! ([`Lock`], [`Request`], [`LoadBack`], [`Batch`]).
 //!
 //! The handle puts the single-threaded [`Cache`] behind a mutex so that owned handles
 //! can give back what they hold when dropped, from any thread. The core's own owned
@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cache::{Cache, LoadRecord, LoadTarget, LockReceipt, TransferBatch};
+use crate::cache::{Abandoned, Cache, LoadRecord, LoadTarget, LockReceipt, TransferBatch};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::ids::{BatchId, NodeId, RequestId};
@@ -224,6 +224,30 @@ impl HybridCache {
         }
     }
 
+    /// The batches the cache emitted since the last call (copy-on-write, backups), each
+    /// owned by its handle until it ends: see [`Batch`].
+    pub fn take_batches(&self) -> Result<Vec<Batch>> {
+        let batches = self.with(Cache::take_batches)?;
+        Ok(batches
+            .into_iter()
+            .map(|b| self.batch_handle(b, true))
+            .collect())
+    }
+
+    /// A handle on `batch` (emitted by this cache's core). When `owns`, dropping it
+    /// before it ended abandons the batch ([`Cache::abandon`]); otherwise someone else
+    /// owns the batch (a load-back guard) until [`Batch::adopt`].
+    pub fn batch_handle(&self, batch: TransferBatch, owns: bool) -> Batch {
+        Batch {
+            cache: self.clone(),
+            copies: batch,
+            state: Mutex::new(BatchState {
+                owns,
+                outcome: None,
+            }),
+        }
+    }
+
     /// Releases the lock in `slot` and empties it. An empty slot (released already)
     /// or a lock of another cache raises [`Error::Lock`]; the lock then stays where it
     /// was.
@@ -294,6 +318,141 @@ impl Drop for LoadBack {
         if let Some(record) = self.record.take() {
             self.cache.core.lock().settle(|c| c.cancel_load(record));
         }
+    }
+}
+
+/// How a [`Batch`] ended, as far as its handle knows (an acknowledgement by id through
+/// the cache does not reach the handle).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// [`Batch::complete`] succeeded.
+    Completed,
+    /// [`Batch::fail`] or [`Batch::close`] failed it, for this reason.
+    Failed(String),
+    /// The handle let go of it before it ended ([`Batch::abandon`], or dropped).
+    Abandoned(Abandoned),
+}
+
+struct BatchState {
+    /// Whether dropping the handle abandons the batch.
+    owns: bool,
+    outcome: Option<Outcome>,
+}
+
+/// A transfer batch handed out by the cache, owned by this handle until it ends: run its
+/// copies between [`Batch::start`] and [`Batch::complete`] (or [`Batch::fail`]).
+/// Dropped before it ended, it is abandoned: failed if never started; if started, it
+/// stays in flight, holding its slots, until it is acknowledged by id (which fails it),
+/// since its copies may still run (see [`Cache::abandon`]). Its methods take `&self` so that it can be shared.
+#[must_use = "dropping a Batch before it ended fails it"]
+#[clippy::has_significant_drop]
+pub struct Batch {
+    cache: HybridCache,
+    copies: TransferBatch,
+    state: Mutex<BatchState>,
+}
+
+impl fmt::Debug for Batch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batch")
+            .field("id", &self.copies.id)
+            .field("kind", &self.copies.kind)
+            .field("outcome", &self.state.lock().outcome)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Batch {
+    /// The batch id.
+    pub fn id(&self) -> BatchId {
+        self.copies.id
+    }
+
+    /// What to copy.
+    pub fn batch(&self) -> &TransferBatch {
+        &self.copies
+    }
+
+    /// How the batch ended through this handle, if it did.
+    pub fn outcome(&self) -> Option<Outcome> {
+        self.state.lock().outcome.clone()
+    }
+
+    /// The engine is about to run the copies (see [`Cache::start`]).
+    pub fn start(&self) -> Result<()> {
+        let id = self.copies.id;
+        self.cache.call(|c| c.start(id))
+    }
+
+    /// The copies are done (see [`Cache::complete`]).
+    pub fn complete(&self) -> Result<()> {
+        let id = self.copies.id;
+        self.cache.call(|c| c.complete(id))?;
+        self.ended(Outcome::Completed);
+        Ok(())
+    }
+
+    /// The copies failed (see [`Cache::fail`]); `reason` is kept in [`Batch::outcome`].
+    pub fn fail(&self, reason: &str) -> Result<()> {
+        let id = self.copies.id;
+        self.cache.call(|c| c.fail(id))?;
+        self.ended(Outcome::Failed(reason.to_owned()));
+        Ok(())
+    }
+
+    /// Fails the batch if it is still in flight, for a caller whose copies can no longer
+    /// run (a `with` block left, an exception caught). Returns whether it failed it.
+    pub fn close(&self, reason: &str) -> Result<bool> {
+        let id = self.copies.id;
+        let failed = self.cache.call(|c| {
+            c.started(id)
+                .is_some()
+                .then(|| c.fail(id))
+                .transpose()
+                .map(|f| f.is_some())
+        })?;
+        if failed {
+            self.ended(Outcome::Failed(reason.to_owned()));
+        } else {
+            self.state.lock().owns = false;
+        }
+        Ok(failed)
+    }
+
+    /// Lets go of the batch (what dropping the handle does): see [`Cache::abandon`].
+    /// Nothing happens when the handle does not own the batch, or the cache is broken.
+    pub fn abandon(&self) -> Abandoned {
+        if !std::mem::replace(&mut self.state.lock().owns, false) {
+            return Abandoned::Nothing;
+        }
+        let id = self.copies.id;
+        let what = self
+            .cache
+            .with(|c| c.abandon(id))
+            .unwrap_or(Abandoned::Nothing);
+        if what != Abandoned::Nothing {
+            self.state.lock().outcome = Some(Outcome::Abandoned(what));
+        }
+        what
+    }
+
+    /// Makes this handle the batch's owner (a load-back's batch, once its guard is
+    /// committed or released and no longer owns it).
+    pub fn adopt(&self) {
+        let mut st = self.state.lock();
+        st.owns = st.outcome.is_none();
+    }
+
+    fn ended(&self, outcome: Outcome) {
+        let mut st = self.state.lock();
+        st.owns = false;
+        st.outcome = Some(outcome);
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        self.abandon();
     }
 }
 
@@ -578,5 +737,152 @@ mod tests {
         assert_eq!(get("live_locks"), Some(0));
         assert_eq!(get("load_backs_called_off_released"), Some(1));
         c.call(|core| core.audit()).unwrap();
+    }
+
+    /// A hybrid cache with a write-through host tier; [1, 2, 3, 4] is cached with its
+    /// state and its backup batch is the one returned.
+    fn backed_up() -> (HybridCache, Batch) {
+        let c = HybridCache::new(Config {
+            mamba_slots: 4,
+            host_kv_slots: 16,
+            host_mamba_slots: 4,
+            write_policy: crate::WritePolicy::WriteThrough,
+            ..Config::kv(16, 1)
+        })
+        .unwrap();
+        c.with(|core| {
+            let slots = core.alloc_kv(4).unwrap().unwrap();
+            let state = core.alloc_mamba().map(i64::from);
+            core.insert_with_state(None, &[1, 2, 3, 4], &slots, 0, state)
+                .unwrap();
+        })
+        .unwrap();
+        let mut batches = c.take_batches().unwrap();
+        assert_eq!(batches.len(), 1);
+        let b = batches.remove(0);
+        assert_eq!(b.batch().kind, crate::BatchKind::Backup);
+        (c, b)
+    }
+
+    fn stat(c: &HybridCache, key: &str) -> u64 {
+        let stats = c.with(|core| core.stats()).unwrap();
+        stats.iter().find(|(n, _)| *n == key).map_or(0, |&(_, v)| v)
+    }
+
+    /// Nothing is pinned, draining or pending: every slot is free or held by the tree
+    /// or a request.
+    fn settled(c: &HybridCache) {
+        for counts in pool_counts(c) {
+            assert_eq!(counts.draining, 0, "{counts:?}");
+        }
+        assert!(c.with(|core| core.pending_batches()).unwrap().is_empty());
+        assert_eq!(stat(c, "batches_in_flight"), 0);
+        c.call(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn a_batch_dropped_before_it_started_fails_and_gives_everything_back() {
+        let (c, b) = backed_up();
+        assert_eq!(pool_counts(&c)[2].free, 12, "the backup holds 4 host pages");
+        drop(b);
+        assert_eq!(pool_counts(&c)[2].free, 16);
+        assert_eq!(pool_counts(&c)[3].free, 4);
+        assert_eq!(stat(&c, "batches_abandoned"), 1);
+        assert_eq!(stat(&c, "backups_failed"), 1);
+        settled(&c);
+    }
+
+    #[test]
+    fn a_panic_between_take_and_complete_gives_everything_back() {
+        for started in [false, true] {
+            let (c, b) = backed_up();
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let b = b;
+                if started {
+                    b.start().unwrap();
+                    // What an engine does with a started batch it cannot finish.
+                    b.close("copy raised").unwrap();
+                }
+                panic!("engine bug");
+            }));
+            assert!(out.is_err());
+            assert_eq!(pool_counts(&c)[2].free, 16);
+            settled(&c);
+        }
+    }
+
+    #[test]
+    fn a_started_batch_dropped_before_it_ended_stays_in_flight_until_acknowledged_then_fails() {
+        let (c, b) = backed_up();
+        let id = b.id();
+        b.start().unwrap();
+        assert_eq!(b.abandon(), Abandoned::Draining);
+        assert_eq!(b.outcome(), Some(Outcome::Abandoned(Abandoned::Draining)));
+        drop(b);
+        // Still in flight as it was, holding the host pages its copies may still write,
+        // and listed until the engine says the copies are over.
+        assert_eq!(stat(&c, "backups_failed"), 0);
+        assert_eq!(stat(&c, "batches_draining"), 1);
+        assert_eq!(
+            c.with(|core| core.pending_batches()).unwrap(),
+            vec![(id, crate::BatchKind::Backup, true)]
+        );
+        assert_eq!(pool_counts(&c)[2].free, 12);
+        c.call(|core| core.audit()).unwrap();
+        // Either acknowledgement fails it: its owner no longer vouches for the copies.
+        c.call(|core| core.complete(id)).unwrap();
+        assert_eq!(pool_counts(&c)[2].free, 16);
+        assert_eq!(
+            (stat(&c, "backups_done"), stat(&c, "backups_failed")),
+            (0, 1)
+        );
+        assert_eq!(stat(&c, "batches_completed"), 0);
+        settled(&c);
+    }
+
+    #[test]
+    fn an_ended_batch_is_not_abandoned_by_its_drop() {
+        let (c, b) = backed_up();
+        b.start().unwrap();
+        b.complete().unwrap();
+        assert_eq!(b.outcome(), Some(Outcome::Completed));
+        assert_eq!(b.abandon(), Abandoned::Nothing);
+        drop(b);
+        assert_eq!(stat(&c, "backups_done"), 1);
+        assert_eq!(stat(&c, "batches_abandoned"), 0);
+        settled(&c);
+        // Acknowledged by id through the cache: the handle's drop finds nothing to do.
+        let (c, b) = backed_up();
+        let id = b.id();
+        c.call(|core| core.fail(id)).unwrap();
+        assert!(b.complete().is_err());
+        assert!(!b.close("late").unwrap());
+        drop(b);
+        assert_eq!(stat(&c, "batches_abandoned"), 0);
+        settled(&c);
+    }
+
+    #[test]
+    fn a_committed_load_backs_batch_adopted_and_dropped_turns_the_load_into_a_miss() {
+        let (c, node) = demoted();
+        let request = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
+        let lb = c.load_back_request(&request, None).unwrap().unwrap();
+        let b = c.batch_handle(lb.batch().clone(), false);
+        // Owned by the guard: letting go of the handle does nothing.
+        assert_eq!(b.abandon(), Abandoned::Nothing);
+        lb.commit().unwrap();
+        b.adopt();
+        drop(b);
+        let id = request.id();
+        let view = c.call(|core| core.request(id)).unwrap();
+        assert_eq!((view.prefix_len, view.load_pending), (0, None));
+        assert_eq!(stat(&c, "load_backs_failed"), 1);
+        // The nodes are host-only again: a miss on the device, a hit on the host.
+        let m = c
+            .with(|core| core.match_prefix(None, &[1, 2, 3, 4]))
+            .unwrap();
+        assert_eq!((m.device_len, m.host_len, m.host_node), (0, 4, node));
+        drop(request);
+        settled(&c);
     }
 }

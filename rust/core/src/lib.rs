@@ -23,11 +23,11 @@ mod stats;
 mod tree;
 
 pub use cache::{
-    BatchKind, Cache, CallOff, Evicted, Grown, Insert, LoadRecord, LoadTarget, LockReceipt, Match,
-    NodeInfo, PoolKind, RequestView, SlotCopy, Tier, TransferBatch,
+    Abandoned, BatchKind, Cache, CallOff, Evicted, Grown, Insert, LoadRecord, LoadTarget,
+    LockReceipt, Match, NodeInfo, PoolKind, RequestView, SlotCopy, Tier, TransferBatch,
 };
 pub use config::{Config, WritePolicy};
 pub use error::{Error, Result};
-pub use handle::{HybridCache, LoadBack, Lock, Request};
+pub use handle::{Batch, HybridCache, LoadBack, Lock, Outcome, Request};
 pub use ids::{BatchId, CacheId, LockId, NodeId, RequestId};
 pub use pool::{PageState, Pages, Pool, PoolCounts};

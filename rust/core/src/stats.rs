@@ -50,6 +50,8 @@ pub(crate) struct Stats {
     pub cow_copies: u64,
     pub batches_completed: u64,
     pub batches_failed: u64,
+    /// Batches whose owner let go of them before they ended (failed, or draining).
+    pub batches_abandoned: u64,
     /// Tokens matches found only on the host tier (`Match.host_len`).
     pub host_hit_tokens: u64,
     /// Host-only tokens an insert gave device slots again.
@@ -130,6 +132,7 @@ impl Stats {
             ("cow_copies", self.cow_copies),
             ("batches_completed", self.batches_completed),
             ("batches_failed", self.batches_failed),
+            ("batches_abandoned", self.batches_abandoned),
             ("host_hit_tokens", self.host_hit_tokens),
             ("revived_tokens", self.revived_tokens),
             ("backups", self.backups),

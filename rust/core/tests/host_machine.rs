@@ -65,8 +65,9 @@ use common::{
 };
 use proptest::prelude::*;
 use radixcache_core::{
-    BatchId, BatchKind, Cache, Config, Error, LoadRecord, LoadTarget, LockReceipt, Match, NodeId,
-    NodeInfo, PoolCounts, PoolKind, RequestId, RequestView, Tier, TransferBatch, WritePolicy,
+    Abandoned, BatchId, BatchKind, Cache, Config, Error, LoadRecord, LoadTarget, LockReceipt,
+    Match, NodeId, NodeInfo, PoolCounts, PoolKind, RequestId, RequestView, Tier, TransferBatch,
+    WritePolicy,
 };
 
 /// Longest a request or an inserted sequence grows.
@@ -179,6 +180,8 @@ enum AckAct {
     Start,
     Complete,
     Fail,
+    /// The engine lets go of the batch before it ended ([`Cache::abandon`]).
+    Abandon,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -331,6 +334,7 @@ fn ack_act() -> impl Strategy<Value = AckAct> {
         2 => Just(AckAct::Start),
         6 => Just(AckAct::Complete),
         1 => Just(AckAct::Fail),
+        1 => Just(AckAct::Abandon),
     ]
 }
 
@@ -474,6 +478,9 @@ struct Flight {
     batch: TransferBatch,
     /// The sources' contents when the engine started the copies.
     read: Option<Vec<Vec<Option<u64>>>>,
+    /// Abandoned after it was started: its copies may still write until the engine
+    /// acknowledges it, which fails it either way.
+    draining: bool,
 }
 
 /// Where a load guard's entry in the cache's load table stands.
@@ -899,6 +906,7 @@ impl Machine {
                 Flight {
                     batch: b,
                     read: None,
+                    draining: false,
                 },
             );
             assert!(old.is_none(), "batch {id} taken twice");
@@ -939,16 +947,28 @@ impl Machine {
     /// Runs a batch to its end (starting it first if need be): its copies land
     /// (`complete`) or leave poison (`fail`).
     fn end_batch(&mut self, id: BatchId, ok: bool) {
+        if self.flights[&id].draining {
+            // Abandoned: either acknowledgement fails it; its copies may have written
+            // the destinations until now.
+            let cow_of = self.cow_of(id);
+            self.poison_destinations(id);
+            self.flights.remove(&id);
+            if ok {
+                self.cache.complete(id).unwrap();
+            } else {
+                self.cache.fail(id).unwrap();
+            }
+            self.push_acked(id);
+            self.settle_failure_model(id, cow_of);
+            return;
+        }
         if self.flights[&id].read.is_none() {
             self.start(id);
         }
-        let cow_of = self
-            .reqs
-            .iter()
-            .position(|q| self.cache.request(q.id).unwrap().copy_pending == Some(id));
-        let f = self.flights.remove(&id).unwrap();
-        let read = f.read.unwrap();
+        let cow_of = self.cow_of(id);
         if ok {
+            let f = self.flights.remove(&id).unwrap();
+            let read = f.read.unwrap();
             for (c, vals) in f.batch.copies.iter().zip(&read) {
                 for (&s, &v) in c.src.iter().zip(vals) {
                     assert_eq!(
@@ -968,23 +988,29 @@ impl Machine {
             }
             self.cache.complete(id).unwrap();
         } else {
-            for c in &f.batch.copies {
-                for &d in &c.dst {
-                    self.poisoned += 1;
-                    self.store
-                        .set(c.pool, c.dst_tier, d, Some(POISON | self.poisoned));
-                }
-            }
+            self.poison_destinations(id);
+            self.flights.remove(&id);
             self.cache.fail(id).unwrap();
         }
-        self.acked.push(id);
-        if self.acked.len() > 8 {
-            self.acked.remove(0);
+        self.push_acked(id);
+        if ok {
+            self.settle_guard(id, true);
+        } else {
+            self.settle_failure_model(id, cow_of);
         }
-        if let (false, Some(i)) = (ok, cow_of) {
+    }
+
+    /// The model's side of a failed batch `id` (`cow_of`: the request whose admission
+    /// copy it was).
+    fn settle_failure_model(&mut self, id: BatchId, cow_of: Option<usize>) {
+        if let Some(i) = cow_of {
             // A failed admission copy: the request starts over from nothing.
             self.reqs[i].tokens.clear();
         }
+        self.settle_guard(id, false);
+    }
+
+    fn settle_guard(&mut self, id: BatchId, ok: bool) {
         if let Some(g) = self.guards.iter_mut().find(|g| g.id == id) {
             g.batch_live = false;
             match g.phase {
@@ -1413,8 +1439,65 @@ impl Machine {
             AckAct::Start => self.start(id),
             AckAct::Complete => self.end_batch(id, true),
             AckAct::Fail => self.end_batch(id, false),
+            AckAct::Abandon => self.abandon(id),
         }
         self.check();
+    }
+
+    /// The engine lets go of batch `id`: never started, it fails; started, it stays in
+    /// flight as it is (its copies may still write its destinations) until it is
+    /// acknowledged, which fails it.
+    fn abandon(&mut self, id: BatchId) {
+        let started = self.flights[&id].read.is_some();
+        let draining = self.flights[&id].draining;
+        let cow_of = self.cow_of(id);
+        let r = self.cache.abandon(id);
+        let want = match (draining, started) {
+            (true, _) => Abandoned::Nothing,
+            (false, false) => Abandoned::Failed,
+            (false, true) => Abandoned::Draining,
+        };
+        assert_eq!(r, want, "abandon batch {id}");
+        if draining {
+            return;
+        }
+        if started {
+            if let Some(f) = self.flights.get_mut(&id) {
+                f.draining = true;
+            }
+            return;
+        }
+        self.poison_destinations(id);
+        self.flights.remove(&id);
+        self.push_acked(id);
+        self.settle_failure_model(id, cow_of);
+    }
+
+    /// Remembers an acknowledged batch for the calls that must refuse it (the last 8).
+    fn push_acked(&mut self, id: BatchId) {
+        self.acked.push(id);
+        if self.acked.len() > 8 {
+            self.acked.remove(0);
+        }
+    }
+
+    /// The request whose admission copy batch `id` is, if any.
+    fn cow_of(&self, id: BatchId) -> Option<usize> {
+        self.reqs
+            .iter()
+            .position(|q| self.cache.request(q.id).unwrap().copy_pending == Some(id))
+    }
+
+    /// Writes poison into every destination of batch `id` (a copy that failed or may
+    /// still run leaves its destinations in an unknown state).
+    fn poison_destinations(&mut self, id: BatchId) {
+        for c in &self.flights[&id].batch.copies {
+            for &d in &c.dst {
+                self.poisoned += 1;
+                self.store
+                    .set(c.pool, c.dst_tier, d, Some(POISON | self.poisoned));
+            }
+        }
     }
 
     fn do_bad_ack(&mut self, pick: usize, call: u8) {
@@ -1662,7 +1745,14 @@ impl Machine {
             .and_then(|r| self.reqs.iter().find(|q| q.id == r))
             .map(|q| q.tokens.clone())
             .unwrap_or_default();
-        self.flights.insert(id, Flight { batch, read: None });
+        self.flights.insert(
+            id,
+            Flight {
+                batch,
+                read: None,
+                draining: false,
+            },
+        );
         self.guards.push(Guard {
             id,
             record: Some(record),

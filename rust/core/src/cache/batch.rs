@@ -117,6 +117,19 @@ pub(crate) enum Action {
     LoadBack,
 }
 
+/// What [`Cache::abandon`] did with a batch whose owner let go of it before it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// Nothing: the batch had ended, was abandoned already, or is still owned by its
+    /// load-back guard.
+    Nothing,
+    /// Never started: failed, and every slot it held is back.
+    Failed,
+    /// Started: its copies may still run, so it stays in flight, holding everything
+    /// it holds, until it is acknowledged by id; either acknowledgement then fails it.
+    Draining,
+}
+
 /// Pages of one pool and tier that a batch reads or writes.
 pub(crate) struct Pins {
     pub pool: PoolKind,
@@ -127,6 +140,9 @@ pub(crate) struct Pins {
 pub(crate) struct Pending {
     pub batch: TransferBatch,
     pub started: bool,
+    /// Its owner let go of it after it was started: it ends failed, whichever way it
+    /// is acknowledged.
+    pub abandoned: bool,
     /// Every page the batch's copies read or write, pinned in its pool until the batch
     /// is acknowledged.
     pub pins: Vec<Pins>,
@@ -192,6 +208,7 @@ impl Cache {
             Pending {
                 batch: TransferBatch { id, kind, copies },
                 started: false,
+                abandoned: false,
                 pins,
                 action,
             },
@@ -285,9 +302,14 @@ impl Cache {
         Ok(p)
     }
 
-    /// The batch's copies are done: publish what it carried and drop its pins.
+    /// The batch's copies are done: publish what it carried and drop its pins (an
+    /// abandoned batch fails instead: its owner no longer vouches for the copies).
     pub fn complete(&mut self, id: BatchId) -> Result<()> {
         let p = self.end_batch(id)?;
+        if p.abandoned {
+            self.undo(id, p.action);
+            return Ok(());
+        }
         match p.action {
             Action::AdmitCow { request } => self.admit_copy_done(request, id),
             Action::CheckpointCow { node, dst } => {
@@ -313,14 +335,53 @@ impl Cache {
     /// miss, never a hit) and drop its pins.
     pub fn fail(&mut self, id: BatchId) -> Result<()> {
         let p = self.end_batch(id)?;
-        match p.action {
+        self.undo(id, p.action);
+        Ok(())
+    }
+
+    /// Undoes what a failed batch would have published.
+    fn undo(&mut self, id: BatchId, action: Action) {
+        match action {
             Action::AdmitCow { request } => self.admit_copy_failed(request, id),
             Action::CheckpointCow { dst, .. } => drop(dst),
             Action::Backup(b) => self.backup_failed(b),
             Action::LoadBack => self.load_failed(id),
         }
         self.stats.batches_failed += 1;
-        Ok(())
+    }
+
+    /// The owner of a batch let go of it before it ended (an exception, a forgotten
+    /// batch). A batch never started fails at once. A started one may still have
+    /// copies running, so it stays in flight, holding everything it holds, until the
+    /// engine acknowledges it by id; either acknowledgement then fails it, and
+    /// [`Cache::pending_batches`] lists it meanwhile. A load-back's batch is left alone
+    /// while its guard is uncommitted (the guard owns it).
+    pub fn abandon(&mut self, id: BatchId) -> Abandoned {
+        self.reap();
+        let owned_by_load = self.loads.committed(id) == Some(false);
+        let Some(p) = self.batches.pending.get_mut(&id) else {
+            return Abandoned::Nothing;
+        };
+        if p.abandoned || owned_by_load {
+            return Abandoned::Nothing;
+        }
+        self.stats.batches_abandoned += 1;
+        if p.started {
+            p.abandoned = true;
+            return Abandoned::Draining;
+        }
+        // Cannot fail: the batch is pending.
+        let _ = self.fail(id);
+        Abandoned::Failed
+    }
+
+    /// Batches abandoned after they were started, still waiting to be acknowledged.
+    pub fn draining_batches(&self) -> usize {
+        self.batches
+            .pending
+            .values()
+            .filter(|p| p.abandoned)
+            .count()
     }
 }
 

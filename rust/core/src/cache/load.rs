@@ -136,6 +136,11 @@ impl Loads {
     pub fn contains(&self, id: BatchId) -> bool {
         self.table.contains_key(&id)
     }
+
+    /// Whether pending load-back `id` is committed (`None`: not pending).
+    pub fn committed(&self, id: BatchId) -> Option<bool> {
+        self.table.get(&id).map(|l| l.committed)
+    }
 }
 
 /// An uncommitted load-back, owned by whoever called [`Cache::load_back`]: it names

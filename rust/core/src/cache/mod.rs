@@ -48,7 +48,7 @@ mod tests;
 
 use std::sync::Arc;
 
-pub use batch::{BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
+pub use batch::{Abandoned, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
 pub use load::{CallOff, LoadRecord, LoadTarget};
 pub use locks::LockReceipt;
 pub use request::{Grown, RequestView};

@@ -158,6 +158,7 @@ impl Cache {
             ("live_locks", self.locks.live() as u64),
             ("live_requests", self.requests.live() as u64),
             ("batches_in_flight", self.batches.len() as u64),
+            ("batches_draining", self.draining_batches() as u64),
             ("load_backs_pending", self.loads.len() as u64),
             // Each pool: free + cached + caller + request + draining = capacity.
             ("kv_free_slots", kv[0]),
