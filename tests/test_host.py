@@ -1119,7 +1119,7 @@ def test_load_back_rejects_a_request_on_a_stateless_hybrid_target() -> None:
 def test_load_back_of_a_stale_node_raises() -> None:
     c = host_cache()
     ins = cached(c, [7, 7], mamba_slot=c.alloc_mamba())
-    c.fail(one_batch(c, "backup").id)
+    one_batch(c, "backup").fail()
     assert c.evict(kv_tokens=2).kv_tokens == 2  # not backed up: deleted
     other = host_cache()
     foreign = demoted(other, [1, 2, 3, 4])
@@ -1241,7 +1241,7 @@ def test_host_stats_exist_and_move() -> None:
 
     ctr = counters(c)
     cached(c, [5, 6, 7, 8], mamba_slot=c.alloc_mamba())
-    c.fail(one_batch(c, "backup").id)
+    one_batch(c, "backup").fail()
     assert moved(ctr, c) == {"backups": 1, "backups_failed": 1}
 
     ctr = counters(c)

@@ -158,6 +158,8 @@ class Batch:
     #: runs before the request's next forward step overwrites its state).
     snap: list[list[Value | None]] | None = None
     guard: Guard | None = None
+    #: The object that owns a taken batch (None for a load-back's: its guard owns it).
+    obj: rc.TransferBatch | None = None
 
 
 class HostMachine(RuleBasedStateMachine):
@@ -354,7 +356,7 @@ class HostMachine(RuleBasedStateMachine):
                     assert None not in vals, f"a backup reads unfilled slots {mv.src}"
             for mv in moves:
                 self.garble(mv.pool, mv.dst_tier, mv.dst)
-            self.pending[bid] = Batch(bid, b.kind, moves, sources)
+            self.pending[bid] = Batch(bid, b.kind, moves, sources, obj=b)
 
     def run_readers(self, slot: int | None) -> None:
         """The engine runs every copy reading the state `slot` (before the forward step
@@ -369,25 +371,37 @@ class HostMachine(RuleBasedStateMachine):
                 self.do_start(b)
                 b.snap = [self.read(mv.pool, mv.src_tier, mv.src) for mv in b.moves]
 
-    def do_start(self, b: Batch) -> None:
+    def do_start(self, b: Batch, via_object: bool = False) -> None:
+        start = b.obj.start if via_object and b.obj else lambda: self.cache.start(b.bid)
         if b.started:
             # A second start is refused and changes nothing.
             before = snapshot(self.cache)
             with pytest.raises(rc.CacheError, match="was started already"):
-                self.cache.start(b.bid)
+                start()
             assert snapshot(self.cache) == before
             return
-        self.cache.start(b.bid)
+        start()
         b.started = True
 
-    def do_ack(self, bid: int, how: str) -> None:
-        """Start (maybe), then complete or fail a pending batch, and follow its effects."""
+    def do_ack(self, bid: int, how: str, via_object: bool = False) -> None:
+        """Start (maybe), then complete or fail a pending batch, and follow its effects:
+        by id, or through the batch's object when it has one and `via_object`. `drop`:
+        the object of a batch never started is collected, which fails the batch."""
         b = self.pending.pop(bid)
+        obj, b.obj = b.obj, None
+        via_object = via_object and obj is not None
+        if how == "drop":
+            assert obj is not None and not b.started
         if how.startswith("start"):
-            self.do_start(b)
+            b.obj = obj
+            self.do_start(b, via_object)
+            b.obj = None
         ok = how.endswith("complete")
         if ok:
-            self.cache.complete(bid)
+            if via_object and obj is not None:
+                obj.complete()
+            else:
+                self.cache.complete(bid)
             if b.snap is not None:
                 values = b.snap
             else:
@@ -395,8 +409,19 @@ class HostMachine(RuleBasedStateMachine):
                 assert values == b.sources, f"a source of batch {bid} changed while it ran"
             for mv, vals in zip(b.moves, values):
                 self.write(mv.pool, mv.dst_tier, mv.dst, vals)
+        elif how == "drop":
+            with pytest.warns(ResourceWarning, match=rf"TransferBatch {bid} .*; failed it"):
+                del obj
+            for mv in b.moves:
+                self.garble(mv.pool, mv.dst_tier, mv.dst)
         else:
-            self.cache.fail(bid)
+            if via_object and obj is not None:
+                with pytest.raises(RuntimeError, match="copy kernel"), obj:
+                    raise RuntimeError("copy kernel")  # leaving the block fails the batch
+                assert obj.outcome == "failed"
+                assert obj.reason is not None and "copy kernel" in obj.reason
+            else:
+                self.cache.fail(bid)
             for mv in b.moves:
                 self.garble(mv.pool, mv.dst_tier, mv.dst)
         if b.kind == "cow":
@@ -1007,11 +1032,15 @@ class HostMachine(RuleBasedStateMachine):
         it, mostly successfully (load-backs run through their guards)."""
         self.take()
         for bid in sorted(self.pending):
-            g = self.pending[bid].guard
+            b = self.pending[bid]
+            g = b.guard
             if g is None or g.state == "released":
-                how = data.draw(st.sampled_from(["start_complete"] * 3 + ["fail", "keep"]))
+                hows = ["start_complete"] * 3 + ["fail", "keep"]
+                if b.obj is not None and not b.started:
+                    hows.append("drop")
+                how = data.draw(st.sampled_from(hows))
                 if how != "keep":
-                    self.do_ack(bid, how)
+                    self.do_ack(bid, how, via_object=data.draw(st.booleans()))
 
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data())
@@ -1222,6 +1251,10 @@ class HostMachine(RuleBasedStateMachine):
                 assert g.lb.held == (g.state == "held")
                 assert g.lb.committed == (g.state == "committed")
 
+    def in_flight(self) -> set[int]:
+        """Ids of the batches handed out and not ended, as the cache lists them."""
+        return {bid for bid, _, _ in self.cache.pending_batches()}
+
     def drain(self) -> bool:
         """Complete every batch, including those completing batches emit (a published
         state is backed up in turn). False when there was none."""
@@ -1254,6 +1287,10 @@ class HostMachine(RuleBasedStateMachine):
                 g.lb.release()
             g.lb = None
             g.req = None
+        for b in self.pending.values():
+            if b.obj is not None and b.obj.outcome is None and b.bid in self.in_flight():
+                b.obj.fail("cleanup")
+            b.obj = None
         for r in self.reqs:
             if r.handle is not None and r.handle.live:
                 self.cache.abort(r.handle)

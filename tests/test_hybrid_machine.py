@@ -73,6 +73,8 @@ class Batch:
     kind: str  # "admit" | "checkpoint"
     src: int
     dst: int
+    #: The object that owns the batch (acknowledged through it or by id).
+    obj: rc.TransferBatch | None
     req: Req | None = None
 
 
@@ -192,7 +194,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert src in self.tree_states()
             assert self.mamba_mem[src] == hashes_of(ns, tokens)[n], "cached state is wrong"
             assert handle.copy_pending == b.id
-            self.batches[b.id] = Batch("admit", src, int(cp.dst[0]), r)
+            self.batches[b.id] = Batch("admit", src, int(cp.dst[0]), b, r)
             r.copy = b.id
         r.tokens = tokens[:n]
         self.reqs.append(r)
@@ -247,7 +249,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert n > 0
             assert n == self.aligned(n), "a state copy at no node's end"
             assert list(cp.src) == [h.mamba_slot]
-            self.batches[b.id] = Batch("checkpoint", int(cp.src[0]), int(cp.dst[0]))
+            self.batches[b.id] = Batch("checkpoint", int(cp.src[0]), int(cp.dst[0]), b)
 
     def do_finish(self, r: Req) -> None:
         h = r.handle
@@ -272,12 +274,18 @@ class HybridMachine(RuleBasedStateMachine):
             assert m.mamba_slot is not None
             assert self.mamba_mem[m.mamba_slot] == hashes_of(r.ns, r.tokens)[n]
 
-    def do_acknowledge(self, bid: int, how: str) -> None:
+    def do_acknowledge(self, bid: int, how: str, via_object: bool = False) -> None:
+        """End batch `bid`: by id through the cache, or through its object; `how` is
+        complete, fail, start_complete, start_fail, or drop (its object is collected
+        unstarted, which fails it)."""
         b = self.batches.pop(bid)
+        obj, b.obj = b.obj, None
+        assert obj is not None and obj.id == bid
         if how.startswith("start"):
-            self.cache.start(bid)
+            obj.start() if via_object else self.cache.start(bid)
         if how.endswith("complete"):
-            self.cache.complete(bid)
+            obj.complete() if via_object else self.cache.complete(bid)
+            assert obj.outcome == ("completed" if via_object else None)
             if b.kind == "admit" and b.req is not None and b.req.live:
                 b.req.copy = None
                 assert b.req.handle is not None
@@ -292,7 +300,14 @@ class HybridMachine(RuleBasedStateMachine):
             req.retired_pages += -(-(len(h.tokens) - h.prefix_len) // self.ps)
             if h.mamba_slot is not None:
                 req.retired_states.add(h.mamba_slot)
-        self.cache.fail(bid)
+        if how == "drop":
+            with pytest.warns(ResourceWarning, match=rf"TransferBatch {bid} .*; failed it"):
+                del obj
+        elif via_object:
+            obj.fail("test")
+            assert (obj.outcome, obj.reason) == ("failed", "test")
+        else:
+            self.cache.fail(bid)
         self.mamba_mem[b.dst] = GARBAGE
         if req is not None:
             h = req.handle
@@ -369,8 +384,10 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def acknowledge(self, data: st.DataObject) -> None:
         bid = data.draw(st.sampled_from(sorted(self.batches)))
-        how = data.draw(st.sampled_from(["complete", "fail", "start_complete", "start_fail"]))
-        self.do_acknowledge(bid, how)
+        how = data.draw(
+            st.sampled_from(["complete", "fail", "start_complete", "start_fail", "drop"])
+        )
+        self.do_acknowledge(bid, how, via_object=data.draw(st.booleans()))
 
     @rule(data=st.data())
     def misuse(self, data: st.DataObject) -> None:

@@ -146,7 +146,9 @@ def test_admit_in_a_namespace_sees_only_its_tree() -> None:
     assert c.take_batches() == []
     ra = admitted(c, [1, 2, 3], namespace="a")
     assert ra.prefix_len == 2
-    assert one_batch(c).kind == "cow"
+    cow = one_batch(c)
+    assert cow.kind == "cow"
+    cow.complete()
     c.abort(r)
     c.abort(ra)
     c.audit()
@@ -156,7 +158,7 @@ def test_admit_refused_when_the_state_pool_is_exhausted_by_locked_states() -> No
     c = hybrid(mamba_slots=2)
     with_state(c, [1, 2])
     first = admitted(c, [1, 2, 3])  # takes the second slot; locks the cached state
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     assert c.available_mamba() == 0
     before = fingerprint(c)
     stats = c.stats()
@@ -203,7 +205,7 @@ def test_admit_evicts_an_unlocked_state_for_its_copy() -> None:
     # [5, 6] was an unlocked leaf: it went with its KV.
     assert c.match_prefix([5, 6]).kv_len == 0
     assert c.total_size() == 2
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     c.abort(r)
     c.audit()
 
@@ -265,7 +267,7 @@ def test_extend_after_a_reused_prefix_continues_from_it() -> None:
     c = hybrid(kv_slots=32, page_size=4, mamba_slots=2)
     ins, _ = with_state(c, [1, 2, 3, 4])
     r = admitted(c, [1, 2, 3, 4, 5])
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     got = c.extend(r, [5, 6])
     assert got is not None
     assert got[0] % 4 == 0
@@ -424,7 +426,7 @@ def test_checkpoint_caches_kv_moves_the_lock_and_publishes_the_state_on_complete
     assert (c.total_size(), c.protected_size()) == (12, 12)
     assert gauge(c, "live_locks") == 1
     assert "depth=12" in repr(r.node)
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     c.finish(r)
     assert (c.protected_size(), c.evictable_size()) == (0, 12)
     assert gauge(c, "live_locks") == 0
@@ -435,12 +437,12 @@ def test_checkpoint_moves_the_lock_off_the_admission_node_and_its_state() -> Non
     c = hybrid(kv_slots=64, page_size=1, mamba_slots=4)
     ins, node_slot = with_state(c, [1, 2, 3, 4])
     r = admitted(c, [1, 2, 3, 4, 5, 6])
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     assert r.node == ins.node
     assert gauge(c, "mamba_protected_states") == 1
     assert c.extend(r, [5, 6]) is not None
     c.checkpoint(r)
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     assert r.node != ins.node
     # The admission node's state is no longer locked: evicting a state takes it (the
     # least recently used one), tombstoning the node, which stays as a locked ancestor.
@@ -528,7 +530,7 @@ def test_checkpoint_with_nothing_new_on_a_state_node_emits_nothing() -> None:
     c = hybrid()
     with_state(c, [1, 2])
     r = admitted(c, [1, 2])
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     before = c.total_size()
     c.checkpoint(r)
     assert c.take_batches() == []
@@ -659,7 +661,7 @@ def test_abort_gives_everything_back_and_caches_nothing() -> None:
     before = fingerprint(c)
     r = served(c, [1, 2, 3, 4, 5, 6])
     c.checkpoint(r)
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     assert c.extend(r, [7, 8]) is not None
     c.abort(r)
     assert not r.live
@@ -721,7 +723,7 @@ def test_live_request_collected_warns_and_gives_everything_back() -> None:
     c.match_prefix([1, 2])
     before = fingerprint(c)
     holder = [admitted(c, [1, 2, 3])]
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     assert c.extend(holder[0], [3, 4]) is not None
     with pytest.warns(ResourceWarning, match="garbage-collected while live"):
         holder.clear()  # the last reference goes: the request is collected
@@ -884,7 +886,7 @@ def test_checkpoint_and_finish_refused_while_the_admission_copy_is_pending() -> 
     assert (r.mamba_slot, r.prefix_len, r.copy_pending) == (view[2], view[3], b.id)
     c.complete(b.id)
     c.checkpoint(r)
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     c.finish(r)
     assert c.match_prefix([1, 2, 3, 4]).device_len == 4
     c.audit()
@@ -1262,7 +1264,7 @@ def test_state_of_a_kv_locked_leaf_via_a_checkpoint_is_tombstoned() -> None:
     c = hybrid()
     r = served(c, [1, 2, 3])
     c.checkpoint(r)
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     assert gauge(c, "mamba_evictable_states") == 1
     ev = c.evict(kv_tokens=100, mamba_states=1)
     assert (ev.kv_tokens, ev.mamba_states) == (0, 1)
@@ -1306,7 +1308,7 @@ def test_match_is_cut_at_the_deepest_state_and_kv_len_is_deeper(page_size: int) 
     # The scheduler's move: extend to the branch point, checkpoint there, go on.
     assert c.extend(r, [5, 6, 7, 8]) is not None
     c.checkpoint(r)
-    c.complete(one_batch(c).id)
+    one_batch(c).complete()
     m = c.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1])
     assert (m.device_len, m.kv_len) == (8, 8)
     c.abort(r)

@@ -8,6 +8,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: Final[str]
+#: CUDA sources of the copy kernels (kernels/*.cu), by kernel name.
+KERNEL_SOURCES: Final[dict[str, str]]
 #: Whether token lists are read through the fast path: on CPython 3.9-3.14, an exact
 #: list's items and ints below 2**30 are read from the interpreter's memory layout, after
 #: an import-time self-test against the C API (``RADIXCACHE_INT_FAST_PATH=0`` turns it
@@ -291,10 +293,20 @@ class Copy:
 
 @final
 class TransferBatch:
-    """Data movement the cache needs: run the copies, then ``complete(id)`` or ``fail(id)``.
+    """Data movement the cache needs, owned by this object until it ends.
 
-    Every slot a batch reads or writes stays held until then: a source is never freed
-    and a destination never handed out while the copy may run.
+    ``start()``, run the copies, then ``complete()`` or ``fail(reason)`` (or the same by
+    id through the cache). Every slot a batch reads or writes stays held until then: a
+    source is never freed and a destination never handed out while the copy may run.
+
+    As a context manager, leaving the ``with`` block before the batch ended (by an
+    exception or not) fails it: leaving says its copies no longer run. Collected before
+    it ended, the batch is abandoned, with a ``ResourceWarning``: one never started is
+    failed at once; a started one may still have copies running, so it stays in flight,
+    holding its slots and listed by ``pending_batches()``, until it is acknowledged by
+    id, which fails it either way. A ``LoadBack``'s batch (``lb.batch``) is owned by
+    its guard until ``commit()``, then by the cache (acknowledge it through this object
+    or by id); collecting it does nothing.
     """
 
     @property
@@ -309,6 +321,41 @@ class TransferBatch:
     @property
     def copies(self) -> list[Copy]:
         """The copies, in the order they may run."""
+    @property
+    def outcome(self) -> Literal["completed", "failed", "abandoned"] | None:
+        """How the batch ended through this object (``None``: it did not)."""
+    @property
+    def reason(self) -> str | None:
+        """The reason it failed through this object, else ``None``."""
+    def start(self) -> None:
+        """Tell the cache the engine is about to run the copies.
+
+        Raises:
+            CacheError: the batch was started already.
+            ValueError: the batch ended already (``batch_id``).
+        """
+    def complete(self) -> None:
+        """The copies are done: publishes what the batch carried (see
+        ``HybridCache.complete``).
+
+        Raises:
+            ValueError: the batch ended already (``batch_id``).
+        """
+    def fail(self, reason: str | None = None) -> None:
+        """The copies failed: a failed copy is a miss, never a hit (see
+        ``HybridCache.fail``); ``reason`` is kept in ``reason``.
+
+        Raises:
+            ValueError: the batch ended already (``batch_id``).
+        """
+    def __enter__(self) -> TransferBatch: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        """Fail the batch if it is still in flight; never swallows the exception."""
 
 @final
 class HybridCache:
@@ -528,7 +575,7 @@ class HybridCache:
     def take_batches(self) -> list[TransferBatch]:
         """Batches the cache emitted since the last call (copy-on-write, backups).
 
-        Run them before the next forward step of the requests involved: an admission
+        Each is owned by its object until it ends (see ``TransferBatch``). Run them before the next forward step of the requests involved: an admission
         copy fills the request's state slot, and a checkpoint copy reads the request's
         live state, which its next step overwrites.
         """
@@ -538,7 +585,9 @@ class HybridCache:
         Oldest first. Handed out: taken with ``take_batches()`` or held by a ``LoadBack`` guard (its
         ``batch``); batches still waiting for ``take_batches()`` are not listed. An
         engine that restarts ends each one by id (``complete``/``fail``; a started one
-        only once its copies can no longer run, since its slots drain until then).
+        only once its copies can no longer run, since its slots drain until then). A
+        started batch whose object was collected before it ended is listed until it is
+        acknowledged by id (``stats()["batches_draining"]`` counts these).
         """
     def start(self, batch_id: int) -> None:
         """Tell the cache the engine is about to run the batch's copies.

@@ -236,7 +236,7 @@ impl HybridCache {
 
     /// A handle on `batch` (emitted by this cache's core). When `owns`, dropping it
     /// before it ended abandons the batch ([`Cache::abandon`]); otherwise someone else
-    /// owns the batch (a load-back guard) until [`Batch::adopt`].
+    /// owns it (a load-back's guard until commit, then the cache, acknowledged by id).
     pub fn batch_handle(&self, batch: TransferBatch, owns: bool) -> Batch {
         Batch {
             cache: self.clone(),
@@ -434,13 +434,6 @@ impl Batch {
             self.state.lock().outcome = Some(Outcome::Abandoned(what));
         }
         what
-    }
-
-    /// Makes this handle the batch's owner (a load-back's batch, once its guard is
-    /// committed or released and no longer owns it).
-    pub fn adopt(&self) {
-        let mut st = self.state.lock();
-        st.owns = st.outcome.is_none();
     }
 
     fn ended(&self, outcome: Outcome) {
@@ -863,25 +856,24 @@ mod tests {
     }
 
     #[test]
-    fn a_committed_load_backs_batch_adopted_and_dropped_turns_the_load_into_a_miss() {
+    fn a_load_backs_batch_handle_does_not_own_the_batch() {
         let (c, node) = demoted();
         let request = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
         let lb = c.load_back_request(&request, None).unwrap().unwrap();
         let b = c.batch_handle(lb.batch().clone(), false);
-        // Owned by the guard: letting go of the handle does nothing.
+        let id = b.id();
+        b.start().unwrap();
         assert_eq!(b.abandon(), Abandoned::Nothing);
-        lb.commit().unwrap();
-        b.adopt();
         drop(b);
-        let id = request.id();
-        let view = c.call(|core| core.request(id)).unwrap();
-        assert_eq!((view.prefix_len, view.load_pending), (0, None));
-        assert_eq!(stat(&c, "load_backs_failed"), 1);
-        // The nodes are host-only again: a miss on the device, a hit on the host.
+        lb.commit().unwrap();
+        // Committed and in flight: acknowledged by id, it publishes.
+        c.call(|core| core.complete(id)).unwrap();
+        let rid = request.id();
+        assert_eq!(c.call(|core| core.request(rid)).unwrap().prefix_len, 4);
         let m = c
             .with(|core| core.match_prefix(None, &[1, 2, 3, 4]))
             .unwrap();
-        assert_eq!((m.device_len, m.host_len, m.host_node), (0, 4, node));
+        assert_eq!((m.device_len, m.node), (4, node));
         drop(request);
         settled(&c);
     }

@@ -232,7 +232,7 @@ impl PyHybridCache {
         };
         let record = run(py, &self.inner, 0, |c| c.load_back(target, quota, request))?;
         record
-            .map(|r| PyLoadBack::new(py, self.inner.own_load(r)))
+            .map(|r| PyLoadBack::new(py, &self.inner, self.inner.own_load(r)))
             .transpose()
     }
 
@@ -390,12 +390,13 @@ impl PyHybridCache {
         run(py, &self.inner, 0, |c| c.abort(id))
     }
 
-    /// The data movement the cache needs (copy-on-write, backups) since the last call.
+    /// The data movement the cache needs (copy-on-write, backups) since the last call,
+    /// each batch owned by its object until it ends.
     fn take_batches(&self, py: Python<'_>) -> PyResult<Vec<PyTransferBatch>> {
         let batches = run(py, &self.inner, 0, |c| Ok(c.take_batches()))?;
         batches
             .into_iter()
-            .map(|b| PyTransferBatch::new(py, b))
+            .map(|b| PyTransferBatch::new(py, self.inner.batch_handle(b, true)))
             .collect()
     }
 
@@ -825,8 +826,10 @@ struct PyLoadBack {
 }
 
 impl PyLoadBack {
-    fn new(py: Python<'_>, guard: core::LoadBack) -> PyResult<Self> {
-        let batch = Py::new(py, PyTransferBatch::new(py, guard.batch().clone())?)?;
+    fn new(py: Python<'_>, cache: &core::HybridCache, guard: core::LoadBack) -> PyResult<Self> {
+        // The guard owns the batch until it is committed, then the cache (by id).
+        let handle = cache.batch_handle(guard.batch().clone(), false);
+        let batch = Py::new(py, PyTransferBatch::new(py, handle)?)?;
         Ok(PyLoadBack {
             id: guard.id().to_u128(),
             kv_tokens: guard.kv_tokens(),
@@ -963,19 +966,26 @@ impl PyCopy {
     }
 }
 
-/// Data movement the cache needs; run it, then `complete(id)` or `fail(id)`.
-#[pyclass(frozen, module = "radixcache._core", name = "TransferBatch", get_all)]
+/// Data movement the cache needs, owned by this object until it ends: `start()`, run
+/// the copies, then `complete()` or `fail(reason)`. Leaving a `with` block before it
+/// ended fails it; collected before it ended, it is abandoned (with a `ResourceWarning`).
+#[pyclass(frozen, module = "radixcache._core", name = "TransferBatch")]
 struct PyTransferBatch {
+    #[pyo3(get)]
     id: u128,
+    #[pyo3(get)]
     kind: &'static str,
+    #[pyo3(get)]
     copies: Vec<Py<PyCopy>>,
+    inner: core::Batch,
 }
 
 impl PyTransferBatch {
-    fn new(py: Python<'_>, b: core::TransferBatch) -> PyResult<Self> {
+    fn new(py: Python<'_>, inner: core::Batch) -> PyResult<Self> {
+        let b = inner.batch();
         let copies = b
             .copies
-            .into_iter()
+            .iter()
             .map(|c| {
                 Py::new(
                     py,
@@ -983,8 +993,8 @@ impl PyTransferBatch {
                         pool: c.pool.as_str(),
                         src_tier: c.src_tier.as_str(),
                         dst_tier: c.dst_tier.as_str(),
-                        src: array(py, c.src),
-                        dst: array(py, c.dst),
+                        src: array(py, c.src.clone()),
+                        dst: array(py, c.dst.clone()),
                     },
                 )
             })
@@ -993,19 +1003,95 @@ impl PyTransferBatch {
             id: b.id.to_u128(),
             kind: b.kind.as_str(),
             copies,
+            inner,
         })
     }
 }
 
 #[pymethods]
 impl PyTransferBatch {
+    /// The engine is about to run the copies (once).
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.start()).map_err(err)
+    }
+
+    /// The copies are done: publishes what the batch carried, releases what it held.
+    fn complete(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.complete()).map_err(err)
+    }
+
+    /// The copies failed: undoes what the batch would have published.
+    #[pyo3(signature = (reason=None))]
+    fn fail(&self, py: Python<'_>, reason: Option<String>) -> PyResult<()> {
+        let reason = reason.unwrap_or_else(|| "failed".to_owned());
+        py.detach(|| self.inner.fail(&reason)).map_err(err)
+    }
+
+    /// `None` until the batch ended through this object, then `"completed"`,
+    /// `"failed"` or `"abandoned"`.
+    #[getter]
+    fn outcome(&self) -> Option<&'static str> {
+        self.inner.outcome().map(|o| match o {
+            core::Outcome::Completed => "completed",
+            core::Outcome::Failed(_) => "failed",
+            core::Outcome::Abandoned(_) => "abandoned",
+        })
+    }
+
+    /// Why the batch failed (the `reason` given to `fail`), else `None`.
+    #[getter]
+    fn reason(&self) -> Option<String> {
+        match self.inner.outcome() {
+            Some(core::Outcome::Failed(why)) => Some(why),
+            _ => None,
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Fails the batch if it is still in flight (an exception inside the block, or a
+    /// batch left unended): leaving the block says its copies no longer run.
+    #[pyo3(signature = (*exc))]
+    fn __exit__(&self, py: Python<'_>, exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        let reason = match exc.get_item(1) {
+            Ok(e) if !e.is_none() => format!("{}: {e}", e.get_type().name()?),
+            _ => "left its with block before it ended".to_owned(),
+        };
+        py.detach(|| self.inner.close(&reason)).map_err(err)?;
+        Ok(false)
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "TransferBatch(id={}, kind={:?}, copies={})",
+            "TransferBatch(id={}, kind={:?}, copies={}{})",
             self.id,
             self.kind,
-            self.copies.len()
+            self.copies.len(),
+            self.outcome().map(|o| format!(", {o}")).unwrap_or_default()
         )
+    }
+}
+
+impl Drop for PyTransferBatch {
+    fn drop(&mut self) {
+        let what = match self.inner.abandon() {
+            core::Abandoned::Nothing => return,
+            core::Abandoned::Failed => "failed it",
+            core::Abandoned::Draining => {
+                "it was started, so it stays in flight until acknowledged by id, then fails"
+            }
+        };
+        let (id, kind) = (self.id, self.kind);
+        Python::attach(|py| {
+            resource_warning(
+                py,
+                &format!(
+                    "TransferBatch {id} ({kind}) was garbage-collected before it ended; {what}"
+                ),
+            );
+        });
     }
 }
 
@@ -1028,6 +1114,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
     m.add("LockError", py.get_type::<LockError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The CUDA sources the engine compiles with CuPy: one source of truth, in the wheel.
+    let kernels = PyDict::new(py);
+    kernels.set_item("copy_slots", include_str!("../../../kernels/copy_slots.cu"))?;
+    m.add("KERNEL_SOURCES", kernels)?;
     // Private (not in `__all__`): set, not added.
     m.setattr("_int_fast_path", layout::init(py)?)?;
     Ok(())
