@@ -2,9 +2,10 @@
 
 A small scheduler drives radixcache the way a serving engine does, and a stand-in
 "model" makes every answer checkable: the KV entry of position p is a hash of
-(token, p), and the Mamba state of a sequence is a hash chain over all its tokens. The
-engine runs the cache's transfer batches (copy-on-write of states, backups to the host
-tier, load-backs from it) on numpy arrays standing in for device and host memory. If
+(token, p), and the Mamba state of a sequence is a hash chain over all its tokens. radixcache's
+`TransferEngine` runs the cache's transfer batches (copy-on-write of states, backups to
+the host tier, load-backs from it) on an `rc.Storage` (numpy arrays on a CPU-only
+machine, two layers of K, V, conv and SSM state). If
 any request ever read a KV slot or a state that did not hold exactly its own prefix's
 data, the check after each step would count a mismatch: the run prints 0 mismatches and
 a passing audit, or says what went wrong.
@@ -25,7 +26,6 @@ probability R, exercising every failure path.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 import sys
 import time
@@ -51,43 +51,43 @@ class CopyFailed(RuntimeError):
     """An injected failure of a transfer batch (a CUDA error, a lost host page)."""
 
 
-class Engine:
-    """Device and host memory, and a model that writes checkable values into them."""
+class FaultyEngine(rc.TransferEngine):
+    """radixcache's transfer engine, failing each batch's copies with a given probability.
 
-    def __init__(self, cache: rc.HybridCache, failure_rate: float, seed: int) -> None:
-        self.cache = cache
-        self.memory = {
-            ("kv", "device"): np.zeros(cache.kv_slots, dtype=np.int64),
-            ("kv", "host"): np.zeros(cache.host_kv_slots, dtype=np.int64),
-            ("mamba", "device"): np.zeros(cache.mamba_slots, dtype=np.int64),
-            ("mamba", "host"): np.zeros(cache.host_mamba_slots, dtype=np.int64),
-        }
-        self.kv = self.memory["kv", "device"]
-        self.states = self.memory["mamba", "device"]
+    The engine fails the batch (a failed copy is a miss: the cache undoes it and a
+    request recomputes); `run` then returns False.
+    """
+
+    def __init__(
+        self, cache: rc.HybridCache, storage: rc.Storage, failure_rate: float, seed: int
+    ) -> None:
+        super().__init__(cache, storage)
         self.failure_rate = failure_rate
         self.rng = random.Random(seed)
-        self.copies = 0
-        self.reused = 0
 
-    def run(self, batch: rc.TransferBatch) -> None:
-        """Run a batch's copies and acknowledge it; an injected failure fails it and raises."""
-        self.cache.start(batch.id)
+    def copy_batch(self, batch: rc.TransferBatch) -> None:
         if self.rng.random() < self.failure_rate:
-            self.cache.fail(batch.id)
-            raise CopyFailed(f"batch {batch.id} ({batch.kind}) failed")
-        for copy in batch.copies:
-            src = self.memory[copy.pool, copy.src_tier]
-            dst = self.memory[copy.pool, copy.dst_tier]
-            dst[copy.dst] = src[copy.src]
-            self.copies += len(copy.src)
-        self.cache.complete(batch.id)
+            raise CopyFailed(f"injected failure of batch {batch.id} ({batch.kind})")
+        super().copy_batch(batch)
+
+
+class Model:
+    """A stand-in hybrid model writing checkable values into every layer of the storage.
+
+    KV: K holds kv_entry(token, position) and V its complement, in every layer. State: the
+    hash chain over the sequence in every layer of conv, and its complement in SSM.
+    """
+
+    def __init__(self, engine: rc.TransferEngine) -> None:
+        self.engine = engine
+        self.cache = engine.cache
+        self.k, self.v = engine.storage.kv["device"]
+        self.conv, self.ssm = engine.storage.mamba["device"]
+        self.reused = 0
 
     def run_batches(self) -> None:
         """Run every batch the cache emitted (copy-on-write, backups) and acknowledge it."""
-        for batch in self.cache.take_batches():
-            # A failed batch is a miss: the cache undid it, a request recomputes.
-            with contextlib.suppress(CopyFailed):
-                self.run(batch)
+        self.engine.run_pending()
 
     def extend(self, req: rc.Request, tokens: list[int]) -> np.ndarray | None:
         """Slots for `tokens`; under write-back, runs the backups of evicted nodes (whose
@@ -101,24 +101,31 @@ class Engine:
     def forward(self, req: rc.Request, slots: np.ndarray, tokens: list[int]) -> None:
         """Feed `tokens` (already given `slots` by extend): write their KV, step the state."""
         start = len(req.tokens) - len(tokens)
-        self.kv[slots] = [kv_entry(t, start + i) for i, t in enumerate(tokens)]
+        entries = np.array([kv_entry(t, start + i) for i, t in enumerate(tokens)])
+        self.k[:, slots, 0, 0] = entries
+        self.v[:, slots, 0, 0] = ~entries
         slot = req.mamba_slot
         assert slot is not None
-        state = int(self.states[slot]) if start > 0 else 0
+        state = int(self.conv[0, slot, 0]) if start > 0 else 0
         for t in tokens:
             state = step_state(state, t)
-        self.states[slot] = state
+        self.conv[:, slot, 0] = state
+        self.ssm[:, slot, 0] = ~state
 
     def check(self, req: rc.Request) -> int:
         """Mismatches between what the request reads and what its prefix must hold."""
         toks = [int(t) for t in req.tokens]
-        want_kv = [kv_entry(t, p) for p, t in enumerate(toks)]
-        bad = int(np.count_nonzero(self.kv[req.kv_indices] != want_kv))
+        want = np.array([kv_entry(t, p) for p, t in enumerate(toks)], dtype=np.int64)
+        kv = req.kv_indices
+        bad = int(np.count_nonzero((self.k[:, kv, 0, 0] != want).any(axis=0)))
+        bad += int(np.count_nonzero((self.v[:, kv, 0, 0] != ~want).any(axis=0)))
         if toks and req.mamba_slot is not None:
             state = 0
             for t in toks:
                 state = step_state(state, t)
-            bad += int(self.states[req.mamba_slot] != state)
+            slot = req.mamba_slot
+            bad += int((self.conv[:, slot, 0] != state).any())
+            bad += int((self.ssm[:, slot, 0] != ~state).any())
         return bad
 
 
@@ -151,7 +158,7 @@ def workload(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def serve(engine: Engine, prompt: list[int], answer: list[int]) -> int:
+def serve(engine: Model, prompt: list[int], answer: list[int]) -> int:
     """One request end to end; returns the mismatches seen (0 when all is well)."""
     cache = engine.cache
     req = cache.admit(prompt)
@@ -166,12 +173,10 @@ def serve(engine: Engine, prompt: list[int], answer: list[int]) -> int:
             engine.run_batches()
             lb = cache.load_back(req, mem_quota=4096)
         if lb is not None:
-            try:
-                with lb:  # leaving the block uncommitted gives every slot back
-                    engine.run(lb.batch)
+            with lb:  # leaving the block uncommitted gives every slot back
+                if engine.engine.run(lb.batch):
                     lb.commit()
-            except CopyFailed:
-                pass  # the request keeps what it had and recomputes the rest
+                # else: the request keeps what it had and recomputes the rest
     bad = engine.check(req)
     engine.reused += req.prefix_len
     # Prefill up to the branch point, checkpoint there, then the rest of the prompt.
@@ -223,7 +228,22 @@ def main(argv: list[str] | None = None) -> int:
         host_mamba_slots=args.host_mamba_slots if args.host_kv_slots else 0,
         write_policy=args.write_policy,
     )
-    engine = Engine(cache, args.inject_failures, args.seed + 2)
+    host_states = args.host_mamba_slots if args.host_kv_slots else 0
+    storage = rc.Storage.for_model(
+        kv_slots=args.kv_slots,
+        mamba_slots=args.mamba_slots,
+        host_kv_slots=args.host_kv_slots,
+        host_mamba_slots=host_states,
+        layers=2,
+        kv_heads=1,
+        head_dim=1,
+        conv_shape=(1,),
+        ssm_shape=(1,),
+        dtype="int64",
+        ssm_dtype="int64",
+    )
+    transfers = FaultyEngine(cache, storage, args.inject_failures, args.seed + 2)
+    engine = Model(transfers)
     jobs = workload(args.requests, args.seed)
     mismatches = prompt_tokens = 0
     start = time.perf_counter()
@@ -263,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{s['backups_skipped']} nodes skipped; {s['demotions']} demotions, "
         f"{s['host_evictions']} host evictions"
     )
-    print(f"copies              {engine.copies} slots (copy-on-write, backups, load-backs)")
+    e = transfers.stats()
+    print(
+        f"copies              {e['slots_copied']} slots, {e['bytes_copied']} bytes in "
+        f"{e['batches_completed']} batches ({e['batches_failed']} failed)"
+    )
     print(
         f"evicted             {s['evicted_kv_tokens']} KV tokens, "
         f"{s['evicted_mamba_states']} states ({s['tombstones']} tombstones)"

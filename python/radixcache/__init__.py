@@ -1,7 +1,7 @@
 """radixcache: a prefix-cache manager for hybrid LLMs with a Rust core.
 
-Everything here is re-exported from the compiled extension ``radixcache._core``; see
-``_core.pyi`` for the documented API.
+The cache is re-exported from the compiled extension ``radixcache._core`` (see
+``_core.pyi`` for its documented API); `Storage` and `TransferEngine` move the bytes.
 """
 
 from radixcache._core import (
@@ -21,6 +21,8 @@ from radixcache._core import (
     TransferBatch,
     __version__,
 )
+from radixcache.engine import TransferEngine
+from radixcache.storage import Storage
 
 __all__ = [
     "CacheError",
@@ -36,6 +38,8 @@ __all__ = [
     "Node",
     "Request",
     "StaleNodeError",
+    "Storage",
     "TransferBatch",
+    "TransferEngine",
     "__version__",
 ]

@@ -1,0 +1,352 @@
+"""Storage: the arrays that hold KV entries and Mamba states, per tier and pool.
+
+The core hands out slot indices; a `Storage` owns (or wraps) the memory they index:
+
+* KV, per tier: ``k`` and ``v`` of shape ``[layers, slots, heads, head_dim]``.
+* Mamba, per tier: ``conv`` of shape ``[layers, slots, *conv_shape]`` and ``ssm`` of shape
+  ``[layers, slots, *ssm_shape]``, each with its own dtype (SSM in float32, conv in
+  bfloat16 by default, as real models keep them).
+
+The slot axis is axis 1 of every array; what follows it (one slot's row in one layer)
+must be contiguous. The engine moves rows, never reads values, so the arrays may hold
+any dtype. NumPy and CuPy have no bfloat16: such arrays are allocated as ``uint16`` (the
+same bytes); a torch engine views them back with ``tensor.view(torch.bfloat16)``.
+
+Device arrays are CuPy arrays on a GPU, NumPy arrays on a CPU-only machine (where the
+"device" tier is ordinary memory and the engine copies with NumPy). Host arrays are
+pinned, mapped memory on a GPU machine (the copy kernels read and write them directly)
+and plain NumPy otherwise. Arrays an engine already owns (NumPy, CuPy, or torch tensors,
+taken through DLPack without a copy) are wrapped with `Storage(...)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ._core import HybridCache
+from ._kernels import _cupy
+
+__all__ = ["Pool", "Storage"]
+
+TierName = Literal["device", "host"]
+PoolName = Literal["kv", "mamba"]
+TIERS: tuple[TierName, ...] = ("device", "host")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool on one tier: arrays with the slot index on axis 1.
+
+    Attributes:
+        arrays: The arrays (``(k, v)`` or ``(conv, ssm)``), each ``[layers, slots, ...]``.
+        slots: Slots in the pool.
+        on_gpu: Whether the arrays are CuPy arrays (GPU memory).
+        pinned: NumPy arrays in pinned host memory (mapped: the copy kernels reach them).
+    """
+
+    arrays: tuple[Any, ...]
+    slots: int
+    on_gpu: bool
+    pinned: bool = False
+
+    @property
+    def buffers(self) -> list[tuple[int, int, int]]:
+        """Every (layer, array) buffer as ``(address, slot stride, row bytes)``."""
+        return [
+            (_address(a) + layer * a.strides[0], a.strides[1], _row_bytes(a))
+            for a in self.arrays
+            for layer in range(a.shape[0])
+        ]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one slot holds over every layer and array."""
+        return sum(a.shape[0] * _row_bytes(a) for a in self.arrays)
+
+
+def _row_bytes(a: Any) -> int:
+    return int(math.prod(a.shape[2:])) * int(a.itemsize)
+
+
+def _address(a: Any) -> int:
+    if isinstance(a, np.ndarray):
+        return int(a.ctypes.data)
+    return int(a.data.ptr)
+
+
+def _is_torch(a: Any) -> bool:
+    return type(a).__module__.split(".")[0] == "torch"
+
+
+def _adopt(a: Any, name: str, pinned: bool) -> tuple[Any, bool]:
+    """Take `a` as a NumPy or CuPy array sharing its memory, and say if it is pinned.
+
+    Torch tensors are taken through DLPack (no copy).
+    """
+    if _is_torch(a):
+        torch = importlib.import_module("torch")  # optional: only for torch tensors
+
+        pinned = a.device.type == "cpu" and bool(a.is_pinned())
+        if a.dtype == torch.bfloat16:
+            a = a.view(torch.int16)  # DLPack consumers here have no bfloat16
+        if a.device.type == "cuda":
+            return _cupy().from_dlpack(a), False
+        if a.device.type != "cpu":
+            raise ValueError(f"{name}: a torch tensor on {a.device} (cpu or cuda expected)")
+        return np.from_dlpack(a), pinned
+    if isinstance(a, np.ndarray):
+        return a, pinned
+    if type(a).__module__.split(".")[0] == "cupy":
+        return a, False
+    raise TypeError(f"{name}: expected a numpy array, a cupy array or a torch tensor, got {a!r}")
+
+
+def _check_layout(a: Any, name: str) -> None:
+    if a.ndim < 2:
+        raise ValueError(f"{name}: expected [layers, slots, ...], got shape {tuple(a.shape)}")
+    row = _row_bytes(a)
+    expect = int(a.itemsize)
+    for dim, stride in zip(reversed(a.shape[2:]), reversed(a.strides[2:])):
+        if dim > 1 and stride != expect:
+            raise ValueError(f"{name}: one slot's row in a layer must be contiguous")
+        expect *= dim
+    if a.shape[1] > 1 and a.strides[1] < row:
+        raise ValueError(f"{name}: slots overlap (slot stride {a.strides[1]} < row {row} B)")
+
+
+def _pool(arrays: tuple[Any, ...], name: str, pinned: bool) -> Pool:
+    taken = [_adopt(a, f"{name}[{i}]", pinned) for i, a in enumerate(arrays)]
+    adopted = tuple(a for a, _ in taken)
+    for i, a in enumerate(adopted):
+        _check_layout(a, f"{name}[{i}]")
+    slots = {int(a.shape[1]) for a in adopted}
+    if len(slots) != 1:
+        raise ValueError(f"{name}: the arrays disagree on the slot count: {sorted(slots)}")
+    kinds = {isinstance(a, np.ndarray) for a in adopted}
+    if len(kinds) != 1:
+        raise ValueError(f"{name}: mixes numpy and cupy arrays")
+    return Pool(adopted, slots.pop(), on_gpu=not kinds.pop(), pinned=all(p for _, p in taken))
+
+
+class Storage:
+    """The memory behind a cache's slots.
+
+    Args:
+        kv: Per tier (``"device"``, ``"host"``), ``(k, v)``, each
+            ``[layers, slots, heads, head_dim]``.
+        mamba: Per tier, ``(conv, ssm)``: ``[layers, slots, *conv_shape]`` and
+            ``[layers, slots, *ssm_shape]``.
+        pinned_host: The NumPy host arrays are in pinned memory (torch tensors say so
+            themselves). On a GPU the copy kernels then read and write them directly;
+            otherwise host copies take the DMA path.
+
+    Arrays may be NumPy or CuPy arrays or torch tensors (wrapped through DLPack, no
+    copy). A tier the cache does not use may be left out.
+
+    Raises:
+        ValueError: A bad tier, shape or layout (the message names the argument).
+        TypeError: An array of an unsupported type.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv: Mapping[str, tuple[Any, Any]] | None = None,
+        mamba: Mapping[str, tuple[Any, Any]] | None = None,
+        pinned_host: bool = False,
+    ) -> None:
+        self._pools: dict[tuple[str, str], Pool] = {}
+        for pool_name, per_tier in (("kv", kv or {}), ("mamba", mamba or {})):
+            for tier, arrays in per_tier.items():
+                if tier not in TIERS:
+                    raise ValueError(f"{pool_name}: unknown tier {tier!r} (device or host)")
+                if len(arrays) != 2:
+                    raise ValueError(f"{pool_name}[{tier!r}]: expected two arrays")
+                pinned = pinned_host and tier == "host"
+                self._pools[pool_name, tier] = _pool(
+                    tuple(arrays), f"{pool_name}[{tier!r}]", pinned
+                )
+
+    @classmethod
+    def for_model(
+        cls,
+        *,
+        kv_slots: int,
+        mamba_slots: int = 0,
+        host_kv_slots: int = 0,
+        host_mamba_slots: int = 0,
+        layers: int,
+        kv_heads: int = 8,
+        head_dim: int = 128,
+        mamba_layers: int | None = None,
+        conv_shape: tuple[int, ...] = (),
+        ssm_shape: tuple[int, ...] = (),
+        dtype: str = "float16",
+        conv_dtype: str | None = None,
+        ssm_dtype: str = "float32",
+        device: Literal["cpu", "cuda"] = "cpu",
+    ) -> Storage:
+        """Allocate zeroed storage for a model.
+
+        Args:
+            kv_slots: Device KV token slots.
+            mamba_slots: Device state slots (0: no Mamba pool).
+            host_kv_slots: Host KV token slots (0: no host tier for KV).
+            host_mamba_slots: Host state slots.
+            layers: Attention layers.
+            kv_heads: KV heads per attention layer.
+            head_dim: Dimension of one head.
+            mamba_layers: Mamba layers (default: ``layers``).
+            conv_shape: One layer's conv state for one sequence.
+            ssm_shape: One layer's SSM state for one sequence.
+            dtype: The KV dtype (``"bfloat16"`` is stored as ``uint16``).
+            conv_dtype: The conv state dtype (default: ``dtype``).
+            ssm_dtype: The SSM state dtype.
+            device: ``"cuda"`` (CuPy device arrays, pinned mapped host arrays) or
+                ``"cpu"`` (NumPy for both tiers).
+
+        Raises:
+            ValueError: A negative count or an unknown dtype or device, naming it.
+        """
+        counts = {
+            "kv_slots": kv_slots,
+            "mamba_slots": mamba_slots,
+            "host_kv_slots": host_kv_slots,
+            "host_mamba_slots": host_mamba_slots,
+            "layers": layers,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+        }
+        for name, n in counts.items():
+            if not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name}: expected a count >= 0, got {n!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+        m_layers = layers if mamba_layers is None else mamba_layers
+        alloc = _allocator(device)
+        kv_dt = _dtype(dtype, "dtype")
+        conv_dt = _dtype(conv_dtype or dtype, "conv_dtype")
+        ssm_dt = _dtype(ssm_dtype, "ssm_dtype")
+        kv: dict[str, tuple[Any, Any]] = {}
+        mamba: dict[str, tuple[Any, Any]] = {}
+        for tier, n_kv, n_state in (
+            ("device", kv_slots, mamba_slots),
+            ("host", host_kv_slots, host_mamba_slots),
+        ):
+            if n_kv:
+                shape = (layers, n_kv, kv_heads, head_dim)
+                kv[tier] = (alloc(tier, shape, kv_dt), alloc(tier, shape, kv_dt))
+            if n_state:
+                mamba[tier] = (
+                    alloc(tier, (m_layers, n_state, *conv_shape), conv_dt),
+                    alloc(tier, (m_layers, n_state, *ssm_shape), ssm_dt),
+                )
+        return cls(kv=kv, mamba=mamba, pinned_host=device == "cuda")
+
+    def pool(self, pool: str, tier: str) -> Pool:
+        """Return the arrays of `pool` (``"kv"``, ``"mamba"``) on `tier`.
+
+        Raises:
+            ValueError: The storage has no such pool on that tier.
+        """
+        try:
+            return self._pools[pool, tier]
+        except KeyError:
+            raise ValueError(f"pool: this storage has no {pool} pool on the {tier}") from None
+
+    def has(self, pool: str, tier: str) -> bool:
+        """Whether the storage holds `pool` on `tier`."""
+        return (pool, tier) in self._pools
+
+    @property
+    def kv(self) -> dict[str, tuple[Any, Any]]:
+        """``(k, v)`` per tier."""
+        return {t: self._pools["kv", t].arrays for t in TIERS if ("kv", t) in self._pools}
+
+    @property
+    def mamba(self) -> dict[str, tuple[Any, Any]]:
+        """``(conv, ssm)`` per tier."""
+        return {t: self._pools["mamba", t].arrays for t in TIERS if ("mamba", t) in self._pools}
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the device pools are GPU memory (the engine then copies with CUDA)."""
+        return any(p.on_gpu for p in self._pools.values())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token holds over every layer (K and V); 0 without KV."""
+        return self._pools["kv", "device"].bytes_per_slot if self.has("kv", "device") else 0
+
+    @property
+    def bytes_per_state(self) -> int:
+        """Bytes of one Mamba state slot over every layer (conv and SSM); 0 without."""
+        return self._pools["mamba", "device"].bytes_per_slot if self.has("mamba", "device") else 0
+
+    def check(self, cache: HybridCache) -> None:
+        """Check that every pool the cache uses is here with at least its slot count.
+
+        Raises:
+            ValueError: A pool is missing or too small, naming the cache's argument.
+        """
+        wants = (
+            ("kv", "device", cache.kv_slots, "kv_slots"),
+            ("kv", "host", cache.host_kv_slots, "host_kv_slots"),
+            ("mamba", "device", cache.mamba_slots, "mamba_slots"),
+            ("mamba", "host", cache.host_mamba_slots, "host_mamba_slots"),
+        )
+        for pool, tier, n, arg in wants:
+            if n == 0:
+                continue
+            if not self.has(pool, tier):
+                raise ValueError(f"{arg}: the cache has {n}, the storage has no {pool} on {tier}")
+            have = self._pools[pool, tier].slots
+            if have < n:
+                raise ValueError(f"{arg}: the cache has {n}, the storage {pool}[{tier!r}] {have}")
+        on_gpu = {p.on_gpu for (_, tier), p in self._pools.items() if tier == "device"}
+        if len(on_gpu) > 1:
+            raise ValueError("storage: mixes GPU (cupy) and CPU (numpy) device pools")
+        if any(p.on_gpu for (_, tier), p in self._pools.items() if tier == "host"):
+            raise ValueError("storage: host pools must be host memory (numpy or cpu torch)")
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{pool}[{tier}]: {p.slots} slots x {p.bytes_per_slot} B"
+            for (pool, tier), p in self._pools.items()
+        ]
+        where = "cuda" if self.on_gpu else "cpu"
+        return f"<Storage {where} {', '.join(parts)}>"
+
+
+def _dtype(name: str, arg: str) -> np.dtype[Any]:
+    if name == "bfloat16":
+        return np.dtype(np.uint16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise ValueError(f"{arg}: unknown dtype {name!r}") from None
+
+
+def _allocator(device: str) -> Any:
+    if device == "cpu":
+        return lambda _tier, shape, dt: np.zeros(shape, dtype=dt)
+    cupy = _cupy()
+
+    def alloc(tier: str, shape: tuple[int, ...], dt: np.dtype[Any]) -> Any:
+        if tier == "device":
+            return cupy.zeros(shape, dtype=dt)
+        # Pinned host memory: under unified addressing it is mapped, so the copy kernels
+        # read and write it through its host pointer. The NumPy array keeps it alive.
+        count = int(math.prod(shape))
+        mem = cupy.cuda.alloc_pinned_memory(max(count * dt.itemsize, 1))
+        host = np.frombuffer(mem, dtype=dt, count=count).reshape(shape)
+        host[...] = 0
+        return host
+
+    return alloc
