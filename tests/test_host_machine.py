@@ -391,7 +391,8 @@ class HostMachine(RuleBasedStateMachine):
         obj, b.obj = b.obj, None
         via_object = via_object and obj is not None
         if how == "drop":
-            assert obj is not None and not b.started
+            assert obj is not None
+            assert not b.started
         if how.startswith("start"):
             b.obj = obj
             self.do_start(b, via_object)
@@ -419,7 +420,8 @@ class HostMachine(RuleBasedStateMachine):
                 with pytest.raises(RuntimeError, match="copy kernel"), obj:
                     raise RuntimeError("copy kernel")  # leaving the block fails the batch
                 assert obj.outcome == "failed"
-                assert obj.reason is not None and "copy kernel" in obj.reason
+                assert obj.reason is not None
+                assert "copy kernel" in obj.reason
             else:
                 self.cache.fail(bid)
             for mv in b.moves:

@@ -280,7 +280,8 @@ class HybridMachine(RuleBasedStateMachine):
         unstarted, which fails it)."""
         b = self.batches.pop(bid)
         obj, b.obj = b.obj, None
-        assert obj is not None and obj.id == bid
+        assert obj is not None
+        assert obj.id == bid
         if how.startswith("start"):
             obj.start() if via_object else self.cache.start(bid)
         if how.endswith("complete"):

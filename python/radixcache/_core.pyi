@@ -335,15 +335,17 @@ class TransferBatch:
             ValueError: the batch ended already (``batch_id``).
         """
     def complete(self) -> None:
-        """The copies are done: publishes what the batch carried (see
-        ``HybridCache.complete``).
+        """Acknowledge the copies as done: publishes what the batch carried.
+
+        See ``HybridCache.complete``.
 
         Raises:
             ValueError: the batch ended already (``batch_id``).
         """
     def fail(self, reason: str | None = None) -> None:
-        """The copies failed: a failed copy is a miss, never a hit (see
-        ``HybridCache.fail``); ``reason`` is kept in ``reason``.
+        """Acknowledge the copies as failed: a failed copy is a miss, never a hit.
+
+        See ``HybridCache.fail``; ``reason`` is kept in ``reason``.
 
         Raises:
             ValueError: the batch ended already (``batch_id``).
@@ -575,7 +577,8 @@ class HybridCache:
     def take_batches(self) -> list[TransferBatch]:
         """Batches the cache emitted since the last call (copy-on-write, backups).
 
-        Each is owned by its object until it ends (see ``TransferBatch``). Run them before the next forward step of the requests involved: an admission
+        Each is owned by its object until it ends (see ``TransferBatch``). Run them
+        before the next forward step of the requests involved: an admission
         copy fills the request's state slot, and a checkpoint copy reads the request's
         live state, which its next step overwrites.
         """

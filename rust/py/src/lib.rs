@@ -1114,10 +1114,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
     m.add("LockError", py.get_type::<LockError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    // The CUDA sources the engine compiles with CuPy: one source of truth, in the wheel.
+    // The CUDA sources the engine compiles with CuPy: one source of truth, in the wheel
+    // (set, not added: for radixcache._kernels, not part of `__all__`).
     let kernels = PyDict::new(py);
     kernels.set_item("copy_slots", include_str!("../../../kernels/copy_slots.cu"))?;
-    m.add("KERNEL_SOURCES", kernels)?;
+    m.setattr("KERNEL_SOURCES", kernels)?;
     // Private (not in `__all__`): set, not added.
     m.setattr("_int_fast_path", layout::init(py)?)?;
     Ok(())
