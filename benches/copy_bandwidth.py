@@ -621,8 +621,6 @@ def measure_shape(
                             check_detail=detail,
                         )
                     )
-    del storage, pools, prep
-    backend.release()
     return rows, line
 
 
@@ -816,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     shape_lines = []
     for shape, ns in plan:
         shape_rows, line = measure_shape(backend, shape, ns, repeat, peak_gbps, t0)
+        backend.release()  # the shape's pools are unreferenced now
         rows += shape_rows
         shape_lines.append(line)
     goals = evaluate(rows, peak_gbps, backend.name == "cuda", args.quick)

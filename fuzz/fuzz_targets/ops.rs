@@ -98,6 +98,8 @@ enum Ack {
     Start,
     Complete,
     Fail,
+    /// Its owner lets go of it before it ended (`Cache::abandon`).
+    Abandon,
 }
 
 #[derive(Debug)]
@@ -1358,6 +1360,10 @@ impl H {
                     Ack::Start => self.c.start(id),
                     Ack::Complete => self.c.complete(id),
                     Ack::Fail => self.c.fail(id),
+                    Ack::Abandon => {
+                        self.c.abandon(id);
+                        Ok(())
+                    }
                 });
             }
             Op::LoadBack {
