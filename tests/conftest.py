@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -139,3 +142,19 @@ def assert_child_ok(child: subprocess.CompletedProcess[str]) -> None:
     assert child.returncode == 0, f"child died ({child.returncode}):\n{child.stderr}"
     assert "panicked" not in child.stderr
     assert "PanicException" not in child.stderr
+
+
+def cuda() -> tuple[Any, str]:
+    """CuPy and an empty string when a CUDA device is usable, else None and why not (the
+    reason the GPU tests give when they skip)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cupy = importlib.import_module("cupy")
+        except ImportError as e:
+            return None, f"CuPy is not installed ({e})"
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:
+            return None, f"no usable CUDA device ({type(e).__name__}: {e})"
+    return (cupy, "") if n else (None, "no CUDA device")

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import radixcache as rc
 
@@ -469,3 +471,122 @@ def test_example_oracle_catches_an_engine_that_skips_an_array(
     monkeypatch.setattr(ex.FaultyEngine, "copy_batch", copy_k_only)
     assert ex.main(["--requests", "150", "--kv-slots", "1024", "--mamba-slots", "8"]) == 1
     assert "oracle mismatches   0" not in capsys.readouterr().out
+
+
+# ------------------------------------- random interleavings: storage agrees with the tree
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["serve", "admit", "extend", "checkpoint", "finish", "abort", "evict"]),
+        st.integers(0, 7),  # which prompt / request
+        st.integers(1, 6),  # how many tokens
+    ),
+    min_size=5,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=OPS,
+    policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    failure_rate=st.sampled_from([0.0, 0.2, 0.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_interleavings_keep_storage_consistent_with_the_tree(
+    ops: list[tuple[str, int, int]], policy: str, failure_rate: float, seed: int
+) -> None:
+    """Cache operations, engine runs and injected copy failures in any order: whatever
+    the tree says holds prefix P (a match's KV slots and state, a request's) holds P's
+    bytes in the storage, and the audit passes, after every step."""
+    ex = load_example()
+    c = rc.HybridCache(
+        kv_slots=24,
+        page_size=PS,
+        mamba_slots=5,
+        host_kv_slots=32,
+        host_mamba_slots=4,
+        write_policy=policy,
+    )
+    s = rc.Storage.for_model(
+        kv_slots=24,
+        mamba_slots=5,
+        host_kv_slots=32,
+        host_mamba_slots=4,
+        layers=2,
+        kv_heads=1,
+        head_dim=1,
+        conv_shape=(1,),
+        ssm_shape=(1,),
+        dtype="int64",
+        ssm_dtype="int64",
+    )
+    model = ex.Model(ex.FaultyEngine(c, s, failure_rate, seed))
+    prompts = [[1 + i % 3, 7, 7, 2 + i] for i in range(8)]
+    live: list[rc.Request] = []
+    seen: list[list[int]] = []
+
+    def check() -> None:
+        c.audit()
+        for r in live:
+            assert model.check(r) == 0, f"request {r} reads wrong bytes"
+        for seq in seen:
+            m = c.match_prefix(seq)
+            want = np.array([ex.kv_entry(t, p) for p, t in enumerate(seq[: m.device_len])])
+            assert np.array_equal(
+                s.kv["device"][0][:, m.kv_indices, 0, 0], np.broadcast_to(want, (2, len(want)))
+            )
+            if m.mamba_slot is not None and m.device_len:
+                state = 0
+                for t in seq[: m.device_len]:
+                    state = ex.step_state(state, t)
+                assert (s.mamba["device"][0][:, m.mamba_slot, 0] == state).all()
+
+    for op, i, n in ops:
+        if op in ("serve", "admit") and len(live) < 3:
+            prompt = prompts[i] + [i] * n
+            r = c.admit(prompt)
+            if r is None:
+                continue
+            model.run_batches()
+            if r.host_len:
+                lb = c.load_back(r)
+                if lb is not None:
+                    with lb:
+                        if model.engine.run(lb.batch):
+                            lb.commit()
+            rest = prompt[r.prefix_len :]
+            slots = model.extend(r, rest) if rest else None
+            if rest and slots is None:
+                c.abort(r)
+            else:
+                if slots is not None:
+                    model.forward(r, slots, rest)
+                live.append(r)
+                seen.append(prompt)
+        elif op == "extend" and live:
+            r = live[i % len(live)]
+            more = [i + 10] * n
+            slots = model.extend(r, more)
+            if slots is not None:
+                model.forward(r, slots, more)
+        elif op == "checkpoint" and live:
+            r = live[i % len(live)]
+            if r.copy_pending is None and r.load_pending is None:
+                c.checkpoint(r)
+                seen.append([int(t) for t in r.tokens])
+        elif op in ("finish", "abort") and live:
+            r = live.pop(i % len(live))
+            if op == "finish" and r.copy_pending is None and r.load_pending is None:
+                seen.append([int(t) for t in r.tokens])
+                c.finish(r)
+            else:
+                c.abort(r)
+        elif op == "evict":
+            c.evict(kv_tokens=n * PS, mamba_states=1)
+        model.run_batches()
+        check()
+    for r in live:
+        c.abort(r)
+    model.run_batches()
+    settled(c)

@@ -6,8 +6,6 @@ Skipped without CuPy or without a CUDA device."""
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,22 +15,9 @@ import pytest
 import radixcache as rc
 from radixcache import _kernels
 
+from conftest import cuda
 
-def _gpu() -> tuple[Any, str]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            cupy = importlib.import_module("cupy")
-        except ImportError as e:
-            return None, f"CuPy is not installed ({e})"
-        try:
-            n = cupy.cuda.runtime.getDeviceCount()
-        except Exception as e:
-            return None, f"no usable CUDA device ({type(e).__name__}: {e})"
-    return (cupy, "") if n else (None, "no CUDA device")
-
-
-cp, _why_not = _gpu()
+cp, _why_not = cuda()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=_why_not or "no GPU")]
 
 #: (mamba layers, conv_shape, ssm_shape): a small fixture and a large model's states.

@@ -5,8 +5,6 @@ Skipped without CuPy or without a CUDA device."""
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,25 +21,9 @@ from radixcache._kernels import (
     launch_copy_slots,
 )
 
+from conftest import cuda
 
-def _gpu() -> tuple[Any, str]:
-    """CuPy and an empty string, or None and why the GPU tests cannot run."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            cupy = importlib.import_module("cupy")
-        except ImportError as e:
-            return None, f"CuPy is not installed ({e})"
-        try:
-            n = cupy.cuda.runtime.getDeviceCount()
-        except Exception as e:
-            return None, f"no usable CUDA device ({type(e).__name__}: {e})"
-    if n == 0:
-        return None, "no CUDA device"
-    return cupy, ""
-
-
-cp, _why_not = _gpu()
+cp, _why_not = cuda()
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=_why_not or "no GPU")]
 
