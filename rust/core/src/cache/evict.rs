@@ -3,6 +3,7 @@
 
 use crate::tree::NONE;
 
+use super::batch::Action;
 use super::{Cache, Evicted};
 
 impl Cache {
@@ -144,7 +145,36 @@ impl Cache {
     pub(crate) fn cancel_eviction(&mut self, mut i: u32) {
         while self.tree.node(i).kv.evicting {
             self.set_evicting(i, false);
+            self.lock_for_backup(i);
             i = self.tree.node(i).parent;
+        }
+    }
+
+    /// Node `i`'s eviction was called off while its backup is in flight: the node stays
+    /// out of reach until the backup lands, and so, until then, do its ancestors. The
+    /// backup takes a lock on it (released when it ends), so that they count as
+    /// protected rather than evictable: room the eviction cannot make is never counted.
+    fn lock_for_backup(&mut self, i: u32) {
+        let id = self.tree.id(i);
+        let waiting =
+            |a: &Action| matches!(a, Action::Backup(b) if b.demote == Some(id) && b.lock.is_none());
+        if !self.batches.pending.values().any(|p| waiting(&p.action)) {
+            return;
+        }
+        let lock = self.lock_index(i);
+        let backup = self
+            .batches
+            .pending
+            .values_mut()
+            .find_map(|p| match &mut p.action {
+                Action::Backup(b) if b.demote == Some(id) && b.lock.is_none() => Some(b),
+                _ => None,
+            });
+        match backup {
+            Some(b) => b.lock = Some(lock),
+            None => {
+                let _ = self.unlock(lock);
+            }
         }
     }
 

@@ -258,3 +258,44 @@ fn a_host_state_slot_comes_from_the_oldest_host_leaf_holding_one() {
     );
     c.audit().unwrap();
 }
+
+#[test]
+fn an_eviction_called_off_while_its_backup_flies_protects_the_path_until_it_lands() {
+    let mut c = Cache::new(Config {
+        host_kv_slots: 32,
+        write_policy: WritePolicy::WriteBack,
+        ..Config::kv(16, 1)
+    })
+    .unwrap();
+    let insert = |c: &mut Cache, toks: &[u32]| {
+        let m = c.match_prefix(None, toks);
+        let mut kv = m.kv_indices.clone();
+        kv.extend(c.alloc_kv(toks.len() - m.device_len).unwrap().unwrap());
+        c.insert(None, toks, &kv, m.device_len).unwrap().node
+    };
+    insert(&mut c, &[1, 2]);
+    insert(&mut c, &[1, 2, 3, 4]);
+    // Write-back: evicting the leaf [3, 4] backs it up first; it is demoted on landing.
+    c.evict(2, 0);
+    let backups = c.take_batches();
+    assert_eq!(backups.len(), 1);
+    // A device child below it calls the eviction off; its backup still flies.
+    insert(&mut c, &[1, 2, 3, 4, 5, 6]);
+    assert_eq!(
+        c.stats()
+            .iter()
+            .find(|s| s.0 == "kv_evicting_tokens")
+            .map(|s| s.1),
+        Some(0)
+    );
+    // [1, 2] cannot be evicted before that backup lands, so it is not counted as room.
+    assert_eq!((c.evictable_size(), c.protected_size()), (2, 4));
+    assert_eq!(c.evict(16, 0).kv_tokens, 2, "only the new leaf [5, 6] goes");
+    assert_eq!(c.evictable_size(), 0);
+    c.audit().unwrap();
+    c.complete(backups[0].id).unwrap();
+    run_all(&mut c);
+    // Landed: [3, 4] keeps its host copy and, like [1, 2], is evictable again.
+    assert_eq!((c.evictable_size(), c.protected_size()), (4, 0));
+    c.audit().unwrap();
+}
