@@ -71,6 +71,20 @@ class FaultyEngine(rc.TransferEngine):
         super().copy_batch(batch)
 
 
+def checksum_storage(cache: rc.HybridCache) -> rc.Storage:
+    """Storage for the stand-in model: two layers of K, V, conv and SSM, one int64 each."""
+    return rc.Storage.for_cache(
+        cache,
+        layers=2,
+        kv_heads=1,
+        head_dim=1,
+        conv_shape=(1,),
+        ssm_shape=(1,),
+        dtype="int64",
+        ssm_dtype="int64",
+    )
+
+
 class Model:
     """A stand-in hybrid model writing checkable values into every layer of the storage.
 
@@ -228,20 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         host_mamba_slots=args.host_mamba_slots if args.host_kv_slots else 0,
         write_policy=args.write_policy,
     )
-    host_states = args.host_mamba_slots if args.host_kv_slots else 0
-    storage = rc.Storage.for_model(
-        kv_slots=args.kv_slots,
-        mamba_slots=args.mamba_slots,
-        host_kv_slots=args.host_kv_slots,
-        host_mamba_slots=host_states,
-        layers=2,
-        kv_heads=1,
-        head_dim=1,
-        conv_shape=(1,),
-        ssm_shape=(1,),
-        dtype="int64",
-        ssm_dtype="int64",
-    )
+    storage = checksum_storage(cache)
     transfers = FaultyEngine(cache, storage, args.inject_failures, args.seed + 2)
     engine = Model(transfers)
     jobs = workload(args.requests, args.seed)

@@ -32,11 +32,8 @@ def cache(policy: str = "write_through") -> rc.HybridCache:
 
 def storage(c: rc.HybridCache, **kw: Any) -> rc.Storage:
     """Three attention and two Mamba layers, each array with its own dtype and row size."""
-    return rc.Storage.for_model(
-        kv_slots=c.kv_slots,
-        mamba_slots=c.mamba_slots,
-        host_kv_slots=c.host_kv_slots,
-        host_mamba_slots=c.host_mamba_slots,
+    return rc.Storage.for_cache(
+        c,
         layers=3,
         kv_heads=2,
         head_dim=4,
@@ -281,6 +278,8 @@ def test_storage_that_does_not_fit_the_cache_is_refused_naming_the_argument() ->
         rc.Storage(kv={"disk": (k, k)})
     with pytest.raises(TypeError, match=r"^mamba\['host'\]\[1\]: expected a numpy array"):
         rc.Storage(mamba={"host": (k, [1, 2])})
+    with pytest.raises(ValueError, match=r"^kv_slots: taken from the cache, not given"):
+        rc.Storage.for_cache(c, kv_slots=8, layers=1)
     with pytest.raises(ValueError, match=r"^pool: this storage has no mamba pool on the host"):
         rc.Storage(kv={"device": (k, k)}).pool("mamba", "host")
 
@@ -508,19 +507,7 @@ def test_random_interleavings_keep_storage_consistent_with_the_tree(
         host_mamba_slots=4,
         write_policy=policy,
     )
-    s = rc.Storage.for_model(
-        kv_slots=24,
-        mamba_slots=5,
-        host_kv_slots=32,
-        host_mamba_slots=4,
-        layers=2,
-        kv_heads=1,
-        head_dim=1,
-        conv_shape=(1,),
-        ssm_shape=(1,),
-        dtype="int64",
-        ssm_dtype="int64",
-    )
+    s = ex.checksum_storage(c)
     model = ex.Model(ex.FaultyEngine(c, s, failure_rate, seed))
     prompts = [[1 + i % 3, 7, 7, 2 + i] for i in range(8)]
     live: list[rc.Request] = []

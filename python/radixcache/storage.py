@@ -249,6 +249,30 @@ class Storage:
                 )
         return cls(kv=kv, mamba=mamba, pinned_host=device == "cuda")
 
+    @classmethod
+    def for_cache(cls, cache: HybridCache, **model: Any) -> Storage:
+        """Allocate storage with `cache`'s slot counts (every pool it uses, both tiers).
+
+        Args:
+            cache: The cache whose ``kv_slots``, ``mamba_slots``, ``host_kv_slots`` and
+                ``host_mamba_slots`` size the pools.
+            **model: The model's shapes, dtypes and device, as for `for_model`.
+
+        Raises:
+            ValueError: As `for_model`; also when `model` gives a slot count.
+        """
+        counts = ("kv_slots", "mamba_slots", "host_kv_slots", "host_mamba_slots")
+        given = sorted(set(counts) & set(model))
+        if given:
+            raise ValueError(f"{given[0]}: taken from the cache, not given")
+        return cls.for_model(
+            kv_slots=cache.kv_slots,
+            mamba_slots=cache.mamba_slots,
+            host_kv_slots=cache.host_kv_slots,
+            host_mamba_slots=cache.host_mamba_slots,
+            **model,
+        )
+
     def pool(self, pool: str, tier: str) -> Pool:
         """Return the arrays of `pool` (``"kv"``, ``"mamba"``) on `tier`.
 

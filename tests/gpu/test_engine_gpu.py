@@ -32,11 +32,8 @@ def setup(shape: str) -> tuple[rc.HybridCache, rc.Storage, rc.TransferEngine]:
     c = rc.HybridCache(
         kv_slots=64, page_size=2, mamba_slots=6, host_kv_slots=64, host_mamba_slots=4
     )
-    s = rc.Storage.for_model(
-        kv_slots=64,
-        mamba_slots=6,
-        host_kv_slots=64,
-        host_mamba_slots=4,
+    s = rc.Storage.for_cache(
+        c,
         layers=4,
         kv_heads=2,
         head_dim=64,
