@@ -284,6 +284,18 @@ def test_storage_that_does_not_fit_the_cache_is_refused_naming_the_argument() ->
         rc.Storage(kv={"device": (k, k)}).pool("mamba", "host")
 
 
+def test_arrays_of_the_wrong_layout_are_refused_naming_the_argument() -> None:
+    k = np.zeros((2, 8, 4), dtype=np.float16)
+    with pytest.raises(ValueError, match=r"^mamba\['device'\]: expected two arrays"):
+        rc.Storage(mamba={"device": (k,)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"^kv\['host'\]\[1\]: expected \[layers, slots, ...\]"):
+        rc.Storage(kv={"host": (k, np.zeros(8))})
+    # Slots overlapping: a stride along the slot axis shorter than one slot's row.
+    overlapping = np.lib.stride_tricks.as_strided(k, shape=(2, 8, 4), strides=(64, 2, 2))
+    with pytest.raises(ValueError, match=r"^kv\['device'\]\[0\]: slots overlap"):
+        rc.Storage(kv={"device": (overlapping, k)})
+
+
 # ------------------------------------------------- an exception anywhere leaves pools whole
 
 

@@ -38,6 +38,23 @@ class _InFlight:
     event: Any  # cupy.cuda.Event recorded after the batch's copies (None on CPU)
 
 
+@dataclass
+class _Plan:
+    """How copies between two pools run on a GPU, worked out once per pair of pools."""
+
+    src: Pool
+    dst: Pool
+    src_base: list[int]
+    dst_base: list[int]
+    src_stride: list[int]
+    dst_stride: list[int]
+    rows: list[int]
+    #: Whether the kernel may touch both pools (else every copy takes the DMA path).
+    reachable: bool
+    #: The same per-buffer lists on the device, for the kernel (made on first use).
+    device: tuple[Any, ...] | None = None
+
+
 class TransferEngine:
     """Runs `cache`'s transfer batches on `storage`.
 
@@ -58,7 +75,7 @@ class TransferEngine:
         self._stream = stream
         self._after: Any = None
         self._in_flight: list[_InFlight] = []
-        self._meta: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self._plans: dict[tuple[int, int], _Plan] = {}
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "batches_run",
@@ -93,6 +110,7 @@ class TransferEngine:
         batch.start()
         self._stats["batches_run"] += 1
         try:
+            self._wait_for_compute()
             self.copy_batch(batch)
             if self.on_gpu:
                 self._copy_stream().synchronize()
@@ -114,6 +132,7 @@ class TransferEngine:
         batch.start()
         self._stats["batches_submitted"] += 1
         try:
+            self._wait_for_compute()
             self.copy_batch(batch)
             event = self._record() if self.on_gpu else None
         except Exception as e:
@@ -216,10 +235,10 @@ class TransferEngine:
         dst_pool = self.storage.pool(c.pool, c.dst_tier)
         src = np.asarray(c.src, dtype=np.int64)
         dst = np.asarray(c.dst, dtype=np.int64)
-        _check_slots("src", src, src_pool, c)
-        _check_slots("dst", dst, dst_pool, c)
+        _check_slots("src", src, src_pool, c.pool, c.src_tier)
+        _check_slots("dst", dst, dst_pool, c.pool, c.dst_tier)
         if self.on_gpu:
-            self._gpu_copy(c, src_pool, dst_pool, src, dst)
+            self._gpu_copy(self._plan(c, src_pool, dst_pool), src, dst)
         else:
             for s_arr, d_arr in zip(src_pool.arrays, dst_pool.arrays):
                 d_arr[:, dst] = s_arr[:, src]
@@ -227,51 +246,55 @@ class TransferEngine:
         self._stats["slots_copied"] += len(src)
         self._stats["bytes_copied"] += len(src) * src_pool.bytes_per_slot
 
-    def _gpu_copy(
-        self, c: Copy, src_pool: Pool, dst_pool: Pool, src: np.ndarray, dst: np.ndarray
-    ) -> None:
-        stream = self._copy_stream()
-        if self._after is not None:
-            _wait(stream, self._after)
-        if not len(src):
+    def _plan(self, c: Copy, src_pool: Pool, dst_pool: Pool) -> _Plan:
+        plan = self._plans.get((id(src_pool), id(dst_pool)))
+        if plan is None:
+            src_bufs, dst_bufs = src_pool.buffers, dst_pool.buffers
+            plan = _Plan(
+                src=src_pool,  # kept: the key's ids stay theirs while the plan lives
+                dst=dst_pool,
+                src_base=[b[0] for b in src_bufs],
+                dst_base=[b[0] for b in dst_bufs],
+                src_stride=[b[1] for b in src_bufs],
+                dst_stride=[b[1] for b in dst_bufs],
+                rows=[b[2] for b in src_bufs],
+                reachable=_reachable(src_pool, c.src_tier) and _reachable(dst_pool, c.dst_tier),
+            )
+            self._plans[id(src_pool), id(dst_pool)] = plan
+        return plan
+
+    def _gpu_copy(self, plan: _Plan, src: np.ndarray, dst: np.ndarray) -> None:
+        if not len(src) or not plan.rows:
             return
-        src_bufs, dst_bufs = src_pool.buffers, dst_pool.buffers
-        rows = [b[2] for b in src_bufs]
+        stream = self._copy_stream()
         runs = _kernels.contiguous_runs(src, dst)
-        mean_row = sum(rows) // max(len(rows), 1)
-        ends = ((src_pool, c.src_tier), (dst_pool, c.dst_tier))
-        reachable = all(_reachable(p, t) for p, t in ends)
-        path = _kernels.choose_path(mean_row, len(src), len(runs)) if reachable else "dma"
-        if path == "dma":
+        mean_row = sum(plan.rows) // len(plan.rows)
+        if not plan.reachable or _kernels.choose_path(mean_row, len(src), len(runs)) == "dma":
             self._stats["dma_copies"] += 1
             self._stats["dma_memcpys"] += _kernels.dma_copy_slots(
-                [b[0] for b in src_bufs],
-                [b[0] for b in dst_bufs],
-                [b[1] for b in src_bufs],
-                [b[1] for b in dst_bufs],
-                rows,
+                plan.src_base,
+                plan.dst_base,
+                plan.src_stride,
+                plan.dst_stride,
+                plan.rows,
                 src.tolist(),
                 dst.tolist(),
                 stream=stream,
             )
             return
         cupy = _kernels._cupy()
-        key = (c.pool, c.src_tier, c.dst_tier)
-        meta = self._meta.get(key)
-        if meta is None:
-            meta = (
-                cupy.asarray([b[0] for b in src_bufs], dtype=cupy.uint64),
-                cupy.asarray([b[0] for b in dst_bufs], dtype=cupy.uint64),
-                cupy.asarray([b[1] for b in src_bufs], dtype=cupy.int64),
-                cupy.asarray([b[1] for b in dst_bufs], dtype=cupy.int64),
-                cupy.asarray(rows, dtype=cupy.int64),
-                max(rows),
+        if plan.device is None:
+            plan.device = (
+                cupy.asarray(plan.src_base, dtype=cupy.uint64),
+                cupy.asarray(plan.dst_base, dtype=cupy.uint64),
+                cupy.asarray(plan.src_stride, dtype=cupy.int64),
+                cupy.asarray(plan.dst_stride, dtype=cupy.int64),
+                cupy.asarray(plan.rows, dtype=cupy.int64),
             )
-            self._meta[key] = meta
         with stream:
             src_d = cupy.asarray(src)
             dst_d = cupy.asarray(dst)
-        src_base, dst_base, src_stride, dst_stride, row_bytes, max_row = meta
+        src_base, dst_base, src_stride, dst_stride, row_bytes = plan.device
         _kernels.launch_copy_slots(
             src_base,
             dst_base,
@@ -281,9 +304,18 @@ class TransferEngine:
             src_d,
             dst_d,
             stream=stream,
-            max_row_bytes=int(max_row),
+            max_row_bytes=max(plan.rows),
         )
         self._stats["kernel_launches"] += 1
+
+    def _wait_for_compute(self) -> None:
+        """Make the copy stream wait for the compute step given to `after_compute`."""
+        if not self.on_gpu or self._after is None:
+            return
+        after = self._after
+        if hasattr(after, "record"):  # a stream: wait for everything enqueued on it so far
+            after = after.record()
+        self._copy_stream().wait_event(after)
 
     def _copy_stream(self) -> Any:
         if self._stream is None:
@@ -299,15 +331,8 @@ def _reachable(pool: Pool, tier: str) -> bool:
     return pool.on_gpu or (tier == "host" and pool.pinned)
 
 
-def _wait(stream: Any, after: Any) -> None:
-    if hasattr(after, "record"):  # a stream: wait for everything enqueued on it so far
-        after = after.record()
-    stream.wait_event(after)
-
-
-def _check_slots(which: str, idx: np.ndarray, pool: Pool, c: Copy) -> None:
+def _check_slots(which: str, idx: np.ndarray, pool: Pool, name: str, tier: str) -> None:
     if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= pool.slots):
         raise IndexError(
-            f"{which}: slot out of range for the {c.pool} pool on the "
-            f"{c.src_tier if which == 'src' else c.dst_tier} ({pool.slots} slots)"
+            f"{which}: slot out of range for the {name} pool on the {tier} ({pool.slots} slots)"
         )

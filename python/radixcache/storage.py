@@ -34,9 +34,7 @@ from ._kernels import _cupy
 
 __all__ = ["Pool", "Storage"]
 
-TierName = Literal["device", "host"]
-PoolName = Literal["kv", "mamba"]
-TIERS: tuple[TierName, ...] = ("device", "host")
+TIERS: tuple[Literal["device", "host"], ...] = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -80,8 +78,9 @@ def _address(a: Any) -> int:
     return int(a.data.ptr)
 
 
-def _is_torch(a: Any) -> bool:
-    return type(a).__module__.split(".")[0] == "torch"
+def _library(a: Any) -> str:
+    """Return the top-level package of `a`'s type (``"torch"``, ``"cupy"``, ...)."""
+    return type(a).__module__.split(".")[0]
 
 
 def _adopt(a: Any, name: str, pinned: bool) -> tuple[Any, bool]:
@@ -89,7 +88,7 @@ def _adopt(a: Any, name: str, pinned: bool) -> tuple[Any, bool]:
 
     Torch tensors are taken through DLPack (no copy).
     """
-    if _is_torch(a):
+    if _library(a) == "torch":
         torch = importlib.import_module("torch")  # optional: only for torch tensors
 
         pinned = a.device.type == "cpu" and bool(a.is_pinned())
@@ -102,7 +101,7 @@ def _adopt(a: Any, name: str, pinned: bool) -> tuple[Any, bool]:
         return np.from_dlpack(a), pinned
     if isinstance(a, np.ndarray):
         return a, pinned
-    if type(a).__module__.split(".")[0] == "cupy":
+    if _library(a) == "cupy":
         return a, False
     raise TypeError(f"{name}: expected a numpy array, a cupy array or a torch tensor, got {a!r}")
 

@@ -227,17 +227,20 @@ impl HybridCache {
     /// The batches the cache emitted since the last call (copy-on-write, backups), each
     /// owned by its handle until it ends: see [`Batch`].
     pub fn take_batches(&self) -> Result<Vec<Batch>> {
-        let batches = self.with(Cache::take_batches)?;
-        Ok(batches
-            .into_iter()
-            .map(|b| self.batch_handle(b, true))
-            .collect())
+        Ok(self.own_batches(self.with(Cache::take_batches)?))
     }
 
-    /// A handle on `batch` (emitted by this cache's core). When `owns`, dropping it
-    /// before it ended abandons the batch ([`Cache::abandon`]); otherwise someone else
-    /// owns it (a load-back's guard until commit, then the cache, acknowledged by id).
-    pub fn batch_handle(&self, batch: TransferBatch, owns: bool) -> Batch {
+    /// The handles that own `batches` (from [`Cache::take_batches`] on this cache's
+    /// core): each, dropped before its batch ended, abandons it ([`Cache::abandon`]).
+    pub fn own_batches(&self, batches: Vec<TransferBatch>) -> Vec<Batch> {
+        batches
+            .into_iter()
+            .map(|b| self.batch_handle(b, true))
+            .collect()
+    }
+
+    /// A handle on `batch`; `owns`: whether dropping it abandons the batch.
+    fn batch_handle(&self, batch: TransferBatch, owns: bool) -> Batch {
         Batch {
             cache: self.clone(),
             copies: batch,
@@ -303,6 +306,12 @@ impl LoadBack {
         self.kv_tokens
     }
 
+    /// A handle on the batch that does not own it (the guard owns it until commit, then
+    /// the cache, acknowledged by id): dropping the handle does nothing.
+    pub fn batch_handle(&self) -> Batch {
+        self.cache.batch_handle(self.batch.clone(), false)
+    }
+
     /// Publishes the load (see [`Cache::commit_load`]). On error (the copies failed,
     /// or the request extended since) the load is called off: everything goes back.
     pub fn commit(mut self) -> Result<()> {
@@ -343,7 +352,8 @@ struct BatchState {
 /// copies between [`Batch::start`] and [`Batch::complete`] (or [`Batch::fail`]).
 /// Dropped before it ended, it is abandoned: failed if never started; if started, it
 /// stays in flight, holding its slots, until it is acknowledged by id (which fails it),
-/// since its copies may still run (see [`Cache::abandon`]). Its methods take `&self` so that it can be shared.
+/// since its copies may still run (see [`Cache::abandon`]). Its methods take `&self`, so
+/// that it can be shared.
 #[must_use = "dropping a Batch before it ended fails it"]
 #[clippy::has_significant_drop]
 pub struct Batch {
@@ -860,7 +870,7 @@ mod tests {
         let (c, node) = demoted();
         let request = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
         let lb = c.load_back_request(&request, None).unwrap().unwrap();
-        let b = c.batch_handle(lb.batch().clone(), false);
+        let b = lb.batch_handle();
         let id = b.id();
         b.start().unwrap();
         assert_eq!(b.abandon(), Abandoned::Nothing);

@@ -232,7 +232,7 @@ impl PyHybridCache {
         };
         let record = run(py, &self.inner, 0, |c| c.load_back(target, quota, request))?;
         record
-            .map(|r| PyLoadBack::new(py, &self.inner, self.inner.own_load(r)))
+            .map(|r| PyLoadBack::new(py, self.inner.own_load(r)))
             .transpose()
     }
 
@@ -394,9 +394,10 @@ impl PyHybridCache {
     /// each batch owned by its object until it ends.
     fn take_batches(&self, py: Python<'_>) -> PyResult<Vec<PyTransferBatch>> {
         let batches = run(py, &self.inner, 0, |c| Ok(c.take_batches()))?;
-        batches
+        self.inner
+            .own_batches(batches)
             .into_iter()
-            .map(|b| PyTransferBatch::new(py, self.inner.batch_handle(b, true)))
+            .map(|b| PyTransferBatch::new(py, b))
             .collect()
     }
 
@@ -826,10 +827,8 @@ struct PyLoadBack {
 }
 
 impl PyLoadBack {
-    fn new(py: Python<'_>, cache: &core::HybridCache, guard: core::LoadBack) -> PyResult<Self> {
-        // The guard owns the batch until it is committed, then the cache (by id).
-        let handle = cache.batch_handle(guard.batch().clone(), false);
-        let batch = Py::new(py, PyTransferBatch::new(py, handle)?)?;
+    fn new(py: Python<'_>, guard: core::LoadBack) -> PyResult<Self> {
+        let batch = Py::new(py, PyTransferBatch::new(py, guard.batch_handle())?)?;
         Ok(PyLoadBack {
             id: guard.id().to_u128(),
             kv_tokens: guard.kv_tokens(),

@@ -156,23 +156,16 @@ impl Cache {
     /// protected rather than evictable: room the eviction cannot make is never counted.
     fn lock_for_backup(&mut self, i: u32) {
         let id = self.tree.id(i);
-        let waiting =
-            |a: &Action| matches!(a, Action::Backup(b) if b.demote == Some(id) && b.lock.is_none());
-        if !self.batches.pending.values().any(|p| waiting(&p.action)) {
+        let Some(batch) = self.batches.pending.iter().find_map(|(&bid, p)| {
+            matches!(&p.action, Action::Backup(b) if b.demote == Some(id) && b.lock.is_none())
+                .then_some(bid)
+        }) else {
             return;
-        }
+        };
         let lock = self.lock_index(i);
-        let backup = self
-            .batches
-            .pending
-            .values_mut()
-            .find_map(|p| match &mut p.action {
-                Action::Backup(b) if b.demote == Some(id) && b.lock.is_none() => Some(b),
-                _ => None,
-            });
-        match backup {
-            Some(b) => b.lock = Some(lock),
-            None => {
+        match self.batches.pending.get_mut(&batch).map(|p| &mut p.action) {
+            Some(Action::Backup(b)) => b.lock = Some(lock),
+            _ => {
                 let _ = self.unlock(lock);
             }
         }
