@@ -508,6 +508,14 @@ class HybridCache:
         use; an internal node's state (or a KV-locked leaf's) is dropped and the node
         kept as a tombstone, an unlocked leaf is deleted with its KV.
         """
+    def evict_host(self, *, kv_tokens: int = 0, mamba_states: int = 0) -> Evicted:
+        """Evict host-only data: at least that much (or all that is evictable), LRU first.
+
+        Takes unlocked host-only leaves (a parent left as one joins the candidates) and
+        returns what left the host tier. Nodes with device data keep their host copies:
+        ``evict`` them from the device first (which demotes them). ``evict`` then
+        ``evict_host`` with each pool's size clears the cache.
+        """
     def alloc_kv(self, n: int) -> npt.NDArray[np.int64] | None:
         """``n`` device KV slots (a multiple of ``page_size``), evicting first when short.
 

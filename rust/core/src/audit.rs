@@ -7,6 +7,7 @@
 use std::collections::{BTreeSet, HashSet};
 
 use crate::cache::load::CopyOutcome;
+use crate::cache::lru::HOT;
 use crate::cache::report::POOLS;
 use crate::cache::sizes::Sizes;
 use crate::cache::{Cache, PoolKind, Tier};
@@ -236,6 +237,13 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
     }
     // 5. The eviction sets are exactly the candidates.
     let [kv, mamba, host, host_states] = c.lru.sets();
+    let used = mamba.iter().filter(|k| k.0 & HOT != 0).count();
+    if c.lru.hot() != used {
+        return broken(format!(
+            "{} used states counted, {used} in the state eviction set",
+            c.lru.hot()
+        ));
+    }
     for (name, set, candidates) in [
         ("kv", kv, &sums.kv_candidates),
         ("mamba", mamba, &sums.mamba_candidates),

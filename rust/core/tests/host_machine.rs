@@ -2168,7 +2168,9 @@ fn loading_a_node_above_a_requests_prefix_for_it_loads_nothing() {
     for b in c.take_batches() {
         c.complete(b.id).unwrap();
     }
-    // The least recently used state is [1, 2]'s: a tombstone now, backed up on the host.
+    // Both states used by a match (protected), [1, 2]'s first: the least recently used.
+    c.match_prefix(None, &[1, 2, 3]);
+    // [1, 2]'s state goes: a tombstone now, backed up on the host.
     assert_eq!(c.evict(0, 1).mamba_states, 1);
     let r = c.admit(None, &[1, 2, 3, 5]).unwrap();
     for b in c.take_batches() {

@@ -511,8 +511,9 @@ struct Model {
     receipts: Vec<Receipt>,
     recent_nodes: Vec<NodeId>,
     history: Vec<Vec<u32>>,
-    /// When each state was last used (placed, or reused by a match): the Mamba LRU.
-    used: HashMap<Key, u64>,
+    /// When each state was last used (placed, or reused by a match), and whether a
+    /// match has used it since it was placed: the Mamba eviction order.
+    used: HashMap<Key, (u64, bool)>,
     clock: u64,
 }
 
@@ -686,16 +687,16 @@ impl Model {
             .any(|(k, s)| !ml.contains_key(k) && Some(k) != also_locked && !pinned.contains(s))
     }
 
-    /// A state is used: placed on a node, or reused by a match.
-    fn use_state(&mut self, k: &Key) {
+    /// A state is used: placed on a node (`hit == false`), or reused by a match.
+    fn use_state(&mut self, k: &Key, hit: bool) {
         assert!(self.content.states.contains_key(k));
         self.clock += 1;
-        self.used.insert(k.clone(), self.clock);
+        self.used.insert(k.clone(), (self.clock, hit));
     }
 
     fn place_state(&mut self, k: &Key, slot: u32) {
         assert!(self.content.states.insert(k.clone(), slot).is_none());
-        self.use_state(k);
+        self.use_state(k, false);
     }
 
     /// The states a state eviction takes, least recently used first among the unlocked
@@ -706,20 +707,35 @@ impl Model {
     fn state_victims(&self, also_locked: Option<&Key>, count: Option<usize>) -> BTreeSet<Key> {
         let (_, ml) = self.locks();
         let pinned = self.pinned();
-        let mut lru: Vec<(u64, &Key)> = self
-            .content
-            .states
-            .iter()
-            .filter(|(k, s)| !ml.contains_key(*k) && Some(*k) != also_locked && !pinned.contains(s))
-            .map(|(k, _)| (self.used[k], k))
-            .collect();
-        lru.sort_unstable();
+        // Unused states first, then used ones, each oldest first; but the oldest used
+        // one first while more used states than the protected cap are candidates.
+        let mut used: Vec<(u64, &Key)> = vec![];
+        let mut unused: Vec<(u64, &Key)> = vec![];
+        for (k, s) in &self.content.states {
+            if ml.contains_key(k) || Some(k) == also_locked || pinned.contains(s) {
+                continue;
+            }
+            let (time, hit) = self.used[k];
+            if hit { &mut used } else { &mut unused }.push((time, k));
+        }
+        used.sort_unstable_by(|a, b| b.cmp(a));
+        unused.sort_unstable_by(|a, b| b.cmp(a));
         let n = match count {
-            Some(m) => m.min(lru.len()),
+            Some(m) => m.min(used.len() + unused.len()),
             None if !self.slots_in(PageState::Free).is_empty() => 0,
-            None => 1.min(lru.len()),
+            None => 1.min(used.len() + unused.len()),
         };
-        lru[..n].iter().map(|(_, k)| (*k).clone()).collect()
+        let cap = self.mamba_cap * 3 / 4;
+        let mut out = BTreeSet::new();
+        for _ in 0..n {
+            let next = if used.len() > cap || unused.is_empty() {
+                used.pop()
+            } else {
+                unused.pop()
+            };
+            out.extend(next.map(|(_, k)| k.clone()));
+        }
+        out
     }
 
     fn req_index(&self, id: RequestId) -> Option<usize> {
@@ -1126,7 +1142,7 @@ impl Machine {
         assert_eq!(r.host_len, 0);
         assert_eq!(r.host_node, r.node);
         if slot.is_some() {
-            self.m.use_state(&key(ns, toks, dl));
+            self.m.use_state(&key(ns, toks, dl), true);
         }
         self.check();
         let root_of_ns = (ns.clone(), Vec::new());
@@ -1633,7 +1649,7 @@ impl Machine {
         assert_eq!(removed.state_keys, victims, "admit evicted (LRU)");
         if src.is_some() {
             // The match reused it (it was locked meanwhile: no eviction took it).
-            self.m.use_state(&k);
+            self.m.use_state(&k, true);
         }
         assert_eq!(got.is_some(), ok, "admit({ns:?}, {toks:?})");
         if src.is_none() || !free.is_empty() {

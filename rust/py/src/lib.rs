@@ -316,6 +316,21 @@ impl PyHybridCache {
         })
     }
 
+    /// Evict host-only data: at least that much (or all that is evictable), LRU first.
+    #[pyo3(signature = (*, kv_tokens=Int::Value(0), mamba_states=Int::Value(0)),
+           text_signature = "($self, *, kv_tokens=0, mamba_states=0)")]
+    fn evict_host(&self, py: Python<'_>, kv_tokens: Int, mamba_states: Int) -> PyResult<PyEvicted> {
+        let kv_tokens = kv_tokens.count("kv_tokens")?;
+        let mamba_states = mamba_states.count("mamba_states")?;
+        let e = run(py, &self.inner, 0, |c| {
+            Ok(c.evict_host(kv_tokens, mamba_states))
+        })?;
+        Ok(PyEvicted {
+            kv_tokens: e.kv_tokens,
+            mamba_states: e.mamba_states,
+        })
+    }
+
     /// `n` device KV slots (whole pages), evicting first when short; None if impossible.
     fn alloc_kv(&self, py: Python<'_>, n: Int) -> PyResult<Option<Py<PyArray1<i64>>>> {
         let n = n.count("n")?;

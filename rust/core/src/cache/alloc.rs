@@ -148,7 +148,7 @@ impl Cache {
             if free + self.sizes.host_evictable / self.config.page_size < n {
                 return None;
             }
-            self.evict_host(n, 0);
+            self.make_host_room(n, 0);
         }
         self.pools.host_kv.try_alloc(n)
     }

@@ -271,10 +271,29 @@ impl Cache {
         parent
     }
 
+    /// Evicts at least `kv_tokens` host KV tokens and `mamba_states` host states (or
+    /// everything evictable there): unlocked host-only leaves, least recently used
+    /// first; a parent left as a host-only leaf joins the candidates. Nodes with device
+    /// data keep their host copies (evict them from the device first, which demotes
+    /// them). Returns what was taken from the host tier.
+    pub fn evict_host(&mut self, kv_tokens: usize, mamba_states: usize) -> Evicted {
+        self.reap();
+        let mut out = Evicted::default();
+        while out.kv_tokens < kv_tokens || out.mamba_states < mamba_states {
+            let Some(i) = self.lru.first_host() else {
+                break;
+            };
+            let (len, state) = self.delete_host_leaf(i);
+            out.kv_tokens += len;
+            out.mamba_states += usize::from(state);
+        }
+        out
+    }
+
     /// Host eviction: deletes unlocked host-only leaves, least recently used first,
     /// until `kv_pages` host pages and `states` host state slots are free (or there is
     /// nothing left to evict).
-    pub(crate) fn evict_host(&mut self, kv_pages: usize, states: usize) {
+    pub(crate) fn make_host_room(&mut self, kv_pages: usize, states: usize) {
         while self.pools.host_kv.free_pages() < kv_pages
             || self.pools.host_mamba.free_pages() < states
         {
@@ -285,9 +304,11 @@ impl Cache {
         }
     }
 
-    /// Deletes an unlocked host-only leaf.
-    pub(crate) fn delete_host_leaf(&mut self, i: u32) {
+    /// Deletes an unlocked host-only leaf; returns its tokens and whether it had a
+    /// host state.
+    pub(crate) fn delete_host_leaf(&mut self, i: u32) -> (usize, bool) {
         let len = self.tree.node(i).key.len();
+        let state = self.tree.node(i).mamba.host.is_some();
         self.drop_host(i);
         let parent = self.tree.node(i).parent;
         self.tree.unlink_child(parent, i);
@@ -296,5 +317,6 @@ impl Cache {
         self.drop_root_if_empty(parent);
         self.stats.host_evictions += 1;
         self.stats.host_evicted_tokens += len as u64;
+        (len, state)
     }
 }

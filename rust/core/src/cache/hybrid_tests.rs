@@ -193,6 +193,47 @@ fn a_bad_state_slot_fails_the_insert_and_changes_nothing() {
 }
 
 #[test]
+fn a_state_no_match_used_is_evicted_before_an_older_one_that_a_match_used() {
+    let mut c = hybrid(64, 1, 4);
+    cached_with_state(&mut c, &[1, 1]);
+    cached_with_state(&mut c, &[2, 2]);
+    cached_with_state(&mut c, &[3, 3]);
+    // [1, 1]'s state is the oldest, but a request reused it; nobody reused [2, 2]'s or
+    // [3, 3]'s (like a finished request's end state).
+    assert_eq!(c.match_prefix(None, &[1, 1, 9]).device_len, 2);
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert_eq!(
+        c.match_prefix(None, &[2, 2]).device_len,
+        0,
+        "the oldest unused state"
+    );
+    assert_eq!(c.match_prefix(None, &[1, 1]).device_len, 2);
+    assert_eq!(c.match_prefix(None, &[3, 3]).device_len, 2);
+    c.audit().unwrap();
+}
+
+#[test]
+fn used_states_beyond_three_quarters_of_the_pool_age_out_before_unused_ones() {
+    // 8 slots: up to 6 used states are protected.
+    let mut c = hybrid(64, 1, 8);
+    let seqs: Vec<Vec<u32>> = (1..=8).map(|t| vec![t, t]).collect();
+    for s in &seqs {
+        cached_with_state(&mut c, s);
+    }
+    // Used, in this order: [1, 1] .. [7, 7] (7, one over the cap); unused: [8, 8].
+    for s in &seqs[..7] {
+        assert_eq!(c.match_prefix(None, s).device_len, 2);
+    }
+    // Over the cap: the oldest used state goes, not the unused one.
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert_eq!(c.match_prefix(None, &seqs[0]).device_len, 0);
+    for s in &seqs[1..] {
+        assert_eq!(c.match_prefix(None, s).device_len, 2);
+    }
+    c.audit().unwrap();
+}
+
+#[test]
 fn state_eviction_tombstones_internal_nodes_and_deletes_leaves() {
     let mut c = hybrid(64, 1, 4);
     let upper = cached_with_state(&mut c, &[1, 2]);

@@ -272,7 +272,7 @@ impl Cache {
             n.mamba.device = slot.first().copied();
         });
         self.stats.states_cached += 1;
-        self.touch_state(i);
+        self.touch_state(i, false);
         self.refresh(i);
     }
 

@@ -104,7 +104,7 @@ impl Cache {
         };
         let mamba_slot = self.tree.node(end).mamba.device;
         if mamba_slot.is_some() {
-            self.touch_state(end);
+            self.touch_state(end, true);
             self.stats.state_hits += 1;
         }
         self.stats.match_calls += 1;

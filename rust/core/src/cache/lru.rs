@@ -12,6 +12,15 @@ use crate::tree::Tree;
 /// Eviction candidates by `(last access, node index)`: the first is the oldest.
 pub(crate) type LruSet = BTreeSet<(u64, u32)>;
 
+/// Set in a state's `last_access` once a match has used the state (the time is in the
+/// bits below). States are evicted in two segments: unused states first (a finished
+/// request's end state, which often nobody resumes), then used ones (a shared prompt's
+/// branch point), each least recently used first; so a stream of one-off states cannot
+/// flush the states many requests reuse. While more than the protected cap of used
+/// states are candidates, the oldest used one goes first instead, so that used states
+/// nobody needs any more still age out. The bit orders used states after unused ones.
+pub(crate) const HOT: u64 = 1 << 62;
+
 /// The eviction candidates of each component, by last access.
 #[derive(Default)]
 pub(crate) struct Lru {
@@ -25,9 +34,21 @@ pub(crate) struct Lru {
     /// Those of `host` that hold a host state (where a host state slot can be had).
     host_states: LruSet,
     clock: u64,
+    /// Entries of `mamba` for used states (keys with [`HOT`]).
+    hot: usize,
+    /// How many used states are protected (see [`HOT`]).
+    hot_cap: usize,
 }
 
 impl Lru {
+    /// Empty sets; up to `hot_cap` used states protected.
+    pub fn new(hot_cap: usize) -> Lru {
+        Lru {
+            hot_cap,
+            ..Lru::default()
+        }
+    }
+
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
@@ -52,14 +73,27 @@ impl Lru {
         }
     }
 
-    /// Marks node `i`'s state as used now (only the state a match actually uses).
-    pub fn touch_state(&mut self, tree: &mut Tree, i: u32) {
-        let now = self.tick();
+    /// Marks node `i`'s state as accessed now: used by a match (`hit`), or just cached
+    /// (unused again).
+    pub fn touch_state(&mut self, tree: &mut Tree, i: u32, hit: bool) {
+        let now = self.tick() | if hit { HOT } else { 0 };
         let n = tree.node_mut(i);
         let old = std::mem::replace(&mut n.mamba.last_access, now);
         if n.mamba.in_lru {
-            self.mamba.remove(&(old, i));
-            self.mamba.insert((now, i));
+            self.remove_state((old, i));
+            self.add_state((now, i));
+        }
+    }
+
+    fn add_state(&mut self, key: (u64, u32)) {
+        if self.mamba.insert(key) && key.0 & HOT != 0 {
+            self.hot += 1;
+        }
+    }
+
+    fn remove_state(&mut self, key: (u64, u32)) {
+        if self.mamba.remove(&key) && key.0 & HOT != 0 {
+            self.hot -= 1;
         }
     }
 
@@ -89,7 +123,7 @@ impl Lru {
         let host_state = host && n.mamba.host.is_some();
         let (key, state_key) = ((n.last_access, i), (n.mamba.last_access, i));
         set_membership(&mut self.kv, key, n.kv.in_lru, kv);
-        set_membership(&mut self.mamba, state_key, n.mamba.in_lru, mamba);
+        let state_was = n.mamba.in_lru;
         let host_state_was = n.kv.in_host_lru && self.host_states.contains(&key);
         set_membership(&mut self.host, key, n.kv.in_host_lru, host);
         set_membership(&mut self.host_states, key, host_state_was, host_state);
@@ -97,6 +131,11 @@ impl Lru {
         n.kv.in_lru = kv;
         n.mamba.in_lru = mamba;
         n.kv.in_host_lru = host;
+        if mamba && !state_was {
+            self.add_state(state_key);
+        } else if state_was && !mamba {
+            self.remove_state(state_key);
+        }
     }
 
     /// Takes node `i` out of the KV set (it is being evicted).
@@ -111,7 +150,8 @@ impl Lru {
     pub fn unlist_state(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
         if std::mem::take(&mut n.mamba.in_lru) {
-            self.mamba.remove(&(n.mamba.last_access, i));
+            let key = (n.mamba.last_access, i);
+            self.remove_state(key);
         }
     }
 
@@ -131,11 +171,21 @@ impl Lru {
         Some(i)
     }
 
-    /// The least recently used state candidate, taken out of the set.
+    /// The next state to evict (see [`HOT`]), taken out of the set.
     pub fn pop_state(&mut self, tree: &mut Tree) -> Option<u32> {
-        let (_, i) = self.mamba.pop_first()?;
-        tree.node_mut(i).mamba.in_lru = false;
-        Some(i)
+        let key = self.state_victim()?;
+        self.remove_state(key);
+        tree.node_mut(key.1).mamba.in_lru = false;
+        Some(key.1)
+    }
+
+    /// The next state to evict (see [`HOT`]): the oldest used state while more than the
+    /// cap are candidates, else the oldest unused one, else the oldest used one.
+    fn state_victim(&self) -> Option<(u64, u32)> {
+        if self.hot > self.hot_cap {
+            return self.mamba.range((HOT, 0)..).next().copied();
+        }
+        self.mamba.first().copied()
     }
 
     /// The least recently used host candidate (left in the set).
@@ -143,9 +193,9 @@ impl Lru {
         self.host.first().map(|&(_, i)| i)
     }
 
-    /// The least recently used state candidate (left in the set).
+    /// The next state to evict (left in the set).
     pub fn first_state(&self) -> Option<u32> {
-        self.mamba.first().map(|&(_, i)| i)
+        self.state_victim().map(|(_, i)| i)
     }
 
     /// State candidates.
@@ -156,6 +206,11 @@ impl Lru {
     /// The least recently used host candidate that holds a host state (left in the set).
     pub fn first_host_state(&self) -> Option<u32> {
         self.host_states.first().map(|&(_, i)| i)
+    }
+
+    /// Used states counted among the candidates: for `audit()`.
+    pub fn hot(&self) -> usize {
+        self.hot
     }
 
     /// The sets, for `audit()`: KV, states, host, host with a state.

@@ -36,7 +36,7 @@ mod insert;
 pub(crate) mod load;
 pub(crate) mod locks;
 mod lookup;
-mod lru;
+pub(crate) mod lru;
 mod namespaces;
 pub(crate) mod report;
 pub(crate) mod request;
@@ -121,6 +121,8 @@ impl Cache {
             host_kv: Pool::new("host_kv_slots", config.host_kv_slots, config.page_size)?,
             host_mamba: Pool::new("host_mamba_slots", config.host_mamba_slots, 1)?,
         };
+        // Up to three quarters of the state slots keep states that matches used.
+        let hot_cap = config.mamba_slots * 3 / 4;
         let mut tree = Tree::new(config.page_size);
         let roots = namespaces::Namespaces::new(&mut tree);
         Ok(Cache {
@@ -129,7 +131,7 @@ impl Cache {
             pools,
             roots,
             sizes: sizes::Sizes::default(),
-            lru: lru::Lru::default(),
+            lru: lru::Lru::new(hot_cap),
             locks: locks::Locks::default(),
             returns: Arc::default(),
             requests: request::Requests::default(),
@@ -235,9 +237,9 @@ impl Cache {
         self.lru.touch(&mut self.tree, i);
     }
 
-    /// Marks node `i`'s state as used now.
-    pub(crate) fn touch_state(&mut self, i: u32) {
-        self.lru.touch_state(&mut self.tree, i);
+    /// Marks node `i`'s state as accessed now: used by a match (`hit`), or just cached.
+    pub(crate) fn touch_state(&mut self, i: u32, hit: bool) {
+        self.lru.touch_state(&mut self.tree, i, hit);
     }
 
     /// Appends the slots of KV pages `pages` to `out`.
