@@ -805,6 +805,33 @@ def test_abort_while_a_committed_load_is_in_flight() -> None:
     c.audit()
 
 
+# ------------------------------------------------------------------------- host eviction
+
+
+def test_evict_host_takes_only_host_only_data_and_clears_the_tier() -> None:
+    c = host_cache()
+    demoted(c, [1, 2, 3, 4])
+    backed_up(c, [7, 8])
+    # [7, 8] is on the device too: its host copy stays.
+    ev = c.evict_host(kv_tokens=100, mamba_states=100)
+    assert (ev.kv_tokens, ev.mamba_states) == (4, 1)
+    assert c.match_prefix([1, 2, 3, 4]).host_len == 0
+    assert c.stats()["host_kv_cached_tokens"] == 2
+    # evict, then evict_host: every pool is full again.
+    demote(c, 2)
+    assert c.evict_host(kv_tokens=1).kv_tokens == 2
+    assert pools(c) == (16, 4, 32, 4)
+    c.audit()
+
+
+@pytest.mark.parametrize("kwargs", [{"kv_tokens": -1}, {"mamba_states": -2}])
+def test_evict_host_refuses_negative_amounts(kwargs: dict[str, int]) -> None:
+    c = host_cache()
+    arg = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"^{arg}: must be >= 0"):
+        c.evict_host(**kwargs)
+
+
 # ------------------------------------------------------------------------------ backups
 
 

@@ -299,3 +299,38 @@ fn an_eviction_called_off_while_its_backup_flies_protects_the_path_until_it_land
     assert_eq!((c.evictable_size(), c.protected_size()), (4, 0));
     c.audit().unwrap();
 }
+
+#[test]
+fn evict_host_takes_host_only_leaves_oldest_first_and_can_clear_the_tier() {
+    let mut c = hybrid(WritePolicy::WriteThrough);
+    cached(&mut c, &[1, 2]);
+    run_all(&mut c);
+    cached(&mut c, &[1, 2, 3, 4]);
+    run_all(&mut c);
+    cached(&mut c, &[7, 8, 9]);
+    run_all(&mut c);
+    // Device data keeps its host copy: nothing is host-only yet.
+    assert_eq!(c.evict_host(100, 100), Evicted::default());
+    assert_eq!(c.evict(100, 100).kv_tokens, 7);
+    run_all(&mut c);
+    // Host-only now. [1, 2] is an inner node: it goes after its child [3, 4].
+    let first = c.evict_host(2, 0);
+    assert_eq!(
+        (first.kv_tokens, first.mamba_states),
+        (2, 1),
+        "[3, 4], the oldest leaf"
+    );
+    assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).host_len, 2);
+    let rest = c.evict_host(100, 100);
+    assert_eq!((rest.kv_tokens, rest.mamba_states), (5, 2));
+    assert_eq!(
+        c.host_kv_pool().counts().free,
+        c.host_kv_pool().capacity_pages()
+    );
+    assert_eq!(
+        c.host_mamba_pool().counts().free,
+        c.host_mamba_pool().capacity_pages()
+    );
+    assert_eq!(c.stats.host_evicted_tokens, 7);
+    c.audit().unwrap();
+}
