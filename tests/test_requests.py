@@ -445,9 +445,11 @@ def test_checkpoint_moves_the_lock_off_the_admission_node_and_its_state() -> Non
     one_batch(c).complete()
     assert r.node != ins.node
     # The admission node's state is no longer locked: evicting a state takes it (the
-    # least recently used one), tombstoning the node, which stays as a locked ancestor.
+    # least recently used one, once a match has used the checkpoint's state as well),
+    # tombstoning the node, which stays as a locked ancestor.
     s = c.stats()
     assert (s["mamba_protected_states"], s["mamba_evictable_states"]) == (0, 2)
+    assert c.match_prefix([1, 2, 3, 4, 5, 6]).device_len == 6
     ev = c.evict(mamba_states=1)
     assert (ev.kv_tokens, ev.mamba_states) == (0, 1)
     assert node_slot not in tree_states(c)

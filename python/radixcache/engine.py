@@ -188,7 +188,8 @@ class TransferEngine:
     def after_compute(self, event: Any) -> None:
         """Make every copy enqueued from now on wait for `event` (a CuPy event or stream).
 
-        Pass the event recorded after each compute step. A no-op on CPU.
+        Pass the event recorded after each compute step. On CPU, `event` is anything with
+        a ``synchronize()`` method (called before each batch's copies), or None.
         """
         self._after = event
 
@@ -309,10 +310,17 @@ class TransferEngine:
         self._stats["kernel_launches"] += 1
 
     def _wait_for_compute(self) -> None:
-        """Make the copy stream wait for the compute step given to `after_compute`."""
-        if not self.on_gpu or self._after is None:
+        """Make the copy stream wait for the compute step given to `after_compute`.
+
+        On CPU the wait is on the host: ``synchronize()`` on the event or stream (a
+        CPU stand-in for a compute stream, such as the serving package's).
+        """
+        if self._after is None:
             return
         after = self._after
+        if not self.on_gpu:
+            after.synchronize()
+            return
         if hasattr(after, "record"):  # a stream: wait for everything enqueued on it so far
             after = after.record()
         self._copy_stream().wait_event(after)

@@ -1,0 +1,207 @@
+"""`replay`: serve a workload end to end and report what the cache did, checked by the oracle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._core import HybridCache, InvariantError
+from ..engine import TransferEngine
+from .model import ChecksumModel
+from .scheduler import Counters, FaultyEngine, InstantEngine, Scheduler, StepSample
+from .workloads import Job
+
+__all__ = ["ReplayConfig", "attention_only_hit_rate", "clear", "replay"]
+
+CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released")
+
+
+@dataclass
+class ReplayConfig:
+    """The cache, scheduler and fault settings of a replay (the CLI's flags).
+
+    The defaults size the pools as a deployment would, scaled down to the built-in
+    workloads: one Mamba state costs about as much memory as 1,024 KV tokens, and the
+    device gives both the same memory (256 states beside 262,144 KV tokens); the host
+    tier is four times the device.
+    """
+
+    kv_slots: int = 262_144
+    mamba_slots: int = 256
+    host_kv_slots: int = 1_048_576
+    host_mamba_slots: int = 1024
+    page_size: int = 16
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    inject_failures: float = 0.0
+    seed: int = 0
+    max_running: int = 32
+    chunk_size: int = 2048
+    step_tokens: int = 8192
+    load_back_quota: int | None = None
+    layers: int = 2
+    mamba_layers: int = 2
+    timeline: int = 0
+    attention_only: bool = True
+
+    def cache(self, *, hybrid: bool = True) -> HybridCache:
+        """Make a cache with these settings (`hybrid=False`: the same without states)."""
+        host = self.host_kv_slots
+        return HybridCache(
+            kv_slots=self.kv_slots,
+            page_size=self.page_size,
+            mamba_slots=self.mamba_slots if hybrid else 0,
+            host_kv_slots=host,
+            host_mamba_slots=self.host_mamba_slots if (hybrid and host and self.mamba_slots) else 0,
+            write_policy=self.write_policy,
+            **(
+                {"write_through_threshold": self.write_through_threshold}
+                if self.write_policy == "write_through_selective"
+                else {}
+            ),
+        )
+
+    def scheduler(
+        self, cache: HybridCache, engine: TransferEngine | InstantEngine, model: Any
+    ) -> Scheduler:
+        """Make the scheduler with these settings."""
+        return Scheduler(
+            cache,
+            engine,
+            model,
+            max_running=self.max_running,
+            chunk_size=self.chunk_size,
+            step_tokens=self.step_tokens,
+            load_back_quota=self.load_back_quota,
+            timeline=self.timeline,
+        )
+
+
+def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
+    """Evict everything from both tiers (running the backups write-back asks for first).
+
+    Returns:
+        Whether every pool is then back to full: nothing was leaked.
+    """
+    while True:
+        ev = cache.evict(kv_tokens=cache.kv_slots, mamba_states=cache.mamba_slots)
+        if isinstance(engine, TransferEngine):
+            engine.run_pending()
+        else:
+            for b in cache.take_batches():
+                engine.run(b)
+        if ev.kv_tokens == 0 and ev.mamba_states == 0:
+            break
+    cache.evict_host(kv_tokens=cache.host_kv_slots, mamba_states=cache.host_mamba_slots)
+    s = cache.stats()
+    return (
+        cache.available_kv() == cache.kv_slots
+        and cache.available_mamba() == cache.mamba_slots
+        and s["host_kv_free_slots"] == cache.host_kv_slots
+        and s["host_mamba_free_slots"] == cache.host_mamba_slots
+    )
+
+
+def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
+    """Replay `jobs` with states disabled (no model, no faults); its device hit rate."""
+    cache = config.cache(hybrid=False)
+    sched = config.scheduler(cache, InstantEngine(cache), None)
+    sched.add(jobs)
+    c = sched.run()
+    return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+
+
+def replay(
+    jobs: Sequence[Job],
+    config: ReplayConfig | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, Any], list[StepSample]]:
+    """Serve `jobs` through the scheduler, the checksum model and a `TransferEngine`.
+
+    Returns:
+        The report (API.md's ``replay --json`` keys and more) and the timeline.
+    """
+    config = config or ReplayConfig()
+    cache = config.cache()
+    storage = ChecksumModel.storage_for(
+        cache, layers=config.layers, mamba_layers=config.mamba_layers
+    )
+    engine = FaultyEngine(cache, storage, config.inject_failures, seed=config.seed + 1)
+    model = ChecksumModel(cache, storage, seed=config.seed)
+    sched = config.scheduler(cache, engine, model)
+    sched.add(jobs)
+    start = time.perf_counter()
+    c = sched.run(progress)
+    seconds = time.perf_counter() - start
+    try:
+        cache.audit()
+        audit = "pass"
+    except InvariantError as e:
+        audit = str(e)
+    s = cache.stats()
+    leftover = len(cache.pending_batches())
+    engine.rate = 0.0  # clearing is not under test: no faults injected into its backups
+    full = clear(cache, engine) and leftover == 0
+    try:
+        cache.audit()
+    except InvariantError as e:
+        audit = audit if audit != "pass" else f"after clearing: {e}"
+    attn = None
+    if config.attention_only and cache.mamba_slots:
+        attn = attention_only_hit_rate(jobs, config)
+    return report(c, s, engine, model, seconds, audit, full, attn), c.timeline
+
+
+def report(
+    c: Counters,
+    s: dict[str, int],
+    engine: FaultyEngine,
+    model: ChecksumModel,
+    seconds: float,
+    audit: str,
+    full: bool,
+    attention_only: float | None,
+) -> dict[str, Any]:
+    """Gather the replay's report into a flat dict (API.md keys first)."""
+    rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    e = engine.stats()
+    out: dict[str, Any] = {
+        "requests": c.finished,
+        "prompt_tokens": c.prompt_tokens,
+        "output_tokens": c.output_tokens,
+        "device_hit_tokens": c.device_hit_tokens,
+        "host_hit_tokens": c.host_hit_tokens,
+        "device_hit_rate": rate,
+        "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "attention_only_hit_rate": attention_only if attention_only is not None else rate,
+        "hit_rate_ratio": (rate / attention_only) if attention_only else 1.0,
+        "cow_copies": s["cow_copies"],
+        "checkpoints": s["checkpoints"],
+        "backups": s["backups_done"],
+        "backups_failed": s["backups_failed"],
+        "demotions": s["demotions"],
+        "load_backs_committed": s["load_backs_committed"],
+        "load_backs_called_off": s["load_backs_called_off"],
+        "load_backs_called_off_by_reason": {r: s[f"load_backs_called_off_{r}"] for r in CALLED_OFF},
+        "load_backs_failed": s["load_backs_failed"],
+        "loaded_tokens": s["loaded_tokens"],
+        "evicted_kv_tokens": s["evicted_kv_tokens"],
+        "evicted_mamba_states": s["evicted_mamba_states"],
+        "host_evicted_tokens": s["host_evicted_tokens"],
+        "retractions": c.retractions,
+        "rejected": c.rejected,
+        "batches_failed": e["batches_failed"],
+        "injected_failures": dict(engine.injected),
+        "samples_checked": model.samples,
+        "mismatches": model.mismatches,
+        "audit": audit,
+        "pools_full_at_end": full,
+        "steps": c.steps,
+        "seconds": seconds,
+        "requests_per_second": c.finished / seconds if seconds else 0.0,
+        "tokens_per_second": (c.prompt_tokens + c.output_tokens) / seconds if seconds else 0.0,
+    }
+    return out

@@ -1,0 +1,527 @@
+"""A continuous-batching scheduler that drives the cache the way a serving engine does.
+
+Each step:
+
+1. **Acknowledge** the load-back batches the engine finished (`TransferEngine.poll`): a
+   request whose load completed goes on to prefill; one whose load failed after its
+   commit has its ``prefix_len`` dropped back by the cache and recomputes those tokens.
+2. **Admit** waiting requests in order while there is room (running requests, and KV
+   memory left after what the running ones will still need): ``admit`` (match, lock,
+   copy-on-write of the cached state, whose batch runs at once), then, when the rest
+   of the prefix is on the host, ``load_back`` within a memory quota, submitted to the
+   engine and committed once the engine accepted it (it completes at a later poll).
+3. **Schedule** one decode token for every decoding request and a prefill chunk for the
+   others (at most ``chunk_size`` tokens each, ``step_tokens`` in all). A chunk stops at
+   the request's ``branch_len`` (``Match.kv_len`` at admission: where its prompt leaves
+   what is cached) so that the state there is checkpointed into the tree: the next
+   request sharing that prefix reuses it. ``extend`` gives each its slots; when memory
+   runs out, the newest running request is retracted (aborted and requeued).
+4. **Compute**: the model's forwards are enqueued, and the event recorded after them is
+   handed to the engine (``after_compute``), so that no copy runs before the compute
+   that writes its source or still reads its destination.
+5. **Cache**: ``checkpoint`` after each prefill chunk that does not end the prompt;
+   ``finish`` as soon as a request's last token is enqueued (the CPU runs ahead of the
+   compute, as in overlap scheduling); the batches that emits (backups, state forks)
+   run on the engine. The compute enqueued by the step before is then waited for.
+
+The scheduler uses only the public request API, `Storage` and the engine interface
+(``run``, ``submit``, ``poll``, ``after_compute``); without a model it makes exactly the
+same cache calls (for hit rates and for timing the cache alone).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .._core import HybridCache, Request, TransferBatch
+from ..engine import TransferEngine
+from ..storage import Storage
+from .model import ChecksumModel, ComputeEvent
+from .workloads import Job
+
+__all__ = ["FaultyEngine", "InstantEngine", "Refused", "Scheduler", "StepSample"]
+
+
+class Refused(RuntimeError):
+    """The engine refused a batch before starting it (a full copy queue, a lost device)."""
+
+
+class CopyFailed(RuntimeError):
+    """An injected failure of a batch's copies (a CUDA error, a lost host page)."""
+
+
+class InstantEngine:
+    """An engine with no storage: every batch completes at once (cache operations only).
+
+    It has the `TransferEngine` interface the scheduler uses, for replays without a model
+    (the attention-only comparison, ``radixcache bench``).
+    """
+
+    def __init__(self, cache: HybridCache) -> None:
+        self.cache = cache
+        self._in_flight: list[TransferBatch] = []
+        self.batches = 0
+
+    def run(self, batch: TransferBatch) -> bool:
+        """Start and complete `batch`."""
+        batch.start()
+        batch.complete()
+        self.batches += 1
+        return True
+
+    def submit(self, batch: TransferBatch) -> None:
+        """Start `batch`; the next `poll` completes it."""
+        batch.start()
+        self._in_flight.append(batch)
+
+    def poll(self) -> list[TransferBatch]:
+        """Complete every submitted batch."""
+        done, self._in_flight = self._in_flight, []
+        for b in done:
+            b.complete()
+            self.batches += 1
+        return done
+
+    def synchronize(self) -> list[TransferBatch]:
+        """Complete every submitted batch (as `poll`)."""
+        return self.poll()
+
+    def after_compute(self, event: Any) -> None:
+        """Nothing to order: there is no compute."""
+
+
+class FaultyEngine(TransferEngine):
+    """A `TransferEngine` that refuses or fails batches at random, where real ones can.
+
+    With probability `rate`, a batch meets one of these, chosen at random:
+
+    * refused before it starts (``run``/``submit`` raise `Refused`; the caller fails or
+      drops it);
+    * its copies fail after it started (before a load-back's commit: the guard is
+      dropped, called off);
+    * (submitted batches) its copies fail after the caller went on — after a load-back's
+      commit: the request's prefix drops back and it recomputes;
+    * (submitted batches) it is acknowledged out of order, after a later batch.
+
+    Args:
+        cache, storage: As for `TransferEngine`.
+        rate: Probability that a batch meets a failure.
+        seed: Seeds the choices.
+    """
+
+    def __init__(self, cache: HybridCache, storage: Storage, rate: float, seed: int = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate: must be in [0, 1], got {rate}")
+        super().__init__(cache, storage)
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.injected = dict.fromkeys(("refused", "copy_failed", "failed_late", "reordered"), 0)
+        self._late: set[int] = set()
+        self._after_commit: set[int] = set()
+
+    def _draw(self, points: Sequence[str]) -> str | None:
+        if self.rate == 0.0 or self.rng.random() >= self.rate:
+            return None
+        point = self.rng.choice(points)
+        self.injected[point] += 1
+        return point
+
+    def run(self, batch: TransferBatch) -> bool:
+        """As `TransferEngine.run`, with injected refusals and copy failures."""
+        point = self._draw(("refused", "copy_failed"))
+        if point == "refused":
+            raise Refused(f"batch {batch.id} ({batch.kind}) refused")
+        if point == "copy_failed":
+            self._late.add(batch.id)
+        return super().run(batch)
+
+    def submit(self, batch: TransferBatch) -> None:
+        """As `TransferEngine.submit`, with every kind of injected failure."""
+        point = self._draw(("refused", "copy_failed", "failed_late", "reordered"))
+        if point == "refused":
+            raise Refused(f"batch {batch.id} ({batch.kind}) refused")
+        if point == "copy_failed":
+            self._late.add(batch.id)
+        super().submit(batch)
+        if point == "failed_late":
+            self._after_commit.add(batch.id)
+        elif point == "reordered" and len(self._in_flight) > 1:
+            self._in_flight.insert(0, self._in_flight.pop())
+
+    def copy_batch(self, batch: TransferBatch) -> None:
+        """Fail the copies of a batch drawn for it; run the others."""
+        if batch.id in self._late:
+            self._late.discard(batch.id)
+            raise CopyFailed(f"injected failure of batch {batch.id} ({batch.kind})")
+        super().copy_batch(batch)
+
+    def poll(self) -> list[TransferBatch]:
+        """As `TransferEngine.poll`; a batch drawn to fail late fails here."""
+        late = self._after_commit
+        ended: list[TransferBatch] = []
+        keep = []
+        for f in self._in_flight:
+            if f.batch.id in late:
+                late.discard(f.batch.id)
+                self._fail(f.batch, CopyFailed(f"injected late failure of batch {f.batch.id}"))
+                ended.append(f.batch)
+            else:
+                keep.append(f)
+        self._in_flight = keep
+        return ended + super().poll()
+
+
+@dataclass
+class StepSample:
+    """The scheduler's state after one step (for plots)."""
+
+    step: int
+    finished: int
+    prompt_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    kv_used: float
+    mamba_used: float
+    host_kv_used: float
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request being served."""
+
+    index: int
+    job: Job
+    seq: np.ndarray  # every token it feeds: the prompt, then the output but its last token
+    req: Request
+    expected: list[int] | None
+    #: Where the last whole page of `seq` ends: the request checkpoints its state there,
+    #: because the state ``finish`` donates must sit at a page boundary (a conversation's
+    #: next turn resumes from it).
+    last_page: int = 0
+    fed: int = 0
+    loading: int | None = None  # id of its committed, unacknowledged load-back batch
+    device_hit: int = 0
+    host_hit: int = 0
+
+
+@dataclass
+class Counters:
+    """What a replay counts beyond the cache's own `stats()`."""
+
+    finished: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    retractions: int = 0
+    rejected: int = 0
+    load_backs_refused: int = 0
+    batches_refused: int = 0
+    steps: int = 0
+    forwards: int = 0
+    timeline: list[StepSample] = field(default_factory=list)
+
+
+class Scheduler:
+    """Serves `Job`s through `cache`, `engine` and (optionally) the checksum model.
+
+    Args:
+        cache: The cache.
+        engine: A `TransferEngine` (or `InstantEngine` without a model).
+        model: The checksum model writing and reading the engine's storage; None for
+            cache operations only.
+        max_running: Requests served at once (prefilling or decoding).
+        chunk_size: Most prefill tokens one request feeds in one step.
+        step_tokens: Most tokens fed in one step, decode tokens included.
+        load_back_quota: ``mem_quota`` of each load-back (default: a quarter of the
+            device KV slots).
+        timeline: Record a `StepSample` every this many steps (0: never).
+
+    Raises:
+        ValueError: A bad argument (naming it).
+    """
+
+    def __init__(
+        self,
+        cache: HybridCache,
+        engine: TransferEngine | InstantEngine,
+        model: ChecksumModel | None = None,
+        *,
+        max_running: int = 32,
+        chunk_size: int = 2048,
+        step_tokens: int = 8192,
+        load_back_quota: int | None = None,
+        timeline: int = 0,
+    ) -> None:
+        for name, value in (
+            ("max_running", max_running),
+            ("chunk_size", chunk_size),
+            ("step_tokens", step_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        if load_back_quota is not None and load_back_quota < 0:
+            raise ValueError(f"load_back_quota: must be >= 0, got {load_back_quota}")
+        self.cache = cache
+        self.engine = engine
+        self.model = model
+        self.max_running = max_running
+        self.chunk_size = chunk_size
+        self.step_tokens = step_tokens
+        self.quota = cache.kv_slots // 4 if load_back_quota is None else load_back_quota
+        self.every = timeline
+        self.counters = Counters()
+        self.waiting: deque[tuple[int, Job]] = deque()
+        self.running: list[_Live] = []
+        self._loads: dict[int, _Live] = {}
+        self._event: ComputeEvent | None = None
+        self._hold = False  # set by a retraction, cleared when a request finishes
+
+    # ------------------------------------------------------------------ driving
+
+    def add(self, jobs: Sequence[Job]) -> None:
+        """Queue `jobs` (served in order)."""
+        start = len(self.waiting) + self.counters.finished + self.counters.rejected
+        self.waiting.extend((start + i, job) for i, job in enumerate(jobs))
+
+    def run(self, progress: Callable[[int], None] | None = None) -> Counters:
+        """Serve every queued job; `progress` gets the number finished after each step.
+
+        Raises:
+            RuntimeError: No request could make progress (a bug, reported loudly).
+        """
+        idle = 0
+        while self.waiting or self.running:
+            before = (self.counters.finished, self.counters.rejected, self.counters.forwards)
+            self.step()
+            after = (self.counters.finished, self.counters.rejected, self.counters.forwards)
+            idle = idle + 1 if after == before else 0
+            if idle > 1000:
+                raise RuntimeError(
+                    f"no progress in 1000 steps: {len(self.waiting)} waiting, "
+                    f"{len(self.running)} running"
+                )
+            if progress is not None:
+                progress(self.counters.finished + self.counters.rejected)
+        self.drain()
+        return self.counters
+
+    def drain(self) -> None:
+        """Wait for the compute and the copies still in flight, and end them."""
+        if self.model is not None:
+            self.model.stream.synchronize()
+        self._end_loads(self.engine.synchronize())
+
+    def step(self) -> None:
+        """One scheduling step (see the module docstring)."""
+        c = self.counters
+        c.steps += 1
+        self._end_loads(self.engine.poll())
+        self._admit()
+        checkpoints: list[_Live] = []
+        finished: list[_Live] = []
+        budget = self.step_tokens
+        for live in sorted(self.running, key=lambda r: r.fed < len(r.job.prompt)):
+            if live.loading is not None or budget <= 0 or live not in self.running:
+                continue
+            prompt_len = len(live.job.prompt)
+            end = live.fed + 1
+            if live.fed < prompt_len:  # prefill: a chunk, cut at the branch point
+                end = min(prompt_len, live.fed + self.chunk_size, live.fed + budget)
+                for cut in (live.req.branch_len, live.last_page):
+                    if live.fed < cut < end:
+                        end = cut
+            toks = live.seq[live.fed : end]
+            slots = self._extend(live, toks)
+            if slots is None:
+                continue
+            budget -= len(toks)
+            self._forward(live, toks, slots, end)
+            live.fed = end
+            if end < prompt_len or end == live.last_page < len(live.seq):
+                checkpoints.append(live)
+            elif end == len(live.seq):
+                finished.append(live)
+        if self.model is not None:
+            event = self.model.stream.record()
+            self.engine.after_compute(event)
+        for live in checkpoints:
+            if live in self.running:
+                self.cache.checkpoint(live.req)
+        for live in finished:
+            if live in self.running:
+                self._finish(live)
+        self._run_batches()
+        if self.model is not None:
+            if self._event is not None:
+                self._event.synchronize()  # the compute runs at most one step behind
+            self._event = event
+        if self.every and c.steps % self.every == 0:
+            c.timeline.append(self.sample())
+
+    def sample(self) -> StepSample:
+        """Return the state now, as recorded in the timeline."""
+        c, cache = self.counters, self.cache
+        host = cache.host_kv_slots
+        return StepSample(
+            step=c.steps,
+            finished=c.finished,
+            prompt_tokens=c.prompt_tokens,
+            device_hit_tokens=c.device_hit_tokens,
+            host_hit_tokens=c.host_hit_tokens,
+            kv_used=1 - cache.available_kv() / cache.kv_slots,
+            mamba_used=(1 - cache.available_mamba() / cache.mamba_slots)
+            if cache.mamba_slots
+            else 0.0,
+            host_kv_used=(cache.stats()["host_kv_cached_tokens"] / host) if host else 0.0,
+        )
+
+    # ------------------------------------------------------------------ admission
+
+    def _reserved(self) -> int:
+        """KV tokens the running requests will still take."""
+        return sum(len(r.seq) - r.fed for r in self.running)
+
+    def _admit(self) -> None:
+        cache = self.cache
+        if self._hold and self.running:
+            return  # memory ran out: no admission until a request finished
+        limit = self.max_running
+        if cache.mamba_slots:
+            # Every running request holds a state slot, and a load-back takes a second
+            # one for the node: more requests than that could only retract each other.
+            limit = min(limit, max(1, cache.mamba_slots - 2))
+        while self.waiting and len(self.running) < limit:
+            index, job = self.waiting[0]
+            need = len(job.prompt) + len(job.output)
+            room = cache.available_kv() + cache.evictable_size() - self._reserved()
+            if self.running and need > room:
+                return
+            # At least the last prompt token is always computed: it gives the first sample.
+            tokens = job.prompt[:-1] if len(job.output) else job.prompt
+            req = cache.admit(tokens, namespace=job.namespace)
+            if req is None and not self.running:
+                cache.evict(mamba_states=1)
+                self._run_batches()  # under write-back, evicted slots free once backed up
+                req = cache.admit(tokens, namespace=job.namespace)
+            if req is None:
+                if not self.running:
+                    self.waiting.popleft()
+                    self.counters.rejected += 1
+                    continue
+                return
+            self.waiting.popleft()
+            seq = np.concatenate([job.prompt, job.output[:-1]]) if len(job.output) else job.prompt
+            expected = None
+            if self.model is not None:
+                expected = self.model.ref.samples(job.prompt, len(job.output), job.output)
+            ps = cache.page_size
+            live = _Live(index, job, seq, req, expected, last_page=len(seq) // ps * ps)
+            self.running.append(live)
+            self._run_batches()  # the state's copy-on-write, before any compute reads it
+            live.fed = live.device_hit = req.prefix_len  # a failed copy-on-write drops it
+            if req.host_len > 0:
+                self._load_back(live)
+
+    def _load_back(self, live: _Live) -> None:
+        cache, req = self.cache, live.req
+        lb = cache.load_back(req, mem_quota=self.quota)
+        if lb is None and cache.write_policy == "write_back":
+            self._run_batches()  # room frees once the backups of evicted nodes complete
+            lb = cache.load_back(req, mem_quota=self.quota)
+        if lb is None:
+            return
+        with lb:  # left without commit: everything it took goes back
+            try:
+                self.engine.submit(lb.batch)
+            except Refused:
+                self.counters.load_backs_refused += 1
+                return
+            if lb.batch.outcome == "failed":
+                return
+            lb.commit()
+            live.loading = lb.batch.id
+            live.host_hit = lb.kv_tokens
+            self._loads[lb.batch.id] = live
+
+    def _end_loads(self, ended: list[TransferBatch]) -> None:
+        for batch in ended:
+            live = self._loads.pop(batch.id, None)
+            if live is None:
+                continue  # its request was retracted meanwhile
+            live.loading = None
+            live.fed = live.req.prefix_len
+            if batch.outcome == "failed":
+                live.host_hit = 0
+
+    # ------------------------------------------------------------------ compute
+
+    def _extend(self, live: _Live, toks: np.ndarray) -> np.ndarray | None:
+        """Slots for `toks`; retracts newer requests when memory runs out."""
+        cache = self.cache
+        slots = cache.extend(live.req, toks)
+        if slots is None:
+            self._run_batches()  # under write-back, slots free when backups complete
+            slots = cache.extend(live.req, toks)
+        while slots is None:
+            victims = [r for r in self.running if r is not live]
+            if not victims:
+                # Alone and still too big for the pool: it can never be served.
+                self._drop(live)
+                self.counters.rejected += 1
+                return None
+            victim = victims[-1]
+            self._drop(victim)
+            self.waiting.appendleft((victim.index, victim.job))
+            self.counters.retractions += 1
+            self._hold = True
+            self._run_batches()
+            slots = cache.extend(live.req, toks)
+        return slots
+
+    def _drop(self, live: _Live) -> None:
+        self.running.remove(live)
+        if live.loading is not None:
+            self._loads.pop(live.loading, None)
+        self.cache.abort(live.req)
+
+    def _forward(self, live: _Live, toks: np.ndarray, slots: np.ndarray, end: int) -> None:
+        self.counters.forwards += 1
+        if self.model is None:
+            return
+        prompt_len = len(live.job.prompt)
+        sample = end - prompt_len
+        read = expect = None
+        if sample >= 0:
+            read = live.req.kv_indices
+            assert live.expected is not None
+            expect = live.expected[sample]
+        self.model.forward(end - len(toks), toks, slots, live.req.mamba_slot, read, expect)
+
+    def _finish(self, live: _Live) -> None:
+        c = self.counters
+        self._hold = False
+        self.running.remove(live)
+        self.cache.finish(live.req)
+        c.finished += 1
+        c.prompt_tokens += len(live.job.prompt)
+        c.output_tokens += len(live.job.output)
+        c.device_hit_tokens += live.device_hit
+        c.host_hit_tokens += live.host_hit
+
+    def _run_batches(self) -> None:
+        for batch in self.cache.take_batches():
+            self._run(batch)
+
+    def _run(self, batch: TransferBatch) -> None:
+        try:
+            self.engine.run(batch)
+        except Refused as e:  # never started: the scheduler fails it (a miss)
+            self.counters.batches_refused += 1
+            batch.fail(str(e))

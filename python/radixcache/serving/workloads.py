@@ -1,0 +1,274 @@
+"""Workloads: request sequences shaped like the ones serving engineers judge caches on.
+
+A workload is a list of `Job` (prompt token ids, output token ids, namespace), served in
+order. The built-in ones are seeded and repeatable:
+
+* ``gsp`` — generated shared prefix, shaped like SGLang ``bench_serving``'s dataset of
+  that name with its defaults: 64 groups of 16 prompts, a 2,048-token system prompt per
+  group, a 128-token question, 256 output tokens, shuffled.
+* ``multiturn`` — shaped like SGLang's HiCache multi-turn benchmark defaults: 256 clients,
+  5 rounds, 512 new tokens per round, 64 output tokens; each round's prompt is the
+  previous prompt, its output and new text; within a round the clients are interleaved.
+* ``mixed`` (the default) — shared system prompts followed by unique suffixes of very
+  different lengths (some of several thousand tokens), multi-turn chats, and unrelated
+  prompts; sized so that a default replay sees prefix hits, state copy-on-write,
+  eviction, demotion to the host tier and load-backs.
+
+Outputs are recorded token ids, as in a trace: the scheduler feeds them as the decoded
+tokens. JSONL files hold one job per line: ``{"prompt": [ids], "output_len": n,
+"output": [ids] (optional), "namespace": "..." (optional)}``; a job without ``output``
+gets the checksum model's own samples (what the model would generate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .model import VOCAB, Reference
+
+__all__ = ["WORKLOADS", "Job", "gsp", "load", "load_jsonl", "mixed", "multiturn", "save_jsonl"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request: its prompt, the tokens it decodes, and its namespace.
+
+    Attributes:
+        prompt: Prompt token ids (uint32 array).
+        output: Output token ids (fed as decoded tokens; ``len(output)`` samples).
+        namespace: The cache namespace (a LoRA id, a tenant), or None.
+    """
+
+    prompt: np.ndarray
+    output: np.ndarray
+    namespace: str | None = None
+
+    def to_json(self) -> str:
+        """One JSONL line."""
+        d: dict[str, object] = {
+            "prompt": self.prompt.tolist(),
+            "output_len": len(self.output),
+            "output": self.output.tolist(),
+        }
+        if self.namespace is not None:
+            d["namespace"] = self.namespace
+        return json.dumps(d, separators=(",", ":"))
+
+
+def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, VOCAB, size=n, dtype=np.uint32)
+
+
+def _job(prompt: np.ndarray, output: np.ndarray, namespace: str | None = None) -> Job:
+    return Job(np.ascontiguousarray(prompt, dtype=np.uint32), output.astype(np.uint32), namespace)
+
+
+def gsp(
+    requests: int | None = None,
+    seed: int = 0,
+    *,
+    groups: int = 64,
+    prompts_per_group: int = 16,
+    system_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+) -> list[Job]:
+    """Make the generated-shared-prefix workload (SGLang ``bench_serving``'s ``gsp``).
+
+    Args:
+        requests: Total requests (default ``groups * prompts_per_group``); fewer groups
+            are made when it is smaller.
+        seed: Seed.
+        groups: System prompts.
+        prompts_per_group: Questions per system prompt.
+        system_len: Tokens of each system prompt.
+        question_len: Tokens of each question.
+        output_len: Output tokens per request.
+    """
+    rng = np.random.default_rng(seed)
+    if requests is not None:
+        groups = max(1, min(groups, math.ceil(requests / prompts_per_group)))
+    jobs = []
+    for _ in range(groups):
+        system = _tokens(rng, system_len)
+        for _ in range(prompts_per_group):
+            prompt = np.concatenate([system, _tokens(rng, question_len)])
+            jobs.append(_job(prompt, _tokens(rng, output_len)))
+    order = rng.permutation(len(jobs))
+    jobs = [jobs[i] for i in order]
+    return jobs[:requests] if requests is not None else jobs
+
+
+def multiturn(
+    requests: int | None = None,
+    seed: int = 0,
+    *,
+    clients: int = 256,
+    rounds: int = 5,
+    request_len: int = 512,
+    output_len: int = 64,
+) -> list[Job]:
+    """Make multi-turn chats (SGLang ``benchmark/hicache/bench_multiturn.py`` defaults).
+
+    Args:
+        requests: Total requests (default ``clients * rounds``); fewer clients are made
+            when it is smaller.
+        seed: Seed.
+        clients: Conversations.
+        rounds: Turns per conversation.
+        request_len: New tokens per turn.
+        output_len: Output tokens per turn.
+    """
+    rng = np.random.default_rng(seed)
+    if requests is not None:
+        clients = max(1, min(clients, math.ceil(requests / rounds)))
+    history = [np.zeros(0, dtype=np.uint32) for _ in range(clients)]
+    jobs = []
+    for _ in range(rounds):
+        for c in rng.permutation(clients):
+            prompt = np.concatenate([history[c], _tokens(rng, request_len)])
+            output = _tokens(rng, output_len)
+            jobs.append(_job(prompt, output))
+            history[c] = np.concatenate([prompt, output])
+    return jobs[:requests] if requests is not None else jobs
+
+
+def mixed(requests: int | None = None, seed: int = 0) -> list[Job]:
+    """Make the default workload: shared system prompts, chats and unrelated prompts.
+
+    Per request (by default 1,200), drawn at random:
+
+    * 50%: one of 12 system prompts (512-2,048 tokens) and a unique suffix: usually 32-512
+      tokens, one in six 2,000-6,000 tokens (a long document after a shared
+      instruction: the branch point is far from the end);
+    * 35%: the next turn of one of up to 48 open chats (each starts from a system
+      prompt; a turn adds the previous output and 64-384 new tokens; a chat closes after
+      8 turns or 6,000 tokens);
+    * 15%: an unrelated prompt of 128-2,048 tokens.
+
+    Outputs are 16-128 tokens. One request in ten runs in a second namespace (a LoRA
+    adapter), which shares nothing with the default one.
+    """
+    n = 1200 if requests is None else requests
+    rng = np.random.default_rng(seed)
+    pick = random.Random(seed)
+    systems = [_tokens(rng, int(rng.integers(512, 2049))) for _ in range(12)]
+    chats: list[tuple[np.ndarray, str | None, int]] = []
+    jobs = []
+    for _ in range(n):
+        ns = "lora-1" if pick.random() < 0.1 else None
+        r = pick.random()
+        out = _tokens(rng, pick.randint(16, 128))
+        if r < 0.5:
+            suffix = pick.randint(2000, 6000) if pick.random() < 1 / 6 else pick.randint(32, 512)
+            prompt = np.concatenate([pick.choice(systems), _tokens(rng, suffix)])
+            jobs.append(_job(prompt, out, ns))
+        elif r < 0.85:
+            if len(chats) < 48 and (not chats or pick.random() < 0.3):
+                chats.append((pick.choice(systems), ns, 0))
+            i = pick.randrange(len(chats))
+            history, cns, turns = chats[i]
+            prompt = np.concatenate([history, _tokens(rng, pick.randint(64, 384))])
+            jobs.append(_job(prompt, out, cns))
+            grown = np.concatenate([prompt, out])
+            if turns + 1 >= 8 or len(grown) > 6000:
+                chats.pop(i)
+            else:
+                chats[i] = (grown, cns, turns + 1)
+        else:
+            jobs.append(_job(_tokens(rng, pick.randint(128, 2048)), out, ns))
+    return jobs
+
+
+WORKLOADS = {"mixed": mixed, "gsp": gsp, "multiturn": multiturn}
+
+
+def save_jsonl(jobs: Iterable[Job], path: str | Path) -> int:
+    """Write `jobs` as JSONL; returns how many."""
+    n = 0
+    with open(path, "w") as f:
+        for job in jobs:
+            f.write(job.to_json() + "\n")
+            n += 1
+    return n
+
+
+def _ids(value: object, what: str, line: int) -> np.ndarray:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ValueError(f"line {line}: {what} must be a list of integer token ids")
+    arr = np.array(value, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError(f"line {line}: {what} has a token id outside [0, 2**32)")
+    return arr.astype(np.uint32)
+
+
+def load_jsonl(path: str | Path, requests: int | None = None) -> list[Job]:
+    """Read a JSONL workload (see the module docstring); the first `requests` jobs.
+
+    Raises:
+        ValueError: A line is not a valid job (naming the line and the field).
+    """
+    jobs: list[Job] = []
+    ref: Reference | None = None
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if requests is not None and len(jobs) >= requests:
+                break
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {line_no}: not JSON ({e.msg})") from None
+            if not isinstance(d, dict) or "prompt" not in d:
+                raise ValueError(f"line {line_no}: a job is an object with a 'prompt'")
+            prompt = _ids(d["prompt"], "prompt", line_no)
+            ns = d.get("namespace")
+            if ns is not None and not isinstance(ns, str):
+                raise ValueError(f"line {line_no}: namespace must be a string")
+            if "output" in d:
+                output = _ids(d["output"], "output", line_no)
+                if "output_len" in d and d["output_len"] != len(output):
+                    raise ValueError(f"line {line_no}: output_len differs from len(output)")
+            else:
+                n = d.get("output_len")
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                    raise ValueError(f"line {line_no}: output_len must be an integer >= 0")
+                ref = ref or Reference()
+                output = np.array(ref.samples(prompt, n), dtype=np.uint32)
+            jobs.append(Job(prompt, output, ns))
+    return jobs
+
+
+def load(name_or_path: str, requests: int | None = None, seed: int = 0) -> list[Job]:
+    """Load a built-in workload by name (`WORKLOADS`), or a JSONL file by path.
+
+    Raises:
+        ValueError: Neither a built-in name nor an existing file (naming `name_or_path`).
+    """
+    if name_or_path in WORKLOADS:
+        return WORKLOADS[name_or_path](requests, seed)
+    if Path(name_or_path).is_file():
+        return load_jsonl(name_or_path, requests)
+    raise ValueError(
+        f"workload: {name_or_path!r} is neither a built-in workload "
+        f"({', '.join(WORKLOADS)}) nor a file"
+    )
+
+
+def stats(jobs: Sequence[Job]) -> dict[str, int]:
+    """Count the requests, prompt tokens and output tokens of a workload."""
+    return {
+        "requests": len(jobs),
+        "prompt_tokens": sum(len(j.prompt) for j in jobs),
+        "output_tokens": sum(len(j.output) for j in jobs),
+    }

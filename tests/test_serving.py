@@ -1,0 +1,615 @@
+"""The serving package: the checksum model, the scheduler, the workloads and the replay.
+
+The replays run the scheduler end to end on real (NumPy) storage through the transfer
+engine; the oracle (every sample the model takes against the reference computed without
+a cache) must report zero mismatches, the audit must pass and every pool must be full
+once the cache is cleared. Deliberately broken engines must be caught by the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import radixcache as rc
+import radixcache.serving as sv
+from radixcache import cli
+from radixcache.serving.workloads import Job
+
+# ---------------------------------------------------------------------------- the model
+
+
+def model_for(cache: rc.HybridCache) -> tuple[sv.ChecksumModel, rc.Storage]:
+    storage = sv.ChecksumModel.storage_for(cache)
+    return sv.ChecksumModel(cache, storage), storage
+
+
+def serve_alone(
+    model: sv.ChecksumModel, prompt: list[int], output: list[int], *, slots: np.ndarray
+) -> list[int]:
+    """Feed `prompt` then `output[:-1]` into fixed slots (no cache logic); the samples."""
+    got: list[int] = []
+    seq = prompt + output[:-1]
+    n = len(prompt)
+    model.forward(0, prompt, slots[:n], 0, read=slots[:n], on_sample=got.append)
+    for i in range(n, len(seq)):
+        model.forward(i, seq[i : i + 1], slots[i : i + 1], 0, read=slots[: i + 1],
+                      on_sample=got.append)  # fmt: skip
+    model.stream.synchronize()
+    return got
+
+
+def test_the_model_served_without_reuse_gives_the_reference_samples() -> None:
+    cache = rc.HybridCache(kv_slots=64, mamba_slots=2)
+    model, _ = model_for(cache)
+    prompt, output = [5, 9, 2, 7, 7, 1], [3, 3, 8, 0]
+    got = serve_alone(model, prompt, output, slots=np.arange(20, 40))
+    assert got == model.ref.samples(prompt, len(output), output)
+    assert len(set(got)) > 1  # the samples depend on the sequence
+
+
+def test_the_reference_decodes_its_own_samples_when_no_output_is_given() -> None:
+    ref = sv.Reference()
+    own = ref.samples([1, 2, 3], 5)
+    assert ref.samples([1, 2, 3], 5, own) == own
+    assert ref.samples([1, 2, 3], 0) == []
+
+
+@pytest.mark.parametrize(
+    ("array", "layer"),
+    [("k", 0), ("k", 1), ("v", 0), ("v", 1), ("conv", 0), ("conv", 1), ("ssm", 0), ("ssm", 1)],
+)
+def test_one_wrong_layer_of_any_array_changes_the_sample(array: str, layer: int) -> None:
+    """A half-copied slot (one layer of K, V, conv or SSM stale) is visible to the oracle."""
+    cache = rc.HybridCache(kv_slots=64, mamba_slots=2)
+    model, _ = model_for(cache)
+    prompt = [4, 8, 15, 16, 23, 42]
+    slots = np.arange(10, 16)
+    model.forward(0, prompt[:5], slots[:5], 0)
+    model.stream.synchronize()
+    buf = getattr(model, array)
+    buf[layer, 12 if array in ("k", "v") else 0] ^= np.uint64(1)
+    got: list[int] = []
+    model.forward(5, prompt[5:], slots[5:], 0, read=slots, on_sample=got.append)
+    model.stream.synchronize()
+    assert got != model.ref.samples(prompt, 1)
+
+
+def test_a_misrouted_kv_slot_changes_the_sample() -> None:
+    cache = rc.HybridCache(kv_slots=64, mamba_slots=2)
+    model, _ = model_for(cache)
+    prompt = [1, 2, 3, 4]
+    slots = np.array([3, 4, 5, 6])
+    model.forward(0, prompt, slots, 0)
+    model.stream.synchronize()
+    got: list[int] = []
+    # Read the same bytes in another order: the sample must see it.
+    model.forward(4, [9], [7], 0, read=[4, 3, 5, 6, 7], on_sample=got.append)
+    model.stream.synchronize()
+    assert got != model.ref.samples([*prompt, 9], 1)
+
+
+def test_compute_runs_only_when_waited_for_and_in_order() -> None:
+    stream = sv.ComputeStream()
+    ran: list[int] = []
+    stream.launch(lambda: ran.append(1))
+    first = stream.record()
+    stream.launch(lambda: ran.append(2))
+    assert ran == []
+    assert not first.done
+    first.synchronize()
+    assert ran == [1]
+    assert first.done
+    stream.synchronize()
+    assert ran == [1, 2]
+
+
+def test_the_cpu_engine_waits_for_the_compute_event_before_a_copy() -> None:
+    """A device-to-host copy after a compute step reads what that step wrote."""
+    cache = rc.HybridCache(kv_slots=16, mamba_slots=2, host_kv_slots=16, host_mamba_slots=2)
+    model, storage = model_for(cache)
+    engine = rc.TransferEngine(cache, storage)
+    slots = cache.alloc_kv(4)
+    state = cache.alloc_mamba()
+    assert slots is not None
+    assert state is not None
+    model.forward(0, [1, 2, 3, 4], slots, state)  # queued, not run
+    engine.after_compute(model.stream.record())
+    cache.insert([1, 2, 3, 4], slots, mamba_slot=state)
+    assert engine.run_pending() == 1  # the backup: it must wait for the forward
+    host_k = storage.kv["host"][0].reshape(2, -1).view(np.uint64)
+    h = model.ref.kv_hash(np.array([1, 2, 3, 4], dtype=np.uint64), 0)
+    assert (host_k[0, :4] == h ^ model.ref.salt_k[0]).all()
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"head_dim": 2, "conv_shape": (1,), "ssm_shape": (1,), "dtype": "int64"},
+        {"head_dim": 1, "conv_shape": (1,), "ssm_shape": (1,), "dtype": "float16"},
+        {"head_dim": 1, "conv_shape": (3,), "ssm_shape": (1,), "dtype": "int64"},
+    ],
+)
+def test_the_model_refuses_storage_it_cannot_read(shapes: dict[str, Any]) -> None:
+    cache = rc.HybridCache(kv_slots=16, mamba_slots=2)
+    bad = rc.Storage.for_cache(cache, layers=2, kv_heads=1, ssm_dtype="int64", **shapes)
+    with pytest.raises(ValueError, match=r"^storage: the checksum model needs NumPy arrays"):
+        sv.ChecksumModel(cache, bad)
+    assert sv.ChecksumModel(cache, sv.ChecksumModel.storage_for(cache)).hybrid
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def test_gsp_has_the_bench_serving_shape() -> None:
+    jobs = sv.gsp()
+    assert len(jobs) == 64 * 16
+    assert {len(j.prompt) for j in jobs} == {2048 + 128}
+    assert {len(j.output) for j in jobs} == {256}
+    systems = {j.prompt[:2048].tobytes() for j in jobs}
+    assert len(systems) == 64
+    # Shuffled: the first 16 are not one group.
+    assert len({j.prompt[:2048].tobytes() for j in jobs[:16]}) > 1
+    small = sv.gsp(40)
+    assert len(small) == 40
+    assert len({j.prompt[:2048].tobytes() for j in small}) <= 3
+
+
+def test_multiturn_rounds_extend_the_previous_prompt_and_output() -> None:
+    jobs = sv.multiturn()
+    assert len(jobs) == 256 * 5
+    first = jobs[:256]
+    assert {len(j.prompt) for j in first} == {512}
+    by_prefix = {j.prompt.tobytes(): j for j in first}
+    nxt = jobs[256]
+    prev = by_prefix[nxt.prompt[:512].tobytes()]
+    assert (nxt.prompt[: 512 + 64] == np.concatenate([prev.prompt, prev.output])).all()
+    assert len(nxt.prompt) == 512 + 64 + 512
+    assert len(sv.multiturn(12)) == 12
+
+
+def test_mixed_is_seeded_and_has_every_kind_of_request() -> None:
+    a, b = sv.mixed(300, seed=3), sv.mixed(300, seed=3)
+    assert all((x.prompt == y.prompt).all() and (x.output == y.output).all() for x, y in zip(a, b))
+    other = sv.mixed(300, seed=4)
+    assert any(x.prompt.tobytes() != y.prompt.tobytes() for x, y in zip(a, other))
+    lengths = [len(j.prompt) for j in a]
+    assert min(lengths) < 600
+    assert max(lengths) > 4000  # a long document after a shared instruction
+    assert {j.namespace for j in a} == {None, "lora-1"}
+    assert len(sv.mixed()) == 1200
+
+
+def test_jsonl_round_trip(tmp_path: Path) -> None:
+    jobs = sv.mixed(30)
+    path = tmp_path / "w.jsonl"
+    assert sv.save_jsonl(jobs, path) == 30
+    back = sv.load_jsonl(path)
+    assert len(back) == 30
+    for x, y in zip(jobs, back):
+        assert (x.prompt == y.prompt).all()
+        assert (x.output == y.output).all()
+        assert x.namespace == y.namespace
+    assert len(sv.load(str(path), requests=7)) == 7
+
+
+def test_a_job_without_output_decodes_the_models_own_samples(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": [1, 2, 3], "output_len": 4}\n\n')
+    (job,) = sv.load_jsonl(path)
+    assert list(job.output) == sv.Reference().samples([1, 2, 3], 4)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "line 1: not JSON"),
+        ('{"output_len": 3}', "line 1: a job is an object with a 'prompt'"),
+        ("[1, 2]", "line 1: a job is an object with a 'prompt'"),
+        ('{"prompt": [1, "a"]}', "line 1: prompt must be a list of integer token ids"),
+        ('{"prompt": [1, -1], "output_len": 1}', "line 1: prompt has a token id outside"),
+        ('{"prompt": [4294967296], "output_len": 1}', "line 1: prompt has a token id outside"),
+        ('{"prompt": [1], "output": [true]}', "line 1: output must be a list"),
+        ('{"prompt": [1], "output": [2], "output_len": 3}', "line 1: output_len differs"),
+        ('{"prompt": [1], "output_len": -1}', "line 1: output_len must be an integer >= 0"),
+        ('{"prompt": [1]}', "line 1: output_len must be an integer >= 0"),
+        ('{"prompt": [1], "output_len": 1, "namespace": 3}', "line 1: namespace must be a"),
+    ],
+)
+def test_a_bad_jsonl_line_is_named(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        sv.load_jsonl(path)
+
+
+def test_an_unknown_workload_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^workload: 'nope' is neither a built-in workload"):
+        sv.load("nope")
+
+
+# ---------------------------------------------------------------------------- scheduler
+
+
+def small(**kw: Any) -> sv.ReplayConfig:
+    """Pools small enough that a few hundred mixed requests evict, demote and load back."""
+    base: dict[str, Any] = {
+        "kv_slots": 8192,
+        "mamba_slots": 24,
+        "host_kv_slots": 32768,
+        "host_mamba_slots": 96,
+        "attention_only": False,
+        "max_running": 8,
+    }
+    base.update(kw)
+    return sv.ReplayConfig(**base)
+
+
+def ok(report: dict[str, Any]) -> None:
+    assert report["mismatches"] == 0, report
+    assert report["audit"] == "pass", report
+    assert report["pools_full_at_end"], report
+    # Every output token was checked (more when a retracted request was served again).
+    assert report["samples_checked"] >= report["output_tokens"]
+
+
+MIXED = sv.mixed(160, seed=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("inject", [0.0, 0.2])
+def test_replay_without_a_host_tier_is_exact(page_size: int, inject: float) -> None:
+    r, _ = sv.replay(MIXED, small(page_size=page_size, host_kv_slots=0, inject_failures=inject))
+    ok(r)
+    assert r["device_hit_tokens"] > 0
+    assert r["cow_copies"] > 0
+    assert r["evicted_kv_tokens"] > 0
+    assert r["host_hit_tokens"] == r["backups"] == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("inject", [0.0, 0.2])
+def test_replay_with_a_host_tier_is_exact(page_size: int, policy: str, inject: float) -> None:
+    cfg = small(page_size=page_size, write_policy=policy, inject_failures=inject)
+    r, _ = sv.replay(MIXED, cfg)
+    ok(r)
+    assert r["requests"] == len(MIXED)
+    assert r["demotions"] > 0
+    assert r["load_backs_committed"] > 0
+    assert r["host_hit_tokens"] > 0
+    if inject:
+        assert sum(r["injected_failures"].values()) > 0
+        assert r["batches_failed"] > 0
+
+
+def test_injected_failures_call_off_and_fail_load_backs_without_a_mismatch() -> None:
+    r, _ = sv.replay(sv.mixed(300, seed=2), small(inject_failures=0.4))
+    ok(r)
+    assert r["load_backs_called_off"] > 0
+    assert r["load_backs_failed"] > 0
+    inj = r["injected_failures"]
+    assert inj["refused"] > 0
+    assert inj["copy_failed"] > 0
+
+
+def test_an_attention_only_replay_is_exact() -> None:
+    r, _ = sv.replay(MIXED, small(mamba_slots=0, host_mamba_slots=0))
+    ok(r)
+    assert r["cow_copies"] == 0
+    assert r["hit_rate_ratio"] == 1.0
+
+
+def test_the_hit_rate_ratio_compares_with_the_same_replay_without_states() -> None:
+    jobs = sv.gsp(96)
+    cfg = sv.ReplayConfig(kv_slots=65536, mamba_slots=64, host_kv_slots=0)
+    r, _ = sv.replay(jobs, cfg)
+    ok(r)
+    attention = sv.attention_only_hit_rate(jobs, cfg)
+    assert r["attention_only_hit_rate"] == attention
+    assert r["hit_rate_ratio"] == pytest.approx(r["device_hit_rate"] / attention)
+    # Branch-point checkpoints: the system prompts' states are found by later requests.
+    assert r["hit_rate_ratio"] > 0.9
+
+
+def jobs_of(*prompts: list[int], out: int = 3) -> list[Job]:
+    rng = np.random.default_rng(0)
+    return [
+        Job(np.array(p, dtype=np.uint32), rng.integers(0, 100, out).astype(np.uint32))
+        for p in prompts
+    ]
+
+
+def test_a_chunk_stops_at_the_branch_point_and_the_state_there_is_reused() -> None:
+    system = list(range(100, 164))
+    jobs = jobs_of(system + [1] * 40, system + [2] * 40, system + [3] * 40)
+    cache = rc.HybridCache(kv_slots=1024, mamba_slots=8)
+    model, storage = model_for(cache)
+    sched = sv.Scheduler(cache, rc.TransferEngine(cache, storage), model, max_running=1)
+    hits: list[tuple[int, int]] = []
+    real_admit = cache.admit
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(cache, name)
+
+        def admit(self, tokens: Any, *, namespace: str | None = None) -> Any:
+            req = real_admit(tokens, namespace=namespace)
+            if req is not None:
+                hits.append((req.prefix_len, req.branch_len))
+            return req
+
+    sched.cache = Spy()  # type: ignore[assignment]
+    sched.add(jobs)
+    sched.run()
+    # The first request cannot know the branch point; the second finds the KV of the
+    # system prompt but no state there (kv_len = 64), cuts its prefill at 64 and
+    # checkpoints; the third reuses the state at the branch point.
+    assert hits == [(0, 0), (0, 64), (64, 64)]
+    assert model.mismatches == 0
+    assert model.samples == 9
+    cache.audit()
+
+
+def test_memory_pressure_retracts_the_newest_request_and_serves_it_later() -> None:
+    jobs = jobs_of(*[[i] * 300 for i in range(1, 7)], out=40)
+    cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0, max_running=6)
+    r, _ = sv.replay(jobs, cfg)
+    ok(r)
+    assert r["retractions"] > 0
+    assert r["requests"] == 6
+    assert r["samples_checked"] > r["output_tokens"]  # retracted work was checked too
+
+
+def test_running_requests_are_capped_by_the_state_slots() -> None:
+    """More running requests than state slots could only retract one another."""
+    cfg = small(kv_slots=8192, mamba_slots=6, host_kv_slots=0, max_running=32)
+    cache = cfg.cache()
+    model, storage = model_for(cache)
+    sched = cfg.scheduler(cache, rc.TransferEngine(cache, storage), model)
+    sched.add(jobs_of(*[[i] * 50 for i in range(1, 13)], out=20))
+    most = 0
+    while sched.waiting or sched.running:
+        sched.step()
+        most = max(most, len(sched.running))
+    sched.drain()
+    assert most == 4  # 6 slots, two kept for a load-back's second slot and forks
+    assert sched.counters.retractions == 0
+    assert sched.counters.finished == 12
+    assert model.mismatches == 0
+
+
+def test_a_request_too_big_for_the_pool_is_rejected_and_the_rest_served() -> None:
+    jobs = jobs_of([1] * 100, [2] * 5000, [3] * 100)
+    cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0)
+    r, _ = sv.replay(jobs, cfg)
+    ok(r)
+    assert (r["rejected"], r["requests"]) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_running": 0}, "max_running"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"step_tokens": -1}, "step_tokens"),
+        ({"load_back_quota": -1}, "load_back_quota"),
+    ],
+)
+def test_bad_scheduler_arguments_are_named(kwargs: dict[str, int], name: str) -> None:
+    cache = rc.HybridCache(kv_slots=64)
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        sv.Scheduler(cache, sv.InstantEngine(cache), **kwargs)
+
+
+def test_a_bad_failure_rate_is_named() -> None:
+    cache = rc.HybridCache(kv_slots=64)
+    storage = sv.ChecksumModel.storage_for(cache)
+    with pytest.raises(ValueError, match=r"^rate: must be in \[0, 1\]"):
+        sv.FaultyEngine(cache, storage, 1.5)
+
+
+def test_without_a_model_the_scheduler_makes_the_same_cache_calls() -> None:
+    cfg = small(host_kv_slots=0)
+    counts = []
+    for with_model in (True, False):
+        cache = cfg.cache()
+        if with_model:
+            model, storage = model_for(cache)
+            sched = cfg.scheduler(cache, rc.TransferEngine(cache, storage), model)
+        else:
+            sched = cfg.scheduler(cache, sv.InstantEngine(cache), None)
+        sched.add(MIXED)
+        c = sched.run()
+        s = cache.stats()
+        counts.append((c.device_hit_tokens, s["admits"], s["extends"], s["checkpoints"]))
+        assert sv.clear(cache, sched.engine)
+    assert counts[0] == counts[1]
+
+
+# ------------------------------------------------------------ broken engines are caught
+
+
+class SkipCow(rc.TransferEngine):
+    """Skips the copy-on-write copies (the request computes from an unfilled slot)."""
+
+    def copy_batch(self, batch: rc.TransferBatch) -> None:
+        if batch.kind != "cow":
+            super().copy_batch(batch)
+
+
+class SkipLoadBackState(rc.TransferEngine):
+    """Copies a load-back's KV but not its state: the seed's bug class."""
+
+    def copy_batch(self, batch: rc.TransferBatch) -> None:
+        for c in batch.copies:
+            if not (batch.kind == "load_back" and c.pool == "mamba"):
+                self._copy(c)
+
+
+class LoadsBeforeCompute(rc.TransferEngine):
+    """Runs host-to-device copies without waiting for the compute reading their slots."""
+
+    def submit(self, batch: rc.TransferBatch) -> None:
+        after, self._after = self._after, None
+        try:
+            super().submit(batch)
+        finally:
+            self._after = after
+
+
+class SkipsAnArray(rc.TransferEngine):
+    """Copies only the first array of each pool (K, conv): V and SSM are never copied."""
+
+    def copy_batch(self, batch: rc.TransferBatch) -> None:
+        for cp in batch.copies:
+            src = self.storage.pool(cp.pool, cp.src_tier).arrays[0]
+            dst = self.storage.pool(cp.pool, cp.dst_tier).arrays[0]
+            dst[:, cp.dst] = src[:, cp.src]
+
+
+@pytest.mark.parametrize(
+    ("engine", "policy"),
+    [
+        (SkipCow, "write_through"),
+        (SkipLoadBackState, "write_through"),
+        (LoadsBeforeCompute, "write_through_selective"),
+        (LoadsBeforeCompute, "write_back"),
+        (SkipsAnArray, "write_through"),
+    ],
+)
+def test_the_oracle_catches_a_broken_engine(engine: type, policy: str) -> None:
+    cfg = small(write_policy=policy, page_size=16)
+    cache = cfg.cache()
+    model, storage = model_for(cache)
+    sched = cfg.scheduler(cache, engine(cache, storage), model)
+    sched.add(sv.mixed(200))
+    sched.run()
+    assert model.mismatches > 0
+    # The same replay with the real engine is exact.
+    cache = cfg.cache()
+    model, storage = model_for(cache)
+    sched = cfg.scheduler(cache, rc.TransferEngine(cache, storage), model)
+    sched.add(sv.mixed(200))
+    sched.run()
+    assert model.mismatches == 0
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+API_KEYS = [
+    "requests",
+    "prompt_tokens",
+    "output_tokens",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "device_hit_rate",
+    "attention_only_hit_rate",
+    "hit_rate_ratio",
+    "cow_copies",
+    "backups",
+    "demotions",
+    "load_backs_committed",
+    "load_backs_called_off",
+    "load_backs_failed",
+    "evicted_kv_tokens",
+    "evicted_mamba_states",
+    "retractions",
+    "mismatches",
+    "audit",
+    "pools_full_at_end",
+    "seconds",
+]
+
+
+def test_replay_json_has_the_api_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--requests", "80", "--kv-slots", "8192", "--mamba-slots", "24"]
+    assert cli.main([*argv, "--host-kv-slots", "32768", "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in API_KEYS:
+        assert key in report, key
+    assert report["requests"] == 80
+    assert report["mismatches"] == 0
+    assert report["audit"] == "pass"
+    assert report["pools_full_at_end"] is True
+
+
+def test_replay_prints_a_report_table(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--requests", "40", "--kv-slots", "4096", "--quiet", "--workload", "gsp"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for row in ("device hit tokens", "load-backs called off", "oracle mismatches", "audit"):
+        assert row in out
+
+
+def test_workload_then_replay_of_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mt.jsonl"
+    assert cli.main(["workload", "multiturn", "--out", str(path), "--requests", "30"]) == 0
+    assert len(path.read_text().splitlines()) == 30
+    argv = ["replay", "--workload", str(path), "--json", "--quiet", "--kv-slots", "4096"]
+    assert cli.main([*argv, "--no-attention-only"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 30
+    assert report["device_hit_tokens"] > 0  # later rounds resume earlier ones
+
+
+def test_replay_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    argv = ["replay", "--requests", "40", "--kv-slots", "4096", "--quiet", "--json"]
+    assert cli.main([*argv, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_plot_without_matplotlib_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    assert cli.main(["replay", "--requests", "5", "--plot", "x.png"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "--workload", "nope"], "workload: 'nope'"),
+        (["replay", "--kv-slots", "100", "--page-size", "16"], "kv_slots"),
+    ],
+)
+def test_replay_names_a_bad_argument(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "--inject-failures", "2"],
+        ["replay", "--mamba-slots", "-1"],
+        ["replay", "--requests", "0"],
+        ["workload", "gsp"],
+    ],
+)
+def test_replay_refuses_bad_flags(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+
+
+def test_replay_exits_1_when_the_oracle_sees_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sv.FaultyEngine, "copy_batch", SkipCow.copy_batch)
+    argv = ["replay", "--requests", "80", "--kv-slots", "8192", "--mamba-slots", "24"]
+    assert cli.main([*argv, "--json", "--quiet", "--no-attention-only"]) == 1
+    assert json.loads(capsys.readouterr().out)["mismatches"] > 0
