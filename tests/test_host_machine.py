@@ -1031,6 +1031,22 @@ class HostMachine(RuleBasedStateMachine):
         if after["host_evictions"] > s["host_evictions"]:
             self.count("evict: host eviction")
 
+    @rule(kv=st.integers(0, 16), states=st.integers(0, 2))
+    def evict_host(self, kv: int, states: int) -> None:
+        """Host eviction: only host-only data goes; the device is untouched."""
+        c = self.cache
+        before, device = c.stats(), (c.available_kv(), c.available_mamba(), c.total_size())
+        ev = c.evict_host(kv_tokens=kv, mamba_states=states)
+        after = c.stats()
+        assert (c.available_kv(), c.available_mamba(), c.total_size()) == device
+        assert after["host_kv_free_slots"] - before["host_kv_free_slots"] == ev.kv_tokens
+        assert after["host_mamba_free_slots"] - before["host_mamba_free_slots"] == ev.mamba_states
+        assert after["host_evicted_tokens"] - before["host_evicted_tokens"] == ev.kv_tokens
+        if ev.kv_tokens < kv:
+            assert after["host_kv_evictable_tokens"] == 0
+        if ev.kv_tokens:
+            self.count("evict_host")
+
     @rule(data=st.data())
     def engine(self, data: st.DataObject) -> None:
         """A scheduler step: take what the cache emitted (the take_batches rule) and run
@@ -1346,6 +1362,12 @@ class HostMachine(RuleBasedStateMachine):
         assert c.available_mamba() == self.states
         for ns, tokens in self.seen:
             assert self.check_match(ns, tokens).device_len == 0
+        # Then the host tier: evict_host clears it.
+        c.evict_host(kv_tokens=10**9, mamba_states=10**9)
+        c.audit()
+        s = c.stats()
+        assert s["host_kv_free_slots"] == self.host_kv_slots
+        assert s["host_mamba_free_slots"] == self.host_states
 
 
 SETTINGS = settings(

@@ -222,7 +222,11 @@ def _print_report(console: Any, r: dict[str, Any]) -> None:
     row("load-backs committed", r["load_backs_committed"], f"{r['loaded_tokens']} tokens")
     row("load-backs called off", r["load_backs_called_off"], reasons)
     row("load-backs failed", r["load_backs_failed"], "after commit: recomputed")
-    row("evicted", f"{r['evicted_kv_tokens']} KV", f"{r['evicted_mamba_states']} states")
+    row(
+        "evicted",
+        f"{r['evicted_kv_tokens']} KV",
+        f"{r['evicted_mamba_states']} states ({r['evicted_used_states']} used by a match)",
+    )
     row("host evicted", f"{r['host_evicted_tokens']} KV")
     inj = r["injected_failures"]
     if any(inj.values()):

@@ -190,6 +190,7 @@ def report(
         "loaded_tokens": s["loaded_tokens"],
         "evicted_kv_tokens": s["evicted_kv_tokens"],
         "evicted_mamba_states": s["evicted_mamba_states"],
+        "evicted_used_states": s["evicted_used_states"],
         "host_evicted_tokens": s["host_evicted_tokens"],
         "retractions": c.retractions,
         "rejected": c.rejected,

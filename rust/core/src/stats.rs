@@ -28,6 +28,10 @@ pub(crate) struct Stats {
     /// States published into the tree (inserts, finished requests, checkpoint copies).
     pub states_cached: u64,
     pub evicted_mamba_states: u64,
+    /// States that state eviction took although a match had used them (the protected
+    /// segment): high next to `state_hits` means the state pool is too small for what
+    /// requests share.
+    pub evicted_used_states: u64,
     /// States evicted from nodes that stayed in the tree (tombstones).
     pub tombstones: u64,
     /// State allocations that failed even after eviction.
@@ -118,6 +122,7 @@ impl Stats {
             ("state_hits", self.state_hits),
             ("states_cached", self.states_cached),
             ("evicted_mamba_states", self.evicted_mamba_states),
+            ("evicted_used_states", self.evicted_used_states),
             ("tombstones", self.tombstones),
             ("mamba_alloc_failures", self.mamba_alloc_failures),
             ("admits", self.admits),

@@ -4,6 +4,7 @@
 use crate::tree::NONE;
 
 use super::batch::Action;
+use super::lru::HOT;
 use super::{Cache, Evicted};
 
 impl Cache {
@@ -45,6 +46,9 @@ impl Cache {
     /// Evicts node `i`'s (unlocked) state: an unlocked leaf goes with its KV, any other
     /// node stays as a tombstone.
     pub(crate) fn evict_state_of(&mut self, i: u32, out: &mut Evicted) {
+        if self.tree.node(i).mamba.last_access & HOT != 0 {
+            self.stats.evicted_used_states += 1;
+        }
         self.lru.unlist_state(&mut self.tree, i);
         if self.tree.node(i).kv.in_lru {
             self.lru.unlist_kv(&mut self.tree, i);

@@ -202,6 +202,7 @@ fn a_state_no_match_used_is_evicted_before_an_older_one_that_a_match_used() {
     // [3, 3]'s (like a finished request's end state).
     assert_eq!(c.match_prefix(None, &[1, 1, 9]).device_len, 2);
     assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert_eq!(c.stats.evicted_used_states, 0);
     assert_eq!(
         c.match_prefix(None, &[2, 2]).device_len,
         0,
@@ -226,6 +227,7 @@ fn used_states_beyond_three_quarters_of_the_pool_age_out_before_unused_ones() {
     }
     // Over the cap: the oldest used state goes, not the unused one.
     assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert_eq!(c.stats.evicted_used_states, 1);
     assert_eq!(c.match_prefix(None, &seqs[0]).device_len, 0);
     for s in &seqs[1..] {
         assert_eq!(c.match_prefix(None, s).device_len, 2);
