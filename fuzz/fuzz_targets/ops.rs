@@ -182,6 +182,10 @@ enum Op {
         kv: u8,
         mamba: u8,
     },
+    EvictHost {
+        kv: u8,
+        mamba: u8,
+    },
     Admit {
         ns: u8,
         toks: Toks,
@@ -275,6 +279,7 @@ enum Kind {
     Unlock,
     DropReceipt,
     Evict,
+    EvictHost,
     Admit,
     Extend,
     Checkpoint,
@@ -292,7 +297,7 @@ enum Kind {
     Foreign,
 }
 
-const WEIGHTS: [(Kind, u8); 25] = [
+const WEIGHTS: [(Kind, u8); 26] = [
     (Kind::Match, 5),
     (Kind::Insert, 10),
     (Kind::AllocKv, 2),
@@ -303,6 +308,7 @@ const WEIGHTS: [(Kind, u8); 25] = [
     (Kind::Unlock, 2),
     (Kind::DropReceipt, 1),
     (Kind::Evict, 5),
+    (Kind::EvictHost, 1),
     (Kind::Admit, 5),
     (Kind::Extend, 5),
     (Kind::Checkpoint, 2),
@@ -370,6 +376,10 @@ impl<'a> Arbitrary<'a> for Op {
                 reap: u.arbitrary()?,
             },
             Kind::Evict => Op::Evict {
+                kv: u.arbitrary()?,
+                mamba: u.arbitrary()?,
+            },
+            Kind::EvictHost => Op::EvictHost {
                 kv: u.arbitrary()?,
                 mamba: u.arbitrary()?,
             },
@@ -1313,6 +1323,19 @@ impl H {
                     usize::from(mamba % 8)
                 };
                 self.c.evict(kv, mamba);
+            }
+            Op::EvictHost { kv, mamba } => {
+                let device = (self.c.available_kv(), self.c.total_size());
+                let ev = self.c.evict_host(usize::from(*kv), usize::from(*mamba));
+                assert_eq!((self.c.available_kv(), self.c.total_size()), device);
+                if ev.kv_tokens < usize::from(*kv) {
+                    let left = self
+                        .c
+                        .stats()
+                        .into_iter()
+                        .find(|s| s.0 == "host_kv_evictable_tokens");
+                    assert_eq!(left, Some(("host_kv_evictable_tokens", 0)), "{ev:?}");
+                }
             }
             Op::Admit { ns, toks } => {
                 let t = self.resolve(*ns, toks);
