@@ -295,6 +295,8 @@ def test_injected_failures_call_off_and_fail_load_backs_without_a_mismatch() -> 
     assert r["load_backs_failed"] > 0
     inj = r["injected_failures"]
     assert inj["refused"] > 0
+    assert inj["refused"] == r["batches_refused"] + r["load_backs_refused"]
+    assert r["load_backs_refused"] > 0
     assert inj["copy_failed"] > 0
 
 

@@ -195,6 +195,8 @@ def report(
         "retractions": c.retractions,
         "rejected": c.rejected,
         "batches_failed": e["batches_failed"],
+        "batches_refused": c.batches_refused,
+        "load_backs_refused": c.load_backs_refused,
         "injected_failures": dict(engine.injected),
         "samples_checked": model.samples,
         "mismatches": model.mismatches,

@@ -196,11 +196,11 @@ fn a_bad_state_slot_fails_the_insert_and_changes_nothing() {
 fn a_state_no_match_used_is_evicted_before_an_older_one_that_a_match_used() {
     let mut c = hybrid(64, 1, 4);
     cached_with_state(&mut c, &[1, 1]);
+    assert_eq!(c.match_prefix(None, &[1, 1, 9]).device_len, 2);
     cached_with_state(&mut c, &[2, 2]);
     cached_with_state(&mut c, &[3, 3]);
-    // [1, 1]'s state is the oldest, but a request reused it; nobody reused [2, 2]'s or
-    // [3, 3]'s (like a finished request's end state).
-    assert_eq!(c.match_prefix(None, &[1, 1, 9]).device_len, 2);
+    // [1, 1]'s state is the least recently touched, but a request reused it; nobody
+    // reused [2, 2]'s or [3, 3]'s (like a finished request's end state).
     assert_eq!(c.evict(0, 1).mamba_states, 1);
     assert_eq!(c.stats.evicted_used_states, 0);
     assert_eq!(
