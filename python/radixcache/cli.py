@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -249,10 +250,14 @@ def _print_report(console: Any, r: dict[str, Any]) -> None:
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:
-    import matplotlib
+    # Older matplotlib releases (the last ones for Python 3.9) warn about their own
+    # dependencies while importing: not the user's concern.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     x = [s.finished for s in timeline]
