@@ -411,8 +411,10 @@ class HostMachine(RuleBasedStateMachine):
             for mv, vals in zip(b.moves, values):
                 self.write(mv.pool, mv.dst_tier, mv.dst, vals)
         elif how == "drop":
-            with pytest.warns(ResourceWarning, match=rf"TransferBatch {bid} .*; failed it"):
+            warned = pytest.warns(ResourceWarning, match=rf"TransferBatch {bid} .*; failed it")
+            with warned:
                 del obj
+                gc.collect()  # in case a cycle (a traceback's frame) still holds it
             for mv in b.moves:
                 self.garble(mv.pool, mv.dst_tier, mv.dst)
         else:
@@ -1039,8 +1041,11 @@ class HostMachine(RuleBasedStateMachine):
         ev = c.evict_host(kv_tokens=kv, mamba_states=states)
         after = c.stats()
         assert (c.available_kv(), c.available_mamba(), c.total_size()) == device
-        assert after["host_kv_free_slots"] - before["host_kv_free_slots"] == ev.kv_tokens
-        assert after["host_mamba_free_slots"] - before["host_mamba_free_slots"] == ev.mamba_states
+        # A slot an in-flight copy still reads drains instead of coming free at once.
+        for pool, n in (("kv", ev.kv_tokens), ("mamba", ev.mamba_states)):
+            gone = [after[f"host_{pool}_{k}_slots"] - before[f"host_{pool}_{k}_slots"]
+                    for k in ("free", "draining")]  # fmt: skip
+            assert sum(gone) == n, (pool, gone, ev)
         assert after["host_evicted_tokens"] - before["host_evicted_tokens"] == ev.kv_tokens
         if ev.kv_tokens < kv:
             assert after["host_kv_evictable_tokens"] == 0
