@@ -615,3 +615,51 @@ def test_replay_exits_1_when_the_oracle_sees_a_mismatch(
     argv = ["replay", "--requests", "80", "--kv-slots", "8192", "--mamba-slots", "24"]
     assert cli.main([*argv, "--json", "--quiet", "--no-attention-only"]) == 1
     assert json.loads(capsys.readouterr().out)["mismatches"] > 0
+
+
+# ---------------------------------------------------------------------------- the bench
+
+
+def test_bench_makes_the_replays_cache_calls_and_times_every_one() -> None:
+    from radixcache.serving.bench import bench
+
+    cfg = small()
+    r = bench(MIXED, cfg)
+    replayed, _ = sv.replay(MIXED, cfg)
+    # The same scheduler decisions: the same hits, device and host.
+    assert r["hit_rate"] == replayed["device_hit_rate"]
+    assert r["host_hit_rate"] == replayed["host_hit_rate"] > 0
+    assert r["requests"] == len(MIXED)
+    for op in ("admit", "extend", "checkpoint", "finish", "load_back", "commit", "batch"):
+        assert r["ops"][op]["calls"] > 0, op
+        assert 0 < r["ops"][op]["p50_us"] <= r["ops"][op]["p99_us"]
+    assert r["ops"]["admit"]["calls"] == len(MIXED) + r["retractions"]
+    assert sum(o["share"] for o in r["ops"].values()) == pytest.approx(1.0)
+    assert r["ns_per_prompt_token"] == pytest.approx(r["cache_seconds"] * 1e9 / r["prompt_tokens"])
+    assert 0 < r["us_per_request"] <= r["p99_us"]
+    assert r["cache_seconds"] < r["wall_seconds"]
+
+
+def test_bench_takes_lists_or_arrays_with_the_same_outcome() -> None:
+    from radixcache.serving.bench import bench
+
+    cfg = small(host_kv_slots=0)
+    lists, arrays = bench(MIXED, cfg), bench(MIXED, cfg, numpy_tokens=True)
+    assert (lists["tokens"], arrays["tokens"]) == ("list", "numpy")
+    assert lists["hit_rate"] == arrays["hit_rate"]
+    assert {k: v["calls"] for k, v in lists["ops"].items()} == {
+        k: v["calls"] for k, v in arrays["ops"].items()
+    }
+
+
+def test_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--requests", "60", "--kv-slots", "8192", "--quiet"]
+    assert cli.main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("ns_per_prompt_token", "us_per_request", "p99_us", "hit_rate", "ops"):
+        assert key in r, key
+    assert cli.main([*argv, "--numpy"]) == 0
+    out = capsys.readouterr().out
+    assert "per operation" in out
+    assert "numpy" in out
+    assert cli.main(["bench", "--workload", "nope"]) == 2

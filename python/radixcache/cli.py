@@ -45,6 +45,31 @@ def _rate(v: str) -> float:
     return r
 
 
+def _pool_flags(p: argparse.ArgumentParser, d: _replay.ReplayConfig) -> None:
+    """Add the workload, cache and scheduler flags that replay and bench share."""
+    p.add_argument(
+        "--workload",
+        default="mixed",
+        help="mixed (default), gsp, multiturn, or a JSONL file",
+    )
+    p.add_argument("--requests", type=_positive, help="serve only the first N requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-slots", type=_positive, default=d.kv_slots)
+    p.add_argument("--mamba-slots", type=_nonneg, default=d.mamba_slots)
+    p.add_argument("--host-kv-slots", type=_nonneg, default=d.host_kv_slots)
+    p.add_argument("--host-mamba-slots", type=_nonneg, default=d.host_mamba_slots)
+    p.add_argument("--page-size", type=_positive, default=d.page_size)
+    p.add_argument("--write-policy", choices=POLICIES, default=d.write_policy)
+    p.add_argument(
+        "--write-through-threshold",
+        type=_positive,
+        default=d.write_through_threshold,
+        help="hits before a backup under write_through_selective",
+    )
+    p.add_argument("--max-running", type=_positive, default=d.max_running)
+    p.add_argument("--chunk-size", type=_positive, default=d.chunk_size)
+
+
 def _parser() -> argparse.ArgumentParser:
     d = _replay.ReplayConfig()
     ap = argparse.ArgumentParser(
@@ -65,27 +90,7 @@ def _parser() -> argparse.ArgumentParser:
             "is not full after the cache is cleared."
         ),
     )
-    r.add_argument(
-        "--workload",
-        default="mixed",
-        help="mixed (default), gsp, multiturn, or a JSONL file",
-    )
-    r.add_argument("--requests", type=_positive, help="serve only the first N requests")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--kv-slots", type=_positive, default=d.kv_slots)
-    r.add_argument("--mamba-slots", type=_nonneg, default=d.mamba_slots)
-    r.add_argument("--host-kv-slots", type=_nonneg, default=d.host_kv_slots)
-    r.add_argument("--host-mamba-slots", type=_nonneg, default=d.host_mamba_slots)
-    r.add_argument("--page-size", type=_positive, default=d.page_size)
-    r.add_argument("--write-policy", choices=POLICIES, default=d.write_policy)
-    r.add_argument(
-        "--write-through-threshold",
-        type=_positive,
-        default=d.write_through_threshold,
-        help="hits before a backup under write_through_selective",
-    )
-    r.add_argument("--max-running", type=_positive, default=d.max_running)
-    r.add_argument("--chunk-size", type=_positive, default=d.chunk_size)
+    _pool_flags(r, d)
     r.add_argument(
         "--inject-failures",
         type=_rate,
@@ -102,6 +107,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plot", metavar="PATH", help="write hit rate and pool occupancy (PNG)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    b = sub.add_parser(
+        "bench",
+        help="time the cache operations of a replay (no model, no copies)",
+        description=(
+            "Serve a workload through the same scheduler as replay, with no model and no "
+            "copies (every batch completes at once), and time every call it makes on the "
+            "cache: per-operation p50/p99, microseconds per request, nanoseconds per "
+            "prompt token, hit rate, memory."
+        ),
+    )
+    _pool_flags(b, d)
+    b.add_argument("--numpy", action="store_true", help="tokens as NumPy arrays, not lists")
+    b.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+
     w = sub.add_parser("workload", help="write a built-in workload as JSONL")
     w.add_argument("name", choices=sorted(_workloads.WORKLOADS))
     w.add_argument("--out", required=True, help="the JSONL file to write")
@@ -115,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "workload":
         return _workload(args)
+    if args.command == "bench":
+        return _bench_cmd(args)
     return _replay_cmd(args)
 
 
@@ -130,20 +152,10 @@ def _workload(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_cmd(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    err = Console(stderr=True)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            err.print(
-                "[red]--plot needs matplotlib:[/red] pip install 'radixcache[plot]' "
-                "(or pip install matplotlib)"
-            )
-            return 2
+def _setup(
+    args: argparse.Namespace, err: Any, **extra: Any
+) -> tuple[list[_workloads.Job], _replay.ReplayConfig] | None:
+    """Load the workload and build the config; None (after saying why) if bad."""
     if args.mamba_slots == 0 and args.host_mamba_slots:
         args.host_mamba_slots = 0  # an attention-only model has no states to back up
     try:
@@ -156,26 +168,56 @@ def _replay_cmd(args: argparse.Namespace) -> int:
             page_size=args.page_size,
             write_policy=args.write_policy,
             write_through_threshold=args.write_through_threshold,
-            inject_failures=args.inject_failures,
             seed=args.seed,
             max_running=args.max_running,
             chunk_size=args.chunk_size,
-            timeline=10 if args.plot else 0,
-            attention_only=not args.no_attention_only,
+            **extra,
         )
         config.cache()  # the cache's own checks, before any work
     except (ValueError, OSError) as e:
         err.print(f"[red]error:[/red] {e}")
-        return 2
-    with Progress(
+        return None
+    return jobs, config
+
+
+def _progress(err: Any, quiet: bool) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=err,
-        disable=args.quiet,
+        disable=quiet,
         transient=True,
-    ) as bar:
+    )
+
+
+def _replay_cmd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            err.print(
+                "[red]--plot needs matplotlib:[/red] pip install 'radixcache[plot]' "
+                "(or pip install matplotlib)"
+            )
+            return 2
+    setup = _setup(
+        args,
+        err,
+        inject_failures=args.inject_failures,
+        timeline=10 if args.plot else 0,
+        attention_only=not args.no_attention_only,
+    )
+    if setup is None:
+        return 2
+    jobs, config = setup
+    with _progress(err, args.quiet) as bar:
         task = bar.add_task(f"replay {args.workload}", total=len(jobs))
         report, timeline = _replay.replay(
             jobs, config, progress=lambda done: bar.update(task, completed=done)
@@ -190,6 +232,67 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         err.print(f"wrote {args.plot}")
     ok = report["mismatches"] == 0 and report["audit"] == "pass" and report["pools_full_at_end"]
     return 0 if ok else 1
+
+
+def _bench_cmd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .serving.bench import bench
+
+    err = Console(stderr=True)
+    setup = _setup(args, err)
+    if setup is None:
+        return 2
+    jobs, config = setup
+    with _progress(err, args.quiet) as bar:
+        task = bar.add_task(f"bench {args.workload}", total=len(jobs))
+        r = bench(
+            jobs,
+            config,
+            numpy_tokens=args.numpy,
+            progress=lambda done: bar.update(task, completed=done),
+        )
+    r["workload"] = args.workload
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    out = Console()
+    head = Table(title=f"radixcache bench: {args.workload}", show_header=False, box=None)
+    head.add_column(style="bold")
+    head.add_column(justify="right")
+    head.add_column(style="dim")
+    head.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
+    head.add_row("tokens passed as", r["tokens"])
+    head.add_row("hit rate", f"{100 * r['hit_rate']:.1f}%", "state-valid device hits")
+    head.add_row(
+        "cache time per request",
+        f"{r['us_per_request']:.1f} us",
+        f"median; p99 {r['p99_us']:.1f} us, mean {r['mean_us_per_request']:.1f} us",
+    )
+    head.add_row("per prompt token", f"{r['ns_per_prompt_token']:.1f} ns")
+    head.add_row(
+        "cache time in all",
+        f"{r['cache_seconds']:.3f} s",
+        f"of {r['wall_seconds']:.3f} s (the rest is the scheduler)",
+    )
+    head.add_row(
+        "memory", f"{r['rss_growth_mb']:.1f} MB", f"process peak {r['peak_rss_mb']:.0f} MB"
+    )
+    out.print(head)
+    ops = Table(title="per operation")
+    for col in ("operation", "calls", "p50 us", "p99 us", "share"):
+        ops.add_column(col, justify="left" if col == "operation" else "right")
+    for name, o in r["ops"].items():
+        ops.add_row(
+            name,
+            str(o["calls"]),
+            f"{o['p50_us']:.2f}",
+            f"{o['p99_us']:.2f}",
+            f"{100 * o['share']:.1f}%",
+        )
+    out.print(ops)
+    return 0
 
 
 def _print_report(console: Any, r: dict[str, Any]) -> None:

@@ -197,7 +197,7 @@ class _Live:
 
     index: int
     job: Job
-    seq: np.ndarray  # every token it feeds: the prompt, then the output but its last token
+    seq: Any  # every token it feeds: the prompt, then the output but its last token
     req: Request
     expected: list[int] | None
     #: Where the last whole page of `seq` ends: the request checkpoints its state there,
@@ -242,6 +242,8 @@ class Scheduler:
         load_back_quota: ``mem_quota`` of each load-back (default: a quarter of the
             device KV slots).
         timeline: Record a `StepSample` every this many steps (0: never).
+        token_lists: Hand tokens to the cache as Python lists (as serving engines hold
+            them) instead of NumPy arrays.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -258,6 +260,7 @@ class Scheduler:
         step_tokens: int = 8192,
         load_back_quota: int | None = None,
         timeline: int = 0,
+        token_lists: bool = False,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
@@ -282,6 +285,8 @@ class Scheduler:
         self._loads: dict[int, _Live] = {}
         self._event: ComputeEvent | None = None
         self._hold = False  # set by a retraction, cleared when a request finishes
+        self.token_lists = token_lists
+        self._prepared: dict[int, tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ driving
 
@@ -403,8 +408,7 @@ class Scheduler:
             room = cache.available_kv() + cache.evictable_size() - self._reserved()
             if self.running and need > room:
                 return
-            # At least the last prompt token is always computed: it gives the first sample.
-            tokens = job.prompt[:-1] if len(job.output) else job.prompt
+            tokens, seq = self._prepare(index, job)
             req = cache.admit(tokens, namespace=job.namespace)
             if req is None and not self.running:
                 cache.evict(mamba_states=1)
@@ -413,11 +417,12 @@ class Scheduler:
             if req is None:
                 if not self.running:
                     self.waiting.popleft()
+                    self._prepared.pop(index, None)
                     self.counters.rejected += 1
                     continue
                 return
             self.waiting.popleft()
-            seq = np.concatenate([job.prompt, job.output[:-1]]) if len(job.output) else job.prompt
+            self._prepared.pop(index, None)
             expected = None
             if self.model is not None:
                 expected = self.model.ref.samples(job.prompt, len(job.output), job.output)
@@ -428,6 +433,18 @@ class Scheduler:
             live.fed = live.device_hit = req.prefix_len  # a failed copy-on-write drops it
             if req.host_len > 0:
                 self._load_back(live)
+
+    def _prepare(self, index: int, job: Job) -> tuple[Any, Any]:
+        """Return the tokens to admit with and every token the request feeds (cached)."""
+        got = self._prepared.get(index)
+        if got is None:
+            # At least the last prompt token is always computed: it gives the first sample.
+            tokens = job.prompt[:-1] if len(job.output) else job.prompt
+            seq = np.concatenate([job.prompt, job.output[:-1]]) if len(job.output) else job.prompt
+            if self.token_lists:
+                tokens, seq = tokens.tolist(), seq.tolist()
+            got = self._prepared[index] = (tokens, seq)
+        return got
 
     def _load_back(self, live: _Live) -> None:
         cache, req = self.cache, live.req

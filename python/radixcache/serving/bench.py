@@ -1,0 +1,310 @@
+"""`radixcache bench`: the cache operations of a replay, timed alone.
+
+The scheduler serves the workload exactly as in ``radixcache replay`` but with no model
+and no copies: every transfer batch is started and completed at once. Every call the
+scheduler makes on the cache (and on its batches) goes through `TimedCache`, which times
+it with ``time.perf_counter_ns`` and charges it to the request it concerns, so the
+figures are the cache's own cost as a serving engine would pay it, Python call overhead
+included. Tokens reach the cache as Python lists by default (as serving engines hold
+them), or as NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._core import HybridCache, Request, TransferBatch
+from .harness import ReplayConfig
+from .scheduler import Scheduler
+from .workloads import Job
+
+__all__ = ["TimedCache", "TimedEngine", "bench"]
+
+_now = time.perf_counter_ns
+
+
+class TimedCache:
+    """A `HybridCache` whose calls are timed, per operation and per request.
+
+    Every public method of the cache is reachable; the request-level calls, the batch
+    calls and the size queries a scheduler makes are timed.
+    """
+
+    def __init__(self, cache: HybridCache) -> None:
+        self._cache = cache
+        self.ops: dict[str, list[int]] = defaultdict(list)
+        #: Nanoseconds charged to each live request (by the request object's id).
+        self._open: dict[int, int] = defaultdict(int)
+        #: Nanoseconds of each finished request, and of requests aborted (retracted).
+        self.finished: list[int] = []
+        self.aborted_ns = 0
+        self._current: int | None = None
+        self._closing: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def _charge(self, op: str, ns: int, req: object | None = None) -> None:
+        self.ops[op].append(ns)
+        key = self._current if req is None else id(req)
+        if key is not None:
+            self._open[key] += ns
+
+    def admit(self, tokens: Any, *, namespace: str | None = None) -> Request | None:
+        """Time ``admit``."""
+        t = _now()
+        req = self._cache.admit(tokens, namespace=namespace)
+        ns = _now() - t
+        if req is None:
+            self._charge("admit", ns, None)
+        else:
+            self._current = id(req)
+            self._charge("admit", ns, req)
+        return req
+
+    def extend(self, req: Request, tokens: Any) -> Any:
+        """Time ``extend``."""
+        self._current = id(req)
+        t = _now()
+        out = self._cache.extend(req, tokens)
+        self._charge("extend", _now() - t, req)
+        return out
+
+    def checkpoint(self, req: Request) -> None:
+        """Time ``checkpoint``."""
+        self._current = id(req)
+        t = _now()
+        self._cache.checkpoint(req)
+        self._charge("checkpoint", _now() - t, req)
+
+    def finish(self, req: Request) -> None:
+        """Time ``finish``; the request's account closes when its batches have run."""
+        self._current = id(req)
+        t = _now()
+        self._cache.finish(req)
+        self._charge("finish", _now() - t, req)
+        self._closing.append(id(req))
+
+    def abort(self, req: Request) -> None:
+        """Time ``abort`` (a retraction): its time counts, in no finished request."""
+        t = _now()
+        self._cache.abort(req)
+        self._charge("abort", _now() - t, req)
+        self.aborted_ns += self._open.pop(id(req), 0)
+
+    def load_back(self, target: Any, **kw: Any) -> Any:
+        """Time ``load_back``."""
+        self._current = id(target)
+        t = _now()
+        lb = self._cache.load_back(target, **kw)
+        self._charge("load_back", _now() - t, target)
+        return None if lb is None else _TimedLoadBack(lb, self, target)
+
+    def take_batches(self) -> list[TransferBatch]:
+        """Time ``take_batches``."""
+        t = _now()
+        out = self._cache.take_batches()
+        self._charge("take_batches", _now() - t)
+        return out
+
+    def evict(self, **kw: int) -> Any:
+        """Time ``evict``."""
+        t = _now()
+        out = self._cache.evict(**kw)
+        self._charge("evict", _now() - t)
+        return out
+
+    def available_kv(self) -> int:
+        """Time ``available_kv``."""
+        t = _now()
+        out = self._cache.available_kv()
+        self._charge("sizes", _now() - t)
+        return out
+
+    def evictable_size(self) -> int:
+        """Time ``evictable_size``."""
+        t = _now()
+        out = self._cache.evictable_size()
+        self._charge("sizes", _now() - t)
+        return out
+
+    def close_finished(self) -> None:
+        """Close the accounts of the requests finished since (after their batches ran)."""
+        for key in self._closing:
+            self.finished.append(self._open.pop(key, 0))
+            if self._current == key:
+                self._current = None
+        self._closing.clear()
+
+
+class _TimedLoadBack:
+    """A load-back guard whose commit is timed (the batch is timed by the engine)."""
+
+    def __init__(self, lb: Any, timed: TimedCache, req: object) -> None:
+        self._lb, self._timed, self._req = lb, timed, req
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lb, name)
+
+    def __enter__(self) -> _TimedLoadBack:
+        self._lb.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        t = _now()
+        out = self._lb.__exit__(*exc)
+        self._timed._charge("load_back_exit", _now() - t, self._req)
+        return out
+
+    def commit(self) -> None:
+        """Time ``commit``."""
+        t = _now()
+        self._lb.commit()
+        self._timed._charge("commit", _now() - t, self._req)
+
+
+class TimedEngine:
+    """Starts and completes every batch at once, timing the two calls (no copies)."""
+
+    def __init__(self, timed: TimedCache) -> None:
+        self.timed = timed
+        self._in_flight: list[TransferBatch] = []
+
+    def _ack(self, batch: TransferBatch) -> None:
+        t = _now()
+        batch.start()
+        batch.complete()
+        self.timed._charge("batch", _now() - t)
+
+    def run(self, batch: TransferBatch) -> bool:
+        """Start and complete `batch`."""
+        self._ack(batch)
+        return True
+
+    def submit(self, batch: TransferBatch) -> None:
+        """Start and complete `batch`; the next `poll` reports it.
+
+        A load-back's batch thus completes before its commit: either order is allowed.
+        """
+        self._ack(batch)
+        self._in_flight.append(batch)
+
+    def poll(self) -> list[TransferBatch]:
+        """Return the batches submitted since the last poll (all complete)."""
+        done, self._in_flight = self._in_flight, []
+        return done
+
+    def synchronize(self) -> list[TransferBatch]:
+        """Return what `poll` returns."""
+        return self.poll()
+
+    def after_compute(self, event: Any) -> None:
+        """There is no compute."""
+
+
+class _BenchScheduler(Scheduler):
+    """Closes each finished request's account once the batches it emitted have run."""
+
+    def _run_batches(self) -> None:
+        super()._run_batches()
+        assert isinstance(self.cache, TimedCache)
+        self.cache.close_finished()
+
+
+@dataclass
+class _Rss:
+    base_kb: int
+
+    @staticmethod
+    def now_kb() -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    @staticmethod
+    def peak_kb() -> int:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak // 1024 if sys.platform == "darwin" else peak
+
+
+def _pct(values: Sequence[int], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+def bench(
+    jobs: Sequence[Job],
+    config: ReplayConfig | None = None,
+    *,
+    numpy_tokens: bool = False,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Replay `jobs` through the scheduler with no model and no copies, timing the cache.
+
+    Returns:
+        ``ns_per_prompt_token``, ``us_per_request`` (median over finished requests),
+        ``p99_us``, ``mean_us_per_request``, ``hit_rate``, per-operation ``ops`` (calls,
+        p50/p99 in µs, share of the total), ``peak_rss_mb`` and ``rss_growth_mb`` (the
+        process, before and after the cache was built), and the workload's counts.
+    """
+    config = config or ReplayConfig()
+    rss = _Rss(_Rss.now_kb())
+    cache = config.cache()
+    timed = TimedCache(cache)
+    sched = _BenchScheduler(
+        timed,  # type: ignore[arg-type]
+        TimedEngine(timed),  # type: ignore[arg-type]
+        None,
+        max_running=config.max_running,
+        chunk_size=config.chunk_size,
+        step_tokens=config.step_tokens,
+        load_back_quota=config.load_back_quota,
+        token_lists=not numpy_tokens,
+    )
+    sched.add(jobs)
+    wall = _now()
+    c = sched.run(progress)
+    wall = _now() - wall
+    total = sum(sum(v) for v in timed.ops.values())
+    per_request = timed.finished
+    ops = {
+        name: {
+            "calls": len(v),
+            "p50_us": _pct(v, 50) / 1e3,
+            "p99_us": _pct(v, 99) / 1e3,
+            "share": sum(v) / total if total else 0.0,
+        }
+        for name, v in sorted(timed.ops.items(), key=lambda kv: -sum(kv[1]))
+    }
+    cache.audit()
+    return {
+        "requests": c.finished,
+        "prompt_tokens": c.prompt_tokens,
+        "output_tokens": c.output_tokens,
+        "tokens": "numpy" if numpy_tokens else "list",
+        "hit_rate": c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "cache_seconds": total / 1e9,
+        "wall_seconds": wall / 1e9,
+        "ns_per_prompt_token": total / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "us_per_request": _pct(per_request, 50) / 1e3,
+        "p99_us": _pct(per_request, 99) / 1e3,
+        "mean_us_per_request": total / c.finished / 1e3 if c.finished else 0.0,
+        "retractions": c.retractions,
+        "retracted_us": timed.aborted_ns / 1e3,
+        "ops": ops,
+        "peak_rss_mb": _Rss.peak_kb() / 1024,
+        "rss_growth_mb": max(0, _Rss.now_kb() - rss.base_kb) / 1024,
+    }
