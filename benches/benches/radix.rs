@@ -25,7 +25,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
-use radixcache_benches::{prepare, release, Built, Traffic};
+use radixcache_benches::{prepare, release, serve_request, Built, Traffic};
 use radixcache_core::{Cache, Config};
 
 /// Prompt lengths measured.
@@ -174,28 +174,6 @@ fn bench_request(criterion: &mut Criterion) {
         );
         group.finish();
     }
-}
-
-/// admit, acknowledge the copy-on-write, extend by the rest of the prompt and by the
-/// answer, finish.
-fn serve_request(cache: &mut Cache, prompt: &[u32], answer: &[u32]) {
-    let Some(id) = cache.admit(None, prompt) else {
-        panic!("admission refused");
-    };
-    for b in cache.take_batches() {
-        assert!(cache.complete(b.id).is_ok(), "unknown batch");
-    }
-    let Ok(view) = cache.request(id) else {
-        panic!("request vanished");
-    };
-    let ok = matches!(cache.extend(id, &prompt[view.prefix_len..]), Ok(Some(_)))
-        && matches!(cache.extend(id, answer), Ok(Some(_)));
-    let done = if ok {
-        cache.finish(id)
-    } else {
-        cache.abort(id)
-    };
-    assert!(done.is_ok(), "request could not end");
 }
 
 /// `criterion_group!` defines an undocumented `pub fn`; a private module keeps it out of

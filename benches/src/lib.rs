@@ -356,6 +356,40 @@ impl Built {
         Built { cache, traffic }
     }
 
+    /// Builds a cache of `tokens` device KV slots (page size 1) in LRU steady state: the
+    /// stream of `seed` is served until the pool has been filled, then as much again
+    /// (allocations evict least recently used leaves, as in a server). `config` gives the
+    /// rest of the cache's configuration; requests go through [`serve`] (the low-level
+    /// path) when `config` has no states, through [`serve_request`] otherwise.
+    ///
+    /// # Panics
+    ///
+    /// When the cache cannot be created or refuses a request.
+    pub fn with_tokens(tokens: usize, config: &Config, seed: u64) -> Built {
+        let config = Config {
+            kv_slots: tokens,
+            page_size: 1,
+            ..config.clone()
+        };
+        let hybrid = config.mamba_slots > 0;
+        let mut cache = match Cache::new(config) {
+            Ok(c) => c,
+            Err(e) => panic!("bad bench configuration: {e}"),
+        };
+        let mut traffic = Traffic::new(seed);
+        let mut fed = 0;
+        while fed < 2 * tokens {
+            let r = traffic.next_request();
+            fed += r.prompt.len() + r.answer.len();
+            if hybrid {
+                serve_request(&mut cache, &r.prompt, &r.answer);
+            } else {
+                serve(&mut cache, &r.prompt, &r.answer);
+            }
+        }
+        Built { cache, traffic }
+    }
+
     /// How many of the first `n` tokens of `tokens` are cached on the device (a match: it
     /// refreshes their LRU position and may split the node where they end).
     fn cached(&mut self, tokens: &[u32], n: usize) -> usize {
@@ -428,6 +462,45 @@ impl Built {
     /// Nodes in the tree (from the cache's stats).
     pub fn nodes(&self) -> u64 {
         stat(&self.cache, "nodes")
+    }
+}
+
+/// Serves one request through the request API: admit (its state copy acknowledged),
+/// extend by the uncached prompt and by the answer, finish, then complete every batch the
+/// cache emitted (copies, backups); a request that cannot get slots is aborted.
+///
+/// # Panics
+///
+/// When the cache refuses a call an engine legitimately makes.
+pub fn serve_request(cache: &mut Cache, prompt: &[u32], answer: &[u32]) {
+    let Some(id) = cache.admit(None, prompt) else {
+        panic!("admission refused");
+    };
+    complete_all(cache);
+    let Ok(view) = cache.request(id) else {
+        panic!("request vanished");
+    };
+    let ok = matches!(cache.extend(id, &prompt[view.prefix_len..]), Ok(Some(_)))
+        && matches!(cache.extend(id, answer), Ok(Some(_)));
+    let done = if ok {
+        cache.finish(id)
+    } else {
+        cache.abort(id)
+    };
+    assert!(done.is_ok(), "request could not end");
+    complete_all(cache);
+}
+
+/// Starts and completes every batch the cache has emitted (an engine whose copies
+/// always succeed at once).
+///
+/// # Panics
+///
+/// When the cache refuses to start or complete a batch it emitted.
+pub fn complete_all(cache: &mut Cache) {
+    for b in cache.take_batches() {
+        let ok = cache.start(b.id).is_ok() && cache.complete(b.id).is_ok();
+        assert!(ok, "batch {} could not be acknowledged", b.id);
     }
 }
 
