@@ -28,7 +28,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion};
-use radixcache_benches::{complete_all, prepare, release, Built};
+use radixcache_benches::{admit_acked, complete_all, end_request, prepare, release, Built};
 use radixcache_core::{Cache, Config, WritePolicy};
 
 /// Tree sizes measured (cached tokens).
@@ -192,14 +192,8 @@ fn timed_requests(built: &mut Built, iters: u64, checkpoint: bool) -> Duration {
 }
 
 fn serve_timed(cache: &mut Cache, prompt: &[u32], answer: &[u32], checkpoint: bool) {
-    let Some(id) = cache.admit(None, prompt) else {
-        panic!("admission refused");
-    };
-    complete_all(cache);
-    let Ok(view) = cache.request(id) else {
-        panic!("request vanished");
-    };
-    let rest = &prompt[view.prefix_len..];
+    let (id, prefix_len) = admit_acked(cache, prompt);
+    let rest = &prompt[prefix_len..];
     let (first, second) = rest.split_at(if checkpoint { rest.len() / 2 } else { 0 });
     let mut ok = first.is_empty() || matches!(cache.extend(id, first), Ok(Some(_)));
     if ok && checkpoint && !first.is_empty() {
@@ -210,13 +204,7 @@ fn serve_timed(cache: &mut Cache, prompt: &[u32], answer: &[u32], checkpoint: bo
     for t in answer {
         ok = ok && matches!(cache.extend(id, std::slice::from_ref(t)), Ok(Some(_)));
     }
-    let done = if ok {
-        cache.finish(id)
-    } else {
-        cache.abort(id)
-    };
-    assert!(done.is_ok(), "request could not end");
-    complete_all(cache);
+    end_request(cache, id, ok);
 }
 
 /// `criterion_group!` defines an undocumented `pub fn`; a private module keeps it out of

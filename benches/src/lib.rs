@@ -13,7 +13,7 @@
 //! Everything is derived from a seed with a small `SplitMix64`, so two runs build the
 //! same tree and the benches measure the same operations.
 
-use radixcache_core::{Cache, Config, LockReceipt};
+use radixcache_core::{Cache, Config, LockReceipt, RequestId};
 
 /// Device KV slots of the built caches: a full pool holds about this many tokens.
 pub const TARGET_TOKENS: usize = 100_000;
@@ -473,6 +473,19 @@ impl Built {
 ///
 /// When the cache refuses a call an engine legitimately makes.
 pub fn serve_request(cache: &mut Cache, prompt: &[u32], answer: &[u32]) {
+    let (id, prefix_len) = admit_acked(cache, prompt);
+    let ok = matches!(cache.extend(id, &prompt[prefix_len..]), Ok(Some(_)))
+        && matches!(cache.extend(id, answer), Ok(Some(_)));
+    end_request(cache, id, ok);
+}
+
+/// Admits `prompt` and acknowledges its state copy; returns the request and its reused
+/// prefix length.
+///
+/// # Panics
+///
+/// When the admission is refused.
+pub fn admit_acked(cache: &mut Cache, prompt: &[u32]) -> (RequestId, usize) {
     let Some(id) = cache.admit(None, prompt) else {
         panic!("admission refused");
     };
@@ -480,8 +493,16 @@ pub fn serve_request(cache: &mut Cache, prompt: &[u32], answer: &[u32]) {
     let Ok(view) = cache.request(id) else {
         panic!("request vanished");
     };
-    let ok = matches!(cache.extend(id, &prompt[view.prefix_len..]), Ok(Some(_)))
-        && matches!(cache.extend(id, answer), Ok(Some(_)));
+    (id, view.prefix_len)
+}
+
+/// Finishes request `id` (`ok`) or aborts it (it could not get slots), then
+/// acknowledges every batch that emitted.
+///
+/// # Panics
+///
+/// When the request cannot end.
+pub fn end_request(cache: &mut Cache, id: RequestId, ok: bool) {
     let done = if ok {
         cache.finish(id)
     } else {
