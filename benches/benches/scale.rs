@@ -20,7 +20,9 @@
 //! * `hybrid_request`: the same on a hybrid cache with a host tier (256 states, a host
 //!   pool as large as the device's, write-through): admit with its state copy, extend,
 //!   checkpoint half-way (the state fork), decode, finish, then every batch acknowledged
-//!   (copy-on-write, backups; demotions happen in the evictions `extend` makes).
+//!   (copy-on-write, backups; demotions happen in the evictions `extend` makes);
+//! * `load_back_abort`, `load_back_commit`, `backup`, `evict_demote`: the host tier on
+//!   the same hybrid cache (see `bench_host`).
 //!
 //! `RADIXCACHE_SCALE_MAX` (tokens) caps the sizes, e.g. `100000` for a quick run.
 
@@ -28,8 +30,10 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion};
-use radixcache_benches::{admit_acked, complete_all, end_request, prepare, release, Built};
-use radixcache_core::{Cache, Config, WritePolicy};
+use radixcache_benches::{
+    admit_acked, complete_all, end_request, prepare, release, serve_request, Built,
+};
+use radixcache_core::{Cache, Config, LoadTarget, NodeId, WritePolicy};
 
 /// Tree sizes measured (cached tokens).
 const SIZES: [usize; 4] = [10_000, 100_000, 1_000_000, 10_000_000];
@@ -176,6 +180,143 @@ fn bench_hybrid(criterion: &mut Criterion) {
     group.finish();
 }
 
+/// The host tier at scale: a hybrid cache whose host pool is as large as the device's,
+/// write-through (every cached node is backed up), filled like the others so that the
+/// nodes evicted while filling it were demoted to the host.
+///
+/// * `load_back_abort`: `load_back` of a host-only prefix (a conversation whose history
+///   was demoted), then the guard called off (`cancel_load`): the cost of a load-back
+///   the engine refuses;
+/// * `load_back_commit`: `load_back`, `commit_load`, and the batch started and completed:
+///   a load-back that lands (each takes a different prefix; when they run out, an
+///   untimed eviction of a tenth of the device demotes more);
+/// * `backup`: acknowledging (start, complete) the backup batch a finished request of
+///   `LEN` new tokens emitted (the request itself is served untimed);
+/// * `evict_demote`: `evict` of `LEN` tokens, whose nodes are demoted to the host
+///   (an untimed request refills the device).
+fn bench_host(criterion: &mut Criterion) {
+    let mut group = configure(criterion);
+    for size in sizes() {
+        let config = Config {
+            mamba_slots: 256,
+            host_kv_slots: size,
+            host_mamba_slots: 256,
+            write_policy: WritePolicy::WriteThrough,
+            ..Config::default()
+        };
+        let mut built = Built::with_tokens(size, &config, SEED);
+        let mut targets = host_targets(&mut built, size);
+        let fixed = targets.clone();
+        let mut next = 0;
+        group.bench_function(BenchmarkId::new("load_back_abort", size), |b| {
+            b.iter(|| {
+                let node = fixed[next % fixed.len()];
+                next += 1;
+                let Ok(Some(record)) = built.cache.load_back(LoadTarget::Node(node), None, None)
+                else {
+                    panic!("nothing to load at a host-only prefix");
+                };
+                built.cache.cancel_load(black_box(record));
+            });
+        });
+        group.bench_function(BenchmarkId::new("load_back_commit", size), |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let node = loop {
+                        if let Some(n) = targets.pop() {
+                            break n;
+                        }
+                        targets = host_targets(&mut built, size);
+                    };
+                    let start = Instant::now();
+                    if let Ok(Some(record)) =
+                        built.cache.load_back(LoadTarget::Node(node), None, None)
+                    {
+                        let id = record.id();
+                        let ok = built.cache.commit_load(record).is_ok()
+                            && built.cache.start(id).is_ok()
+                            && built.cache.complete(id).is_ok();
+                        assert!(ok, "a load-back could not land");
+                    }
+                    timed += start.elapsed();
+                }
+                timed
+            });
+        });
+        group.bench_function(BenchmarkId::new("backup", size), |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let q = prompt(&mut built);
+                    let (id, prefix_len) = admit_acked(&mut built.cache, &q);
+                    let ok = matches!(built.cache.extend(id, &q[prefix_len..]), Ok(Some(_)));
+                    let done = if ok {
+                        built.cache.finish(id)
+                    } else {
+                        built.cache.abort(id)
+                    };
+                    assert!(done.is_ok(), "request could not end");
+                    let start = Instant::now();
+                    complete_all(&mut built.cache);
+                    timed += start.elapsed();
+                }
+                timed
+            });
+        });
+        group.bench_function(BenchmarkId::new("evict_demote", size), |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let start = Instant::now();
+                    black_box(built.cache.evict(LEN, 0));
+                    timed += start.elapsed();
+                    let q = prompt(&mut built);
+                    serve_request(&mut built.cache, &q, &[]);
+                }
+                timed
+            });
+        });
+    }
+    group.finish();
+}
+
+/// Host-only prefixes to load back: the conversations' histories that are (partly) only
+/// on the host; when there are none, a tenth of the device is evicted (demoted) and they
+/// are looked for again.
+///
+/// # Panics
+///
+/// When ten such rounds find none.
+fn host_targets(built: &mut Built, size: usize) -> Vec<NodeId> {
+    for _ in 0..10 {
+        let found = host_only(built);
+        if !found.is_empty() {
+            return found;
+        }
+        built.cache.evict(size / 10, 0);
+        complete_all(&mut built.cache);
+    }
+    panic!("no host-only prefix to load back");
+}
+
+/// The last nodes of the conversations' histories that are (partly) only on the host.
+fn host_only(built: &mut Built) -> Vec<NodeId> {
+    let histories: Vec<Vec<u32>> = built
+        .traffic
+        .histories()
+        .iter()
+        .map(|h| h.1.clone())
+        .collect();
+    histories
+        .iter()
+        .filter_map(|h| {
+            let m = built.cache.match_prefix(None, h);
+            (m.host_len > 0).then_some(m.host_node)
+        })
+        .collect()
+}
+
 /// Times `iters` requests of `LEN` prompt tokens through the request API: admit, extend
 /// by the uncached prompt (checkpointing half-way when `checkpoint`), decode `DECODE`
 /// tokens one by one, finish; every batch is acknowledged (and timed) as it comes.
@@ -210,7 +351,12 @@ fn serve_timed(cache: &mut Cache, prompt: &[u32], answer: &[u32], checkpoint: bo
 /// `criterion_group!` defines an undocumented `pub fn`; a private module keeps it out of
 /// the `missing_docs` lint.
 mod harness {
-    criterion::criterion_group!(benches, super::bench_attention, super::bench_hybrid);
+    criterion::criterion_group!(
+        benches,
+        super::bench_attention,
+        super::bench_hybrid,
+        super::bench_host
+    );
 }
 
 criterion_main!(harness::benches);
