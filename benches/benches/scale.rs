@@ -30,9 +30,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion};
-use radixcache_benches::{
-    admit_acked, complete_all, end_request, prepare, release, serve_request, Built,
-};
+use radixcache_benches::{admit_acked, complete_all, end_request, prepare, release, Built};
 use radixcache_core::{Cache, Config, LoadTarget, NodeId, WritePolicy};
 
 /// Tree sizes measured (cached tokens).
@@ -180,27 +178,27 @@ fn bench_hybrid(criterion: &mut Criterion) {
     group.finish();
 }
 
-/// The host tier at scale: a hybrid cache whose host pool is as large as the device's,
-/// write-through (every cached node is backed up), filled like the others so that the
-/// nodes evicted while filling it were demoted to the host.
+/// The host tier at scale: an attention-only cache whose host pool is as large as the
+/// device's, write-through (every cached node is backed up), filled like the others so
+/// that the nodes evicted while filling it were demoted to the host. (Attention-only so
+/// that every load moves the same [`LOAD`] tokens: a hybrid host match stops at nodes
+/// with a state. The hybrid host path is in `hybrid_request`.)
 ///
-/// * `load_back_abort`: `load_back` of a host-only prefix (a conversation whose history
-///   was demoted), then the guard called off (`cancel_load`): the cost of a load-back
-///   the engine refuses;
+/// * `load_back_abort`: `load_back` of [`LOAD`] host-only tokens (a conversation whose
+///   history was demoted), then the guard called off (`cancel_load`): the cost of a
+///   load-back the engine refuses;
 /// * `load_back_commit`: `load_back`, `commit_load`, and the batch started and completed:
 ///   a load-back that lands (each takes a different prefix; when they run out, an
 ///   untimed eviction of a tenth of the device demotes more);
-/// * `backup`: acknowledging (start, complete) the backup batch a finished request of
-///   `LEN` new tokens emitted (the request itself is served untimed);
+/// * `backup`: acknowledging (start, complete) the backup batch the insert of a new
+///   request emitted (the request itself is served untimed);
 /// * `evict_demote`: `evict` of `LEN` tokens, whose nodes are demoted to the host
 ///   (an untimed request refills the device).
 fn bench_host(criterion: &mut Criterion) {
     let mut group = configure(criterion);
     for size in sizes() {
         let config = Config {
-            mamba_slots: 256,
             host_kv_slots: size,
-            host_mamba_slots: 256,
             write_policy: WritePolicy::WriteThrough,
             ..Config::default()
         };
@@ -249,14 +247,14 @@ fn bench_host(criterion: &mut Criterion) {
                 let mut timed = Duration::ZERO;
                 for _ in 0..iters {
                     let q = prompt(&mut built);
-                    let (id, prefix_len) = admit_acked(&mut built.cache, &q);
-                    let ok = matches!(built.cache.extend(id, &q[prefix_len..]), Ok(Some(_)));
-                    let done = if ok {
-                        built.cache.finish(id)
-                    } else {
-                        built.cache.abort(id)
-                    };
-                    assert!(done.is_ok(), "request could not end");
+                    let p = prepare(&mut built.cache, &q, &[]);
+                    if let Err(e) = built
+                        .cache
+                        .insert(None, &p.tokens, &p.kv_indices, p.owned_from)
+                    {
+                        panic!("insert failed: {e}");
+                    }
+                    release(&mut built.cache, p.lock);
                     let start = Instant::now();
                     complete_all(&mut built.cache);
                     timed += start.elapsed();
@@ -271,8 +269,8 @@ fn bench_host(criterion: &mut Criterion) {
                     let start = Instant::now();
                     black_box(built.cache.evict(LEN, 0));
                     timed += start.elapsed();
-                    let q = prompt(&mut built);
-                    serve_request(&mut built.cache, &q, &[]);
+                    refill(&mut built);
+                    complete_all(&mut built.cache);
                 }
                 timed
             });
@@ -300,7 +298,12 @@ fn host_targets(built: &mut Built, size: usize) -> Vec<NodeId> {
     panic!("no host-only prefix to load back");
 }
 
-/// The last nodes of the conversations' histories that are (partly) only on the host.
+/// Tokens each load-back bench loads from the host.
+const LOAD: usize = 512;
+
+/// Nodes whose path ends with exactly [`LOAD`] host-only tokens, from the
+/// conversations' histories that are partly only on the host (the match that finds one
+/// splits the node there, as a request's would).
 fn host_only(built: &mut Built) -> Vec<NodeId> {
     let histories: Vec<Vec<u32>> = built
         .traffic
@@ -312,7 +315,11 @@ fn host_only(built: &mut Built) -> Vec<NodeId> {
         .iter()
         .filter_map(|h| {
             let m = built.cache.match_prefix(None, h);
-            (m.host_len > 0).then_some(m.host_node)
+            if m.host_len < LOAD {
+                return None;
+            }
+            let cut = built.cache.match_prefix(None, &h[..m.device_len + LOAD]);
+            (cut.host_len == LOAD).then_some(cut.host_node)
         })
         .collect()
 }

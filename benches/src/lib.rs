@@ -385,6 +385,7 @@ impl Built {
                 serve_request(&mut cache, &r.prompt, &r.answer);
             } else {
                 serve(&mut cache, &r.prompt, &r.answer);
+                complete_all(&mut cache); // backups, with a host tier
             }
         }
         Built { cache, traffic }
