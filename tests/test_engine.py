@@ -18,11 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PS = 2  # page size
 
 
-def cache(policy: str = "write_through") -> rc.HybridCache:
+def cache(
+    policy: str = "write_through", *, kv_slots: int = 32, mamba_slots: int = 6
+) -> rc.HybridCache:
     return rc.HybridCache(
-        kv_slots=32,
+        kv_slots=kv_slots,
         page_size=PS,
-        mamba_slots=6,
+        mamba_slots=mamba_slots,
         host_kv_slots=32,
         host_mamba_slots=4,
         write_policy=policy,
@@ -453,14 +455,7 @@ def test_random_interleavings_keep_storage_consistent_with_the_tree(
     """Cache operations, engine runs and injected copy failures in any order: whatever
     the tree says holds prefix P (a match's KV slots and state, a request's) holds P's
     bytes in the storage, and the audit passes, after every step."""
-    c = rc.HybridCache(
-        kv_slots=24,
-        page_size=PS,
-        mamba_slots=5,
-        host_kv_slots=32,
-        host_mamba_slots=4,
-        write_policy=policy,
-    )
+    c = cache(policy, kv_slots=24, mamba_slots=5)
     s = sv.ChecksumModel.storage_for(c)
     model = sv.ChecksumModel(c, s)
     engine = sv.FaultyEngine(c, s, failure_rate, seed)

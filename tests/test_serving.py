@@ -663,3 +663,13 @@ def test_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per operation" in out
     assert "numpy" in out
     assert cli.main(["bench", "--workload", "nope"]) == 2
+
+
+def test_a_scheduler_that_cannot_progress_says_so() -> None:
+    """A bug that stalls every request is reported, not looped on forever."""
+    cache = rc.HybridCache(kv_slots=1024)
+    sched = sv.Scheduler(cache, sv.InstantEngine(cache))
+    sched.add(jobs_of([1, 2, 3]))
+    sched._admit = lambda: None  # type: ignore[method-assign]  # nothing is ever admitted
+    with pytest.raises(RuntimeError, match=r"^no progress in 1000 steps: 1 waiting, 0 running"):
+        sched.run()

@@ -30,7 +30,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion};
-use radixcache_benches::{admit_acked, complete_all, end_request, prepare, release, Built};
+use radixcache_benches::{admit_acked, complete_all, end_request, prepare, release, serve, Built};
 use radixcache_core::{Cache, Config, LoadTarget, NodeId, WritePolicy};
 
 /// Tree sizes measured (cached tokens).
@@ -70,17 +70,24 @@ fn prompt(built: &mut Built) -> Vec<u32> {
     built.new_request(0, LEN.saturating_sub(system))
 }
 
-/// Serves a new `LEN`-token request through the low-level path (refills the pool).
+/// Serves a new `LEN`-token request through the low-level path, acknowledging any
+/// backup it emits (refills the pool after an eviction).
 fn refill(built: &mut Built) {
     let q = prompt(built);
-    let p = prepare(&mut built.cache, &q, &[]);
-    if let Err(e) = built
-        .cache
-        .insert(None, &p.tokens, &p.kv_indices, p.owned_from)
-    {
-        panic!("insert failed: {e}");
+    serve(&mut built.cache, &q, &[]);
+    complete_all(&mut built.cache);
+}
+
+/// Times `iters` evictions of `LEN` tokens, each followed by an untimed [`refill`].
+fn timed_evictions(built: &mut Built, iters: u64) -> Duration {
+    let mut timed = Duration::ZERO;
+    for _ in 0..iters {
+        let start = Instant::now();
+        black_box(built.cache.evict(LEN, 0));
+        timed += start.elapsed();
+        refill(built);
     }
-    release(&mut built.cache, p.lock);
+    timed
 }
 
 fn bench_attention(criterion: &mut Criterion) {
@@ -116,16 +123,7 @@ fn bench_attention(criterion: &mut Criterion) {
             });
         });
         group.bench_function(BenchmarkId::new("evict", size), |b| {
-            b.iter_custom(|iters| {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let start = Instant::now();
-                    black_box(built.cache.evict(LEN, 0));
-                    timed += start.elapsed();
-                    refill(&mut built);
-                }
-                timed
-            });
+            b.iter_custom(|iters| timed_evictions(&mut built, iters));
         });
         let cached = queries[0].clone();
         group.bench_function(BenchmarkId::new("lock_unlock", size), |b| {
@@ -247,14 +245,7 @@ fn bench_host(criterion: &mut Criterion) {
                 let mut timed = Duration::ZERO;
                 for _ in 0..iters {
                     let q = prompt(&mut built);
-                    let p = prepare(&mut built.cache, &q, &[]);
-                    if let Err(e) = built
-                        .cache
-                        .insert(None, &p.tokens, &p.kv_indices, p.owned_from)
-                    {
-                        panic!("insert failed: {e}");
-                    }
-                    release(&mut built.cache, p.lock);
+                    serve(&mut built.cache, &q, &[]);
                     let start = Instant::now();
                     complete_all(&mut built.cache);
                     timed += start.elapsed();
@@ -263,17 +254,7 @@ fn bench_host(criterion: &mut Criterion) {
             });
         });
         group.bench_function(BenchmarkId::new("evict_demote", size), |b| {
-            b.iter_custom(|iters| {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let start = Instant::now();
-                    black_box(built.cache.evict(LEN, 0));
-                    timed += start.elapsed();
-                    refill(&mut built);
-                    complete_all(&mut built.cache);
-                }
-                timed
-            });
+            b.iter_custom(|iters| timed_evictions(&mut built, iters));
         });
     }
     group.finish();

@@ -16,7 +16,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -219,25 +218,21 @@ class _BenchScheduler(Scheduler):
         self.cache.close_finished()
 
 
-@dataclass
-class _Rss:
-    base_kb: int
+def _rss_kb() -> int:
+    """Return the process's resident memory now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
-    @staticmethod
-    def now_kb() -> int:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
 
-    @staticmethod
-    def peak_kb() -> int:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak // 1024 if sys.platform == "darwin" else peak
+def _peak_rss_kb() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak
 
 
 def _pct(values: Sequence[int], q: float) -> float:
@@ -260,7 +255,7 @@ def bench(
         process, before and after the cache was built), and the workload's counts.
     """
     config = config or ReplayConfig()
-    rss = _Rss(_Rss.now_kb())
+    base_kb = _rss_kb()
     cache = config.cache()
     timed = TimedCache(cache)
     sched = _BenchScheduler(
@@ -305,6 +300,6 @@ def bench(
         "retractions": c.retractions,
         "retracted_us": timed.aborted_ns / 1e3,
         "ops": ops,
-        "peak_rss_mb": _Rss.peak_kb() / 1024,
-        "rss_growth_mb": max(0, _Rss.now_kb() - rss.base_kb) / 1024,
+        "peak_rss_mb": _peak_rss_kb() / 1024,
+        "rss_growth_mb": max(0, _rss_kb() - base_kb) / 1024,
     }

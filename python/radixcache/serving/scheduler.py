@@ -122,48 +122,45 @@ class FaultyEngine(TransferEngine):
         self.rate = rate
         self.rng = random.Random(seed)
         self.injected = dict.fromkeys(("refused", "copy_failed", "failed_late", "reordered"), 0)
-        self._late: set[int] = set()
-        self._after_commit: set[int] = set()
+        self._fail_copies: set[int] = set()
+        self._fail_after_commit: set[int] = set()
 
-    def _draw(self, points: Sequence[str]) -> str | None:
+    def _inject(self, batch: TransferBatch, points: Sequence[str]) -> str | None:
+        """Draw a failure point for `batch`: raise a refusal, or mark its copies to fail."""
         if self.rate == 0.0 or self.rng.random() >= self.rate:
             return None
         point = self.rng.choice(points)
         self.injected[point] += 1
+        if point == "refused":
+            raise Refused(f"batch {batch.id} ({batch.kind}) refused")
+        if point == "copy_failed":
+            self._fail_copies.add(batch.id)
         return point
 
     def run(self, batch: TransferBatch) -> bool:
         """As `TransferEngine.run`, with injected refusals and copy failures."""
-        point = self._draw(("refused", "copy_failed"))
-        if point == "refused":
-            raise Refused(f"batch {batch.id} ({batch.kind}) refused")
-        if point == "copy_failed":
-            self._late.add(batch.id)
+        self._inject(batch, ("refused", "copy_failed"))
         return super().run(batch)
 
     def submit(self, batch: TransferBatch) -> None:
         """As `TransferEngine.submit`, with every kind of injected failure."""
-        point = self._draw(("refused", "copy_failed", "failed_late", "reordered"))
-        if point == "refused":
-            raise Refused(f"batch {batch.id} ({batch.kind}) refused")
-        if point == "copy_failed":
-            self._late.add(batch.id)
+        point = self._inject(batch, ("refused", "copy_failed", "failed_late", "reordered"))
         super().submit(batch)
         if point == "failed_late":
-            self._after_commit.add(batch.id)
+            self._fail_after_commit.add(batch.id)
         elif point == "reordered" and len(self._in_flight) > 1:
             self._in_flight.insert(0, self._in_flight.pop())
 
     def copy_batch(self, batch: TransferBatch) -> None:
         """Fail the copies of a batch drawn for it; run the others."""
-        if batch.id in self._late:
-            self._late.discard(batch.id)
+        if batch.id in self._fail_copies:
+            self._fail_copies.discard(batch.id)
             raise CopyFailed(f"injected failure of batch {batch.id} ({batch.kind})")
         super().copy_batch(batch)
 
     def poll(self) -> list[TransferBatch]:
         """As `TransferEngine.poll`; a batch drawn to fail late fails here."""
-        late = self._after_commit
+        late = self._fail_after_commit
         ended: list[TransferBatch] = []
         keep = []
         for f in self._in_flight:
