@@ -356,6 +356,38 @@ class HybridMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(r.live for r in self.reqs))
     @rule(data=st.data())
+    def decode_step(self, data: st.DataObject) -> None:
+        """``extend_batch``: one token each for some live requests, all or nothing."""
+        live = [r for r in self.reqs if r.live]
+        picked = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique_by=id))
+        toks = data.draw(st.lists(st.integers(0, 3), min_size=len(picked), max_size=len(picked)))
+        handles = [r.handle for r in picked]
+        before = fingerprint(self.cache)
+        refused = self.cache.stats()["extends_refused"]
+        slots_before = [h.mamba_slot for h in handles if h is not None]
+        got = self.cache.extend_batch(handles, toks)  # type: ignore[arg-type]
+        if got is None:
+            assert fingerprint(self.cache) == before, "a refused step took or evicted something"
+            assert self.cache.stats()["extends_refused"] == refused + 1
+            assert [h.mamba_slot for h in handles if h is not None] == slots_before
+            return
+        assert len(got) == len(picked)
+        for r, slot, t, old in zip(picked, got, toks, slots_before):
+            h = r.handle
+            assert h is not None
+            assert h.mamba_slot is not None
+            if old is not None:
+                assert h.mamba_slot == old
+            hashes = hashes_of(r.ns, [*r.tokens, t])
+            if r.tokens:
+                assert self.mamba_mem[old] == hashes[-2], "request state overwritten"
+            self.kv_mem[slot] = hashes[-1]
+            self.mamba_mem[h.mamba_slot] = hashes[-1]
+            r.tokens = [*r.tokens, t]
+            assert list(h.tokens) == r.tokens
+
+    @precondition(lambda self: any(r.live for r in self.reqs))
+    @rule(data=st.data())
     def checkpoint(self, data: st.DataObject) -> None:
         self.do_checkpoint(self.pick(data))
 

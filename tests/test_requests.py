@@ -329,6 +329,101 @@ def test_extend_refused_when_kv_is_full_takes_nothing() -> None:
     c.audit()
 
 
+def test_extend_batch_gives_each_request_what_extend_would() -> None:
+    batched, single = hybrid(page_size=4), hybrid(page_size=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8]]
+    reqs_b = [served(batched, p) for p in prompts]
+    reqs_s = [served(single, p) for p in prompts]
+    for step in range(6):
+        toks = [10 * step + i for i in range(len(prompts))]
+        got = batched.extend_batch(reqs_b, toks if step % 2 else np.array(toks, np.uint32))
+        assert got is not None
+        assert got.dtype == np.int64
+        want = [single.extend(r, [t]) for r, t in zip(reqs_s, toks)]
+        np.testing.assert_array_equal(got, np.concatenate(want))  # type: ignore[arg-type]
+    for rb, rs in zip(reqs_b, reqs_s):
+        np.testing.assert_array_equal(rb.tokens, rs.tokens)
+        np.testing.assert_array_equal(rb.kv_indices, rs.kv_indices)
+        assert rb.mamba_slot == rs.mamba_slot
+    assert batched.stats()["extends"] == single.stats()["extends"]
+    assert batched.extend_batch([], []) is not None  # an empty step: nothing to give
+    for c, reqs in ((batched, reqs_b), (single, reqs_s)):
+        for r in reqs:
+            c.finish(r)
+        c.audit()
+    assert fingerprint(batched) == fingerprint(single)
+
+
+def test_extend_batch_gives_a_state_to_a_request_without_one() -> None:
+    c = hybrid(page_size=1, mamba_slots=4)
+    r = admitted(c, [1, 2])
+    assert r.mamba_slot is None
+    got = c.extend_batch([r], [1])
+    assert got is not None
+    assert r.mamba_slot is not None
+    c.finish(r)
+    c.audit()
+
+
+def test_extend_batch_refused_takes_nothing_from_any_request() -> None:
+    c = hybrid(kv_slots=8, page_size=4, mamba_slots=4)
+    a, b = admitted(c, []), admitted(c, [])
+    assert c.extend(a, [1, 2, 3, 4]) is not None  # a full page: the next token needs one
+    assert c.extend(b, [5, 6, 7]) is not None  # room for one more in its page
+    before = fingerprint(c)
+    stats = c.stats()
+    tokens = b.tokens.copy()
+    assert c.extend_batch([b, a], [8, 5]) is None
+    assert fingerprint(c) == before
+    np.testing.assert_array_equal(b.tokens, tokens)
+    after = c.stats()
+    assert after["extends_refused"] == stats["extends_refused"] + 1
+    assert after["extends"] == stats["extends"]
+    assert c.extend_batch([b], [8]) is not None
+    c.abort(a)
+    c.abort(b)
+    assert full(c)
+    c.audit()
+
+
+def test_extend_batch_errors_name_the_argument_and_change_nothing() -> None:
+    c, other = hybrid(), hybrid()
+    a, b = served(c, [1, 2]), served(c, [3, 4])
+    foreign = admitted(other, [1])
+    before = fingerprint(c)
+    stats = c.stats()
+    with pytest.raises(ValueError, match=r"^tokens: 1 tokens for 2 requests"):
+        c.extend_batch([a, b], [1])
+    with pytest.raises(ValueError, match=r"^requests: request .* appears twice"):
+        c.extend_batch([a, b, a], [1, 2, 3])
+    with pytest.raises(ValueError, match=r"^tokens: token id"):
+        c.extend_batch([a, b], [1, -1])
+    with pytest.raises(TypeError, match=r"^requests: expected Request items, got str"):
+        c.extend_batch([a, "b"], [1, 2])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^requests: expected a sequence"):
+        c.extend_batch(None, [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^tokens:"):
+        c.extend_batch([a], [1.5])
+    with pytest.raises(rc.CacheError, match="belongs to another cache"):
+        c.extend_batch([a, foreign], [1, 2])
+    assert fingerprint(c) == before
+    assert c.stats() == stats
+    ended = served(c, [5])
+    c.finish(ended)
+    before = fingerprint(c)
+    stats = c.stats()
+    with pytest.raises(rc.CacheError):
+        c.extend_batch([a, ended], [1, 2])
+    assert fingerprint(c) == before
+    assert c.stats() == stats
+    assert a.live
+    assert b.live
+    for r in (a, b):
+        c.abort(r)
+    other.abort(foreign)
+    c.audit()
+
+
 def test_extend_evicts_unlocked_cache_when_short() -> None:
     c = hybrid(kv_slots=16, page_size=4, mamba_slots=4)
     cached(c, list(range(12)))

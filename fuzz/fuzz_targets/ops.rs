@@ -29,7 +29,7 @@
 
 #![no_main]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
@@ -195,6 +195,11 @@ enum Op {
         n: u8,
         tail: Vec<u8>,
     },
+    /// A decode step over the requests `reqs` picks (repeats included: refused).
+    ExtendBatch {
+        reqs: Vec<u8>,
+        short: bool,
+    },
     Checkpoint {
         req: u8,
     },
@@ -282,6 +287,7 @@ enum Kind {
     EvictHost,
     Admit,
     Extend,
+    ExtendBatch,
     Checkpoint,
     Finish,
     Abort,
@@ -297,7 +303,7 @@ enum Kind {
     Foreign,
 }
 
-const WEIGHTS: [(Kind, u8); 26] = [
+const WEIGHTS: [(Kind, u8); 27] = [
     (Kind::Match, 5),
     (Kind::Insert, 10),
     (Kind::AllocKv, 2),
@@ -324,6 +330,7 @@ const WEIGHTS: [(Kind, u8); 26] = [
     (Kind::Reap, 1),
     (Kind::Report, 1),
     (Kind::Foreign, 1),
+    (Kind::ExtendBatch, 3),
 ];
 
 fn kind_of(k: u8) -> Kind {
@@ -391,6 +398,10 @@ impl<'a> Arbitrary<'a> for Op {
                 req: u.arbitrary()?,
                 n: u.arbitrary()?,
                 tail: u.arbitrary()?,
+            },
+            Kind::ExtendBatch => Op::ExtendBatch {
+                reqs: u.arbitrary()?,
+                short: u8::arbitrary(u)? % 8 == 0,
             },
             Kind::Checkpoint => Op::Checkpoint {
                 req: u.arbitrary()?,
@@ -1067,6 +1078,25 @@ impl H {
         }
     }
 
+    fn do_extend_batch(&mut self, picks: &[u8], short: bool) {
+        let ids: Vec<RequestId> = picks.iter().take(8).filter_map(|&p| self.req(p)).collect();
+        let mut toks: Vec<u32> = picks.iter().take(ids.len()).map(|&b| tok(b)).collect();
+        if short {
+            toks.pop();
+        }
+        let distinct = ids.iter().collect::<HashSet<_>>().len() == ids.len();
+        let r = self.c.extend_batch(&ids, &toks);
+        if !distinct || short && !ids.is_empty() {
+            // Refused as malformed, or first as naming a request that ended.
+            assert!(
+                matches!(r, Err(Error::InvalidArgument { .. } | Error::Request(_))),
+                "a malformed decode step was not refused: {r:?}"
+            );
+        } else if let Some(Some(slots)) = allowed(r) {
+            assert_eq!(slots.len(), ids.len(), "extend_batch slots");
+        }
+    }
+
     fn batch_id(&self, which: u8, pick: u8) -> BatchId {
         let cache = u128::from(self.c.id().get());
         let forged = |cache: u128| {
@@ -1351,6 +1381,7 @@ impl H {
                 }
             }
             Op::Extend { req, n, tail } => self.do_extend(*req, *n, tail),
+            Op::ExtendBatch { reqs, short } => self.do_extend_batch(reqs, *short),
             Op::Checkpoint { req } => {
                 if let Some(id) = self.req(*req) {
                     if allowed(self.c.checkpoint(id)).is_some() {

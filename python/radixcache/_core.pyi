@@ -554,6 +554,21 @@ class HybridCache:
         The request's last partial page is filled first. Returns the new tokens'
         slots, or None (nothing taken) when they cannot be had even after eviction.
         """
+    def extend_batch(
+        self, requests: Sequence[Request], tokens: _Tokens
+    ) -> npt.NDArray[np.int64] | None:
+        """Extend each request by one token (``tokens[i]`` for ``requests[i]``): a decode step.
+
+        Each request gets what ``extend(requests[i], [tokens[i]])`` would give it, in
+        one call. All or nothing: returns one KV slot per request, in order, or None
+        (nothing taken) when the whole step cannot be had even after eviction.
+
+        Raises:
+            ValueError: ``tokens`` is not one per request, or ``requests`` names a
+                request twice.
+            TypeError: ``requests`` holds something that is not a `Request`.
+            CacheError: A request has ended or belongs to another cache.
+        """
     def checkpoint(self, request: Request) -> None:
         """Cache what the request holds so far (chunked prefill).
 

@@ -129,6 +129,13 @@ enum Op {
         n: usize,
         tail: Vec<u32>,
     },
+    /// A decode step: one token each for the requests `picks` select (`fault` 1: one of
+    /// them twice, 2: one token short; both refused with nothing changed).
+    ExtendBatch {
+        picks: Vec<usize>,
+        seed: u32,
+        fault: u8,
+    },
     Checkpoint {
         pick: usize,
         take: bool,
@@ -281,6 +288,12 @@ fn op() -> impl Strategy<Value = Op> {
                 n,
                 tail
             }),
+        8 => (
+            prop::collection::vec(any::<usize>(), 1..=4),
+            any::<u32>(),
+            prop_oneof![8 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)]
+        )
+            .prop_map(|(picks, seed, fault)| Op::ExtendBatch { picks, seed, fault }),
         6 => (any::<usize>(), any::<bool>()).prop_map(|(pick, take)| Op::Checkpoint { pick, take }),
         7 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
         4 => (any::<usize>(), any::<bool>()).prop_map(|(pick, dropped)| Op::Abort { pick, dropped }),
@@ -1810,6 +1823,111 @@ impl Machine {
         }
     }
 
+    /// `extend_batch`: one token for each picked request, all or nothing, each as
+    /// `extend` would give it (the last partial page first, a state if it has none).
+    fn do_extend_batch(&mut self, picks: &[usize], seed: u32, fault: u8) {
+        if self.m.reqs.is_empty() {
+            return self.do_take();
+        }
+        let ps = self.m.ps;
+        let mut idx: Vec<usize> = vec![];
+        for p in picks {
+            let i = p % self.m.reqs.len();
+            if !idx.contains(&i) && self.m.reqs[i].tokens.len() < MAX_REQUEST {
+                idx.push(i);
+            }
+        }
+        if idx.is_empty() {
+            return self.check();
+        }
+        let mut ids: Vec<RequestId> = idx.iter().map(|&i| self.m.reqs[i].id).collect();
+        let mut toks: Vec<u32> = (0..ids.len()).map(|j| (seed >> j) % 4).collect();
+        if fault > 0 {
+            if fault == 1 {
+                ids.push(ids[0]);
+                toks.push(0);
+            } else {
+                toks.pop();
+            }
+            let before = self.frozen();
+            let r = self.cache.extend_batch(&ids, &toks);
+            assert!(
+                matches!(r, Err(Error::InvalidArgument { .. })),
+                "a malformed decode step was not refused: {r:?}"
+            );
+            assert_eq!(
+                self.frozen(),
+                before,
+                "a refused decode step changed something"
+            );
+            return self.check();
+        }
+        let mut need = 0;
+        let mut states = 0;
+        for &i in &idx {
+            let q = &self.m.reqs[i];
+            need += (q.tokens.len() - q.prefix_len + 1).div_ceil(ps) - q.own.len();
+            states += usize::from(q.mamba.is_none());
+        }
+        let free = self.m.free_kv();
+        let free_m = self.m.slots_in(PageState::Free);
+        let pinned = self.m.pinned();
+        let kv_ok = need == 0 || free.len() + self.m.unlocked_pages() >= need;
+        let st_ok =
+            states == 0 || free_m.len() + self.m.state_victims(None, Some(states)).len() >= states;
+        let r = self.cache.extend_batch(&ids, &toks).unwrap();
+        let removed = self.absorb(&[], false);
+        assert_eq!(
+            r.is_some(),
+            kv_ok && st_ok,
+            "extend_batch({ids:?}, {toks:?})"
+        );
+        if r.is_none() || (free.len() >= need && free_m.len() >= states) {
+            assert!(removed.is_empty(), "extend_batch evicted needlessly");
+        }
+        let Some(slots) = r else {
+            return self.check();
+        };
+        assert_eq!(slots.len(), idx.len());
+        let mut given: Vec<i64> = vec![];
+        for ((&i, &slot), &tok) in idx.iter().zip(&slots).zip(&toks) {
+            let q = &mut self.m.reqs[i];
+            let pos = q.tokens.len() - q.prefix_len;
+            if pos / ps == q.own.len() {
+                let p = slot.div_euclid(i64_of(ps));
+                assert!(
+                    free.contains(&p) || removed.pages.contains(&p),
+                    "extend_batch gave page {p}, neither free nor evicted"
+                );
+                assert!(!given.contains(&p), "extend_batch gave page {p} twice");
+                given.push(p);
+                q.own.push(p);
+            }
+            assert_eq!(
+                slot,
+                q.own[pos / ps] * i64_of(ps) + i64_of(pos % ps),
+                "extend_batch slot {slot} (the last partial page first)"
+            );
+            q.tokens.push(tok);
+            if q.mamba.is_none() {
+                let id = q.id;
+                let state = self
+                    .cache
+                    .request(id)
+                    .unwrap()
+                    .mamba_slot
+                    .expect("extend_batch gives a state slot");
+                assert!(
+                    free_m.contains(&state)
+                        || (removed.states.contains(&state) && !pinned.contains(&state)),
+                    "extend_batch gave state slot {state}, neither free nor evicted"
+                );
+                self.m.reqs[i].mamba = Some(state);
+            }
+        }
+        self.check();
+    }
+
     /// The one state slot owned by neither a request nor a known batch: a new copy's.
     fn new_owned_state(&self) -> u32 {
         let known: HashSet<u32> = self
@@ -1984,6 +2102,7 @@ impl Machine {
                 n,
                 tail,
             } => self.do_extend(*pick, *from_prompt, *at_branch, *n, tail),
+            Op::ExtendBatch { picks, seed, fault } => self.do_extend_batch(picks, *seed, *fault),
             Op::Checkpoint { pick, take } => self.do_checkpoint(*pick, *take),
             Op::Finish { pick } => self.do_finish(*pick),
             // A dropped handle aborts through the same call.

@@ -387,6 +387,36 @@ impl PyHybridCache {
         Ok(r.map(|v| array(py, v)))
     }
 
+    /// A decode step: one token for each request, one KV slot each; None if full.
+    fn extend_batch(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Py<PyArray1<i64>>>> {
+        let ids = requests
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("requests: expected a sequence of Request"))?
+            .map(|item| {
+                let item = item?;
+                let req = item.cast::<PyRequest>().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "requests: expected Request items, got {}",
+                        item.get_type()
+                            .name()
+                            .map_or_else(|_| "?".into(), |n| n.to_string())
+                    ))
+                })?;
+                self.request_id(req)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let r = run(py, &self.inner, tokens.len(), |c| {
+            c.extend_batch(&ids, &tokens)
+        })?;
+        Ok(r.map(|v| array(py, v)))
+    }
+
     /// Cache what the request holds so far; forks its state for the tree.
     fn checkpoint(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
         let id = self.request_id(request)?;

@@ -462,6 +462,96 @@ fn extend_that_cannot_get_slots_takes_nothing() {
 }
 
 #[test]
+fn extend_batch_gives_each_request_its_next_slot_as_extend_would() {
+    let mut c = hybrid(64, 4, 4);
+    let a = c.admit(None, &[1, 2, 3]).unwrap();
+    let b = c.admit(None, &[9]).unwrap();
+    let a_slots = c.extend(a, &[1, 2, 3]).unwrap().unwrap();
+    c.extend(b, &[9, 8, 7, 6]).unwrap().unwrap();
+    // `a` fills its last page; `b`'s page is full, so it gets a new one.
+    let got = c.extend_batch(&[a, b], &[4, 5]).unwrap().unwrap();
+    assert_eq!(got[0], a_slots[2] + 1);
+    let b_kv = c.request_kv_indices(b).unwrap();
+    assert_eq!(b_kv.len(), 5);
+    assert_eq!(got[1], b_kv[4]);
+    assert_eq!(got[1] % 4, 0, "a new page starts at its first slot");
+    assert_eq!(c.request_tokens(a).unwrap(), vec![1, 2, 3, 4]);
+    assert_eq!(c.request_tokens(b).unwrap(), vec![9, 8, 7, 6, 5]);
+    // A request without a state gets one, as with `extend`.
+    let d = c.admit(None, &[5]).unwrap();
+    assert_eq!(c.request(d).unwrap().mamba_slot, None);
+    c.extend_batch(&[d], &[5]).unwrap().unwrap();
+    assert!(c.request(d).unwrap().mamba_slot.is_some());
+    assert_eq!(c.stats.extends, 5);
+    for r in [a, b, d] {
+        c.finish(r).unwrap();
+    }
+    c.audit().unwrap();
+}
+
+#[test]
+fn extend_batch_is_all_or_nothing() {
+    // Two pages: `a` holds one, `b` the other; both need a new page and none can be had.
+    let mut c = hybrid(8, 4, 4);
+    let a = c.admit(None, &[1]).unwrap();
+    c.extend(a, &[1, 2, 3, 4]).unwrap().unwrap();
+    let b = c.admit(None, &[2]).unwrap();
+    c.extend(b, &[2, 3, 4]).unwrap().unwrap();
+    let before = (
+        c.kv_counts(),
+        c.mamba_counts(),
+        c.request_tokens(b).unwrap(),
+    );
+    // `b` alone would fit in its last page, `a` would not: nothing is given to either.
+    assert_eq!(c.extend_batch(&[b, a], &[5, 5]).unwrap(), None);
+    assert_eq!(
+        (
+            c.kv_counts(),
+            c.mamba_counts(),
+            c.request_tokens(b).unwrap()
+        ),
+        before
+    );
+    assert_eq!(c.stats.extends_refused, 1);
+    c.extend_batch(&[b], &[5]).unwrap().unwrap();
+    c.abort(a).unwrap();
+    c.abort(b).unwrap();
+    assert!(full(&c));
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_malformed_extend_batch_is_refused_naming_the_argument() {
+    let mut c = hybrid(64, 4, 4);
+    let a = c.admit(None, &[1]).unwrap();
+    let b = c.admit(None, &[2]).unwrap();
+    let before = (c.kv_counts(), c.mamba_counts());
+    let short = c.extend_batch(&[a, b], &[1]);
+    assert!(
+        matches!(short, Err(Error::InvalidArgument { arg: "tokens", .. })),
+        "{short:?}"
+    );
+    let twice = c.extend_batch(&[a, b, a], &[1, 2, 3]);
+    assert!(
+        matches!(
+            twice,
+            Err(Error::InvalidArgument {
+                arg: "requests",
+                ..
+            })
+        ),
+        "{twice:?}"
+    );
+    c.finish(b).unwrap();
+    let stale = c.extend_batch(&[a, b], &[1, 2]);
+    assert!(matches!(stale, Err(Error::Request(_))), "{stale:?}");
+    assert_eq!((c.kv_counts(), c.mamba_counts()), before);
+    assert_eq!(c.request_tokens(a).unwrap(), Vec::<u32>::new());
+    c.abort(a).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
 fn a_dropped_request_handle_gives_everything_back() {
     let cache = HybridCache::new(Config {
         mamba_slots: 2,

@@ -269,6 +269,88 @@ impl Cache {
         Ok(Some(slots))
     }
 
+    /// A decode step: one token for each of `ids` (`tokens[i]` for `ids[i]`), as `extend`
+    /// would give each, in one call. All or nothing: it returns one KV slot per request,
+    /// in order, or `None` (nothing taken, nothing evicted) when the whole step cannot be
+    /// had even after eviction. A request may appear once.
+    pub fn extend_batch(&mut self, ids: &[RequestId], tokens: &[u32]) -> Result<Option<Vec<i64>>> {
+        if ids.len() != tokens.len() {
+            return Err(Error::arg(
+                "tokens",
+                format!(
+                    "{} tokens for {} requests: a decode step takes one token per request",
+                    tokens.len(),
+                    ids.len()
+                ),
+            ));
+        }
+        let ps = self.page_size();
+        let hybrid = self.is_hybrid();
+        // Pages each request needs (0 while its last page has room), and states wanted.
+        let mut needs = Vec::with_capacity(ids.len());
+        let mut states = 0;
+        for id in ids {
+            let r = self.request_ref(*id)?;
+            let own = r.tokens.len() - r.prefix_len;
+            needs.push((own + 1).div_ceil(ps) - r.kv.len());
+            states += usize::from(hybrid && r.mamba.is_none());
+        }
+        // Every id is this cache's (checked above), so the slot alone tells them apart.
+        let mut slots_seen: Vec<_> = ids.iter().map(|id| id.slot).collect();
+        slots_seen.sort_unstable();
+        if let Some(w) = slots_seen.windows(2).find(|w| w[0] == w[1]) {
+            let dup = RequestId {
+                cache: self.id(),
+                slot: w[0],
+            };
+            return Err(Error::arg(
+                "requests",
+                format!("request {dup} appears twice in one decode step"),
+            ));
+        }
+        let need: usize = needs.iter().sum();
+        // As in `extend`: both checked first, states before KV.
+        if !self.kv_available(need) || !self.states_available(states) {
+            self.stats.extends_refused += 1;
+            return Ok(None);
+        }
+        let mut new_states = Vec::with_capacity(states);
+        for _ in 0..states {
+            let Some(s) = self.alloc_state() else {
+                // The states taken so far go back to the pool as `new_states` drops.
+                self.stats.extends_refused += 1;
+                return Ok(None);
+            };
+            new_states.push(s);
+        }
+        let mut pages = if need > 0 {
+            let Some(p) = self.alloc_pages(need) else {
+                self.stats.extends_refused += 1;
+                return Ok(None);
+            };
+            p
+        } else {
+            self.pools.kv.empty()
+        }
+        .into_run();
+        let mut slots = Vec::with_capacity(ids.len());
+        for ((id, &token), n) in ids.iter().zip(tokens).zip(needs) {
+            let r = self.request_mut(*id)?;
+            if n > 0 {
+                r.kv.append(pages.take(n));
+            }
+            if r.mamba.is_none() {
+                r.mamba = new_states.pop();
+            }
+            let q = r.tokens.len() - r.prefix_len;
+            r.tokens.push(token);
+            let page = r.kv.pages()[q / ps];
+            slots.push(i64::from(page) * crate::pool::as_i64(ps) + crate::pool::as_i64(q % ps));
+        }
+        self.stats.extends += ids.len() as u64;
+        Ok(Some(slots))
+    }
+
     /// Caches what the request holds so far (chunked prefill): inserts its whole pages,
     /// moves its lock to the new end node, and (with Mamba layers, at a page-aligned
     /// length) gives the tree a copy of the request's state through a `cow` batch. The
