@@ -158,6 +158,9 @@ def test_gsp_has_the_bench_serving_shape() -> None:
     small = sv.gsp(40)
     assert len(small) == 40
     assert len({j.prompt[:2048].tobytes() for j in small}) <= 3
+    big = sv.gsp(2000)  # more requests than the default groups hold: more groups
+    assert len(big) == 2000
+    assert len({j.prompt[:2048].tobytes() for j in big}) == 125
 
 
 def test_multiturn_rounds_extend_the_previous_prompt_and_output() -> None:
@@ -327,12 +330,14 @@ def jobs_of(*prompts: list[int], out: int = 3) -> list[Job]:
     ]
 
 
-def test_a_chunk_stops_at_the_branch_point_and_the_state_there_is_reused() -> None:
+@pytest.mark.parametrize("branch", [True, False])
+def test_a_chunk_stops_at_the_branch_point_and_the_state_there_is_reused(branch: bool) -> None:
     system = list(range(100, 164))
     jobs = jobs_of(system + [1] * 40, system + [2] * 40, system + [3] * 40)
     cache = rc.HybridCache(kv_slots=1024, mamba_slots=8)
     model, storage = model_for(cache)
-    sched = sv.Scheduler(cache, rc.TransferEngine(cache, storage), model, max_running=1)
+    engine = rc.TransferEngine(cache, storage)
+    sched = sv.Scheduler(cache, engine, model, max_running=1, branch_checkpoints=branch)
     hits: list[tuple[int, int]] = []
     real_admit = cache.admit
 
@@ -351,8 +356,9 @@ def test_a_chunk_stops_at_the_branch_point_and_the_state_there_is_reused() -> No
     sched.run()
     # The first request cannot know the branch point; the second finds the KV of the
     # system prompt but no state there (kv_len = 64), cuts its prefill at 64 and
-    # checkpoints; the third reuses the state at the branch point.
-    assert hits == [(0, 0), (0, 64), (64, 64)]
+    # checkpoints; the third reuses the state at the branch point. Without branch
+    # checkpoints nobody stops there, and the third request recomputes the prefix.
+    assert hits == ([(0, 0), (0, 64), (64, 64)] if branch else [(0, 0), (0, 64), (0, 64)])
     assert model.mismatches == 0
     assert model.samples == 9
     cache.audit()
@@ -489,15 +495,17 @@ def test_the_oracle_catches_a_broken_engine(engine: type, policy: str) -> None:
     cfg = small(write_policy=policy, page_size=16)
     cache = cfg.cache()
     model, storage = model_for(cache)
+    # 300 requests: enough load-backs under every policy that one lands on slots a
+    # queued step still reads (with 200, write-back's 17 happen not to).
     sched = cfg.scheduler(cache, engine(cache, storage), model)
-    sched.add(sv.mixed(200))
+    sched.add(sv.mixed(300))
     sched.run()
     assert model.mismatches > 0
     # The same replay with the real engine is exact.
     cache = cfg.cache()
     model, storage = model_for(cache)
     sched = cfg.scheduler(cache, rc.TransferEngine(cache, storage), model)
-    sched.add(sv.mixed(200))
+    sched.add(sv.mixed(300))
     sched.run()
     assert model.mismatches == 0
 
@@ -634,10 +642,42 @@ def test_bench_makes_the_replays_cache_calls_and_times_every_one() -> None:
         assert r["ops"][op]["calls"] > 0, op
         assert 0 < r["ops"][op]["p50_us"] <= r["ops"][op]["p99_us"]
     assert r["ops"]["admit"]["calls"] == len(MIXED) + r["retractions"]
+    # Decode steps go to the cache as one extend_batch each.
+    assert r["ops"]["extend_batch"]["calls"] > 0
+    assert r["pools_full_at_end"] is True
+    assert "per_request_us" not in r
     assert sum(o["share"] for o in r["ops"].values()) == pytest.approx(1.0)
     assert r["ns_per_prompt_token"] == pytest.approx(r["cache_seconds"] * 1e9 / r["prompt_tokens"])
     assert 0 < r["us_per_request"] <= r["p99_us"]
     assert r["cache_seconds"] < r["wall_seconds"]
+
+
+def test_bench_samples_are_each_finished_requests_cache_time() -> None:
+    from radixcache.serving.bench import bench
+
+    r = bench(MIXED, small(host_kv_slots=0), samples=True)
+    per = r["per_request_us"]
+    assert len(per) == r["requests"]
+    assert min(per) > 0
+    assert sorted(per)[len(per) // 2] == pytest.approx(r["us_per_request"], rel=0.2)
+    assert sum(per) <= r["cache_seconds"] * 1e6
+
+
+def test_the_prompt_is_cached_once_prefilled_for_requests_admitted_meanwhile() -> None:
+    """A request admitted while another with the same prompt decodes reuses that prompt."""
+    prompt = list(range(1, 161))
+    jobs = jobs_of(prompt, prompt, out=30)
+    cache = rc.HybridCache(kv_slots=1024, page_size=16)
+    sched = sv.Scheduler(cache, sv.InstantEngine(cache), max_running=2)
+    sched.add(jobs[:1])
+    sched.step()  # the first request prefills its whole prompt, and decodes from here
+    assert sched.running[0].fed == len(prompt)
+    sched.add(jobs[1:])
+    sched.step()
+    second = sched.running[1]
+    assert second.device_hit == 144, "the first request's prompt, less its last page"
+    sched.run()
+    cache.audit()
 
 
 def test_bench_takes_lists_or_arrays_with_the_same_outcome() -> None:
@@ -663,6 +703,9 @@ def test_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "per operation" in out
     assert "numpy" in out
     assert cli.main(["bench", "--workload", "nope"]) == 2
+    assert cli.main([*argv, "--no-branch-checkpoints", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["ops"]["checkpoint"]["calls"] <= r["ops"]["checkpoint"]["calls"]
 
 
 def test_a_scheduler_that_cannot_progress_says_so() -> None:

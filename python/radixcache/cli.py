@@ -68,6 +68,11 @@ def _pool_flags(p: argparse.ArgumentParser, d: _replay.ReplayConfig) -> None:
     )
     p.add_argument("--max-running", type=_positive, default=d.max_running)
     p.add_argument("--chunk-size", type=_positive, default=d.chunk_size)
+    p.add_argument(
+        "--no-branch-checkpoints",
+        action="store_true",
+        help="do not checkpoint states at branch points (to see what they are worth)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,6 +176,7 @@ def _setup(
             seed=args.seed,
             max_running=args.max_running,
             chunk_size=args.chunk_size,
+            branch_checkpoints=not args.no_branch_checkpoints,
             **extra,
         )
         config.cache()  # the cache's own checks, before any work
@@ -254,9 +260,10 @@ def _bench_cmd(args: argparse.Namespace) -> int:
             progress=lambda done: bar.update(task, completed=done),
         )
     r["workload"] = args.workload
+    status = 0 if r["pools_full_at_end"] else 1  # a leak fails the run
     if args.json:
         print(json.dumps(r, indent=2))
-        return 0
+        return status
     out = Console()
     head = Table(title=f"radixcache bench: {args.workload}", show_header=False, box=None)
     head.add_column(style="bold")
@@ -279,6 +286,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     head.add_row(
         "memory", f"{r['rss_growth_mb']:.1f} MB", f"process peak {r['peak_rss_mb']:.0f} MB"
     )
+    head.add_row("pools full at end", str(r["pools_full_at_end"]), "after clearing: no leak")
     out.print(head)
     ops = Table(title="per operation")
     for col in ("operation", "calls", "p50 us", "p99 us", "share"):
@@ -292,7 +300,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
             f"{100 * o['share']:.1f}%",
         )
     out.print(ops)
-    return 0
+    return status
 
 
 def _print_report(console: Any, r: dict[str, Any]) -> None:

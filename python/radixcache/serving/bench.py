@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from .._core import HybridCache, Request, TransferBatch
-from .harness import ReplayConfig
-from .scheduler import Scheduler
+from .harness import ReplayConfig, clear
+from .scheduler import InstantEngine, Scheduler
 from .workloads import Job
 
 __all__ = ["TimedCache", "TimedEngine", "bench"]
@@ -75,6 +75,16 @@ class TimedCache:
         t = _now()
         out = self._cache.extend(req, tokens)
         self._charge("extend", _now() - t, req)
+        return out
+
+    def extend_batch(self, reqs: Sequence[Request], tokens: Any) -> Any:
+        """Time ``extend_batch`` (a decode step), charged evenly to its requests."""
+        t = _now()
+        out = self._cache.extend_batch(reqs, tokens)
+        ns = _now() - t
+        self.ops["extend_batch"].append(ns)
+        for req in reqs:
+            self._open[id(req)] += ns // len(reqs)
         return out
 
     def checkpoint(self, req: Request) -> None:
@@ -245,6 +255,7 @@ def bench(
     *,
     numpy_tokens: bool = False,
     progress: Any = None,
+    samples: bool = False,
 ) -> dict[str, Any]:
     """Replay `jobs` through the scheduler with no model and no copies, timing the cache.
 
@@ -252,7 +263,10 @@ def bench(
         ``ns_per_prompt_token``, ``us_per_request`` (median over finished requests),
         ``p99_us``, ``mean_us_per_request``, ``hit_rate``, per-operation ``ops`` (calls,
         p50/p99 in µs, share of the total), ``peak_rss_mb`` and ``rss_growth_mb`` (the
-        process, before and after the cache was built), and the workload's counts.
+        process, before and after the cache was built), ``pools_full_at_end`` (the cache,
+        emptied after the replay, had every slot back: nothing leaked) and the workload's
+        counts. With `samples`, also ``per_request_us``: each finished request's cache
+        time, in finishing order.
     """
     config = config or ReplayConfig()
     base_kb = _rss_kb()
@@ -267,6 +281,7 @@ def bench(
         step_tokens=config.step_tokens,
         load_back_quota=config.load_back_quota,
         token_lists=not numpy_tokens,
+        branch_checkpoints=config.branch_checkpoints,
     )
     sched.add(jobs)
     wall = _now()
@@ -284,7 +299,9 @@ def bench(
         for name, v in sorted(timed.ops.items(), key=lambda kv: -sum(kv[1]))
     }
     cache.audit()
-    return {
+    growth_kb = max(0, _rss_kb() - base_kb)
+    full = clear(cache, InstantEngine(cache))
+    out: dict[str, Any] = {
         "requests": c.finished,
         "prompt_tokens": c.prompt_tokens,
         "output_tokens": c.output_tokens,
@@ -300,6 +317,10 @@ def bench(
         "retractions": c.retractions,
         "retracted_us": timed.aborted_ns / 1e3,
         "ops": ops,
+        "pools_full_at_end": full,
         "peak_rss_mb": _peak_rss_kb() / 1024,
-        "rss_growth_mb": max(0, _rss_kb() - base_kb) / 1024,
+        "rss_growth_mb": growth_kb / 1024,
     }
+    if samples:
+        out["per_request_us"] = [ns / 1e3 for ns in per_request]
+    return out

@@ -45,6 +45,7 @@ class ReplayConfig:
     mamba_layers: int = 2
     timeline: int = 0
     attention_only: bool = True
+    branch_checkpoints: bool = True
 
     def cache(self, *, hybrid: bool = True) -> HybridCache:
         """Make a cache with these settings (`hybrid=False`: the same without states)."""
@@ -76,6 +77,7 @@ class ReplayConfig:
             step_tokens=self.step_tokens,
             load_back_quota=self.load_back_quota,
             timeline=self.timeline,
+            branch_checkpoints=self.branch_checkpoints,
         )
 
 

@@ -10,8 +10,9 @@ Each step:
    copy-on-write of the cached state, whose batch runs at once), then, when the rest
    of the prefix is on the host, ``load_back`` within a memory quota, submitted to the
    engine and committed once the engine accepted it (it completes at a later poll).
-3. **Schedule** one decode token for every decoding request and a prefill chunk for the
-   others (at most ``chunk_size`` tokens each, ``step_tokens`` in all). A chunk stops at
+3. **Schedule** one decode token for every decoding request (one ``extend_batch`` call
+   for all of them) and a prefill chunk for the others (at most ``chunk_size`` tokens
+   each, ``step_tokens`` in all). A chunk stops at
    the request's ``branch_len`` (``Match.kv_len`` at admission: where its prompt leaves
    what is cached) so that the state there is checkpointed into the tree: the next
    request sharing that prefix reuses it. ``extend`` gives each its slots; when memory
@@ -19,8 +20,9 @@ Each step:
 4. **Compute**: the model's forwards are enqueued, and the event recorded after them is
    handed to the engine (``after_compute``), so that no copy runs before the compute
    that writes its source or still reads its destination.
-5. **Cache**: ``checkpoint`` after each prefill chunk that does not end the prompt;
-   ``finish`` as soon as a request's last token is enqueued (the CPU runs ahead of the
+5. **Cache**: ``checkpoint`` after each prefill chunk (the last one too, so that requests
+   admitted while this one decodes reuse its prompt); ``finish`` as soon as a request's
+   last token is enqueued (the CPU runs ahead of the
    compute, as in overlap scheduling); the batches that emits (backups, state forks)
    run on the engine. The compute enqueued by the step before is then waited for.
 
@@ -241,6 +243,9 @@ class Scheduler:
         timeline: Record a `StepSample` every this many steps (0: never).
         token_lists: Hand tokens to the cache as Python lists (as serving engines hold
             them) instead of NumPy arrays.
+        branch_checkpoints: Cut prefill chunks at each request's ``branch_len`` and
+            checkpoint its state there (False: only at chunk ends and the last whole
+            page, to measure what branch-point checkpoints are worth).
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -258,6 +263,7 @@ class Scheduler:
         load_back_quota: int | None = None,
         timeline: int = 0,
         token_lists: bool = False,
+        branch_checkpoints: bool = True,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
@@ -283,6 +289,7 @@ class Scheduler:
         self._event: ComputeEvent | None = None
         self._hold = False  # set by a retraction, cleared when a request finishes
         self.token_lists = token_lists
+        self.branch_checkpoints = branch_checkpoints
         self._prepared: dict[int, tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ driving
@@ -329,14 +336,20 @@ class Scheduler:
         checkpoints: list[_Live] = []
         finished: list[_Live] = []
         budget = self.step_tokens
-        for live in sorted(self.running, key=lambda r: r.fed < len(r.job.prompt)):
-            if live.loading is not None or budget <= 0 or live not in self.running:
+        ready = [r for r in self.running if r.loading is None]
+        decoding = [r for r in ready if r.fed >= len(r.job.prompt)][:budget]
+        if decoding and self._decode(decoding, checkpoints, finished):
+            budget -= len(decoding)
+            ready = [r for r in ready if r.fed < len(r.job.prompt)]
+        for live in sorted(ready, key=lambda r: r.fed < len(r.job.prompt)):
+            if budget <= 0 or live not in self.running:
                 continue
             prompt_len = len(live.job.prompt)
             end = live.fed + 1
             if live.fed < prompt_len:  # prefill: a chunk, cut at the branch point
                 end = min(prompt_len, live.fed + self.chunk_size, live.fed + budget)
-                for cut in (live.req.branch_len, live.last_page):
+                cuts = (live.req.branch_len if self.branch_checkpoints else 0, live.last_page)
+                for cut in cuts:
                     if live.fed < cut < end:
                         end = cut
             toks = live.seq[live.fed : end]
@@ -344,12 +357,7 @@ class Scheduler:
             if slots is None:
                 continue
             budget -= len(toks)
-            self._forward(live, toks, slots, end)
-            live.fed = end
-            if end < prompt_len or end == live.last_page < len(live.seq):
-                checkpoints.append(live)
-            elif end == len(live.seq):
-                finished.append(live)
+            self._fed(live, toks, slots, checkpoints, finished)
         if self.model is not None:
             event = self.model.stream.record()
             self.engine.after_compute(event)
@@ -475,6 +483,47 @@ class Scheduler:
                 live.host_hit = 0
 
     # ------------------------------------------------------------------ compute
+
+    def _decode(self, lives: list[_Live], checkpoints: list[_Live], finished: list[_Live]) -> bool:
+        """Feed one decode token for each of `lives` in one ``extend_batch`` call.
+
+        Returns False (nothing fed) when the pool cannot give the whole step: they then
+        extend one by one, with retraction.
+        """
+        toks = [r.seq[r.fed] for r in lives]
+        arg: Any = toks if self.token_lists else np.asarray(toks, dtype=np.uint32)
+        slots = self.cache.extend_batch([r.req for r in lives], arg)
+        if slots is None:
+            return False
+        for i, live in enumerate(lives):
+            self._fed(
+                live, live.seq[live.fed : live.fed + 1], slots[i : i + 1], checkpoints, finished
+            )
+        return True
+
+    def _fed(
+        self,
+        live: _Live,
+        toks: Any,
+        slots: np.ndarray,
+        checkpoints: list[_Live],
+        finished: list[_Live],
+    ) -> None:
+        """Enqueue the forward of `toks` and note what the step must cache after it."""
+        end = live.fed + len(toks)
+        self._forward(live, toks, slots, end)
+        live.fed = end
+        prompt_len = len(live.job.prompt)
+        if end == len(live.seq):
+            finished.append(live)
+        elif end < prompt_len or end == live.last_page:
+            checkpoints.append(live)  # a prefill chunk, or the last whole page
+        elif end == prompt_len and (not self.cache.mamba_slots or end % self.cache.page_size):
+            # The whole prompt, so that requests admitted while this one decodes reuse
+            # it (as SGLang does); in a hybrid cache only where that caches KV alone: a
+            # state forked there would serve only the same prompt again, and would take
+            # a slot from states that branch points share.
+            checkpoints.append(live)
 
     def _extend(self, live: _Live, toks: np.ndarray) -> np.ndarray | None:
         """Slots for `toks`; retracts newer requests when memory runs out."""

@@ -83,8 +83,8 @@ def gsp(
     """Make the generated-shared-prefix workload (SGLang ``bench_serving``'s ``gsp``).
 
     Args:
-        requests: Total requests (default ``groups * prompts_per_group``); fewer groups
-            are made when it is smaller.
+        requests: Total requests (default ``groups * prompts_per_group``); the number of
+            groups follows it (``ceil(requests / prompts_per_group)``).
         seed: Seed.
         groups: System prompts.
         prompts_per_group: Questions per system prompt.
@@ -94,7 +94,7 @@ def gsp(
     """
     rng = np.random.default_rng(seed)
     if requests is not None:
-        groups = max(1, min(groups, math.ceil(requests / prompts_per_group)))
+        groups = max(1, math.ceil(requests / prompts_per_group))
     jobs = []
     for _ in range(groups):
         system = _tokens(rng, system_len)
