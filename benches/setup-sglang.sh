@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Makes a virtual environment in which benches/vs_sglang.py runs both sides: radixcache
+# (built from this checkout) and SGLang 0.5.23's prefix caches on a CPU-only machine.
+#
+#   benches/setup-sglang.sh [VENV]      # default VENV: .venv-sglang
+#   VENV/bin/python benches/vs_sglang.py --workload mixed
+#
+# What it installs (the facts behind it: docs/benchmarks.md, "Side by side with SGLang"):
+# - torch 2.13.0 from PyPI: SGLang's bundled Rust tree core links libtorch and loads only
+#   with torch 2.11-2.13 (vs_sglang.py refuses to report a Rust run that fell back);
+# - sglang 0.5.23 without its dependencies (the full set pulls in GPU-only packages);
+# - the small pure-Python packages its import chain really uses; the heavy ones it reaches
+#   but no cache path calls are placeholders registered by benches/_sglang_shim.py;
+# - radixcache with the plot extra (vs_sglang.py --plot).
+# PYTHON picks the interpreter (3.10 or newer; default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv-sglang}
+python=${PYTHON:-python3}
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
+  echo "setup-sglang: SGLang 0.5.23 needs Python 3.10 or newer ($python is older)" >&2
+  exit 2
+}
+"$python" -m venv "$venv"
+pip="$venv/bin/python -m pip"
+$pip install -q --upgrade pip
+echo "setup-sglang: torch 2.13.0 (a CUDA build from PyPI, a few GB; it runs on the CPU)"
+$pip install -q "torch==2.13.0"
+echo "setup-sglang: sglang 0.5.23 (no dependencies) and what its import chain needs"
+$pip install -q --no-deps "sglang==0.5.23"
+$pip install -q psutil pybase64 msgspec dill orjson requests packaging pydantic IPython regex numpy
+echo "setup-sglang: radixcache from this checkout"
+$pip install -q ".[plot]"
+"$venv/bin/python" benches/vs_sglang.py --requests 20 --quiet --json >/dev/null
+echo "setup-sglang: ready: $venv/bin/python benches/vs_sglang.py --workload mixed"
