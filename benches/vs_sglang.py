@@ -16,7 +16,9 @@ one thread. It prints, per configuration and system, the hit rate, the cache tim
 request (median, p99, mean), nanoseconds per prompt token, and each SGLang core's time
 ratio to radixcache; then the checks: no leaked slot on any side, and attention-only hit
 rates that agree within 2%. For the hybrid model, radixcache is also run without
-branch-point checkpoints, which is the difference its hit rate has from SGLang's.
+branch-point checkpoints, to show what they are worth (SGLang's ``extra_buffer`` Mamba
+strategy checkpoints at branch points too; where the hybrid hit rates differ, the states
+each cache keeps and evicts do: docs/benchmarks.md).
 
 Exit status: 0 when every check passes, 1 when one fails, 2 for a bad argument or a
 missing SGLang install (the setup is in docs/benchmarks.md).
@@ -45,6 +47,13 @@ SYSTEMS = ("radixcache", "sglang-python", "sglang-rust")
 CONFIGS = ("attention", "hybrid")
 #: Attention-only hit rates of the two caches must agree within this (relative).
 HIT_AGREEMENT = 0.02
+#: One look per system in every panel of the plot.
+STYLES: dict[str, dict[str, Any]] = {
+    "radixcache": {"color": "C0"},
+    "radixcache-no-branch-checkpoints": {"color": "C0", "linestyle": "--"},
+    "sglang-python": {"color": "C1"},
+    "sglang-rust": {"color": "C3"},
+}
 
 
 def _positive(v: str) -> int:
@@ -134,7 +143,11 @@ def run_radixcache(
         branch_checkpoints=branch,
     )
     gc.collect()
-    r = bench(jobs, config, progress=progress, samples=True)
+    gc.disable()  # as on the SGLang side: no collector pause inside a timed call
+    try:
+        r = bench(jobs, config, progress=progress, samples=True)
+    finally:
+        gc.enable()
     per_request = [round(us * 1e3) for us in r["per_request_us"]]
     total = round(r["cache_seconds"] * 1e9)
     return {
@@ -349,6 +362,8 @@ def print_tables(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from radixcache.cli import ops_table
+
     out = Console(width=max(Console().width, 132))
     t = Table(
         title=(
@@ -394,18 +409,8 @@ def print_tables(report: dict[str, Any]) -> None:
         c.add_row(k["check"], str(k["value"]), "[green]pass" if k["ok"] else "[red]FAIL")
     out.print(c)
     for r in report["results"]:
-        ops = Table(title=f"where the time goes: {r['system']} ({r['config']})")
-        for col in ("operation", "calls", "p50 us", "p99 us", "share"):
-            ops.add_column(col, justify="left" if col == "operation" else "right")
-        for name, o in list(r["ops"].items())[:8]:
-            ops.add_row(
-                name,
-                str(o["calls"]),
-                f"{o['p50_us']:.2f}",
-                f"{o['p99_us']:.2f}",
-                f"{100 * o['share']:.1f}%",
-            )
-        out.print(ops)
+        title = f"where the time goes: {r['system']} ({r['config']})"
+        out.print(ops_table(r["ops"], title, limit=8))
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -422,7 +427,8 @@ def plot(report: dict[str, Any], path: str) -> None:
             if r["config"] != config:
                 continue
             us = np.sort(np.asarray(r["per_request_us"]))
-            ax.plot(us, np.arange(1, len(us) + 1) / len(us), label=r["system"])
+            style = STYLES.get(r["system"], {})
+            ax.plot(us, np.arange(1, len(us) + 1) / len(us), label=r["system"], **style)
         ax.set_xscale("log")
         ax.set_xlabel("cache time per request (us)")
         ax.set_ylabel("fraction of requests")

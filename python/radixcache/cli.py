@@ -288,19 +288,26 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     )
     head.add_row("pools full at end", str(r["pools_full_at_end"]), "after clearing: no leak")
     out.print(head)
-    ops = Table(title="per operation")
+    out.print(ops_table(r["ops"], "per operation"))
+    return status
+
+
+def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = None) -> Any:
+    """Return a rich table of per-operation figures (``bench``'s ``ops``), `limit` rows."""
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in ("operation", "calls", "p50 us", "p99 us", "share"):
-        ops.add_column(col, justify="left" if col == "operation" else "right")
-    for name, o in r["ops"].items():
-        ops.add_row(
+        table.add_column(col, justify="left" if col == "operation" else "right")
+    for name, o in list(ops.items())[:limit]:
+        table.add_row(
             name,
             str(o["calls"]),
             f"{o['p50_us']:.2f}",
             f"{o['p99_us']:.2f}",
             f"{100 * o['share']:.1f}%",
         )
-    out.print(ops)
-    return status
+    return table
 
 
 def _print_report(console: Any, r: dict[str, Any]) -> None:

@@ -1800,22 +1800,12 @@ impl Machine {
         }
         assert_eq!(q.own.len() - old_pages, need);
         q.tokens.extend_from_slice(&toks);
-        if wants_state {
-            let state = self
-                .cache
-                .request(id)
-                .unwrap()
-                .mamba_slot
-                .expect("extend gives a state slot");
-            assert!(
-                free_m.contains(&state)
-                    || (removed.states.contains(&state) && !pinned.contains(&state)),
-                "extend gave state slot {state}, neither free nor evicted"
-            );
-            q.mamba = Some(state);
-        }
         let branch = q.branch_len;
         let len = q.tokens.len();
+        if wants_state {
+            let state = self.given_state(id, &free_m, &removed, &pinned, "extend");
+            self.m.reqs[i].mamba = Some(state);
+        }
         self.check();
         if prompt_chunk && at_branch && len == branch && len > 0 && len > self.m.reqs[i].prefix_len
         {
@@ -1911,21 +1901,34 @@ impl Machine {
             q.tokens.push(tok);
             if q.mamba.is_none() {
                 let id = q.id;
-                let state = self
-                    .cache
-                    .request(id)
-                    .unwrap()
-                    .mamba_slot
-                    .expect("extend_batch gives a state slot");
-                assert!(
-                    free_m.contains(&state)
-                        || (removed.states.contains(&state) && !pinned.contains(&state)),
-                    "extend_batch gave state slot {state}, neither free nor evicted"
-                );
+                let state = self.given_state(id, &free_m, &removed, &pinned, "extend_batch");
                 self.m.reqs[i].mamba = Some(state);
             }
         }
         self.check();
+    }
+
+    /// The state slot `call` gave request `id`: one that was free, or evicted by the call
+    /// (and not pinned by a batch).
+    fn given_state(
+        &self,
+        id: RequestId,
+        free: &[u32],
+        removed: &Removed,
+        pinned: &HashSet<u32>,
+        call: &str,
+    ) -> u32 {
+        let state = self
+            .cache
+            .request(id)
+            .unwrap()
+            .mamba_slot
+            .unwrap_or_else(|| panic!("{call} gives a state slot"));
+        assert!(
+            free.contains(&state) || (removed.states.contains(&state) && !pinned.contains(&state)),
+            "{call} gave state slot {state}, neither free nor evicted"
+        );
+        state
     }
 
     /// The one state slot owned by neither a request nor a known batch: a new copy's.
