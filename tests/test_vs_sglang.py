@@ -105,6 +105,19 @@ def test_missing_sglang_exits_2_and_names_the_setup(
     assert "_sglang_shim" not in sys.modules, "nothing of SGLang's was set up"
 
 
+def test_plot_without_matplotlib_exits_2_saying_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    assert vs.main(["--systems", "radixcache", "--plot", "x.png", "--quiet"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
