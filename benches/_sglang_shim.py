@@ -3,15 +3,15 @@
 Importing SGLang's prefix caches (``sglang.srt.mem_cache``) pulls in modules that import
 image, tokenizer, server and GPU-compiler packages at module level. No cache code path
 uses them, and installing them (or their GPU wheels) is not possible or not sensible
-here, so `install()` registers a placeholder module for each, in this process only
-(``sys.modules``; nothing is written to disk). A placeholder answers any attribute with
-an inert class: it can be subclassed, used as a decorator target or a type annotation,
-but calling it (or instantiating it) raises `PlaceholderCalled`, naming what was
-called. So a benchmark that measured SGLang with a placeholder in a code path fails
+here, so `install()` registers a placeholder module for each one that is not installed,
+in this process only (an import hook; nothing is written to disk). A placeholder answers
+any attribute with an inert class: it can be subclassed, used as a decorator target or a
+type annotation, but calling it (or instantiating it) raises `PlaceholderCalled`, naming
+what was called. So a benchmark that measured SGLang with a placeholder in a code path fails
 loudly instead of measuring something else.
 
-The few shapes the import chain needs beyond that (found the hard way, recorded in
-../shared/design/PEER-SETUP.md) are spelled out below, each with the reason.
+The few shapes the import chain needs beyond that (found the hard way) are spelled out
+below, each with the reason.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def run_radixcache(
         **summarize(per_request, r["prompt_tokens"], total),
         "clean": r["pools_full_at_end"],
         "leaks": {"pools_full_at_end": r["pools_full_at_end"]},
-        "ops": {k: v for k, v in r["ops"].items()},
+        "ops": r["ops"],
         "per_request_us": r["per_request_us"],
     }
 
