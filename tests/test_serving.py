@@ -708,6 +708,20 @@ def test_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert plain["ops"]["checkpoint"]["calls"] <= r["ops"]["checkpoint"]["calls"]
 
 
+def test_bench_command_exits_1_when_a_pool_is_not_full_at_the_end(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A leak (a pool short once the cache is emptied) fails the run, as in replay."""
+    import radixcache.serving.bench as bench_module
+
+    monkeypatch.setattr(bench_module, "clear", lambda cache, engine: False)
+    argv = ["bench", "--requests", "10", "--kv-slots", "8192", "--quiet"]
+    assert cli.main([*argv, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["pools_full_at_end"] is False
+    assert cli.main(argv) == 1
+    assert "pools full at end" in capsys.readouterr().out
+
+
 def test_a_scheduler_that_cannot_progress_says_so() -> None:
     """A bug that stalls every request is reported, not looped on forever."""
     cache = rc.HybridCache(kv_slots=1024)

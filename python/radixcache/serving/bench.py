@@ -272,16 +272,13 @@ def bench(
     base_kb = _rss_kb()
     cache = config.cache()
     timed = TimedCache(cache)
-    sched = _BenchScheduler(
+    sched = config.scheduler(
         timed,  # type: ignore[arg-type]
         TimedEngine(timed),  # type: ignore[arg-type]
         None,
-        max_running=config.max_running,
-        chunk_size=config.chunk_size,
-        step_tokens=config.step_tokens,
-        load_back_quota=config.load_back_quota,
+        kind=_BenchScheduler,
+        timeline=0,  # a timeline sample reads pool sizes, which would be timed
         token_lists=not numpy_tokens,
-        branch_checkpoints=config.branch_checkpoints,
     )
     sched.add(jobs)
     wall = _now()

@@ -65,20 +65,28 @@ class ReplayConfig:
         )
 
     def scheduler(
-        self, cache: HybridCache, engine: TransferEngine | InstantEngine, model: Any
+        self,
+        cache: HybridCache,
+        engine: TransferEngine | InstantEngine,
+        model: Any,
+        *,
+        kind: type[Scheduler] = Scheduler,
+        **overrides: Any,
     ) -> Scheduler:
-        """Make the scheduler with these settings."""
-        return Scheduler(
-            cache,
-            engine,
-            model,
-            max_running=self.max_running,
-            chunk_size=self.chunk_size,
-            step_tokens=self.step_tokens,
-            load_back_quota=self.load_back_quota,
-            timeline=self.timeline,
-            branch_checkpoints=self.branch_checkpoints,
-        )
+        """Make the scheduler (or a subclass, `kind`) with these settings.
+
+        `overrides` replace or add `Scheduler` keyword arguments.
+        """
+        kwargs: dict[str, Any] = {
+            "max_running": self.max_running,
+            "chunk_size": self.chunk_size,
+            "step_tokens": self.step_tokens,
+            "load_back_quota": self.load_back_quota,
+            "timeline": self.timeline,
+            "branch_checkpoints": self.branch_checkpoints,
+        }
+        kwargs.update(overrides)
+        return kind(cache, engine, model, **kwargs)
 
 
 def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
