@@ -68,6 +68,18 @@ def find_nvrtc() -> Path | None:
     return None
 
 
+def _builtins_beside(path: Path) -> list[Path]:
+    """Return the NVRTC builtins libraries in the directory of the library at ``path``.
+
+    Only those of the same major version as ``path`` (``libnvrtc.so.13`` loads
+    ``libnvrtc-builtins.so.13.*``); the ``.alt`` variants are left alone.
+    """
+    major = path.name.rpartition(".so.")[2].split(".")[0]
+    if not major.isdigit():
+        return []
+    return sorted(p for p in path.parent.glob(f"libnvrtc-builtins.so.{major}.*") if p.is_file())
+
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -81,6 +93,12 @@ def _load() -> ctypes.CDLL:
         raise NvrtcError(
             "NVRTC library not found; install it with `pip install nvidia-cuda-nvrtc-cu12`"
         )
+    # NVRTC opens its builtins library (``libnvrtc-builtins.so.X.Y``) by name when it
+    # compiles. Some wheels (torch's CUDA 13 ones, under ``nvidia/cu13/lib``) carry no
+    # search path that leads there, so load the builtins found beside the library first:
+    # the dynamic loader then resolves NVRTC's request to the copy already loaded.
+    for builtins in _builtins_beside(path):
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(str(path))
     prog_p = ctypes.POINTER(ctypes.c_void_p)
     strs = ctypes.POINTER(ctypes.c_char_p)
