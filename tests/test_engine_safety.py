@@ -101,8 +101,11 @@ def test_a_batch_that_ended_is_refused_before_start() -> None:
     fill(c, [1, 2])
     (b,) = c.take_batches()
     c.fail(b.id)  # ended by id
-    with pytest.raises(ValueError, match=r"^batch: "):
+    with pytest.raises(ValueError, match=r"^batch(_id)?: "):
         e.run(b)
+    assert e.stats()["batches_failed"] == 0
+    with pytest.raises(TypeError, match=r"^batch: expected a TransferBatch, got int"):
+        e.submit(b.id)  # type: ignore[arg-type]
     settled(c)
 
 
@@ -369,6 +372,97 @@ def test_a_batch_acknowledged_by_id_elsewhere_leaves_the_engines_other_batches_a
     assert "acknowledged by id" in e.last_error
     assert e.poll() == []
     assert e.synchronize() == []
+    settled(c)
+
+
+def test_a_batch_acknowledged_by_id_while_run_copies_it_is_not_ended_twice() -> None:
+    class AckedMeanwhile(rc.TransferEngine):
+        def __init__(self, c: rc.HybridCache, s: rc.Storage, then_raise: bool) -> None:
+            super().__init__(c, s)
+            self.then_raise = then_raise
+
+        def copy_batch(self, batch: rc.TransferBatch) -> None:
+            self.cache.fail(batch.id)  # a timeout elsewhere
+            if self.then_raise:
+                raise RuntimeError("copy failed")
+
+    for then_raise in (False, True):
+        c = cache()
+        e = AckedMeanwhile(c, storage(c), then_raise)
+        fill(c, [1, 2])
+        (b,) = c.take_batches()
+        assert e.run(b) is False
+        st = e.stats()
+        assert (st["batches_ended_elsewhere"], st["batches_completed"]) == (1, 0)
+        assert st["batches_failed"] == 0
+        settled(c)
+
+
+def test_an_event_that_cannot_be_queried_holds_its_batch_and_not_the_others() -> None:
+    class BadEvent:
+        @property
+        def done(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    c = cache()
+    e = AsyncEngine(c, storage(c))
+    fill(c, [1, 2])
+    fill(c, [3, 4])
+    b1, b2 = c.take_batches()
+    e.submit(b1)
+    e.submit(b2)
+    e._in_flight[0].event = BadEvent()
+    assert e.poll() == [b2]
+    assert e.held == [b1]
+    assert b1.outcome is None
+    assert c.pending_batches() == [(b1.id, "backup", True)]
+    assert e.in_flight == 0
+    c.fail(b1.id)
+    settled(c)
+
+
+def test_a_wait_that_fails_in_synchronize_holds_every_batch_in_flight() -> None:
+    c = cache()
+    e = AsyncEngine(c, storage(c))
+    fill(c, [1, 2])
+    fill(c, [3, 4])
+    b1, b2 = c.take_batches()
+    e.submit(b1)
+    e.submit(b2)
+    e.stream.lost = True
+    assert e.synchronize() == []
+    assert e.held == [b1, b2]
+    assert (b1.outcome, b2.outcome) == (None, None)
+    assert e.stats()["batches_held"] == 2
+    assert e.in_flight == 0
+    for b in (b1, b2):
+        c.fail(b.id)
+    settled(c)
+
+
+def test_a_cache_refusing_a_batch_due_ends_the_others_then_raises() -> None:
+    class Refusing(AsyncEngine):
+        refuse = -1  # the id of the batch the cache refuses to complete
+
+        def _complete(self, batch: rc.TransferBatch) -> bool:
+            if batch.id == self.refuse:
+                raise rc.CacheError("the cache is broken")
+            return super()._complete(batch)
+
+    c = cache()
+    e = Refusing(c, storage(c))
+    fill(c, [1, 2])
+    fill(c, [3, 4])
+    b1, b2 = c.take_batches()
+    e.refuse = b1.id
+    e.submit(b1)
+    e.submit(b2)
+    with pytest.raises(rc.CacheError, match="broken"):
+        e.poll()
+    assert b2.outcome == "completed"
+    assert e.held == [b1]
+    assert e.in_flight == 0
+    c.fail(b1.id)
     settled(c)
 
 
