@@ -284,6 +284,7 @@ def test_a_device_lost_while_waiting_holds_the_batch_until_acknowledged_by_id() 
     lb.release()
     assert c.stats()["batches_draining"] == 1
     c.fail(b.id)  # after a device reset: the copies can no longer run
+    assert e.held == []
     c.abort(r)
     settled(c)
 
@@ -435,8 +436,10 @@ def test_a_wait_that_fails_in_synchronize_holds_every_batch_in_flight() -> None:
     assert (b1.outcome, b2.outcome) == (None, None)
     assert e.stats()["batches_held"] == 2
     assert e.in_flight == 0
-    for b in (b1, b2):
-        c.fail(b.id)
+    c.fail(b1.id)
+    assert e.held == [b2]
+    c.fail(b2.id)
+    assert e.held == []
     settled(c)
 
 

@@ -312,9 +312,12 @@ class TransferEngine:
         Their copies failed, or waiting for them failed (a lost device), after some were
         enqueued: the engine cannot tell whether they ran. They stay started and in
         flight in the cache (listed by ``pending_batches()``), their slots draining,
-        until acknowledged by id (``cache.fail(batch.id)``, once the device is reset).
+        until acknowledged by id (``cache.fail(batch.id)``, once the device is reset);
+        then they leave this list.
         """
+        pending = {bid for bid, _kind, _started in self.cache.pending_batches()}
         with self._lock:
+            self._held = [b for b in self._held if b.id in pending]
             return list(self._held)
 
     def stats(self) -> dict[str, int]:
