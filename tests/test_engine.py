@@ -264,7 +264,7 @@ def test_storage_that_does_not_fit_the_cache_is_refused_naming_the_argument() ->
         )
     with pytest.raises(ValueError, match=r"^mamba_slots: the cache has 6, the storage has no"):
         rc.TransferEngine(c, rc.Storage.for_model(kv_slots=32, host_kv_slots=32, layers=1))
-    with pytest.raises(ValueError, match=r"^kv_heads: expected a count >= 0"):
+    with pytest.raises(ValueError, match=r"^kv_heads: expected a count >= 1"):
         rc.Storage.for_model(kv_slots=32, layers=1, kv_heads=-1)
     with pytest.raises(ValueError, match=r"^device: expected 'cpu' or 'cuda'"):
         rc.Storage.for_model(kv_slots=32, layers=1, device="tpu")  # type: ignore[arg-type]
@@ -282,7 +282,7 @@ def test_storage_that_does_not_fit_the_cache_is_refused_naming_the_argument() ->
     with pytest.raises(ValueError, match=r"^kv_slots: taken from the cache, not given"):
         rc.Storage.for_cache(c, kv_slots=8, layers=1)
     with pytest.raises(ValueError, match=r"^pool: this storage has no mamba pool on the host"):
-        rc.Storage(kv={"device": (k, k)}).pool("mamba", "host")
+        rc.Storage(kv={"device": (k, k.copy())}).pool("mamba", "host")
 
 
 def test_arrays_of_the_wrong_layout_are_refused_naming_the_argument() -> None:

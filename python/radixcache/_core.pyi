@@ -612,8 +612,9 @@ class HybridCache:
         ``batch``); batches still waiting for ``take_batches()`` are not listed. An
         engine that restarts ends each one by id (``complete``/``fail``; a started one
         only once its copies can no longer run, since its slots drain until then). A
-        started batch whose object was collected before it ended is listed until it is
-        acknowledged by id (``stats()["batches_draining"]`` counts these).
+        started batch whose object was collected before it ended, or a started
+        load-back's batch whose guard was released, is listed until it is acknowledged
+        by id (``stats()["batches_draining"]`` counts these).
         """
     def start(self, batch_id: int) -> None:
         """Tell the cache the engine is about to run the batch's copies.

@@ -9,8 +9,15 @@ The core hands out slot indices; a `Storage` owns (or wraps) the memory they ind
 
 The slot axis is axis 1 of every array; what follows it (one slot's row in one layer)
 must be contiguous. The engine moves rows, never reads values, so the arrays may hold
-any dtype. NumPy and CuPy have no bfloat16: such arrays are allocated as ``uint16`` (the
-same bytes); a torch engine views them back with ``tensor.view(torch.bfloat16)``.
+any numeric dtype. NumPy and CuPy have no bfloat16: such arrays are allocated as
+``uint16`` (the same bytes; torch bfloat16 tensors are taken as ``uint16`` too); a torch
+engine views them back with ``tensor.view(torch.bfloat16)``.
+
+A `Storage` checks at construction everything that would otherwise serve wrong bytes in
+silence: the arrays are writable, numeric, non-empty, with contiguous rows that do not
+overlap one another; the tiers of one pool agree, array by array, in dtype, layer count
+and row shape (a copy between tiers moves bytes, never converts); and no two arrays
+(of one pool, of two tiers, of two pools) share a byte of memory.
 
 Device arrays are CuPy arrays on a GPU, NumPy arrays on a CPU-only machine (where the
 "device" tier is ordinary memory and the engine copies with NumPy). Host arrays are
@@ -22,6 +29,7 @@ taken through DLPack without a copy) are wrapped with `Storage(...)`.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -86,19 +94,24 @@ def _library(a: Any) -> str:
 def _adopt(a: Any, name: str, pinned: bool) -> tuple[Any, bool]:
     """Take `a` as a NumPy or CuPy array sharing its memory, and say if it is pinned.
 
-    Torch tensors are taken through DLPack (no copy).
+    Torch tensors are taken through DLPack (no copy); bfloat16 ones as ``uint16``, as
+    `Storage.for_model` allocates bfloat16.
     """
     if _library(a) == "torch":
         torch = importlib.import_module("torch")  # optional: only for torch tensors
 
         pinned = a.device.type == "cpu" and bool(a.is_pinned())
-        if a.dtype == torch.bfloat16:
+        bf16 = a.dtype == torch.bfloat16
+        if bf16:
             a = a.view(torch.int16)  # DLPack consumers here have no bfloat16
         if a.device.type == "cuda":
-            return _cupy().from_dlpack(a), False
+            cupy = _cupy()
+            taken = cupy.from_dlpack(a)
+            return (taken.view(cupy.uint16) if bf16 else taken), False
         if a.device.type != "cpu":
             raise ValueError(f"{name}: a torch tensor on {a.device} (cpu or cuda expected)")
-        return np.from_dlpack(a), pinned
+        host = np.from_dlpack(a)
+        return (host.view(np.uint16) if bf16 else host), pinned
     if isinstance(a, np.ndarray):
         return a, pinned
     if _library(a) == "cupy":
@@ -106,24 +119,114 @@ def _adopt(a: Any, name: str, pinned: bool) -> tuple[Any, bool]:
     raise TypeError(f"{name}: expected a numpy array, a cupy array or a torch tensor, got {a!r}")
 
 
-def _check_layout(a: Any, name: str) -> None:
+#: Dtype kinds the engine moves: signed and unsigned integers, floats, complex numbers.
+_NUMERIC_KINDS = "iufc"
+
+
+def _check_array(a: Any, name: str) -> None:
+    """Refuse an array the engine cannot copy rows of, byte for byte, naming `name`."""
+    if a.dtype.kind not in _NUMERIC_KINDS:
+        raise TypeError(f"{name}: expected a numeric dtype, got {a.dtype}")
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name}: the array is read-only (copies write every tier)")
     if a.ndim < 2:
         raise ValueError(f"{name}: expected [layers, slots, ...], got shape {tuple(a.shape)}")
+    if 0 in a.shape:
+        raise ValueError(f"{name}: every dimension must be >= 1, got shape {tuple(a.shape)}")
     row = _row_bytes(a)
     expect = int(a.itemsize)
     for dim, stride in zip(reversed(a.shape[2:]), reversed(a.strides[2:])):
         if dim > 1 and stride != expect:
             raise ValueError(f"{name}: one slot's row in a layer must be contiguous")
         expect *= dim
-    if a.shape[1] > 1 and a.strides[1] < row:
+    if a.shape[1] > 1 and abs(a.strides[1]) < row:
         raise ValueError(f"{name}: slots overlap (slot stride {a.strides[1]} < row {row} B)")
+    if _rows_alias(a):
+        raise ValueError(
+            f"{name}: rows of different layers overlap (layer stride {a.strides[0]},"
+            f" slot stride {a.strides[1]}, row {row} B)"
+        )
+
+
+def _rows_alias(a: Any) -> bool:
+    """Whether two distinct ``(layer, slot)`` rows of `a` share a byte.
+
+    Rows of one layer are known apart (slot stride >= row). Row ``(l, i)`` starts at
+    ``l * s0 + i * s1``; rows ``dl`` layers and ``di`` slots apart overlap when
+    ``|dl * s0 + di * s1| < row``, which for each ``dl`` at most two ``di`` can meet.
+    """
+    layers, slots = int(a.shape[0]), int(a.shape[1])
+    s0, s1 = int(a.strides[0]), int(a.strides[1])
+    row = _row_bytes(a)
+    for dl in range(1, layers):
+        x = dl * s0
+        if slots == 1 or s1 == 0:
+            candidates = [0]
+        else:
+            q = -x // s1
+            candidates = [q, q + 1]
+        if any(abs(di) < slots and abs(x + di * s1) < row for di in candidates):
+            return True
+    return False
+
+
+def _extent(a: Any) -> tuple[int, int]:
+    """Return the bytes `a` spans, ``[low, high)``, from its data pointer and strides."""
+    low = high = _address(a)
+    for dim, stride in zip(a.shape, a.strides):
+        reach = (int(dim) - 1) * int(stride)
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return low, high + int(a.itemsize)
+
+
+class _Footprint:
+    """The bytes one array's rows occupy, as a NumPy view that is never read.
+
+    ``[layers, slots, row bytes]`` over `a`'s data pointer and strides, so that
+    ``np.shares_memory`` decides exactly whether two arrays share a byte, for NumPy,
+    CuPy (device pointers) and torch arrays alike, without touching their memory.
+    """
+
+    def __init__(self, a: Any) -> None:
+        self.__array_interface__ = {
+            "version": 3,
+            "typestr": "|u1",
+            "data": (_address(a), False),
+            "shape": (int(a.shape[0]), int(a.shape[1]), _row_bytes(a)),
+            "strides": (int(a.strides[0]), int(a.strides[1]), 1),
+        }
+
+
+#: Work bound for the exact overlap test; past it two arrays count as overlapping.
+_OVERLAP_WORK = 1 << 20
+#: ``np.shares_memory``, whose stubs admit only the two special ``max_work`` values.
+_shares_memory: Any = np.shares_memory
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether arrays `a` and `b` (each checked by `_check_array`) share a byte."""
+    (a_low, a_high), (b_low, b_high) = _extent(a), _extent(b)
+    if a_high <= b_low or b_high <= a_low:
+        return False
+    # Interleaved (one fused tensor split in two) or overlapping: decide exactly.
+    try:
+        return bool(
+            _shares_memory(
+                np.asarray(_Footprint(a)), np.asarray(_Footprint(b)), max_work=_OVERLAP_WORK
+            )
+        )
+    except RuntimeError:  # numpy's TooHardError: past the work bound
+        return True
 
 
 def _pool(arrays: tuple[Any, ...], name: str, pinned: bool) -> Pool:
     taken = [_adopt(a, f"{name}[{i}]", pinned) for i, a in enumerate(arrays)]
     adopted = tuple(a for a, _ in taken)
     for i, a in enumerate(adopted):
-        _check_layout(a, f"{name}[{i}]")
+        _check_array(a, f"{name}[{i}]")
     slots = {int(a.shape[1]) for a in adopted}
     if len(slots) != 1:
         raise ValueError(f"{name}: the arrays disagree on the slot count: {sorted(slots)}")
@@ -148,9 +251,17 @@ class Storage:
     Arrays may be NumPy or CuPy arrays or torch tensors (wrapped through DLPack, no
     copy). A tier the cache does not use may be left out.
 
+    Every array must be writable, of a numeric dtype, with every dimension >= 1 and
+    contiguous rows that do not overlap; the host tier's arrays must match the device
+    tier's in dtype, layer count and row shape (array by array); and no two arrays may
+    share memory (K is not V, no tier or pool is a view of another). A fused tensor
+    split into interleaved views (``kv[:, :, 0]``, ``kv[:, :, 1]``) is accepted: the
+    views share no byte.
+
     Raises:
-        ValueError: A bad tier, shape or layout (the message names the argument).
-        TypeError: An array of an unsupported type.
+        ValueError: A bad tier, shape, layout, tier mismatch or overlap (the message
+            names the argument, e.g. ``kv['host'][1]``).
+        TypeError: An argument or array of an unsupported type or dtype.
     """
 
     def __init__(
@@ -160,16 +271,60 @@ class Storage:
         mamba: Mapping[str, tuple[Any, Any]] | None = None,
         pinned_host: bool = False,
     ) -> None:
+        if not isinstance(pinned_host, bool):
+            raise TypeError(f"pinned_host: expected a bool, got {pinned_host!r}")
         self._pools: dict[tuple[str, str], Pool] = {}
-        for pool_name, per_tier in (("kv", kv or {}), ("mamba", mamba or {})):
+        for pool_name, per_tier in (("kv", kv), ("mamba", mamba)):
+            if per_tier is None:
+                continue
+            if not isinstance(per_tier, Mapping):
+                raise TypeError(
+                    f"{pool_name}: expected a mapping of tier to two arrays, got"
+                    f" {type(per_tier).__name__}"
+                )
             for tier, arrays in per_tier.items():
                 if tier not in TIERS:
                     raise ValueError(f"{pool_name}: unknown tier {tier!r} (device or host)")
-                if len(arrays) != 2:
-                    raise ValueError(f"{pool_name}[{tier!r}]: expected two arrays")
+                name = f"{pool_name}[{tier!r}]"
+                if not isinstance(arrays, (tuple, list)) or len(arrays) != 2:
+                    raise ValueError(f"{name}: expected two arrays")
                 pinned = pinned_host and tier == "host"
-                self._pools[pool_name, tier] = _pool(
-                    tuple(arrays), f"{pool_name}[{tier!r}]", pinned
+                self._pools[pool_name, tier] = _pool(tuple(arrays), name, pinned)
+        self._check_tiers_agree()
+        self._check_disjoint()
+
+    def _check_tiers_agree(self) -> None:
+        """Each host array has its device twin's dtype, layer count and row shape."""
+        for pool_name in ("kv", "mamba"):
+            if not (self.has(pool_name, "device") and self.has(pool_name, "host")):
+                continue
+            device = self._pools[pool_name, "device"].arrays
+            host = self._pools[pool_name, "host"].arrays
+            for i, (d, h) in enumerate(zip(device, host)):
+                name = f"{pool_name}['host'][{i}]"
+                if h.dtype != d.dtype:
+                    raise ValueError(
+                        f"{name}: dtype {h.dtype} differs from the device tier's {d.dtype}"
+                        " (copies move bytes, never convert)"
+                    )
+                if h.shape[0] != d.shape[0] or tuple(h.shape[2:]) != tuple(d.shape[2:]):
+                    raise ValueError(
+                        f"{name}: {h.shape[0]} layers of rows {tuple(h.shape[2:])}, the device"
+                        f" tier has {d.shape[0]} of {tuple(d.shape[2:])}"
+                    )
+
+    def _check_disjoint(self) -> None:
+        """No two arrays of any pools or tiers share a byte."""
+        named = [
+            (f"{pool_name}[{tier!r}][{i}]", a)
+            for (pool_name, tier), p in self._pools.items()
+            for i, a in enumerate(p.arrays)
+        ]
+        for (a_name, a), (b_name, b) in itertools.combinations(named, 2):
+            if _overlap(a, b):
+                raise ValueError(
+                    f"{b_name}: shares memory with {a_name} (every array of every pool and"
+                    " tier must be its own memory)"
                 )
 
     @classmethod
@@ -211,20 +366,28 @@ class Storage:
                 ``"cpu"`` (NumPy for both tiers).
 
         Raises:
-            ValueError: A negative count or an unknown dtype or device, naming it.
+            ValueError: A count that is not an int (a bool is not a count), a slot
+                count < 0, a layer count, head count, head size or state dimension
+                < 1, or an unknown dtype or device, naming it.
         """
-        counts = {
+        slot_counts = {
             "kv_slots": kv_slots,
             "mamba_slots": mamba_slots,
             "host_kv_slots": host_kv_slots,
             "host_mamba_slots": host_mamba_slots,
-            "layers": layers,
-            "kv_heads": kv_heads,
-            "head_dim": head_dim,
         }
-        for name, n in counts.items():
-            if not isinstance(n, int) or n < 0:
-                raise ValueError(f"{name}: expected a count >= 0, got {n!r}")
+        for name, n in slot_counts.items():
+            _count(n, name, 0)
+        sizes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+        if mamba_layers is not None:
+            sizes["mamba_layers"] = mamba_layers
+        for name, n in sizes.items():
+            _count(n, name, 1)
+        for name, shape in (("conv_shape", conv_shape), ("ssm_shape", ssm_shape)):
+            if not isinstance(shape, tuple):
+                raise ValueError(f"{name}: expected a tuple of sizes, got {shape!r}")
+            for i, n in enumerate(shape):
+                _count(n, f"{name}[{i}]", 1)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         m_layers = layers if mamba_layers is None else mamba_layers
@@ -259,7 +422,9 @@ class Storage:
 
         Raises:
             ValueError: As `for_model`; also when `model` gives a slot count.
+            TypeError: `cache` is not a `HybridCache`.
         """
+        _check_cache(cache)
         counts = ("kv_slots", "mamba_slots", "host_kv_slots", "host_mamba_slots")
         given = sorted(set(counts) & set(model))
         if given:
@@ -317,7 +482,9 @@ class Storage:
 
         Raises:
             ValueError: A pool is missing or too small, naming the cache's argument.
+            TypeError: `cache` is not a `HybridCache`.
         """
+        _check_cache(cache)
         wants = (
             ("kv", "device", cache.kv_slots, "kv_slots"),
             ("kv", "host", cache.host_kv_slots, "host_kv_slots"),
@@ -347,13 +514,27 @@ class Storage:
         return f"<Storage {where} {', '.join(parts)}>"
 
 
+def _count(n: object, name: str, least: int) -> None:
+    """Refuse `n` unless it is an int (not a bool) >= `least`, naming `name`."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < least:
+        raise ValueError(f"{name}: expected a count >= {least}, got {n!r}")
+
+
+def _check_cache(cache: object) -> None:
+    if not isinstance(cache, HybridCache):
+        raise TypeError(f"cache: expected a HybridCache, got {type(cache).__name__}")
+
+
 def _dtype(name: str, arg: str) -> np.dtype[Any]:
     if name == "bfloat16":
         return np.dtype(np.uint16)
     try:
-        return np.dtype(name)
+        dt = np.dtype(name)
     except TypeError:
         raise ValueError(f"{arg}: unknown dtype {name!r}") from None
+    if dt.kind not in _NUMERIC_KINDS:
+        raise ValueError(f"{arg}: expected a numeric dtype, got {name!r}")
+    return dt
 
 
 def _allocator(device: str) -> Any:

@@ -163,6 +163,31 @@ def test_each_path_and_slot_set_copies_exactly(
     assert e.stats()[used] == 1
 
 
+def test_everything_a_kernel_reads_is_uploaded_on_the_copy_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The buffer tables and slot indices go up on the stream the kernel runs on, so
+    stream order puts each upload before the kernel reading it."""
+    _, _, e = setup("small")
+    monkeypatch.setattr(_kernels, "choose_path", lambda *_: "kernel")
+    streams: list[int] = []
+    asarray = cp.asarray
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        streams.append(int(cp.cuda.get_current_stream().ptr))
+        return asarray(*args, **kwargs)
+
+    monkeypatch.setattr(cp, "asarray", spy)
+    copy = SimpleNamespace(
+        pool="mamba", src_tier="device", dst_tier="host", src=np.array([0]), dst=np.array([1])
+    )
+    e._copy(copy)  # type: ignore[arg-type]  # one copy of a batch, without the cache
+    e._copy_stream().synchronize()
+    assert e.stats()["kernel_launches"] == 1
+    assert len(streams) >= 7  # five buffer tables, then the two index arrays
+    assert set(streams) == {int(e._copy_stream().ptr)}
+
+
 def test_a_backup_waits_for_the_compute_step_it_is_ordered_after() -> None:
     c, s, e = setup("large")
     _conv, ssm = s.mamba["device"]

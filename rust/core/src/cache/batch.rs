@@ -375,12 +375,19 @@ impl Cache {
         Abandoned::Failed
     }
 
-    /// Batches abandoned after they were started, still waiting to be acknowledged.
+    /// Batches let go of after they were started, still waiting to be acknowledged:
+    /// abandoned ones, and load-backs whose guard was released (called off) while their
+    /// copies may run.
     pub fn draining_batches(&self) -> usize {
         self.batches
             .pending
-            .values()
-            .filter(|p| p.abandoned)
+            .iter()
+            .filter(|&(&id, p)| {
+                p.abandoned
+                    || (p.started
+                        && matches!(p.action, Action::LoadBack)
+                        && !self.loads.contains(id))
+            })
             .count()
     }
 }

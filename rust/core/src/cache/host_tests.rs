@@ -168,11 +168,15 @@ fn cancel_before_start_frees_at_once_and_after_start_drains() {
         .unwrap();
     let id = rec.id();
     c.start(id).unwrap();
+    assert_eq!(c.draining_batches(), 0);
     c.cancel_load(rec);
     assert_eq!(c.kv_pool().counts().draining, 4);
     assert_eq!(c.mamba_pool().counts().draining, 1);
+    // Called off while its copies may run: the batch drains, and is counted so.
+    assert_eq!(c.draining_batches(), 1);
     c.audit().unwrap();
     c.complete(id).unwrap();
+    assert_eq!(c.draining_batches(), 0);
     assert_eq!(counts(&c), before);
     c.audit().unwrap();
 }
