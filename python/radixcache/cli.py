@@ -354,13 +354,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     try:
-        args = _parser().parse_args(argv)
+        args, extra = _parser().parse_known_args(argv)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else 0
     except InputError as e:
         print(e, file=sys.stderr)
         return 2
     prog = f"radixcache {args.command}"
+    if extra:  # named by the subcommand they were given to
+        print(
+            f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)",
+            file=sys.stderr,
+        )
+        return 2
     run = {"workload": _workload_cmd, "bench": _bench_cmd, "replay": _replay_cmd}
     try:
         return run[args.command](args)
