@@ -23,6 +23,7 @@ full once the cache is cleared, a request rejected) or an output could not be wr
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -623,7 +624,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
     if args.json:
         _emit(json.dumps(report, indent=2))
     else:
-        _print_report(Console(), report)
+        _emit(_render(_report_table(report)))
     status = _verdict("radixcache replay", report)
     if args.plot:
         try:
@@ -655,7 +656,6 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     if args.json:
         _emit(json.dumps(r, indent=2))
         return _verdict("radixcache bench", r)
-    out = Console()
     head = Table(title=f"radixcache bench: {workload}", show_header=False, box=None)
     head.add_column(style="bold")
     head.add_column(justify="right")
@@ -678,8 +678,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
         "memory", f"{r['rss_growth_mb']:.1f} MB", f"process peak {r['peak_rss_mb']:.0f} MB"
     )
     head.add_row("pools full at end", str(r["pools_full_at_end"]), "after clearing: no leak")
-    out.print(head)
-    out.print(ops_table(r["ops"], "per operation"))
+    _emit(_render(head, ops_table(r["ops"], "per operation")))
     return _verdict("radixcache bench", r)
 
 
@@ -701,7 +700,25 @@ def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = No
     return table
 
 
-def _print_report(console: Any, r: dict[str, Any]) -> None:
+def _render(*tables: Any) -> str:
+    """Render rich tables as stdout would show them (colour on a terminal only)."""
+    from rich.console import Console
+
+    stdout = Console()
+    text = io.StringIO()
+    console = Console(
+        file=text,
+        force_terminal=stdout.is_terminal,
+        color_system=stdout.color_system,  # type: ignore[arg-type]
+        width=stdout.width,
+    )
+    for t in tables:
+        console.print(t)
+    return text.getvalue().rstrip("\n")
+
+
+def _report_table(r: dict[str, Any]) -> Any:
+    """Return the replay's report as a rich table."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -760,7 +777,7 @@ def _print_report(console: Any, r: dict[str, Any]) -> None:
     row("audit", (good[0] if audit == "pass" else good[1]).format(escape(audit)))
     full = r["pools_full_at_end"]
     row("pools full at end", (good[0] if full else good[1]).format(full), "after clearing")
-    console.print(t)
+    return t
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:
