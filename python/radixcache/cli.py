@@ -27,12 +27,14 @@ import io
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from . import __version__
 from .serving import harness as _replay
@@ -561,6 +563,55 @@ def _workload_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Interrupts:
+    """Ctrl-C during a run stops it between two scheduler steps, not inside a cache call.
+
+    The first SIGINT is noted, and raised as `KeyboardInterrupt` after the scheduler step
+    under way (`between`), or when the run ends (its last phases, the audit, clearing
+    the cache and the attention-only replay, take seconds); a second one is raised at
+    once. SIGINT is left alone outside the main thread or when Python's own handler is
+    not the one installed (it is ignored, or the caller has its own).
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupts:
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def check(self) -> None:
+        """Raise `KeyboardInterrupt` if Ctrl-C was pressed."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def between(self, bar: Any, task: Any) -> Callable[[int], None]:
+        """Return the scheduler's progress callback: update the bar, then `check`."""
+
+        def progress(done: int) -> None:
+            bar.update(task, completed=done)
+            self.check()
+
+        return progress
+
+    def __exit__(self, kind: object, value: object, tb: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if kind is None:
+            self.check()
+
+
 def _progress(err: Any, quiet: bool) -> Any:
     from rich.progress import (
         BarColumn,
@@ -615,11 +666,9 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         attention_only=not args.no_attention_only,
     )
     workload = _value(args, "--workload")
-    with _progress(err, args.quiet) as bar:
+    with _Interrupts() as stop, _progress(err, args.quiet) as bar:
         task = bar.add_task(f"replay {workload}", total=len(jobs))
-        report, timeline = _replay.replay(
-            jobs, config, progress=lambda done: bar.update(task, completed=done)
-        )
+        report, timeline = _replay.replay(jobs, config, progress=stop.between(bar, task))
     report["workload"] = workload
     if args.json:
         _emit(json.dumps(report, indent=2))
@@ -644,14 +693,9 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     jobs, config = _setup(args)
     workload = _value(args, "--workload")
-    with _progress(err, args.quiet) as bar:
+    with _Interrupts() as stop, _progress(err, args.quiet) as bar:
         task = bar.add_task(f"bench {workload}", total=len(jobs))
-        r = bench(
-            jobs,
-            config,
-            numpy_tokens=args.numpy,
-            progress=lambda done: bar.update(task, completed=done),
-        )
+        r = bench(jobs, config, numpy_tokens=args.numpy, progress=stop.between(bar, task))
     r["workload"] = workload
     if args.json:
         _emit(json.dumps(r, indent=2))
