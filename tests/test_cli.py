@@ -449,12 +449,17 @@ def test_ctrl_c_prints_interrupted_and_exits_130() -> None:
 
 def test_a_first_ctrl_c_waits_for_the_step_and_a_second_is_at_once() -> None:
     """The run stops between scheduler steps, never inside a cache call; twice: at once."""
-    with pytest.raises(KeyboardInterrupt), cli._Interrupts() as stop:
-        signal.raise_signal(signal.SIGINT)
-        assert stop.pending, "noted, not raised"
-        with pytest.raises(KeyboardInterrupt):
+
+    def run() -> None:
+        with cli._Interrupts() as stop:
             signal.raise_signal(signal.SIGINT)
+            assert stop.pending, "noted, not raised"
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
         # the run ends here: the first Ctrl-C is raised now
+
+    with pytest.raises(KeyboardInterrupt):
+        run()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with cli._Interrupts() as stop:
         signal.raise_signal(signal.SIGINT)
