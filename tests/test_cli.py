@@ -248,6 +248,11 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     assert "required: COMMAND" in one_line(capsys.readouterr().err)
 
 
+def test_version_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("radixcache ")
+
+
 # ---------------------------------------------------------------- output paths
 
 
@@ -285,6 +290,38 @@ def test_a_workload_out_that_cannot_be_written_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None, name: str, names: list[str]
 ) -> None:
     refused(capsys, ["workload", "gsp", "--out", str(tmp_path / name)], "--out", *names)
+
+
+def test_an_output_in_a_directory_that_cannot_be_written_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: None,
+) -> None:
+    # As root every directory is writable: stand in for one that is not.
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
+    out = str(tmp_path / "w.jsonl")
+    refused(capsys, ["workload", "gsp", "--out", out], f"--out {out}: not writable")
+
+
+def test_a_workload_file_that_cannot_be_read_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: None,
+) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(GOOD)
+
+    def unreadable(*args: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli._workloads, "load_jsonl", unreadable)
+    refused(
+        capsys,
+        ["replay", "--workload", str(path)],
+        f"--workload {path}: cannot read it (Permission denied)",
+    )
 
 
 def test_workload_needs_out(capsys: pytest.CaptureFixture[str], no_run: None) -> None:
