@@ -214,14 +214,18 @@ def test_a_job_without_output_decodes_the_models_own_samples(tmp_path: Path) -> 
         ("not json", "line 1: not JSON"),
         ('{"output_len": 3}', "line 1: a job is an object with a 'prompt'"),
         ("[1, 2]", "line 1: a job is an object with a 'prompt'"),
-        ('{"prompt": [1, "a"]}', "line 1: prompt must be a list of integer token ids"),
-        ('{"prompt": [1, -1], "output_len": 1}', "line 1: prompt has a token id outside"),
-        ('{"prompt": [4294967296], "output_len": 1}', "line 1: prompt has a token id outside"),
-        ('{"prompt": [1], "output": [true]}', "line 1: output must be a list"),
-        ('{"prompt": [1], "output": [2], "output_len": 3}', "line 1: output_len differs"),
-        ('{"prompt": [1], "output_len": -1}', "line 1: output_len must be an integer >= 0"),
-        ('{"prompt": [1]}', "line 1: output_len must be an integer >= 0"),
-        ('{"prompt": [1], "output_len": 1, "namespace": 3}', "line 1: namespace must be a"),
+        ('{"prompt": 3, "output_len": 1}', "line 1: prompt: must be a list of token ids, got 3"),
+        ('{"prompt": [1, "a"]}', "line 1: prompt[1]: 'a' is not a token id"),
+        ('{"prompt": [1, -1], "output_len": 1}', "line 1: prompt[1]: -1 is not a token id"),
+        ('{"prompt": [4294967296], "output_len": 1}', "line 1: prompt[0]: 4294967296 is not a"),
+        ('{"prompt": [1], "output": [true]}', "line 1: output[0]: True is not a token id"),
+        ('{"prompt": [1], "output": [2], "output_len": 3}', "line 1: output_len: 3 differs"),
+        (
+            '{"prompt": [1], "output_len": -1}',
+            "line 1: output_len: must be an integer in [1, 65536]",
+        ),
+        ('{"prompt": [1]}', "line 1: a job has an 'output_len' or an 'output'"),
+        ('{"prompt": [1], "output_len": 1, "namespace": 3}', "line 1: namespace: must be a"),
     ],
 )
 def test_a_bad_jsonl_line_is_named(tmp_path: Path, line: str, message: str) -> None:
@@ -574,46 +578,9 @@ def test_workload_then_replay_of_the_file(
 def test_replay_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "r.png"
-    argv = ["replay", "--requests", "40", "--kv-slots", "4096", "--quiet", "--json"]
+    argv = ["replay", "--requests", "40", "--kv-slots", "8192", "--quiet", "--json"]
     assert cli.main([*argv, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_replay_plot_without_matplotlib_says_how_to_get_it(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
-    assert cli.main(["replay", "--requests", "5", "--plot", "x.png"]) == 2
-    assert "--plot needs matplotlib" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["replay", "--workload", "nope"], "workload: 'nope'"),
-        (["replay", "--kv-slots", "100", "--page-size", "16"], "kv_slots"),
-    ],
-)
-def test_replay_names_a_bad_argument(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["replay", "--inject-failures", "2"],
-        ["replay", "--mamba-slots", "-1"],
-        ["replay", "--requests", "0"],
-        ["workload", "gsp"],
-    ],
-)
-def test_replay_refuses_bad_flags(argv: list[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 2
 
 
 def test_replay_exits_1_when_the_oracle_sees_a_mismatch(

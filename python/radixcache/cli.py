@@ -1,20 +1,40 @@
-"""The ``radixcache`` command: ``replay`` a workload end to end, write a ``workload``.
+"""The ``radixcache`` command: ``replay`` or ``bench`` a workload, write a ``workload``.
 
 radixcache replay [--workload mixed|gsp|multiturn|PATH] [--requests N] [--seed S]
-[--kv-slots N] [--mamba-slots N] [--host-kv-slots N]
-[--host-mamba-slots N] [--page-size P] [--write-policy ...]
-[--inject-failures RATE] [--json] [--plot PATH]
+[--kv-slots N] [--mamba-slots N] [--host-kv-slots N] [--host-mamba-slots N]
+[--page-size P] [--write-policy ...] [--write-through-threshold T] [--max-running N]
+[--chunk-size N] [--no-branch-checkpoints] [--inject-failures RATE]
+[--no-attention-only] [--json] [--plot PATH] [--quiet]
+radixcache bench [the workload, cache and scheduler flags] [--numpy] [--json] [--quiet]
 radixcache workload NAME --out PATH [--requests N] [--seed S]
+
+Everything is checked before any work starts, in one place: every flag's type and range
+(`FLAGS`), the flags together (the cache's own checks, reported with the flags' names;
+a flag given where it has no effect is refused), the output paths (``--out``,
+``--plot``), every line of a workload file (`radixcache.serving.workloads.parse_line`)
+and whether each request fits the device pool alone. A bad one ends the command with one
+line on stderr, ``radixcache CMD: error: ...``, naming the flag, or the file and line.
+
+Exit status: 0 done; 1 the run failed (an oracle mismatch, a failed audit, a pool not
+full once the cache is cleared, a request rejected) or an output could not be written;
+2 a bad flag or input; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
+import re
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NoReturn
 
 from . import __version__
 from .serving import harness as _replay
@@ -23,66 +43,260 @@ from .serving.scheduler import StepSample
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
 
-
-def _nonneg(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
-def _positive(v: str) -> int:
-    n = int(v)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+#: The largest KV pool (device or host, in tokens) and page the CLI accepts. The
+#: replay's storage takes 32 bytes per slot and tier: 512 MiB per pool at this size.
+MAX_KV_SLOTS = 1 << 24
+#: The largest state pool (device or host) the CLI accepts.
+MAX_MAMBA_SLOTS = 1 << 16
+#: The most requests ``--requests`` asks for (a built-in workload is made in memory).
+MAX_REQUESTS = 100_000
+#: The largest ``--max-running``.
+MAX_RUNNING = 4096
+#: Seeds are in ``[0, MAX_SEED]``.
+MAX_SEED = (1 << 63) - 1
 
 
-def _rate(v: str) -> float:
-    r = float(v)
-    if not 0.0 <= r <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {r}")
-    return r
+class InputError(Exception):
+    """A bad flag or input: the command ends with this one-line message and status 2."""
 
 
-def _pool_flags(p: argparse.ArgumentParser, d: _replay.ReplayConfig) -> None:
-    """Add the workload, cache and scheduler flags that replay and bench share."""
-    p.add_argument(
+class OutputError(Exception):
+    """An output could not be written: the command ends with this message and status 1."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option: how it is parsed and checked, its default and its meaning (``--help``).
+
+    Attributes:
+        name: The option (``--kv-slots``).
+        help: What it does.
+        kind: ``int``, ``rate`` (a float in [0, 1]), ``choice``, ``path`` (a string)
+            or ``switch`` (present or not).
+        default: The value when the option is not given.
+        lo, hi: The range of an ``int``.
+        choices: The values of a ``choice``.
+        shown: The default as ``--help`` states it (default: `default`).
+        required: The option must be given (it has no default).
+    """
+
+    name: str
+    help: str
+    kind: str = "int"
+    default: Any = None
+    lo: int = 0
+    hi: int = 0
+    choices: tuple[str, ...] = ()
+    shown: str | None = None
+    required: bool = False
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments."""
+        return self.name[2:].replace("-", "_")
+
+    def help_text(self) -> str:
+        """Return the help line: the meaning, then the default."""
+        if self.required:
+            return f"{self.help} (required)".replace("%", "%%")
+        shown = self.shown
+        if shown is None:
+            shown = "off" if self.kind == "switch" else str(self.default)
+        return f"{self.help} (default: {shown})".replace("%", "%%")
+
+    def parse(self, text: str) -> Any:
+        """Parse and check the option's value (argparse names the flag on an error)."""
+        if self.kind == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                value = None
+            if value is None or not self.lo <= value <= self.hi:
+                raise argparse.ArgumentTypeError(
+                    f"must be an integer in [{self.lo}, {self.hi}], got {_short(text)}"
+                )
+            return value
+        if self.kind == "rate":
+            try:
+                rate = float(text)
+            except ValueError:
+                rate = float("nan")
+            if not 0.0 <= rate <= 1.0:  # NaN too
+                raise argparse.ArgumentTypeError(f"must be in [0, 1], got {_short(text)}")
+            return rate
+        if not text:
+            raise argparse.ArgumentTypeError("must not be empty")
+        return text
+
+
+def _short(value: object) -> str:
+    r = repr(value)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+_D = _replay.ReplayConfig()
+
+#: The workload, cache and scheduler flags of ``replay`` and ``bench``.
+POOL_FLAGS = (
+    Flag(
         "--workload",
+        "a built-in workload (mixed, gsp, multiturn) or a JSONL file, one request a line "
+        "(docs/serving.md)",
+        kind="path",
         default="mixed",
-        help="mixed (default), gsp, multiturn, or a JSONL file",
-    )
-    p.add_argument("--requests", type=_positive, help="serve only the first N requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-slots", type=_positive, default=d.kv_slots)
-    p.add_argument("--mamba-slots", type=_nonneg, default=d.mamba_slots)
-    p.add_argument("--host-kv-slots", type=_nonneg, default=d.host_kv_slots)
-    p.add_argument("--host-mamba-slots", type=_nonneg, default=d.host_mamba_slots)
-    p.add_argument("--page-size", type=_positive, default=d.page_size)
-    p.add_argument("--write-policy", choices=POLICIES, default=d.write_policy)
-    p.add_argument(
+    ),
+    Flag(
+        "--requests",
+        f"serve only the first N requests (at most {MAX_REQUESTS})",
+        lo=1,
+        hi=MAX_REQUESTS,
+        shown="all of them",
+    ),
+    Flag(
+        "--seed",
+        "seeds the built-in workloads (and in replay the model's hashes and the injected failures)",
+        default=0,
+        hi=MAX_SEED,
+    ),
+    Flag(
+        "--kv-slots",
+        f"device KV pool, in tokens: a multiple of --page-size (at most {MAX_KV_SLOTS})",
+        default=_D.kv_slots,
+        lo=1,
+        hi=MAX_KV_SLOTS,
+    ),
+    Flag(
+        "--mamba-slots",
+        "device Mamba state slots (0: an attention-only model)",
+        default=_D.mamba_slots,
+        hi=MAX_MAMBA_SLOTS,
+    ),
+    Flag(
+        "--host-kv-slots",
+        "host-tier KV pool, in tokens: a multiple of --page-size (0: no host tier)",
+        default=_D.host_kv_slots,
+        hi=MAX_KV_SLOTS,
+    ),
+    Flag(
+        "--host-mamba-slots",
+        "host-tier state slots",
+        hi=MAX_MAMBA_SLOTS,
+        shown=f"{_D.host_mamba_slots}; 0 with --mamba-slots 0 or --host-kv-slots 0",
+    ),
+    Flag("--page-size", "tokens per page", default=_D.page_size, lo=1, hi=MAX_KV_SLOTS),
+    Flag(
+        "--write-policy",
+        "when KV is copied to the host tier: write_through (when it is cached), "
+        "write_through_selective (after --write-through-threshold hits), write_back "
+        "(when it is evicted); the last two need a host tier",
+        kind="choice",
+        default=_D.write_policy,
+        choices=POLICIES,
+    ),
+    Flag(
         "--write-through-threshold",
-        type=_positive,
-        default=d.write_through_threshold,
-        help="hits before a backup under write_through_selective",
-    )
-    p.add_argument("--max-running", type=_positive, default=d.max_running)
-    p.add_argument("--chunk-size", type=_positive, default=d.chunk_size)
-    p.add_argument(
+        "hits before a backup; only with --write-policy write_through_selective",
+        lo=1,
+        hi=(1 << 32) - 1,
+        shown="2",
+    ),
+    Flag(
+        "--max-running",
+        "requests served at once",
+        default=_D.max_running,
+        lo=1,
+        hi=MAX_RUNNING,
+    ),
+    Flag(
+        "--chunk-size",
+        "most prefill tokens a request feeds in one step",
+        default=_D.chunk_size,
+        lo=1,
+        hi=MAX_KV_SLOTS,
+    ),
+    Flag(
         "--no-branch-checkpoints",
-        action="store_true",
-        help="do not checkpoint states at branch points (to see what they are worth)",
-    )
+        "do not checkpoint states at branch points (to see what they are worth)",
+        kind="switch",
+    ),
+)
+
+REPLAY_FLAGS = (
+    Flag(
+        "--inject-failures",
+        "refuse or fail this fraction of transfer batches, at random points",
+        kind="rate",
+        default=_D.inject_failures,
+    ),
+    Flag(
+        "--no-attention-only",
+        "skip the attention-only replay that the hit-rate ratio compares with (both "
+        "are then reported as null)",
+        kind="switch",
+    ),
+    Flag("--json", "print the report as one JSON object", kind="switch"),
+    Flag(
+        "--plot",
+        "write hit rates and pool occupancy to this image; the extension names the "
+        "format (png, svg, pdf, ...); needs matplotlib",
+        kind="path",
+        shown="no plot",
+    ),
+    Flag("--quiet", "no progress bar", kind="switch"),
+)
+
+BENCH_FLAGS = (
+    Flag("--numpy", "hand tokens to the cache as NumPy arrays, not lists", kind="switch"),
+    Flag("--json", "print the result as one JSON object", kind="switch"),
+    Flag("--quiet", "no progress bar", kind="switch"),
+)
+
+WORKLOAD_FLAGS = (
+    Flag("--out", "the JSONL file to write", kind="path", required=True),
+    Flag(
+        "--requests",
+        f"the first N requests of the workload (at most {MAX_REQUESTS})",
+        lo=1,
+        hi=MAX_REQUESTS,
+        shown="all of them",
+    ),
+    Flag("--seed", "seeds the workload", default=0, hi=MAX_SEED),
+)
+
+FLAGS = {"replay": POOL_FLAGS + REPLAY_FLAGS, "bench": POOL_FLAGS + BENCH_FLAGS}
+FLAGS["workload"] = WORKLOAD_FLAGS
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error as one line (the flag named), not the usage and a line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _add(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    for f in flags:
+        if f.kind == "switch":
+            p.add_argument(f.name, action="store_true", help=f.help_text())
+        elif f.kind == "choice":
+            p.add_argument(f.name, choices=f.choices, help=f.help_text())
+        else:
+            metavar = {"int": "N", "rate": "RATE"}.get(f.kind, "PATH")
+            p.add_argument(
+                f.name, type=f.parse, metavar=metavar, required=f.required, help=f.help_text()
+            )
+        # The default is resolved by _value: None tells "not given" from "given".
 
 
 def _parser() -> argparse.ArgumentParser:
-    d = _replay.ReplayConfig()
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="radixcache",
         description="Prefix-cache manager for hybrid LLMs: replay workloads end to end.",
+        epilog="Exit status: 0 done; 1 the run failed or an output could not be written; "
+        "2 a bad flag or input; 130 interrupted.",
     )
     ap.add_argument("--version", action="version", version=f"radixcache {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser(
         "replay",
@@ -91,26 +305,12 @@ def _parser() -> argparse.ArgumentParser:
             "Serve a workload through radixcache's continuous-batching scheduler, with a "
             "stand-in model whose outputs change if any cache slot is wrong, and report "
             "hit rates, host-tier traffic, evictions, throughput, oracle mismatches "
-            "(must be 0) and the audit (must pass). Exits 1 if either fails or a pool "
-            "is not full after the cache is cleared."
+            "(must be 0) and the audit (must pass). Exits 1 if either fails, a pool is "
+            "not full after the cache is cleared, or a request was rejected; 2 on a bad "
+            "flag or input (checked before the run); 130 when interrupted."
         ),
     )
-    _pool_flags(r, d)
-    r.add_argument(
-        "--inject-failures",
-        type=_rate,
-        default=0.0,
-        metavar="RATE",
-        help="refuse or fail this fraction of transfer batches, at random points",
-    )
-    r.add_argument(
-        "--no-attention-only",
-        action="store_true",
-        help="skip the attention-only replay that the hit-rate ratio compares with",
-    )
-    r.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    r.add_argument("--plot", metavar="PATH", help="write hit rate and pool occupancy (PNG)")
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add(r, FLAGS["replay"])
 
     b = sub.add_parser(
         "bench",
@@ -119,125 +319,369 @@ def _parser() -> argparse.ArgumentParser:
             "Serve a workload through the same scheduler as replay, with no model and no "
             "copies (every batch completes at once), and time every call it makes on the "
             "cache: per-operation p50/p99, microseconds per request, nanoseconds per "
-            "prompt token, hit rate, memory."
+            "prompt token, hit rate, memory. Exits 1 if a pool is not full after the "
+            "cache is cleared or a request was rejected; 2 on a bad flag or input."
         ),
     )
-    _pool_flags(b, d)
-    b.add_argument("--numpy", action="store_true", help="tokens as NumPy arrays, not lists")
-    b.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add(b, FLAGS["bench"])
 
-    w = sub.add_parser("workload", help="write a built-in workload as JSONL")
-    w.add_argument("name", choices=sorted(_workloads.WORKLOADS))
-    w.add_argument("--out", required=True, help="the JSONL file to write")
-    w.add_argument("--requests", type=_positive)
-    w.add_argument("--seed", type=int, default=0)
+    w = sub.add_parser(
+        "workload",
+        help="write a built-in workload as JSONL",
+        description="Write a built-in workload as JSONL, one request a line.",
+    )
+    w.add_argument(
+        "name",
+        choices=sorted(_workloads.WORKLOADS),
+        help=f"the built-in workload: {', '.join(sorted(_workloads.WORKLOADS))} (required)",
+    )
+    _add(w, FLAGS["workload"])
     return ap
 
 
+def _value(args: argparse.Namespace, name: str) -> Any:
+    """Return the value of flag `name`: as given, else its default."""
+    f = next(f for f in FLAGS[args.command] if f.name == name)
+    v = getattr(args, f.dest)
+    return f.default if v is None else v
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
-    if args.command == "workload":
-        return _workload(args)
-    if args.command == "bench":
-        return _bench_cmd(args)
-    return _replay_cmd(args)
+    """Run the command line; returns the exit status (see the module docstring)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
-def _workload(args: argparse.Namespace) -> int:
-    jobs = _workloads.WORKLOADS[args.name](args.requests, args.seed)
-    n = _workloads.save_jsonl(jobs, args.out)
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        args, extra = _parser().parse_known_args(argv)
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else 0
+    except InputError as e:
+        print(e, file=sys.stderr)
+        return 2
+    prog = f"radixcache {args.command}"
+    if extra:  # named by the subcommand they were given to
+        print(
+            f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)",
+            file=sys.stderr,
+        )
+        return 2
+    run = {"workload": _workload_cmd, "bench": _bench_cmd, "replay": _replay_cmd}
+    try:
+        return run[args.command](args)
+    except InputError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OutputError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------- the checks
+
+
+def _check_out(flag: str, path: str) -> None:
+    """Refuse an output path that cannot be written (before any work)."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {path}: is a directory")
+    parent = p.parent
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: no directory {str(parent)!r}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise InputError(f"{flag} {path}: not writable")
+
+
+def _import_matplotlib() -> Any:
+    # Older matplotlib releases (the last ones for Python 3.9) warn about their own
+    # dependencies while importing: not the user's concern.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_formats() -> list[str]:
+    """Return the image formats ``--plot`` writes (matplotlib's but pgf: it needs LaTeX)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"})
+
+
+def _check_plot(path: str) -> None:
+    try:
+        _import_matplotlib()
+    except ImportError:
+        raise InputError(
+            "--plot needs matplotlib: pip install 'radixcache[plot]' (or pip install matplotlib)"
+        ) from None
+    formats = plot_formats()
+    ext = Path(path).suffix[1:].lower()
+    if ext not in formats:
+        got = f"'.{ext}' is not" if ext else "no extension names"
+        raise InputError(f"--plot {path}: {got} an image format ({', '.join(formats)})")
+    _check_out("--plot", path)
+
+
+_DESTS = re.compile(
+    r"\b(kv_slots|mamba_slots|host_kv_slots|host_mamba_slots|page_size|write_policy"
+    r"|write_through_threshold|max_running|chunk_size|inject_failures)\b"
+)
+
+
+def _flag_names(message: str) -> str:
+    """`message` with the cache's argument names written as the CLI's flags."""
+    return _DESTS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
+    """Build the replay's settings from the flags; the cache checks them together."""
+    mamba = _value(args, "--mamba-slots")
+    host_kv = _value(args, "--host-kv-slots")
+    host_mamba = args.host_mamba_slots
+    if host_mamba is None:  # no states, or no host tier: no host states either
+        host_mamba = _D.host_mamba_slots if mamba and host_kv else 0
+    elif host_mamba and not (mamba and host_kv):
+        # The replay would drop them (as the default does): given, they are refused.
+        why = "--mamba-slots 0 (no states)" if not mamba else "--host-kv-slots 0 (no host tier)"
+        raise InputError(f"--host-mamba-slots: {host_mamba} given with {why}; pass 0")
+    config = _replay.ReplayConfig(
+        kv_slots=_value(args, "--kv-slots"),
+        mamba_slots=mamba,
+        host_kv_slots=host_kv,
+        host_mamba_slots=host_mamba,
+        page_size=_value(args, "--page-size"),
+        write_policy=_value(args, "--write-policy"),
+        write_through_threshold=args.write_through_threshold,
+        seed=_value(args, "--seed"),
+        max_running=_value(args, "--max-running"),
+        chunk_size=_value(args, "--chunk-size"),
+        branch_checkpoints=not args.no_branch_checkpoints,
+        **extra,
+    )
+    try:
+        config.cache()  # the cache's own checks, before any work
+    except ValueError as e:
+        raise InputError(_flag_names(str(e))) from None
+    return config
+
+
+def _jobs(args: argparse.Namespace) -> list[_workloads.Job]:
+    """Load the workload: a built-in one, or a JSONL file with every line checked."""
+    name = _value(args, "--workload")
+    requests, seed = args.requests, _value(args, "--seed")
+    if name in _workloads.WORKLOADS:
+        return _workloads.WORKLOADS[name](requests, seed)
+    path = Path(name)
+    if path.is_dir():
+        raise InputError(f"--workload {name}: is a directory")
+    if not path.is_file():
+        raise InputError(
+            f"--workload {_short(name)}: neither a built-in workload "
+            f"({', '.join(_workloads.WORKLOADS)}) nor a file"
+        )
+    try:
+        return _workloads.load_jsonl(path, requests)
+    except ValueError as e:
+        raise InputError(f"--workload {name}: {e}") from None
+    except OSError as e:
+        raise InputError(f"--workload {name}: cannot read it ({e.strerror})") from None
+
+
+def kv_needed(job: _workloads.Job, page_size: int) -> int:
+    """KV slots a request takes alone: everything it feeds, in whole pages."""
+    fed = len(job.prompt) + len(job.output) - 1  # the last output token is not fed
+    return -(-fed // page_size) * page_size
+
+
+def _check_fits(args: argparse.Namespace, jobs: Sequence[_workloads.Job], kv_slots: int) -> None:
+    """Refuse a workload with a request that the device pool cannot hold even alone."""
+    ps = _value(args, "--page-size")
+    for i, job in enumerate(jobs):
+        need = kv_needed(job, ps)
+        if need > kv_slots:
+            where = f"line {job.line}" if job.line is not None else f"request {i + 1}"
+            raise InputError(
+                f"--workload {_value(args, '--workload')}: {where}: needs {need} KV slots "
+                f"(prompt {len(job.prompt)} + output {len(job.output)} tokens, in pages of "
+                f"{ps}), more than --kv-slots {kv_slots}: it could never be served"
+            )
+
+
+def _setup(
+    args: argparse.Namespace, **extra: Any
+) -> tuple[list[_workloads.Job], _replay.ReplayConfig]:
+    """Check every flag and input of replay and bench; the workload and settings.
+
+    Raises:
+        InputError: The first bad flag or input, named.
+    """
+    config = _config(args, **extra)
+    if getattr(args, "plot", None) is not None:
+        _check_plot(args.plot)
+    jobs = _jobs(args)
+    _check_fits(args, jobs, config.kv_slots)
+    return jobs, config
+
+
+# ---------------------------------------------------------------------- the commands
+
+
+def _emit(text: str) -> None:
+    """Print `text` on stdout; OutputError when it cannot be written (a full disk)."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except OSError as e:
+        # Nothing more can reach stdout: point it at /dev/null so that the interpreter's
+        # own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise OutputError(f"cannot write to stdout ({e.strerror})") from None
+
+
+def _workload_cmd(args: argparse.Namespace) -> int:
+    out = args.out
+    _check_out("--out", out)
+    jobs = _workloads.WORKLOADS[args.name](args.requests, _value(args, "--seed"))
+    try:
+        n = _workloads.save_jsonl(jobs, out)
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot write it ({e.strerror})") from None
     s = _workloads.stats(jobs)
     print(
         f"wrote {n} requests ({s['prompt_tokens']} prompt tokens, "
-        f"{s['output_tokens']} output tokens) to {args.out}",
+        f"{s['output_tokens']} output tokens) to {out}",
         file=sys.stderr,
     )
     return 0
 
 
-def _setup(
-    args: argparse.Namespace, err: Any, **extra: Any
-) -> tuple[list[_workloads.Job], _replay.ReplayConfig] | None:
-    """Load the workload and build the config; None (after saying why) if bad."""
-    if args.mamba_slots == 0 and args.host_mamba_slots:
-        args.host_mamba_slots = 0  # an attention-only model has no states to back up
-    try:
-        jobs = _workloads.load(args.workload, args.requests, args.seed)
-        config = _replay.ReplayConfig(
-            kv_slots=args.kv_slots,
-            mamba_slots=args.mamba_slots,
-            host_kv_slots=args.host_kv_slots,
-            host_mamba_slots=args.host_mamba_slots if args.host_kv_slots else 0,
-            page_size=args.page_size,
-            write_policy=args.write_policy,
-            write_through_threshold=args.write_through_threshold,
-            seed=args.seed,
-            max_running=args.max_running,
-            chunk_size=args.chunk_size,
-            branch_checkpoints=not args.no_branch_checkpoints,
-            **extra,
-        )
-        config.cache()  # the cache's own checks, before any work
-    except (ValueError, OSError) as e:
-        err.print(f"[red]error:[/red] {e}")
-        return None
-    return jobs, config
+class _Interrupts:
+    """Ctrl-C during a run stops it between two scheduler steps, not inside a cache call.
+
+    The first SIGINT is noted, and raised as `KeyboardInterrupt` after the scheduler step
+    under way (`between`), or when the run ends (its last phases, the audit, clearing
+    the cache and the attention-only replay, take seconds); a second one is raised at
+    once. SIGINT is left alone outside the main thread or when Python's own handler is
+    not the one installed (it is ignored, or the caller has its own).
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupts:
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def check(self) -> None:
+        """Raise `KeyboardInterrupt` if Ctrl-C was pressed."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def between(self, bar: Any, task: Any) -> Callable[[int], None]:
+        """Return the scheduler's progress callback: update the bar, then `check`."""
+
+        def progress(done: int) -> None:
+            bar.update(task, completed=done)
+            self.check()
+
+        return progress
+
+    def __exit__(self, kind: object, value: object, tb: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if kind is None:
+            self.check()
 
 
 def _progress(err: Any, quiet: bool) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        "eta",
+        TimeRemainingColumn(),
         console=err,
         disable=quiet,
         transient=True,
     )
 
 
+def _failures(r: dict[str, Any]) -> list[str]:
+    """Why a run failed (empty: it did not)."""
+    why = []
+    if r.get("mismatches", 0):
+        why.append(f"{r['mismatches']} oracle mismatches")
+    if r.get("audit", "pass") != "pass":
+        why.append("the audit failed")
+    if not r["pools_full_at_end"]:
+        why.append("a pool is not full once the cache is cleared (a leak)")
+    if r["rejected"]:
+        why.append(f"{r['rejected']} requests rejected (no room even alone)")
+    return why
+
+
+def _verdict(prog: str, r: dict[str, Any]) -> int:
+    why = _failures(r)
+    if why:
+        print(f"{prog}: failed: {'; '.join(why)}", file=sys.stderr)
+    return 1 if why else 0
+
+
 def _replay_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            err.print(
-                "[red]--plot needs matplotlib:[/red] pip install 'radixcache[plot]' "
-                "(or pip install matplotlib)"
-            )
-            return 2
-    setup = _setup(
+    jobs, config = _setup(
         args,
-        err,
-        inject_failures=args.inject_failures,
+        inject_failures=_value(args, "--inject-failures"),
         timeline=10 if args.plot else 0,
         attention_only=not args.no_attention_only,
     )
-    if setup is None:
-        return 2
-    jobs, config = setup
-    with _progress(err, args.quiet) as bar:
-        task = bar.add_task(f"replay {args.workload}", total=len(jobs))
-        report, timeline = _replay.replay(
-            jobs, config, progress=lambda done: bar.update(task, completed=done)
-        )
-    report["workload"] = args.workload
+    workload = _value(args, "--workload")
+    with _Interrupts() as stop, _progress(err, args.quiet) as bar:
+        task = bar.add_task(f"replay {workload}", total=len(jobs))
+        report, timeline = _replay.replay(jobs, config, progress=stop.between(bar, task))
+    report["workload"] = workload
     if args.json:
-        print(json.dumps(report, indent=2))
+        _emit(json.dumps(report, indent=2))
     else:
-        _print_report(Console(), report)
+        _emit(_render(_report_table(report)))
+    status = _verdict("radixcache replay", report)
     if args.plot:
-        _plot(timeline, args.plot, args.workload)
-        err.print(f"wrote {args.plot}")
-    ok = report["mismatches"] == 0 and report["audit"] == "pass" and report["pools_full_at_end"]
-    return 0 if ok else 1
+        try:
+            _plot(timeline, args.plot, workload)
+        except OSError as e:
+            raise OutputError(f"--plot {args.plot}: cannot write it ({e.strerror})") from None
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return status
 
 
 def _bench_cmd(args: argparse.Namespace) -> int:
@@ -247,25 +691,16 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     from .serving.bench import bench
 
     err = Console(stderr=True)
-    setup = _setup(args, err)
-    if setup is None:
-        return 2
-    jobs, config = setup
-    with _progress(err, args.quiet) as bar:
-        task = bar.add_task(f"bench {args.workload}", total=len(jobs))
-        r = bench(
-            jobs,
-            config,
-            numpy_tokens=args.numpy,
-            progress=lambda done: bar.update(task, completed=done),
-        )
-    r["workload"] = args.workload
-    status = 0 if r["pools_full_at_end"] else 1  # a leak fails the run
+    jobs, config = _setup(args)
+    workload = _value(args, "--workload")
+    with _Interrupts() as stop, _progress(err, args.quiet) as bar:
+        task = bar.add_task(f"bench {workload}", total=len(jobs))
+        r = bench(jobs, config, numpy_tokens=args.numpy, progress=stop.between(bar, task))
+    r["workload"] = workload
     if args.json:
-        print(json.dumps(r, indent=2))
-        return status
-    out = Console()
-    head = Table(title=f"radixcache bench: {args.workload}", show_header=False, box=None)
+        _emit(json.dumps(r, indent=2))
+        return _verdict("radixcache bench", r)
+    head = Table(title=f"radixcache bench: {workload}", show_header=False, box=None)
     head.add_column(style="bold")
     head.add_column(justify="right")
     head.add_column(style="dim")
@@ -287,9 +722,8 @@ def _bench_cmd(args: argparse.Namespace) -> int:
         "memory", f"{r['rss_growth_mb']:.1f} MB", f"process peak {r['peak_rss_mb']:.0f} MB"
     )
     head.add_row("pools full at end", str(r["pools_full_at_end"]), "after clearing: no leak")
-    out.print(head)
-    out.print(ops_table(r["ops"], "per operation"))
-    return status
+    _emit(_render(head, ops_table(r["ops"], "per operation")))
+    return _verdict("radixcache bench", r)
 
 
 def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = None) -> Any:
@@ -310,10 +744,29 @@ def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = No
     return table
 
 
-def _print_report(console: Any, r: dict[str, Any]) -> None:
+def _render(*tables: Any) -> str:
+    """Render rich tables as stdout would show them (colour on a terminal only)."""
+    from rich.console import Console
+
+    stdout = Console()
+    text = io.StringIO()
+    console = Console(
+        file=text,
+        force_terminal=stdout.is_terminal,
+        color_system=stdout.color_system,  # type: ignore[arg-type]
+        width=stdout.width,
+    )
+    for t in tables:
+        console.print(t)
+    return text.getvalue().rstrip("\n")
+
+
+def _report_table(r: dict[str, Any]) -> Any:
+    """Return the replay's report as a rich table."""
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"radixcache replay: {r['workload']}", show_header=False, box=None)
+    t = Table(title=f"radixcache replay: {escape(str(r['workload']))}", show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(justify="right")
     t.add_column(style="dim")
@@ -329,10 +782,13 @@ def _print_report(console: Any, r: dict[str, Any]) -> None:
     row("output tokens", r["output_tokens"])
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
+    attn, ratio = r["attention_only_hit_rate"], r["hit_rate_ratio"]
     row(
         "attention-only hit rate",
-        pct(r["attention_only_hit_rate"]),
-        f"hybrid/attention {r['hit_rate_ratio']:.3f}",
+        "n/a" if attn is None else pct(attn),
+        "not run"
+        if attn is None
+        else "hybrid/attention " + ("n/a" if ratio is None else f"{ratio:.3f}"),
     )
     row("copy-on-write copies", r["cow_copies"], f"{r['checkpoints']} checkpoints")
     row("backups", r["backups"], f"{r['backups_failed']} failed")
@@ -361,22 +817,15 @@ def _print_report(console: Any, r: dict[str, Any]) -> None:
         (good[0] if r["mismatches"] == 0 else good[1]).format(r["mismatches"]),
         f"of {r['samples_checked']} samples",
     )
-    row("audit", (good[0] if r["audit"] == "pass" else good[1]).format(r["audit"]))
+    audit = r["audit"]
+    row("audit", (good[0] if audit == "pass" else good[1]).format(escape(audit)))
     full = r["pools_full_at_end"]
     row("pools full at end", (good[0] if full else good[1]).format(full), "after clearing")
-    console.print(t)
+    return t
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:
-    # Older matplotlib releases (the last ones for Python 3.9) warn about their own
-    # dependencies while importing: not the user's concern.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = _import_matplotlib()
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     x = [s.finished for s in timeline]
     dev = [s.device_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0 for s in timeline]
@@ -398,8 +847,10 @@ def _plot(timeline: list[StepSample], path: str, title: str) -> None:
     b.set_xlabel("requests finished")
     b.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 if __name__ == "__main__":

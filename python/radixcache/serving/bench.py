@@ -264,7 +264,8 @@ def bench(
         ``p99_us``, ``mean_us_per_request``, ``hit_rate``, per-operation ``ops`` (calls,
         p50/p99 in µs, share of the total), ``peak_rss_mb`` and ``rss_growth_mb`` (the
         process, before and after the cache was built), ``pools_full_at_end`` (the cache,
-        emptied after the replay, had every slot back: nothing leaked) and the workload's
+        emptied after the replay, had every slot back: nothing leaked), ``retractions``,
+        ``rejected`` (requests too big for the pools even alone) and the workload's
         counts. With `samples`, also ``per_request_us``: each finished request's cache
         time, in finishing order.
     """
@@ -312,6 +313,7 @@ def bench(
         "p99_us": _pct(per_request, 99) / 1e3,
         "mean_us_per_request": total / c.finished / 1e3 if c.finished else 0.0,
         "retractions": c.retractions,
+        "rejected": c.rejected,
         "retracted_us": timed.aborted_ns / 1e3,
         "ops": ops,
         "pools_full_at_end": full,

@@ -25,7 +25,9 @@ class ReplayConfig:
     The defaults size the pools as a deployment would, scaled down to the built-in
     workloads: one Mamba state costs about as much memory as 1,024 KV tokens, and the
     device gives both the same memory (256 states beside 262,144 KV tokens); the host
-    tier is four times the device.
+    tier is four times the device. `write_through_threshold` is given to the cache only
+    when set (None: the cache's default, 2, under ``write_through_selective``; the cache
+    refuses a threshold with any other policy).
     """
 
     kv_slots: int = 262_144
@@ -34,7 +36,7 @@ class ReplayConfig:
     host_mamba_slots: int = 1024
     page_size: int = 16
     write_policy: str = "write_through"
-    write_through_threshold: int = 2
+    write_through_threshold: int | None = None
     inject_failures: float = 0.0
     seed: int = 0
     max_running: int = 32
@@ -57,11 +59,7 @@ class ReplayConfig:
             host_kv_slots=host,
             host_mamba_slots=self.host_mamba_slots if (hybrid and host and self.mamba_slots) else 0,
             write_policy=self.write_policy,
-            **(
-                {"write_through_threshold": self.write_through_threshold}
-                if self.write_policy == "write_through_selective"
-                else {}
-            ),
+            write_through_threshold=self.write_through_threshold,
         )
 
     def scheduler(
@@ -132,7 +130,7 @@ def replay(
     """Serve `jobs` through the scheduler, the checksum model and a `TransferEngine`.
 
     Returns:
-        The report (API.md's ``replay --json`` keys and more) and the timeline.
+        The report (the ``replay --json`` keys of docs/serving.md) and the timeline.
     """
     config = config or ReplayConfig()
     cache = config.cache()
@@ -159,8 +157,10 @@ def replay(
         cache.audit()
     except InvariantError as e:
         audit = audit if audit != "pass" else f"after clearing: {e}"
-    attn = None
-    if config.attention_only and cache.mamba_slots:
+    attn: float | None = None
+    if not cache.mamba_slots:  # the replay is itself the attention-only one
+        attn = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    elif config.attention_only:
         attn = attention_only_hit_rate(jobs, config)
     return report(c, s, engine, model, seconds, audit, full, attn), c.timeline
 
@@ -175,7 +175,12 @@ def report(
     full: bool,
     attention_only: float | None,
 ) -> dict[str, Any]:
-    """Gather the replay's report into a flat dict (API.md keys first)."""
+    """Gather the replay's report into a flat dict (the documented keys first).
+
+    `attention_only` is the attention-only replay's hit rate, or None when it was not
+    run: ``attention_only_hit_rate`` and ``hit_rate_ratio`` are then None, as is the
+    ratio when the attention-only rate is 0.
+    """
     rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
     e = engine.stats()
     out: dict[str, Any] = {
@@ -186,8 +191,8 @@ def report(
         "host_hit_tokens": c.host_hit_tokens,
         "device_hit_rate": rate,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-        "attention_only_hit_rate": attention_only if attention_only is not None else rate,
-        "hit_rate_ratio": (rate / attention_only) if attention_only else 1.0,
+        "attention_only_hit_rate": attention_only,
+        "hit_rate_ratio": (rate / attention_only) if attention_only else None,
         "cow_copies": s["cow_copies"],
         "checkpoints": s["checkpoints"],
         "backups": s["backups_done"],

@@ -17,7 +17,10 @@ order. The built-in ones are seeded and repeatable:
 Outputs are recorded token ids, as in a trace: the scheduler feeds them as the decoded
 tokens. JSONL files hold one job per line: ``{"prompt": [ids], "output_len": n,
 "output": [ids] (optional), "namespace": "..." (optional)}``; a job without ``output``
-gets the checksum model's own samples (what the model would generate).
+gets the checksum model's own samples (what the model would generate). `parse_line`
+checks every field: a prompt and an output of at least one token id each (integers in
+``[0, 2**32)``), at most `MAX_OUTPUT_LEN` output tokens, a namespace that is a string of
+valid Unicode, no other field; a file with no job is refused.
 """
 
 from __future__ import annotations
@@ -26,14 +29,27 @@ import json
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .model import VOCAB, Reference
 
-__all__ = ["WORKLOADS", "Job", "gsp", "load", "load_jsonl", "mixed", "multiturn", "save_jsonl"]
+__all__ = [
+    "FIELDS",
+    "MAX_OUTPUT_LEN",
+    "TOKEN_LIMIT",
+    "WORKLOADS",
+    "Job",
+    "gsp",
+    "load",
+    "load_jsonl",
+    "mixed",
+    "multiturn",
+    "parse_line",
+    "save_jsonl",
+]
 
 
 @dataclass(frozen=True)
@@ -44,11 +60,13 @@ class Job:
         prompt: Prompt token ids (uint32 array).
         output: Output token ids (fed as decoded tokens; ``len(output)`` samples).
         namespace: The cache namespace (a LoRA id, a tenant), or None.
+        line: The line of the JSONL file it was read from (None for a built-in one).
     """
 
     prompt: np.ndarray
     output: np.ndarray
     namespace: str | None = None
+    line: int | None = field(default=None, compare=False)
 
     def to_json(self) -> str:
         """One JSONL line."""
@@ -200,52 +218,126 @@ def save_jsonl(jobs: Iterable[Job], path: str | Path) -> int:
     return n
 
 
+#: The most output tokens one job may ask for (``output_len`` or ``len(output)``): a job
+#: without ``output`` has its samples computed when the file is read (about 2 s for this
+#: many), so the limit bounds that time and memory.
+MAX_OUTPUT_LEN = 1 << 16
+#: Token ids are unsigned 32-bit integers: ``0 <= id < TOKEN_LIMIT``.
+TOKEN_LIMIT = 1 << 32
+#: The fields of a JSONL line; any other is refused (a misspelt one would be ignored).
+FIELDS = ("prompt", "output_len", "output", "namespace")
+
+
+def _short(value: object) -> str:
+    """`value`'s repr, cut to a length that fits in one line of an error message."""
+    r = repr(value)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _ids(value: object, what: str, line: int) -> np.ndarray:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise ValueError(f"line {line}: {what} must be a list of integer token ids")
-    arr = np.array(value, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-        raise ValueError(f"line {line}: {what} has a token id outside [0, 2**32)")
-    return arr.astype(np.uint32)
+    if not isinstance(value, list):
+        raise ValueError(f"line {line}: {what}: must be a list of token ids, got {_short(value)}")
+    if not value:
+        raise ValueError(f"line {line}: {what}: must hold at least one token id")
+    for i, t in enumerate(value):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TOKEN_LIMIT:
+            raise ValueError(
+                f"line {line}: {what}[{i}]: {_short(t)} is not a token id "
+                f"(an integer in [0, 2**32))"
+            )
+    return np.array(value, dtype=np.uint32)
+
+
+def _count(value: object, line: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_OUTPUT_LEN:
+        raise ValueError(
+            f"line {line}: output_len: must be an integer in [1, {MAX_OUTPUT_LEN}], "
+            f"got {_short(value)}"
+        )
+    return value
+
+
+def parse_line(text: str, line: int, ref: Reference | None = None) -> Job:
+    """Check one JSONL line (every field) and make its job.
+
+    Args:
+        text: The line.
+        line: Its number (1-based), for the messages.
+        ref: The reference model that samples a job without ``output`` (default: a new
+            `Reference`; pass one to share its tables across lines).
+
+    Raises:
+        ValueError: The line is not a valid job; the message starts with ``line N:`` and
+            names the field.
+    """
+    try:
+        d = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"line {line}: not JSON (nested too deeply)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {line}: not JSON ({e.msg})") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ValueError(f"line {line}: not JSON ({e})") from None
+    if not isinstance(d, dict) or "prompt" not in d:
+        raise ValueError(f"line {line}: a job is an object with a 'prompt'")
+    unknown = [k for k in d if k not in FIELDS]
+    if unknown:
+        raise ValueError(
+            f"line {line}: unknown field {_short(unknown[0])} (a job has {', '.join(FIELDS)})"
+        )
+    prompt = _ids(d["prompt"], "prompt", line)
+    ns = d.get("namespace")
+    if ns is not None:
+        if not isinstance(ns, str):
+            raise ValueError(f"line {line}: namespace: must be a string, got {_short(ns)}")
+        try:
+            ns.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"line {line}: namespace: {_short(ns)} is not valid Unicode (a lone surrogate)"
+            ) from None
+    if "output" in d:
+        output = _ids(d["output"], "output", line)
+        if len(output) > MAX_OUTPUT_LEN:
+            raise ValueError(
+                f"line {line}: output: {len(output)} tokens, more than {MAX_OUTPUT_LEN}"
+            )
+        if "output_len" in d and _count(d["output_len"], line) != len(output):
+            raise ValueError(
+                f"line {line}: output_len: {d['output_len']} differs from len(output) {len(output)}"
+            )
+    else:
+        if "output_len" not in d:
+            raise ValueError(f"line {line}: a job has an 'output_len' or an 'output'")
+        n = _count(d["output_len"], line)
+        output = np.array((ref or Reference()).samples(prompt, n), dtype=np.uint32)
+    return Job(prompt, output, ns, line=line)
 
 
 def load_jsonl(path: str | Path, requests: int | None = None) -> list[Job]:
     """Read a JSONL workload (see the module docstring); the first `requests` jobs.
 
+    Blank lines are skipped; every other line is checked as `parse_line` does.
+
     Raises:
-        ValueError: A line is not a valid job (naming the line and the field).
+        ValueError: A line is not a valid job (naming the line and the field), or the
+            file holds no job.
+        OSError: The file cannot be read.
     """
     jobs: list[Job] = []
-    ref: Reference | None = None
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    ref = Reference()
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             if requests is not None and len(jobs) >= requests:
                 break
-            if not line.strip():
-                continue
             try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"line {line_no}: not JSON ({e.msg})") from None
-            if not isinstance(d, dict) or "prompt" not in d:
-                raise ValueError(f"line {line_no}: a job is an object with a 'prompt'")
-            prompt = _ids(d["prompt"], "prompt", line_no)
-            ns = d.get("namespace")
-            if ns is not None and not isinstance(ns, str):
-                raise ValueError(f"line {line_no}: namespace must be a string")
-            if "output" in d:
-                output = _ids(d["output"], "output", line_no)
-                if "output_len" in d and d["output_len"] != len(output):
-                    raise ValueError(f"line {line_no}: output_len differs from len(output)")
-            else:
-                n = d.get("output_len")
-                if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                    raise ValueError(f"line {line_no}: output_len must be an integer >= 0")
-                ref = ref or Reference()
-                output = np.array(ref.samples(prompt, n), dtype=np.uint32)
-            jobs.append(Job(prompt, output, ns))
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"line {line_no}: not UTF-8 (byte {e.start + 1})") from None
+            if line.strip():
+                jobs.append(parse_line(line, line_no, ref))
+    if not jobs:
+        raise ValueError("no jobs: the file is empty or blank")
     return jobs
 
 

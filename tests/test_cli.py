@@ -1,0 +1,505 @@
+"""The command line ends every bad input with one line, never a traceback.
+
+A bad flag, flag combination, output path or workload line is refused before any work
+(the run is replaced by a tripwire here): exit status 2 and one line on stderr naming
+the flag, or the file and line. An output that cannot be written exits 1 with one line;
+a run that rejects a request exits 1; Ctrl-C prints "interrupted" and exits 130.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import radixcache.serving.bench as bench_module
+from radixcache import cli
+from radixcache.serving import harness
+
+SMALL = ["--requests", "5", "--kv-slots", "8192", "--quiet"]
+
+
+@pytest.fixture
+def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any replay, bench or workload write fail the test: refusals come first."""
+
+    def tripwire(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the command ran before refusing its input")
+
+    monkeypatch.setattr(harness, "replay", tripwire)
+    monkeypatch.setattr(bench_module, "bench", tripwire)
+    monkeypatch.setattr(cli._workloads, "save_jsonl", tripwire)
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *names: str) -> str:
+    """Run `argv`: exit 2, nothing on stdout, one line on stderr holding every name."""
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    line = one_line(err)
+    assert line.startswith(f"radixcache {argv[0]}: error: "), line
+    for name in names:
+        assert name in line, (name, line)
+    return line
+
+
+# ---------------------------------------------------------------- workload file lines
+
+GOOD = '{"prompt": [1, 2, 3], "output_len": 2}'
+
+
+@pytest.mark.parametrize(
+    ("line", "names"),
+    [
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 2, "namespace": "\\ud800"}',
+            ["namespace", "surrogate"],
+            id="surrogate-namespace",
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 0}',
+            ["output_len", "[1, 65536]", "got 0"],
+            id="output_len-0",
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output": []}',
+            ["output: must hold at least one token id"],
+            id="output-empty",
+        ),
+        pytest.param(
+            '{"prompt": [1, 100000000000000000000000], "output_len": 1}',
+            ["prompt[1]", "token id"],
+            id="token-1e23",
+        ),
+        pytest.param(
+            '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            ["not JSON (nested too deeply)"],
+            id="deeply-nested",
+        ),
+        pytest.param(
+            # "not JSON" where Python limits the digits of an int, else not a token id.
+            '{"prompt": [' + "9" * 5000 + '], "output_len": 1}',
+            [],
+            id="5000-digits",
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 1000000000000}',
+            ["output_len", "got 1000000000000"],
+            id="output_len-1e12",
+        ),
+        pytest.param(
+            '{"prompt": [], "output_len": 2}',
+            ["prompt: must hold at least one token id"],
+            id="prompt-empty",
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 2, "namspace": "a"}',
+            ["unknown field 'namspace'"],
+            id="unknown-field",
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 1.0}', ["output_len", "got 1.0"], id="float-len"
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": true}', ["output_len", "got True"], id="bool-len"
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output": [3], "output_len": 2}',
+            ["output_len: 2 differs"],
+            id="len-differs",
+        ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 1, "namespace": 7}',
+            ["namespace: must be a string"],
+            id="namespace-int",
+        ),
+        pytest.param("[1, 2]", ["a job is an object with a 'prompt'"], id="not-an-object"),
+        pytest.param("{nope", ["not JSON"], id="not-json"),
+    ],
+)
+@pytest.mark.parametrize("command", ["replay", "bench"])
+def test_a_bad_workload_line_is_named_with_its_file_and_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: None,
+    command: str,
+    line: str,
+    names: list[str],
+) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(f"{GOOD}\n\n{line}\n{GOOD}\n")
+    msg = refused(capsys, [command, "--workload", str(path)], f"--workload {path}: line 3: ")
+    for name in names:
+        assert name in msg, (name, msg)
+
+
+def test_a_line_that_is_not_utf8_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None
+) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
+    refused(capsys, ["replay", "--workload", str(path)], "line 2: not UTF-8")
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n\n"])
+def test_an_empty_workload_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None, content: str
+) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(content)
+    refused(capsys, ["replay", "--workload", str(path)], f"--workload {path}: no jobs")
+
+
+def test_a_directory_or_a_missing_workload_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None
+) -> None:
+    refused(capsys, ["replay", "--workload", str(tmp_path)], "is a directory")
+    refused(capsys, ["bench", "--workload", "nope"], "--workload 'nope': neither a built-in")
+
+
+def test_a_request_no_pool_can_hold_names_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None
+) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(f"{GOOD}\n" + json.dumps({"prompt": list(range(40)), "output_len": 10}))
+    msg = refused(
+        capsys, ["replay", "--workload", str(path), "--kv-slots", "32"], "line 2: needs 64 KV"
+    )
+    assert "more than --kv-slots 32" in msg
+
+
+@pytest.mark.parametrize("command", ["replay", "bench"])
+def test_a_device_pool_too_small_for_any_request_is_refused(
+    capsys: pytest.CaptureFixture[str], no_run: None, command: str
+) -> None:
+    refused(capsys, [command, "--kv-slots", "16"], "request 1: needs", "--kv-slots 16")
+
+
+# ---------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--seed", "-1"], ["argument --seed", "got '-1'"]),
+        (["--seed", "x"], ["argument --seed"]),
+        (["--requests", "0"], ["argument --requests"]),
+        (["--requests", "100001"], ["argument --requests", "[1, 100000]"]),
+        (["--kv-slots", "1e3"], ["argument --kv-slots"]),
+        (["--kv-slots", str(2**24 + 16)], ["argument --kv-slots"]),
+        (["--kv-slots", "9" * 5000], ["argument --kv-slots", "..."]),
+        (["--kv-slots", "100"], ["--kv-slots: 100 is not a multiple of --page-size 16"]),
+        (["--mamba-slots", "-1"], ["argument --mamba-slots"]),
+        (["--page-size", "0"], ["argument --page-size"]),
+        (["--max-running", "0"], ["argument --max-running"]),
+        (["--chunk-size", "0"], ["argument --chunk-size"]),
+        (["--write-policy", "sometimes"], ["argument --write-policy", "invalid choice"]),
+        (["--write-through-threshold", "3"], ["--write-through-threshold: 3 given with"]),
+        (
+            ["--write-policy", "write_back", "--write-through-threshold", "3"],
+            ["--write-through-threshold"],
+        ),
+        (
+            ["--write-policy", "write_through_selective", "--write-through-threshold", "0"],
+            ["argument --write-through-threshold"],
+        ),
+        (["--host-kv-slots", "0", "--write-policy", "write_back"], ["--write-policy"]),
+        (["--mamba-slots", "0", "--host-mamba-slots", "4"], ["--host-mamba-slots: 4 given"]),
+        (["--host-kv-slots", "0", "--host-mamba-slots", "4"], ["--host-mamba-slots", "host"]),
+        (["--workload", ""], ["argument --workload", "must not be empty"]),
+        (["--bogus"], ["unrecognized arguments: --bogus"]),
+    ],
+)
+@pytest.mark.parametrize("command", ["replay", "bench"])
+def test_a_bad_flag_is_named(
+    capsys: pytest.CaptureFixture[str],
+    no_run: None,
+    command: str,
+    argv: list[str],
+    names: list[str],
+) -> None:
+    refused(capsys, [command, *argv], *names)
+
+
+@pytest.mark.parametrize("rate", ["2", "-0.1", "nan", "x"])
+def test_a_bad_failure_rate_is_named(
+    capsys: pytest.CaptureFixture[str], no_run: None, rate: str
+) -> None:
+    refused(capsys, ["replay", "--inject-failures", rate], "argument --inject-failures")
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "required: COMMAND" in one_line(capsys.readouterr().err)
+
+
+def test_version_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("radixcache ")
+
+
+# ---------------------------------------------------------------- output paths
+
+
+@pytest.mark.parametrize(
+    ("name", "names"),
+    [
+        ("missing/r.png", ["no directory"]),
+        ("r.nope", ["'.nope' is not an image format", "png"]),
+        ("r", ["no extension names an image format"]),
+        ("r.pgf", ["'.pgf' is not an image format"]),
+        (".", ["no extension"]),
+        ("adir.png", ["is a directory"]),
+    ],
+)
+def test_a_plot_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None, name: str, names: list[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    (tmp_path / "adir.png").mkdir()
+    refused(capsys, ["replay", "--plot", str(tmp_path / name)], "--plot", *names)
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_run: None
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    refused(capsys, ["replay", "--plot", "x.png"], "pip install 'radixcache[plot]'")
+
+
+@pytest.mark.parametrize(
+    ("name", "names"),
+    [("missing/w.jsonl", ["no directory"]), (".", ["is a directory"])],
+)
+def test_a_workload_out_that_cannot_be_written_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_run: None, name: str, names: list[str]
+) -> None:
+    refused(capsys, ["workload", "gsp", "--out", str(tmp_path / name)], "--out", *names)
+
+
+def test_an_output_in_a_directory_that_cannot_be_written_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: None,
+) -> None:
+    # As root every directory is writable: stand in for one that is not.
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
+    out = str(tmp_path / "w.jsonl")
+    refused(capsys, ["workload", "gsp", "--out", out], f"--out {out}: not writable")
+
+
+def test_a_workload_file_that_cannot_be_read_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_run: None,
+) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(GOOD)
+
+    def unreadable(*args: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli._workloads, "load_jsonl", unreadable)
+    refused(
+        capsys,
+        ["replay", "--workload", str(path)],
+        f"--workload {path}: cannot read it (Permission denied)",
+    )
+
+
+def test_workload_needs_out(capsys: pytest.CaptureFixture[str], no_run: None) -> None:
+    refused(capsys, ["workload", "gsp"], "required: --out")
+
+
+def test_workload_flags_are_checked(capsys: pytest.CaptureFixture[str], no_run: None) -> None:
+    refused(capsys, ["workload", "gsp", "--out", "w", "--seed", "-1"], "argument --seed")
+    refused(capsys, ["workload", "nope", "--out", "w"], "argument name", "invalid choice")
+
+
+full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+
+
+@full
+def test_a_workload_out_on_a_full_disk_exits_1_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["workload", "gsp", "--requests", "3", "--out", "/dev/full"]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line == "radixcache workload: error: --out /dev/full: cannot write it " + (
+        "(No space left on device)"
+    )
+
+
+@full
+def test_a_plot_on_a_full_disk_exits_1_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    png.symlink_to("/dev/full")
+    assert cli.main(["replay", *SMALL, "--json", "--plot", str(png)]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["mismatches"] == 0  # the report came first
+    assert one_line(err).startswith(f"radixcache replay: error: --plot {png}: cannot write it")
+
+
+@full
+@pytest.mark.parametrize(
+    "argv", [["replay", "--json"], ["replay"], ["bench"]], ids=["json", "table", "bench"]
+)
+def test_a_report_to_a_full_disk_exits_1_with_one_line(argv: list[str]) -> None:
+    with open("/dev/full", "w") as stdout:
+        child = subprocess.run(
+            [sys.executable, "-m", "radixcache.cli", *argv, *SMALL],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert child.returncode == 1
+    assert one_line(child.stderr) == (
+        f"radixcache {argv[0]}: error: cannot write to stdout (No space left on device)"
+    )
+
+
+# ---------------------------------------------------------------- the run
+
+
+def test_without_the_attention_only_replay_its_figures_are_null(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", *SMALL, "--no-attention-only"]
+    assert cli.main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["attention_only_hit_rate"] is None
+    assert r["hit_rate_ratio"] is None
+    assert cli.main(argv) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if "attention-only" in x)
+    assert row.split()[3:] == ["n/a", "not", "run"]
+
+
+def test_a_threshold_runs_under_the_selective_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", *SMALL, "--write-policy", "write_through_selective"]
+    assert cli.main([*argv, "--write-through-threshold", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mismatches"] == 0
+
+
+@pytest.mark.parametrize("command", ["replay", "bench"])
+def test_a_request_rejected_during_the_run_fails_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """The safety net behind the check that every request fits: a rejection exits 1."""
+    monkeypatch.setattr(cli, "_check_fits", lambda *args: None)
+    argv = [command, "--requests", "3", "--kv-slots", "2048", "--quiet", "--json"]
+    assert cli.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rejected"] > 0
+    assert re.fullmatch(rf"radixcache {command}: failed: .*\d+ requests rejected .*", one_line(err))
+
+
+def test_the_progress_bar_shows_an_eta() -> None:
+    from rich.console import Console
+    from rich.progress import TimeRemainingColumn
+
+    bar = cli._progress(Console(stderr=True), quiet=False)
+    assert any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
+
+
+@pytest.mark.parametrize("command", ["replay", "bench", "workload"])
+def test_help_gives_every_flags_default_and_meaning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option
+    assert cli.main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    usage = text.split("\n\n")[0]
+    given = set(re.findall(r"--[a-z-]+", usage))
+    assert given == {f.name for f in cli.FLAGS[command]}, "every flag is in the table"
+    # One entry per option (its help may start on the next line), whitespace joined.
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", text)]
+    for f in cli.FLAGS[command]:
+        entry = next(e for e in entries if e.startswith(f.name + " "))
+        assert re.fullmatch(r"--\S+( \S+)? \w{3,}.*\((default: .+|required)\)", entry), entry
+    assert "(default: 262144)" in text or command == "workload"
+
+
+CHILD = """
+import sys
+from radixcache import cli
+from radixcache.serving import harness
+
+run = harness.replay
+
+
+def replay(*args, **kwargs):
+    print("run started", file=sys.stderr, flush=True)
+    return run(*args, **kwargs)
+
+
+harness.replay = replay
+sys.exit(cli.main(["replay", "--quiet", "--no-attention-only"]))
+"""
+
+
+def test_ctrl_c_prints_interrupted_and_exits_130() -> None:
+    """SIGINT once the run is under way: "interrupted", status 130, no traceback."""
+    with subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        # A child started from a shell job may inherit SIGINT ignored: restore it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as child:
+        watchdog = threading.Timer(300, child.kill)  # a hung child fails, never hangs
+        watchdog.start()
+        try:
+            assert child.stderr is not None
+            started = child.stderr.readline()
+            assert started == b"run started\n", started + child.stderr.read()
+            child.send_signal(signal.SIGINT)
+            err = child.stderr.read().decode(errors="replace")
+            child.wait()
+        finally:
+            watchdog.cancel()
+    assert "Traceback" not in err
+    assert err == "interrupted\n"
+    assert child.returncode == 130
+
+
+def test_a_first_ctrl_c_waits_for_the_step_and_a_second_is_at_once() -> None:
+    """The run stops between scheduler steps, never inside a cache call; twice: at once."""
+
+    def run() -> None:
+        with cli._Interrupts() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.pending, "noted, not raised"
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        # the run ends here: the first Ctrl-C is raised now
+
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with cli._Interrupts() as stop:
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            stop.check()  # between two steps
+        stop.check()  # once only
