@@ -1115,8 +1115,17 @@ impl PyTransferBatch {
 
     /// True when `cache` issued the batch: only that cache's storage holds the slots
     /// its copies name, and only that cache may acknowledge it.
-    fn belongs_to(&self, cache: &Bound<'_, PyHybridCache>) -> bool {
-        self.cache.same_cache(&cache.get().inner)
+    fn belongs_to(&self, cache: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let cache = cache.cast::<PyHybridCache>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "cache: expected a HybridCache, got {}",
+                cache
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        Ok(self.cache.same_cache(&cache.get().inner))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
