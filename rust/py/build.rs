@@ -1,4 +1,4 @@
-//! Sets PyO3's configuration flags (`Py_GIL_DISABLED` for a free-threaded build) for this
+//! Sets the configuration flags of pyo3 (`Py_GIL_DISABLED` for a free-threaded build) for this
 //! crate's own `#[cfg]`s.
 
 fn main() {

@@ -130,7 +130,11 @@ impl SavedError {
         // in favour of `PyErr_GetRaisedException` but keeps it, exactly equivalent.)
         unsafe {
             #[allow(deprecated)]
-            ffi::PyErr_Fetch(&raw mut saved.ty, &raw mut saved.value, &raw mut saved.traceback);
+            ffi::PyErr_Fetch(
+                &raw mut saved.ty,
+                &raw mut saved.value,
+                &raw mut saved.traceback,
+            );
         }
         saved
     }

@@ -195,7 +195,11 @@ impl GrownArray {
                 }
             }
             old => Plan::Rebuild {
-                old: if same { old.as_ref().map(|b| b.clone_ref(py)) } else { None },
+                old: if same {
+                    old.as_ref().map(|b| b.clone_ref(py))
+                } else {
+                    None
+                },
                 keep: if same { self.len } else { 0 },
             },
         }

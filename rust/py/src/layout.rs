@@ -77,8 +77,7 @@ pub(crate) fn int_layout() -> Option<IntLayout> {
 /// Decides, once, whether the layout reads are used (see the module docs); returns the
 /// decision.
 pub(crate) fn init(py: Python<'_>) -> PyResult<bool> {
-    let chosen = if cfg!(Py_GIL_DISABLED) || std::env::var(SWITCH).is_ok_and(|v| v.trim() == "0")
-    {
+    let chosen = if cfg!(Py_GIL_DISABLED) || std::env::var(SWITCH).is_ok_and(|v| v.trim() == "0") {
         None
     } else {
         match candidate(py)? {
@@ -212,9 +211,9 @@ pub(crate) unsafe fn small_int_read(
     match digits {
         0 => (Some(0), head),
         1 => {
-            // SAFETY: the size word says the int has a digit, which follows the head (at
-            // a 4-byte aligned offset: the head is whole words).
-            let digit = i64::from(unsafe { item.cast::<u8>().add(head).cast::<u32>().read() });
+            // SAFETY: the size word says the int has a digit, which follows the head.
+            let digit = unsafe { item.cast::<u8>().add(head).cast::<u32>().read_unaligned() };
+            let digit = i64::from(digit);
             let value = if negative { -digit } else { digit };
             (Some(value), head + std::mem::size_of::<u32>())
         }

@@ -71,16 +71,17 @@ fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
 
 /// A prefix cache for hybrid LLMs: radix tree, slot pools, locks and eviction.
 ///
-/// Arguments (all keywords may be given by position, in this order):
-///   kv_slots: device KV token slots (default 8192).
-///   page_size: tokens per page; slots are handed out and cached by whole pages (1).
-///   mamba_slots: device Mamba state slots; 0 for an attention-only model (0).
-///   host_kv_slots: host-tier KV token slots; 0 for no host tier (0).
-///   host_mamba_slots: host-tier Mamba state slots (0).
+/// Arguments, by position or keyword [default]:
+///   kv_slots: device KV token slots, whole pages [8192].
+///   page_size: tokens per page; slots are handed out and cached by whole pages [1].
+///   mamba_slots: device Mamba state slots; 0 for an attention-only model [0].
+///   host_kv_slots: host-tier KV token slots; 0 for no host tier [0].
+///   host_mamba_slots: host-tier Mamba state slots [0].
 ///   write_policy: when device data is backed up to the host tier: "write_through",
-///     "write_through_selective" or "write_back" ("write_through").
-///   write_through_threshold: inserts of a node before a selective backup; only with
-///     the selective policy (None: the default threshold).
+///     "write_through_selective" or "write_back" ["write_through"].
+///   write_through_threshold: inserts of a node before its selective backup; only with
+///     "write_through_selective" [None: the default threshold].
+#[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 struct PyHybridCache {
     inner: core::HybridCache,
@@ -734,9 +735,7 @@ impl PyRequest {
         &self,
         py: Python<'_>,
         array: &Mutex<GrownArray>,
-        fetch: impl Fn(&core::Cache, Option<u64>, usize) -> core::Result<core::Grown<T>>
-            + Send
-            + Sync,
+        fetch: impl Fn(&core::Cache, Option<u64>, usize) -> core::Result<core::Grown<T>> + Send + Sync,
     ) -> PyResult<Py<PyArray1<i64>>> {
         grown::read(py, array, |epoch, from| {
             run(py, self.inner.cache(), 0, |c| fetch(c, epoch, from))
