@@ -345,6 +345,7 @@ fn from_indexable<T: Target>(
 }
 
 /// An exact list, its items and small ints read in place ([`crate::layout`]).
+#[cfg_attr(Py_GIL_DISABLED, allow(dead_code))] // lists are iterated there
 fn from_list<T: Target>(list: &Bound<'_, PyAny>, layout: IntLayout, arg: &str) -> PyResult<Vec<T>> {
     let py = list.py();
     let ptr = list.as_ptr();

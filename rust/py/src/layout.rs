@@ -227,6 +227,7 @@ pub(crate) unsafe fn small_int_read(
 /// `list` is a live exact `list` and layout reads are enabled ([`int_layout`] is `Some`).
 /// The array is valid until Python code runs (which may resize the list).
 #[inline]
+#[cfg_attr(Py_GIL_DISABLED, allow(dead_code))] // lists are iterated there
 pub(crate) unsafe fn list_items(list: *mut ffi::PyObject) -> (usize, *const *mut ffi::PyObject) {
     // SAFETY: the caller's contract; the layout was checked at import.
     let head = unsafe { &*list.cast::<ListHead>() };

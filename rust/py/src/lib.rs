@@ -71,16 +71,19 @@ fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
 
 /// A prefix cache for hybrid LLMs: radix tree, slot pools, locks and eviction.
 ///
-/// Arguments, by position or keyword [default]:
-///   kv_slots: device KV token slots, whole pages [8192].
-///   page_size: tokens per page; slots are handed out and cached by whole pages [1].
-///   mamba_slots: device Mamba state slots; 0 for an attention-only model [0].
-///   host_kv_slots: host-tier KV token slots; 0 for no host tier [0].
-///   host_mamba_slots: host-tier Mamba state slots [0].
-///   write_policy: when device data is backed up to the host tier: "write_through",
-///     "write_through_selective" or "write_back" ["write_through"].
-///   write_through_threshold: inserts of a node before its selective backup; only with
-///     "write_through_selective" [None: the default threshold].
+/// Args (by position or keyword):
+///   kv_slots: device KV token slots, a multiple of page_size (default 8192).
+///   page_size: tokens per page; keys are matched and inserted in whole pages
+///     (default 1).
+///   mamba_slots: device Mamba state slots; 0 for an attention-only model (default 0).
+///   host_kv_slots: host-tier KV token slots, a multiple of page_size; 0 for no host
+///     tier (default 0).
+///   host_mamba_slots: host-tier Mamba state slots (default 0).
+///   write_policy: when device data is backed up to the host: "write_through" (on
+///     insert, the default), "write_through_selective" (once a node was inserted
+///     write_through_threshold times) or "write_back" (only a node being evicted).
+///   write_through_threshold: inserts before a selective backup (>= 1; None: 2). Only
+///     with "write_through_selective": the other policies refuse it.
 #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 struct PyHybridCache {
@@ -1112,7 +1115,7 @@ impl PyTransferBatch {
         }
     }
 
-    /// True when `cache` issued the batch: only that cache's storage holds the slots
+    /// Tell whether `cache` issued the batch: only that cache's storage holds the slots
     /// its copies name, and only that cache may acknowledge it.
     fn belongs_to(&self, cache: &Bound<'_, PyAny>) -> PyResult<bool> {
         let cache = cache.cast::<PyHybridCache>().map_err(|_| {
