@@ -1320,3 +1320,76 @@ def test_host_stats_exist_and_move() -> None:
     assert [s[k] for k in HOST_GAUGES] == [8, 0, 2, 2, 0]
     c.finish(r)
     c.audit()
+
+
+# ------------------------------------------------------------ what a batch hands out
+
+
+Batches = tuple[rc.HybridCache, list[rc.TransferBatch], rc.LoadBack, list[rc.Request]]
+
+
+def batches_of_every_kind() -> Batches:
+    """A backup batch, a copy-on-write batch and a load-back's batch of one cache, the
+    load-back and the requests they are for."""
+    c = host_cache(kv_slots=32, mamba_slots=8)
+    slot = c.alloc_mamba()
+    assert slot is not None
+    cached(c, [1, 2, 3, 4], mamba_slot=slot)
+    backup = one_batch(c, "backup")
+    run(c, backup)
+    demote(c, 4)
+    r = c.admit([1, 2, 3, 4, 5])
+    assert r is not None
+    lb = c.load_back(r)
+    assert lb is not None
+    backed_up(c, [9, 8])
+    r2 = c.admit([9, 8, 7])
+    assert r2 is not None
+    cow = one_batch(c, "cow")
+    slot = c.alloc_mamba()
+    assert slot is not None
+    cached(c, [6, 6], mamba_slot=slot)
+    return c, [one_batch(c, "backup"), cow, lb.batch], lb, [r, r2]
+
+
+def end_all(c: rc.HybridCache, batches: list[rc.TransferBatch], lb: rc.LoadBack,
+            requests: list[rc.Request]) -> None:  # fmt: skip
+    for b in batches:
+        run(c, b)
+    lb.commit()
+    for r in requests:
+        c.abort(r)
+    c.audit()
+
+
+def test_copy_slot_arrays_are_read_only() -> None:
+    # The arrays say which slots the cache will publish: editing one in place would
+    # redirect the engine's copy and publish a slot that was never filled.
+    c, batches, lb, requests = batches_of_every_kind()
+    for b in batches:
+        assert b.copies
+        for cp in b.copies:
+            for arr in (cp.src, cp.dst):
+                before = arr.copy()
+                assert not arr.flags.writeable
+                with pytest.raises(ValueError, match="read-only"):
+                    arr[0] = arr[0] + 1
+                with pytest.raises(ValueError, match="WRITEABLE"):
+                    arr.setflags(write=True)
+                np.testing.assert_array_equal(arr, before)
+            assert cp.src is cp.src  # the same array each time, read-only for everyone
+    end_all(c, batches, lb, requests)
+
+
+def test_a_batch_tells_whether_a_cache_issued_it() -> None:
+    c, batches, lb, requests = batches_of_every_kind()
+    twin = host_cache(kv_slots=32, mamba_slots=8)
+    for b in batches:
+        assert b.belongs_to(c)
+        assert not b.belongs_to(twin)
+    assert twin.take_batches() == []
+    with pytest.raises(TypeError, match=r"^cache: expected a HybridCache, got int$"):
+        batches[0].belongs_to(3)
+    with pytest.raises(TypeError, match=r"^cache: expected a HybridCache, got TransferBatch$"):
+        batches[0].belongs_to(batches[1])
+    end_all(c, batches, lb, requests)

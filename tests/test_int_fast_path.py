@@ -8,10 +8,12 @@ import json
 import os
 import random
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import radixcache as rc
 from radixcache import _core
@@ -79,13 +81,39 @@ def outcomes() -> list[list[Any]]:
 
 
 def test_fast_path_is_on_where_the_layout_is_known() -> None:
+    # Never on a free-threaded build: another thread may change a list while it is read.
     known = (
         sys.implementation.name == "cpython"
         and (3, 9) <= sys.version_info[:2] <= (3, 14)
         and sys.int_info.bits_per_digit == 30
+        and not sysconfig.get_config_var("Py_GIL_DISABLED")
         and os.environ.get("RADIXCACHE_INT_FAST_PATH", "").strip() != "0"
     )
     assert _core._int_fast_path is known
+
+
+def zeros() -> list[int]:
+    """Zeros made in different ways (before 3.12 a zero may have no digit at all)."""
+    big = 1 << 100
+    return [0, -0, int("0"), big - big, big * 0, big >> 200, int.from_bytes(b"", "big")]
+
+
+def test_layout_reads_stay_inside_each_int() -> None:
+    # An int of one digit is 28 bytes on 64-bit, less than its header and a digit rounded
+    # up to a word; a zero before 3.12 may have no digit: the reads must stop at the
+    # object's end, which sys.getsizeof gives.
+    values = [*EDGES, *zeros(), 12345, -12345, 2**30 - 7]
+    for v in values:
+        read = _core._small_int_read(v)
+        if not _core._int_fast_path:
+            assert read is None
+            continue
+        assert read is not None
+        value, size = read
+        assert size <= sys.getsizeof(v), f"read {size} bytes of {v}, which has {sys.getsizeof(v)}"
+        assert value == (v if abs(v) < 2**30 else None)
+    with pytest.raises(TypeError, match=r"^obj: expected an exact int, got bool$"):
+        _core._small_int_read(True)
 
 
 def test_environment_switch_turns_the_fast_path_off() -> None:

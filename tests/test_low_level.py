@@ -4,6 +4,8 @@ exactly as it was."""
 from __future__ import annotations
 
 import gc
+import inspect
+import pydoc
 import re
 
 import numpy as np
@@ -103,6 +105,35 @@ def test_all_write_policies_are_accepted_with_a_host_tier() -> None:
     )
     assert c.write_through_threshold == 3
     assert rc.HybridCache(kv_slots=8).write_through_threshold is None
+
+
+#: The constructor's parameters and their defaults.
+CONSTRUCTOR = [
+    ("kv_slots", 8192),
+    ("page_size", 1),
+    ("mamba_slots", 0),
+    ("host_kv_slots", 0),
+    ("host_mamba_slots", 0),
+    ("write_policy", "write_through"),
+    ("write_through_threshold", None),
+]
+
+
+def test_the_constructor_signature_is_known_at_runtime() -> None:
+    # inspect.signature and help() see the arguments on every Python version (3.9 drops
+    # a class's text signature made through the stable ABI), not only type checkers.
+    params = inspect.signature(rc.HybridCache).parameters.values()
+    assert [(p.name, p.default) for p in params] == CONSTRUCTOR
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    text = pydoc.render_doc(rc.HybridCache, renderer=pydoc.plaintext)
+    signature = ",".join(f"{name}={default!r}" for name, default in CONSTRUCTOR)
+    # Python 3.13 breaks a long signature into lines.
+    assert f"HybridCache({signature})" in re.sub(r"[\s|]", "", text)
+    for name, _ in CONSTRUCTOR:
+        assert f"  {name}: " in text, f"help() does not explain {name}"
+    # The defaults it shows are the constructor's.
+    c = rc.HybridCache()
+    assert [(name, getattr(c, name)) for name, _ in CONSTRUCTOR] == CONSTRUCTOR
 
 
 def test_exception_hierarchy() -> None:

@@ -15,6 +15,21 @@ KERNEL_SOURCES: Final[dict[str, str]]
 #: an import-time self-test against the C API (``RADIXCACHE_INT_FAST_PATH=0`` turns it
 #: off). Results and errors are the same either way; only the speed differs.
 _int_fast_path: Final[bool]
+
+def _small_int_read(obj: int) -> tuple[int | None, int] | None:
+    """For tests of the fast path: what it reads of an exact int ``obj``.
+
+    Returns ``(value, bytes read)`` (``value`` None where it declines a larger int), or
+    None while the fast path is off. The bytes read never exceed ``sys.getsizeof(obj)``.
+    """
+
+#: Finalisers. ``Request``, ``Lock``, ``LoadBack`` and ``TransferBatch`` give back what
+#: they own when collected and say so with a ``ResourceWarning``. That may happen while an
+#: exception is being raised (leaving a ``for`` loop or ``with`` block drops what it
+#: held): the exception arrives unchanged. A warning turned into an error cannot be
+#: raised from a finaliser; it goes to ``sys.unraisablehook`` ("Exception ignored in:
+#: <class ...>"). While the interpreter exits nothing is emitted, and everything is
+#: still given back.
 __all__ = [
     "CacheError",
     "Copy",
@@ -205,7 +220,7 @@ class Request:
         """
     @property
     def live(self) -> bool:
-        """True until the request is finished or aborted."""
+        """True until the request is finished or aborted (False once the cache broke)."""
 
 @final
 class LoadBack:
@@ -286,10 +301,10 @@ class Copy:
         """Where the data is written."""
     @property
     def src(self) -> npt.NDArray[np.int64]:
-        """Source slots."""
+        """Source slots (read-only: the cache publishes what it listed)."""
     @property
     def dst(self) -> npt.NDArray[np.int64]:
-        """Destination slots, one per source slot."""
+        """Destination slots, one per source slot (read-only)."""
 
 @final
 class TransferBatch:
@@ -307,6 +322,9 @@ class TransferBatch:
     id, which fails it either way. A ``LoadBack``'s batch (``lb.batch``) is owned by
     its guard until ``commit()``, then by the cache (acknowledge it through this object
     or by id); collecting it does nothing.
+
+    A batch names slots of the cache that issued it: run it only on that cache's
+    storage (``belongs_to``).
     """
 
     @property
@@ -350,6 +368,12 @@ class TransferBatch:
         Raises:
             ValueError: the batch ended already (``batch_id``).
         """
+    def belongs_to(self, cache: HybridCache) -> bool:
+        """Tell whether ``cache`` issued this batch (its slots are that cache's).
+
+        Raises:
+            TypeError: ``cache`` is not a ``HybridCache``.
+        """
     def __enter__(self) -> TransferBatch: ...
     def __exit__(
         self,
@@ -388,9 +412,12 @@ class HybridCache:
     ``take_batches()`` and retry once.
 
     Pools keep books only for the slots they have used, so a large ``kv_slots`` costs
-    nothing until used. Threads may share a cache: a call takes it without releasing
-    the GIL when no other thread holds it, and releases the GIL while it waits for one
-    that does (and always for inputs over 4,096 tokens).
+    nothing until used. Threads may share a cache, and its objects: no call waits for a
+    lock (the cache's, or a request's, receipt's or guard's) while holding the GIL. A
+    call takes a free lock at once and releases the GIL while it waits for a held one
+    (and always for inputs over 4,096 tokens); nothing holds a lock while it creates
+    Python objects, so a garbage collection, its ``gc.callbacks`` and finalisers may use
+    the cache from inside any call.
 
     Raises:
         ValueError: a bad argument (the message names it).

@@ -9,14 +9,16 @@
 //! practice) are read directly; anything else takes the C-API path as before, which stays
 //! the definition of the conversion.
 //!
-//! The layouts read (CPython, 64- or 32-bit, default build; an abi3 extension never loads
-//! into a free-threaded build):
+//! The layouts read (CPython, 64- or 32-bit, default build; a free-threaded build, where
+//! another thread may change a list while it is read, never uses them):
 //! - every object starts `{ob_refcnt, ob_type}`; a list continues `{ob_size, ob_item}`
 //!   (unchanged since Python 3.0);
 //! - an int continues with one machine word and then its 30-bit digits: on 3.9-3.11 the
 //!   word is `ob_size` (the digit count, negated for a negative value), from 3.12 it is
 //!   `lv_tag` (digit count `<< 3`, sign in the low two bits: 0 positive, 1 zero,
-//!   2 negative).
+//!   2 negative). Only the digits the count says exist are read: an int of one digit is
+//!   28 bytes on 64-bit (less than the header and a digit rounded up to a word), and a
+//!   zero before 3.12 may have no digit at all.
 //!
 //! Both are used only when, at import, (1) the interpreter is a CPython 3.9-3.14 with
 //! 30-bit digits, (2) a self-test decodes a set of probe ints (around every digit and sign
@@ -41,13 +43,13 @@ pub(crate) enum IntLayout {
     Tagged,
 }
 
-/// An exact int's head: the object header, the size word, the first digit.
+/// An exact int's head: the object header and the size word, which every int has; its
+/// digits (`u32` each, for 30-bit digits) follow at once.
 #[repr(C)]
 struct LongHead {
     ob_refcnt: isize,
     ob_type: *mut c_void,
     size: isize,
-    digit0: u32,
 }
 
 /// An exact list's head: the variable-size object header and the item array.
@@ -75,7 +77,7 @@ pub(crate) fn int_layout() -> Option<IntLayout> {
 /// Decides, once, whether the layout reads are used (see the module docs); returns the
 /// decision.
 pub(crate) fn init(py: Python<'_>) -> PyResult<bool> {
-    let chosen = if std::env::var(SWITCH).is_ok_and(|v| v.trim() == "0") {
+    let chosen = if cfg!(Py_GIL_DISABLED) || std::env::var(SWITCH).is_ok_and(|v| v.trim() == "0") {
         None
     } else {
         match candidate(py)? {
@@ -149,8 +151,7 @@ fn self_test(py: Python<'_>, layout: IntLayout) -> PyResult<bool> {
         // SAFETY: `obj` is a live exact int.
         let api = unsafe { ffi::PyLong_AsLongLongAndOverflow(obj.as_ptr(), &raw mut overflow) };
         let expect = (overflow == 0 && api.unsigned_abs() < DIGIT.unsigned_abs()).then_some(api);
-        // SAFETY: `obj` is a live exact int, at least as large as a `LongHead` (every int
-        // holds one digit at least).
+        // SAFETY: `obj` is a live exact int.
         if unsafe { small_int(layout, obj.as_ptr()) } != expect {
             return Ok(false);
         }
@@ -183,25 +184,40 @@ fn self_test(py: Python<'_>, layout: IntLayout) -> PyResult<bool> {
 /// layout is `layout`.
 #[inline]
 pub(crate) unsafe fn small_int(layout: IntLayout, item: *mut ffi::PyObject) -> Option<i64> {
-    // SAFETY: the caller's contract: every int has its size word and at least one digit.
-    let head = unsafe { &*item.cast::<LongHead>() };
-    let digit = i64::from(head.digit0);
-    match layout {
-        IntLayout::SignedSize => match head.size {
-            0 => Some(0),
-            1 => Some(digit),
-            -1 => Some(-digit),
-            _ => None,
-        },
+    // SAFETY: the caller's contract.
+    unsafe { small_int_read(layout, item) }.0
+}
+
+/// [`small_int`], and how many bytes from `item` it read.
+///
+/// # Safety
+/// As for [`small_int`].
+#[inline]
+pub(crate) unsafe fn small_int_read(
+    layout: IntLayout,
+    item: *mut ffi::PyObject,
+) -> (Option<i64>, usize) {
+    // SAFETY: the caller's contract: every int has the object header and its size word.
+    let size = unsafe { (*item.cast::<LongHead>()).size };
+    // The digit count and whether the value is negative, from the size word alone.
+    let (digits, negative) = match layout {
+        IntLayout::SignedSize => (size.unsigned_abs(), size < 0),
         IntLayout::Tagged => {
-            let tag = head.size.cast_unsigned();
-            // At most one digit; zero keeps a zero digit, so the sign formula covers it.
-            (tag >> 3 <= 1).then(|| {
-                #[allow(clippy::cast_possible_wrap)] // the sign bits: 0, 1 or 2
-                let sign = 1 - (tag & 3) as i64;
-                sign * digit
-            })
+            let tag = size.cast_unsigned();
+            (tag >> 3, tag & 3 == 2)
         }
+    };
+    let head = std::mem::size_of::<LongHead>();
+    match digits {
+        0 => (Some(0), head),
+        1 => {
+            // SAFETY: the size word says the int has a digit, which follows the head.
+            let digit = unsafe { item.cast::<u8>().add(head).cast::<u32>().read_unaligned() };
+            let digit = i64::from(digit);
+            let value = if negative { -digit } else { digit };
+            (Some(value), head + std::mem::size_of::<u32>())
+        }
+        _ => (None, head),
     }
 }
 
@@ -211,6 +227,7 @@ pub(crate) unsafe fn small_int(layout: IntLayout, item: *mut ffi::PyObject) -> O
 /// `list` is a live exact `list` and layout reads are enabled ([`int_layout`] is `Some`).
 /// The array is valid until Python code runs (which may resize the list).
 #[inline]
+#[cfg_attr(Py_GIL_DISABLED, allow(dead_code))] // lists are iterated there
 pub(crate) unsafe fn list_items(list: *mut ffi::PyObject) -> (usize, *const *mut ffi::PyObject) {
     // SAFETY: the caller's contract; the layout was checked at import.
     let head = unsafe { &*list.cast::<ListHead>() };

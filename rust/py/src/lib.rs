@@ -2,24 +2,27 @@
 //!
 //! This crate converts types and errors and holds no cache logic: every method takes
 //! its arguments apart, calls the core once, and builds Python values from the plain
-//! Rust result after the core's lock is released (never create Python objects while
-//! holding it: a garbage collection could run a finaliser that needs the same lock).
+//! Rust result after the core's lock is released. Every lock follows the policy of
+//! [`gil`]: never wait for a lock while holding the GIL, never create Python objects
+//! while holding a lock.
 
 use std::ffi::CString;
+use std::mem::ManuallyDrop;
 
 use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyMemoryError, PyResourceWarning, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use radixcache_core as core;
-use radixcache_core::Cache;
 
 mod convert;
+mod gil;
 mod grown;
 mod layout;
 use convert::{indices_arg, tokens_arg, BatchArg, Int};
+use gil::{run, settle, warn_from_finalizer};
 use grown::GrownArray;
 
 create_exception!(
@@ -62,50 +65,26 @@ fn err(e: core::Error) -> PyErr {
     }
 }
 
-/// Calls over this many tokens run with the GIL released even when the cache is free:
-/// long enough that another Python thread should not wait for them (see `run`).
-const DETACH_TOKENS: usize = 4096;
-
-/// Runs `f` on the cache and converts its error: the one way every binding method
-/// reaches the core.
-///
-/// GIL policy (measured by `benches/py_calls.py --threads`): a call takes the cache
-/// without releasing the GIL when no other thread holds it (releasing and retaking the
-/// GIL costs more than most calls); when another thread holds the cache, the call
-/// releases the GIL before it waits, so the holder's thread and every other Python
-/// thread go on; a call over `DETACH_TOKENS` tokens always releases it.
-fn run<T: Send>(
-    py: Python<'_>,
-    cache: &core::HybridCache,
-    n: usize,
-    f: impl FnOnce(&mut Cache) -> core::Result<T> + Send,
-) -> PyResult<T> {
-    let f = if n < DETACH_TOKENS {
-        match cache.with_uncontended(f) {
-            Ok(out) => return out.and_then(|r| r).map_err(err),
-            Err(f) => f,
-        }
-    } else {
-        f
-    };
-    py.detach(|| cache.call(f)).map_err(err)
-}
-
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     PyArray1::from_vec(py, v).unbind()
 }
 
-/// Emits a `ResourceWarning` from a finaliser; if warnings are errors, reports it as
-/// unraisable (a finaliser cannot raise).
-fn resource_warning(py: Python<'_>, msg: &str) {
-    let msg = CString::new(msg).unwrap_or_default();
-    let category = py.get_type::<PyResourceWarning>();
-    if let Err(e) = PyErr::warn(py, category.as_any(), &msg, 1) {
-        e.write_unraisable(py, None);
-    }
-}
-
 /// A prefix cache for hybrid LLMs: radix tree, slot pools, locks and eviction.
+///
+/// Args (by position or keyword):
+///   kv_slots: device KV token slots, a multiple of page_size (default 8192).
+///   page_size: tokens per page; keys are matched and inserted in whole pages
+///     (default 1).
+///   mamba_slots: device Mamba state slots; 0 for an attention-only model (default 0).
+///   host_kv_slots: host-tier KV token slots, a multiple of page_size; 0 for no host
+///     tier (default 0).
+///   host_mamba_slots: host-tier Mamba state slots (default 0).
+///   write_policy: when device data is backed up to the host: "write_through" (on
+///     insert, the default), "write_through_selective" (once a node was inserted
+///     write_through_threshold times) or "write_back" (only a node being evicted).
+///   write_through_threshold: inserts before a selective backup (>= 1; None: 2). Only
+///     with "write_through_selective": the other policies refuse it.
+#[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 struct PyHybridCache {
     inner: core::HybridCache,
@@ -232,7 +211,7 @@ impl PyHybridCache {
         };
         let record = run(py, &self.inner, 0, |c| c.load_back(target, quota, request))?;
         record
-            .map(|r| PyLoadBack::new(py, self.inner.own_load(r)))
+            .map(|r| PyLoadBack::new(py, &self.inner, self.inner.own_load(r)))
             .transpose()
     }
 
@@ -298,9 +277,10 @@ impl PyHybridCache {
     }
 
     /// Release a receipt (exactly once; `LockError` otherwise).
-    fn unlock(&self, lock: &Bound<'_, PyLock>) -> PyResult<()> {
-        let mut slot = lock.get().slot.lock();
-        self.inner.unlock(&mut slot).map_err(err)
+    fn unlock(&self, py: Python<'_>, lock: &Bound<'_, PyLock>) -> PyResult<()> {
+        let mut slot = gil::lock(py, &lock.get().slot);
+        let slot = &mut *slot;
+        settle(py, &self.inner, || self.inner.unlock(slot)).map_err(err)
     }
 
     /// Evict at least that much (or all that is evictable), LRU leaves first.
@@ -439,11 +419,24 @@ impl PyHybridCache {
     /// each batch owned by its object until it ends.
     fn take_batches(&self, py: Python<'_>) -> PyResult<Vec<PyTransferBatch>> {
         let batches = run(py, &self.inner, 0, |c| Ok(c.take_batches()))?;
-        self.inner
-            .own_batches(batches)
-            .into_iter()
-            .map(|b| PyTransferBatch::new(py, b))
-            .collect()
+        // The Python side of every batch first, then the handles, which own the batches:
+        // a failure (MemoryError) before gives back what the handles own at once.
+        let copies = batches
+            .iter()
+            .map(|b| copies(py, b))
+            .collect::<PyResult<Vec<_>>>();
+        let handles = self.inner.own_batches(batches);
+        match copies {
+            Ok(copies) => Ok(handles
+                .into_iter()
+                .zip(copies)
+                .map(|(handle, copies)| PyTransferBatch::new(&self.inner, handle, copies))
+                .collect()),
+            Err(e) => {
+                settle(py, &self.inner, move || drop(handles));
+                Err(e)
+            }
+        }
     }
 
     /// Batches handed out and not acknowledged: `(id, kind, started)`, oldest first.
@@ -567,10 +560,11 @@ struct PyNode {
 
 #[pymethods]
 impl PyNode {
-    fn __repr__(&self) -> String {
-        match self.cache.call(|c| c.describe(self.id)) {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let id = self.id;
+        match run(py, &self.cache, 0, |c| c.describe(id)) {
             Ok(s) => format!("<Node {s}>"),
-            Err(_) => format!("<Node {} (gone)>", self.id),
+            Err(_) => format!("<Node {id} (gone)>"),
         }
     }
 
@@ -606,7 +600,7 @@ impl PyMatch {
             self.host_len,
             self.kv_len,
             self.mamba_slot.map_or("None".to_owned(), |s| s.to_string()),
-            self.node.get().__repr__(),
+            self.node.get().__repr__(py),
             self.kv_indices.bind(py).repr()?
         ))
     }
@@ -622,12 +616,12 @@ struct PyInsert {
 
 #[pymethods]
 impl PyInsert {
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "Insert(prefix_len={}, mamba_existed={}, node={})",
             self.prefix_len,
             if self.mamba_existed { "True" } else { "False" },
-            self.node.get().__repr__()
+            self.node.get().__repr__(py)
         )
     }
 }
@@ -668,8 +662,8 @@ impl PyLock {
 
     /// True while the lock is held.
     #[getter]
-    fn held(&self) -> bool {
-        self.slot.lock().is_some()
+    fn held(&self, py: Python<'_>) -> bool {
+        gil::lock(py, &self.slot).is_some()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -677,19 +671,20 @@ impl PyLock {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        let mut slot = self.slot.lock();
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        let mut slot = gil::lock(py, &self.slot);
         if slot.is_some() {
-            self.cache.unlock(&mut slot).map_err(err)?;
+            let slot = &mut *slot;
+            settle(py, &self.cache, || self.cache.unlock(slot)).map_err(err)?;
         }
         Ok(false)
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "<Lock {} on {}>",
-            if self.held() { "held" } else { "released" },
-            self.node.get().__repr__()
+            if self.held(py) { "held" } else { "released" },
+            self.node.get().__repr__(py)
         )
     }
 }
@@ -698,12 +693,13 @@ impl Drop for PyLock {
     fn drop(&mut self) {
         if let Some(lock) = self.slot.get_mut().take() {
             let node = lock.node();
-            // Release first (the receipt's drop), then warn: the warning must not be able
-            // to stop the release.
-            drop(lock);
             Python::attach(|py| {
-                resource_warning(
+                // Release first (the receipt's drop), then warn: the warning must not be
+                // able to stop the release.
+                settle(py, &self.cache, move || drop(lock));
+                warn_from_finalizer(
                     py,
+                    py.get_type::<PyLock>().as_any(),
                     &format!("Lock on node {node} was garbage-collected while held; released it"),
                 );
             });
@@ -715,7 +711,8 @@ impl Drop for PyLock {
 /// aborted; one collected while live is aborted and warns.
 #[pyclass(frozen, module = "radixcache._core", name = "Request")]
 struct PyRequest {
-    inner: core::Request,
+    /// Dropped by `Drop for PyRequest` only, by the GIL policy (see [`gil`]).
+    inner: ManuallyDrop<core::Request>,
     /// The last reads of `tokens` and `kv_indices`, grown read after read.
     tokens: Mutex<GrownArray>,
     kv_indices: Mutex<GrownArray>,
@@ -724,7 +721,7 @@ struct PyRequest {
 impl PyRequest {
     fn new(inner: core::Request) -> PyRequest {
         PyRequest {
-            inner,
+            inner: ManuallyDrop::new(inner),
             tokens: Mutex::default(),
             kv_indices: Mutex::default(),
         }
@@ -736,26 +733,16 @@ impl PyRequest {
     }
 
     /// One of the request's arrays, read incrementally: `fetch(cache, epoch, from)` is
-    /// what the request gained since the last read. The core is called without holding
-    /// the array's lock (the call may release the GIL); a read that raced another is
-    /// not kept.
+    /// what the request gained since the last read (see [`grown::read`]).
     fn grown<T: Copy + Into<i64> + Send>(
         &self,
         py: Python<'_>,
         array: &Mutex<GrownArray>,
-        fetch: impl Fn(&Cache, Option<u64>, usize) -> core::Result<core::Grown<T>> + Send + Sync,
+        fetch: impl Fn(&core::Cache, Option<u64>, usize) -> core::Result<core::Grown<T>> + Send + Sync,
     ) -> PyResult<Py<PyArray1<i64>>> {
-        let position = array.lock().position();
-        let (epoch, from) = position;
-        let grown = run(py, self.inner.cache(), 0, |c| fetch(c, epoch, from))?;
-        let mut last = array.lock();
-        if last.position() == position {
-            return last.apply(py, grown);
-        }
-        // Another thread read meanwhile: answer from a fresh read of our own.
-        drop(last);
-        let full = run(py, self.inner.cache(), 0, |c| fetch(c, None, 0))?;
-        GrownArray::default().apply(py, full)
+        grown::read(py, array, |epoch, from| {
+            run(py, self.inner.cache(), 0, |c| fetch(c, epoch, from))
+        })
     }
 }
 
@@ -825,10 +812,11 @@ impl PyRequest {
         Ok(self.view(py)?.load_pending.map(core::BatchId::to_u128))
     }
 
-    /// True until the request is finished or aborted.
+    /// True until the request is finished or aborted (False too once the cache broke).
     #[getter]
-    fn live(&self) -> bool {
-        self.inner.is_live()
+    fn live(&self, py: Python<'_>) -> bool {
+        let id = self.inner.id();
+        run(py, self.inner.cache(), 0, |c| Ok(c.request_live(id))).unwrap_or(false)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
@@ -846,16 +834,24 @@ impl PyRequest {
 
 impl Drop for PyRequest {
     fn drop(&mut self) {
-        if self.inner.is_live() {
-            let id = self.inner.id();
-            // The handle's own drop (right after this) aborts the request.
-            Python::attach(|py| {
-                resource_warning(
+        // SAFETY: `inner` is taken once, here, and not used after.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        let (id, cache) = (inner.id(), inner.cache().clone());
+        Python::attach(|py| {
+            // The handle's drop aborts a live request.
+            let live = settle(py, &cache, move || {
+                let live = inner.is_live();
+                drop(inner);
+                live
+            });
+            if live {
+                warn_from_finalizer(
                     py,
+                    py.get_type::<PyRequest>().as_any(),
                     &format!("Request {id} was garbage-collected while live; aborted it"),
                 );
-            });
-        }
+            }
+        });
     }
 }
 
@@ -869,18 +865,35 @@ struct PyLoadBack {
     id: u128,
     kv_tokens: usize,
     committed: std::sync::atomic::AtomicBool,
+    cache: core::HybridCache,
 }
 
 impl PyLoadBack {
-    fn new(py: Python<'_>, guard: core::LoadBack) -> PyResult<Self> {
-        let batch = Py::new(py, PyTransferBatch::new(py, guard.batch_handle())?)?;
+    fn new(py: Python<'_>, cache: &core::HybridCache, guard: core::LoadBack) -> PyResult<Self> {
+        let batch = copies(py, guard.batch()).and_then(|copies| {
+            let handle = guard.batch_handle();
+            Py::new(py, PyTransferBatch::new(cache, handle, copies))
+        });
+        let batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                settle(py, cache, move || drop(guard));
+                return Err(e);
+            }
+        };
         Ok(PyLoadBack {
             id: guard.id().to_u128(),
             kv_tokens: guard.kv_tokens(),
             guard: Mutex::new(Some(guard)),
             batch,
             committed: std::sync::atomic::AtomicBool::new(false),
+            cache: cache.clone(),
         })
+    }
+
+    /// Takes the guard out (None once committed or released).
+    fn take(&self, py: Python<'_>) -> Option<core::LoadBack> {
+        gil::lock(py, &self.guard).take()
     }
 
     fn is_committed(&self) -> bool {
@@ -911,16 +924,16 @@ impl PyLoadBack {
 
     /// True while the guard still holds what it took (neither committed nor released).
     #[getter]
-    fn held(&self) -> bool {
-        self.guard.lock().is_some()
+    fn held(&self, py: Python<'_>) -> bool {
+        gil::lock(py, &self.guard).is_some()
     }
 
     /// Publish the load: the nodes get their device slots (matchable once the batch is
     /// also completed) and the request's prefix grows. Raises `CacheError` when the
     /// batch failed or the request extended since (the guard is then released), or
     /// when the guard was committed or released already.
-    fn commit(&self) -> PyResult<()> {
-        let Some(guard) = self.guard.lock().take() else {
+    fn commit(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(guard) = self.take(py) else {
             let what = if self.is_committed() {
                 "committed already"
             } else {
@@ -931,7 +944,7 @@ impl PyLoadBack {
                 self.id
             )));
         };
-        guard.commit().map_err(err)?;
+        settle(py, &self.cache, move || guard.commit()).map_err(err)?;
         self.committed
             .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())
@@ -939,9 +952,10 @@ impl PyLoadBack {
 
     /// Call the load off: release its lock and give back every slot it took (at once,
     /// or when its batch is acknowledged if it was started). No-op after commit.
-    fn release(&self) {
-        let guard = self.guard.lock().take();
-        drop(guard);
+    fn release(&self, py: Python<'_>) {
+        if let Some(guard) = self.take(py) {
+            settle(py, &self.cache, move || drop(guard));
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -949,15 +963,15 @@ impl PyLoadBack {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.release();
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.release(py);
         false
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         let state = if self.is_committed() {
             "committed"
-        } else if self.held() {
+        } else if self.held(py) {
             "held"
         } else {
             "released"
@@ -973,10 +987,11 @@ impl Drop for PyLoadBack {
     fn drop(&mut self) {
         if let Some(guard) = self.guard.get_mut().take() {
             let id = guard.id();
-            drop(guard);
             Python::attach(|py| {
-                resource_warning(
+                settle(py, &self.cache, move || drop(guard));
+                warn_from_finalizer(
                     py,
+                    py.get_type::<PyLoadBack>().as_any(),
                     &format!(
                         "LoadBack {id} was garbage-collected uncommitted; released what it took"
                     ),
@@ -987,6 +1002,7 @@ impl Drop for PyLoadBack {
 }
 
 /// One copy of a transfer batch: `src[i]` of `src_tier` to `dst[i]` of `dst_tier`.
+/// `src` and `dst` are read-only: they are what the cache will publish.
 #[pyclass(frozen, module = "radixcache._core", name = "Copy", get_all)]
 struct PyCopy {
     pool: &'static str,
@@ -1010,6 +1026,26 @@ impl PyCopy {
     }
 }
 
+/// The Python side of a batch's copies, their slot arrays read-only.
+fn copies(py: Python<'_>, batch: &core::TransferBatch) -> PyResult<Vec<Py<PyCopy>>> {
+    batch
+        .copies
+        .iter()
+        .map(|c| {
+            Py::new(
+                py,
+                PyCopy {
+                    pool: c.pool.as_str(),
+                    src_tier: c.src_tier.as_str(),
+                    dst_tier: c.dst_tier.as_str(),
+                    src: grown::read_only(py, &c.src)?,
+                    dst: grown::read_only(py, &c.dst)?,
+                },
+            )
+        })
+        .collect()
+}
+
 /// Data movement the cache needs, owned by this object until it ends: `start()`, run
 /// the copies, then `complete()` or `fail(reason)`. Leaving a `with` block before it
 /// ended fails it; collected before it ended, it is abandoned (with a `ResourceWarning`).
@@ -1022,33 +1058,21 @@ struct PyTransferBatch {
     #[pyo3(get)]
     copies: Vec<Py<PyCopy>>,
     inner: core::Batch,
+    /// The cache that issued the batch.
+    cache: core::HybridCache,
 }
 
 impl PyTransferBatch {
-    fn new(py: Python<'_>, inner: core::Batch) -> PyResult<Self> {
+    /// The batch of `inner` (issued by `cache`), whose copies are `copies`.
+    fn new(cache: &core::HybridCache, inner: core::Batch, copies: Vec<Py<PyCopy>>) -> Self {
         let b = inner.batch();
-        let copies = b
-            .copies
-            .iter()
-            .map(|c| {
-                Py::new(
-                    py,
-                    PyCopy {
-                        pool: c.pool.as_str(),
-                        src_tier: c.src_tier.as_str(),
-                        dst_tier: c.dst_tier.as_str(),
-                        src: array(py, c.src.clone()),
-                        dst: array(py, c.dst.clone()),
-                    },
-                )
-            })
-            .collect::<PyResult<_>>()?;
-        Ok(PyTransferBatch {
+        PyTransferBatch {
             id: b.id.to_u128(),
             kind: b.kind.as_str(),
             copies,
             inner,
-        })
+            cache: cache.clone(),
+        }
     }
 }
 
@@ -1056,19 +1080,19 @@ impl PyTransferBatch {
 impl PyTransferBatch {
     /// The engine is about to run the copies (once).
     fn start(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.start()).map_err(err)
+        settle(py, &self.cache, || self.inner.start()).map_err(err)
     }
 
     /// The copies are done: publishes what the batch carried, releases what it held.
     fn complete(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.complete()).map_err(err)
+        settle(py, &self.cache, || self.inner.complete()).map_err(err)
     }
 
     /// The copies failed: undoes what the batch would have published.
     #[pyo3(signature = (reason=None))]
     fn fail(&self, py: Python<'_>, reason: Option<String>) -> PyResult<()> {
         let reason = reason.unwrap_or_else(|| "failed".to_owned());
-        py.detach(|| self.inner.fail(&reason)).map_err(err)
+        settle(py, &self.cache, || self.inner.fail(&reason)).map_err(err)
     }
 
     /// `None` until the batch ended through this object, then `"completed"`,
@@ -1091,6 +1115,21 @@ impl PyTransferBatch {
         }
     }
 
+    /// Tell whether `cache` issued the batch: only that cache's storage holds the slots
+    /// its copies name, and only that cache may acknowledge it.
+    fn belongs_to(&self, cache: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let cache = cache.cast::<PyHybridCache>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "cache: expected a HybridCache, got {}",
+                cache
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        Ok(self.cache.same_cache(&cache.get().inner))
+    }
+
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
@@ -1103,7 +1142,7 @@ impl PyTransferBatch {
             Ok(e) if !e.is_none() => format!("{}: {e}", e.get_type().name()?),
             _ => "left its with block before it ended".to_owned(),
         };
-        py.detach(|| self.inner.close(&reason)).map_err(err)?;
+        settle(py, &self.cache, || self.inner.close(&reason)).map_err(err)?;
         Ok(false)
     }
 
@@ -1120,17 +1159,20 @@ impl PyTransferBatch {
 
 impl Drop for PyTransferBatch {
     fn drop(&mut self) {
-        let what = match self.inner.abandon() {
-            core::Abandoned::Nothing => return,
-            core::Abandoned::Failed => "failed it",
-            core::Abandoned::Draining => {
-                "it was started, so it stays in flight until acknowledged by id, then fails"
-            }
-        };
         let (id, kind) = (self.id, self.kind);
         Python::attach(|py| {
-            resource_warning(
+            // The handle's own drop (right after this) finds nothing left to do.
+            let inner = &self.inner;
+            let what = match settle(py, &self.cache, || inner.abandon()) {
+                core::Abandoned::Nothing => return,
+                core::Abandoned::Failed => "failed it",
+                core::Abandoned::Draining => {
+                    "it was started, so it stays in flight until acknowledged by id, then fails"
+                }
+            };
+            warn_from_finalizer(
                 py,
+                py.get_type::<PyTransferBatch>().as_any(),
                 &format!(
                     "TransferBatch {id} ({kind}) was garbage-collected before it ended; {what}"
                 ),
@@ -1139,10 +1181,49 @@ impl Drop for PyTransferBatch {
     }
 }
 
-/// The extension module.
-#[pymodule]
+/// `HybridCache`'s constructor signature, for `inspect.signature` and `help()` where the
+/// class's `text_signature` does not reach them: CPython 3.9 strips it from a class made
+/// through the stable ABI. Must read as the `text_signature` of `PyHybridCache::new`.
+const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
+    host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
+    write_through_threshold=None";
+
+/// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
+fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let class = py.get_type::<PyHybridCache>();
+    if class.getattr("__text_signature__")?.is_truthy()? {
+        return Ok(());
+    }
+    let code = CString::new(format!("lambda {HYBRID_CACHE_PARAMETERS}: None"))?;
+    let template = py.eval(&code, None, None)?;
+    let signature = py
+        .import("inspect")?
+        .call_method1("signature", (template,))?;
+    class.setattr("__signature__", signature)
+}
+
+/// For tests of the layout reads: `(value, bytes read)` of the fast path on `obj`, an
+/// exact int (`value` None where the fast path declines it), or None when the layout
+/// reads are off.
+#[pyfunction]
+fn _small_int_read(obj: &Bound<'_, PyAny>) -> PyResult<Option<(Option<i64>, usize)>> {
+    if !obj.is_exact_instance_of::<pyo3::types::PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "obj: expected an exact int, got {}",
+            obj.get_type().name()?
+        )));
+    }
+    // SAFETY: `obj` is a live exact int, and the layout is this interpreter's.
+    Ok(layout::int_layout().map(|l| unsafe { layout::small_int_read(l, obj.as_ptr()) }))
+}
+
+/// The extension module. It needs the GIL: under a free-threaded build, importing it
+/// turns the GIL on (the layout reads are off there in any case).
+#[pymodule(gil_used = true)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    gil::init(py)?;
     m.add_class::<PyHybridCache>()?;
     m.add_class::<PyNode>()?;
     m.add_class::<PyMatch>()?;
@@ -1165,5 +1246,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.setattr("KERNEL_SOURCES", kernels)?;
     // Private (not in `__all__`): set, not added.
     m.setattr("_int_fast_path", layout::init(py)?)?;
+    m.setattr("_small_int_read", wrap_pyfunction!(_small_int_read, m)?)?;
+    constructor_signature(m)?;
     Ok(())
 }
