@@ -111,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def summarize(per_request_ns: list[int], prompt_tokens: int, total_ns: int) -> dict[str, Any]:
-    """Return the figures API.md names for one system, from its per-request times."""
+    """Return the figures docs/contract.md names for one system, from its per-request times."""
     us = np.asarray(per_request_ns, dtype=np.float64) / 1e3
     n = len(us)
     return {

@@ -132,7 +132,7 @@ def replay(
     """Serve `jobs` through the scheduler, the checksum model and a `TransferEngine`.
 
     Returns:
-        The report (API.md's ``replay --json`` keys and more) and the timeline.
+        The report (the ``replay --json`` keys of docs/contract.md and more) and the timeline.
     """
     config = config or ReplayConfig()
     cache = config.cache()
@@ -175,7 +175,7 @@ def report(
     full: bool,
     attention_only: float | None,
 ) -> dict[str, Any]:
-    """Gather the replay's report into a flat dict (API.md keys first)."""
+    """Gather the replay's report into a flat dict (docs/contract.md's keys first)."""
     rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
     e = engine.stats()
     out: dict[str, Any] = {
