@@ -105,7 +105,7 @@ def test_every_cited_rule_and_invariant_exists_in_the_contract() -> None:
 def test_the_citation_pattern_reads_wrapped_comments() -> None:
     wrapped = "// (docs/contract.md\n        // rule 11) and # docs/contract.md, invariant 5"
     assert CITED.findall(wrapped) == [("rule", "11"), ("invariant", "5")]
-    assert OUTSIDE.findall("see API" + ".md and " + "../shared/x") != []
+    assert OUTSIDE.findall("see API" + ".md and " + "../" + "shared/x") != []
 
 
 def first_python_block(path: Path) -> str:
