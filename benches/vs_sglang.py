@@ -99,7 +99,10 @@ def parser() -> argparse.ArgumentParser:
         "--repeat",
         type=_positive,
         default=1,
-        help="run every system N times, in turn, and keep each one's fastest run",
+        help=(
+            "run every system N times, in turn, and keep each one's fastest run: the least "
+            "total cache time (SGLang: its tree alone)"
+        ),
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--plot", metavar="PATH", help="per-request cache time, as CDFs (PNG)")
@@ -356,6 +359,15 @@ def leak_summary(leaks: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def lead_total(r: dict[str, Any]) -> float:
+    """Return what a repeated run keeps the least of: total cache time (SGLang: tree alone).
+
+    Preemption on a busy machine only ever adds time, so the least total of several runs
+    is the closest to the system's own cost.
+    """
+    return float(r.get("without_allocator", r)["cache_seconds"])
+
+
 def add_ratios(results: list[dict[str, Any]]) -> None:
     """Each SGLang core's time ratios to radixcache in the same configuration.
 
@@ -589,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = run(track(f"{config}: {label} ({i + 1}/{args.repeat})"))
                     r["config"] = config
                     kept = best.get(label)
-                    if kept is None or r["us_per_request"] < kept["us_per_request"]:
+                    if kept is None or lead_total(r) < lead_total(kept):
                         best[label] = r
             results.extend(best[label] for label, _ in runs)
     add_ratios(results)

@@ -185,6 +185,13 @@ def test_ratios_compare_each_sglang_core_with_radixcache_in_the_same_config() ->
     assert hybrid == pytest.approx((5 * 300 / 0.6) / (10 * 20 / 0.45))
 
 
+def test_a_repeated_run_keeps_the_least_total_sglangs_tree_alone() -> None:
+    ours = {"system": "radixcache", "cache_seconds": 2.0}
+    assert vs.lead_total(ours) == 2.0
+    theirs = {"cache_seconds": 9.0, "without_allocator": {"cache_seconds": 3.0}}
+    assert vs.lead_total(theirs) == 3.0
+
+
 def test_checks_fail_on_a_leak_and_on_attention_hit_rates_apart_by_more_than_2_percent() -> None:
     agree = [row("radixcache", "attention", 0.600, 1), row("sglang-rust", "attention", 0.595, 1)]
     assert all(k["ok"] for k in vs.checks(agree))
