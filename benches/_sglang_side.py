@@ -36,11 +36,13 @@ The loop (deterministic; the radixcache side runs the same one), each step:
    never will: `RuntimeError`.
 2. **Prefill**: each prefilling request (those admitted in earlier steps first) extends
    one chunk of at most ``chunk_size`` prompt tokens (a cut chunk ends on a page
-   boundary, as the adder cuts it): a one-request ``ScheduleBatch`` and
-   ``alloc_for_extend(batch)`` (request row and Mamba state slot, KV slots with
-   evict-to-free, the ``req_to_token`` writes, the request's KV lengths), then the
-   deferred Mamba copy-on-write or clear the model runner does before the forward
-   (``copy_mamba_state`` / ``clear_slots``). A chunk that does not end the prompt is
+   boundary, as the adder cuts it). The chunks form one prefill batch, as the
+   scheduler's: one ``ScheduleBatch`` of them all and one ``alloc_for_extend(batch)``
+   (what ``ScheduleBatch.prepare_for_extend`` calls: request rows and Mamba state slots,
+   KV slots for the whole batch with evict-to-free, the ``req_to_token`` writes, the KV
+   lengths), then the deferred Mamba copy-on-write or clear the model runner does for the
+   batch before the forward (``copy_mamba_state`` / ``clear_slots``). Then, for each
+   request in the batch: a chunk that does not end the prompt is
    followed by ``checkpoint_kv_cache`` (the scheduler's ``stash_chunked_request``); the
    last one produces the first output token, and, as
    ``process_batch_result_prefill`` does, the request is then checkpointed
@@ -75,9 +77,16 @@ budget per prefill batch and does not decode in a step that prefills (0.374).
 Timed (``time.perf_counter_ns`` around each call; Python's garbage collector is off during
 the replay): the match, lock and unlock, the rejected admission's Mamba free,
 ``alloc_for_extend`` and ``alloc_for_decode`` (request rows, Mamba slots, KV allocation
-with eviction, ``req_to_token`` writes; also reported apart, see `ALLOC_OPS`),
-``checkpoint_kv_cache`` and ``release_kv_cache``. Each call is charged to its request; a
-decode allocation is split evenly over the requests of its batch. The Mamba state's
+with eviction, ``req_to_token`` writes), ``checkpoint_kv_cache`` and
+``release_kv_cache``. Each call is charged to its request; a batch's allocation (prefill
+or decode) is split evenly over the requests of its batch. Each timed call is also split
+(`Meter`, benches/_sglang_meter.py) into the allocator's part and the rest. The
+allocator's part: every call into SGLang's KV slot allocator, Mamba slot allocator and
+request-row pool (``write``: the ``req_to_token`` page-table writes), wherever it is made
+(a free inside an insert or an eviction included), and the whole of ``alloc_for_extend``
+/ ``alloc_for_decode`` except the tree eviction they trigger. ``per_request_alloc_ns`` is
+that part, per request. The instrumentation's own cost is measured and taken out of the
+time; what of it falls inside an allocator call stays with the allocator's part. The Mamba state's
 copy-on-write and clear (a real copy of a small state on this CPU, a kernel launch on a
 GPU) are timed and reported but charged to no request: they move data, and the
 radixcache side moves none. Not timed: building ``Req`` objects and batches (and the
@@ -94,11 +103,16 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["ALLOC_OPS", "DATA_OPS", "match_prefix_ns", "replay_sglang"]
+try:
+    from ._sglang_meter import Clock, Meter  # type: ignore[attr-defined]
+except ImportError:  # run as a script from benches/
+    from _sglang_meter import Clock, Meter  # type: ignore[no-redef]
+
+__all__ = ["DATA_OPS", "match_prefix_ns", "replay_sglang"]
 
 Job = tuple[Sequence[int], Sequence[int], "str | None"]
 
@@ -135,10 +149,6 @@ _OPS = (
 #: request, because the radixcache side makes no copies either (its batches complete at
 #: once, untimed).
 DATA_OPS = ("mamba_state_copy", "mamba_state_clear")
-#: KV slot allocation with evict-to-free and the ``req_to_token`` writes: charged, and
-#: also counted apart (``per_request_alloc_ns``), since on this CPU they take SGLang's
-#: torch fallback rather than its GPU kernels.
-ALLOC_OPS = ("alloc_extend", "alloc_decode")
 
 
 #: What the replay calls in SGLang, by module (``name as alias`` renames).
@@ -207,28 +217,58 @@ class _Live:
     output: Sequence[int]
     prompt_len: int
     ns: int = 0
-    alloc_ns: int = 0  # of `ns`: ALLOC_OPS
+    alloc_ns: int = 0  # of `ns`: the allocator's part (`Meter`)
     prefilled: int = 0  # prompt tokens with KV allocated
     decoding: bool = False  # its prefill ended in an earlier step
 
 
-@dataclass
-class _Clock:
-    """Per-call times (ns) by operation."""
-
-    ops: dict[str, list[int]] = field(default_factory=lambda: {op: [] for op in _OPS})
-
-    def time(self, op: str, live: _Live, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call ``fn(*args, **kwargs)`` timed, and charge the time to `live`."""
-        start = time.perf_counter_ns()
-        out = fn(*args, **kwargs)
-        ns = time.perf_counter_ns() - start
-        self.ops[op].append(ns)
-        if op not in DATA_OPS:
-            live.ns += ns
-            if op in ALLOC_OPS:
-                live.alloc_ns += ns
-        return out
+#: Methods of SGLang's KV slot allocator, Mamba slot allocator and request-row pool that the
+#: meter counts as allocator work: slots and rows handed out and given back, their sizes
+#: read, and the ``req_to_token`` page-table writes (``write``). The allocator's
+#: ``evict_to_free_tokens`` is not among them: it runs the tree's eviction, which radixcache
+#: does too.
+_ALLOCATOR_METHODS = {
+    "kv": (
+        "alloc",
+        "alloc_extend",
+        "alloc_decode",
+        "free",
+        "free_segment",
+        "free_segments",
+        "free_full",
+        "free_full_segment",
+        "free_full_segments",
+        "free_page_ids",
+        "free_group_begin",
+        "free_group_end",
+        "merge_and_sort_free",
+        "available_size",
+        "get_extend_allocation_demand",
+    ),
+    "rows": (
+        "alloc",
+        "alloc_rows",
+        "free",
+        "free_rows",
+        "write",
+        "alloc_aux_to_lengths",
+        "available_size",
+        "free_mamba_cache",
+        "donate_mamba_ping_pong_slot",
+        "set_mamba_ping_pong_slot",
+    ),
+    "mamba": (
+        "alloc",
+        "free",
+        "alloc_group_begin",
+        "alloc_group_end",
+        "available_size",
+        "schedulable_available_size",
+    ),
+}
+#: The tree's own eviction: kept in SGLang's allocator-free figure even when an allocation
+#: (an allocator zone) triggers it.
+_TREE_METHODS = ("evict", "evict_for_alloc")
 
 
 def replay_sglang(
@@ -263,9 +303,11 @@ def replay_sglang(
     Returns:
         ``system``, ``tree_core`` (the class that ran), ``mamba_strategy`` (hybrid),
         ``requests``, ``prompt_tokens``, ``device_hit_tokens``, ``hit_rate``,
-        ``per_request_ns`` (in finish order), ``per_request_alloc_ns`` (the part of it
-        in `ALLOC_OPS`), ``ops`` (ns per call, by operation),
-        ``seconds`` (the replay's wall time, untimed work included) and ``leaks``.
+        ``per_request_ns`` (in finish order), ``per_request_alloc_ns`` (the allocator's
+        part of it: `Meter`), ``ops`` (ns per call, by operation), ``alloc_ops`` (the
+        allocator's part of each call), ``instrumentation`` (wrapped calls and what a
+        wrapper costs), ``seconds`` (the replay's wall time, untimed work included) and
+        ``leaks``.
 
     Raises:
         ValueError: A bad argument.
@@ -392,7 +434,8 @@ class _Replay:
                     f"({held} state slots each with mamba_strategy "
                     f"{'extra_buffer' if extra_buffer else 'no_buffer'})"
                 )
-        self.clock = _Clock()
+        self.meter = Meter()
+        self.clock = Clock(self.meter, {op: [] for op in _OPS}, DATA_OPS)
         self.waiting: deque[int] = deque(range(len(jobs)))
         self.tried: dict[int, _Live] = {}  # waiting jobs that did not fit (retried)
         self.running: list[_Live] = []
@@ -534,6 +577,17 @@ class _Replay:
         self.model_config = SimpleNamespace(
             is_encoder_decoder=False, hf_text_config=SimpleNamespace()
         )
+        # The allocator's calls and the page-table writes, apart from the tree's work.
+        meter = self.meter
+        meter.instrument(self.allocator, _ALLOCATOR_METHODS["kv"], "alloc")
+        meter.instrument(self.req_to_token_pool, _ALLOCATOR_METHODS["rows"], "alloc")
+        if self.hybrid:
+            mamba = self.req_to_token_pool.mamba_allocator
+            meter.instrument(mamba, _ALLOCATOR_METHODS["mamba"], "alloc")
+        meter.instrument(self.tree, _TREE_METHODS, "tree")
+        self.alloc_for_extend = meter.wrap(sg.alloc_for_extend, "alloc")
+        self.alloc_for_decode = meter.wrap(sg.alloc_for_decode, "alloc")
+        meter.calibrate()
 
     def _batch(self, reqs: list[Any]) -> Any:
         sg = self.sg
@@ -558,8 +612,8 @@ class _Replay:
     def step(self) -> None:
         admitted = self._admit()
         prefilling = [r for r in self.running if not r.decoding and r not in admitted]
-        for live in prefilling + admitted:
-            self._prefill_chunk(live)
+        if prefilling or admitted:
+            self._prefill(prefilling + admitted)
         decoding = [r for r in self.running if r.decoding]
         if decoding:
             self._decode(decoding)
@@ -595,17 +649,17 @@ class _Replay:
                 req.refresh_fill_ids()  # the fill ids a scheduler's request already holds
                 live = _Live(req, output, len(prompt))
             req = live.req
-            clock.time("match", live, req.init_next_round_input, tree)
-            probe = clock.time("lock", live, tree.lock, req.last_node)
+            clock.time("match", [live], req.init_next_round_input, tree)
+            probe = clock.time("lock", [live], tree.lock, req.last_node)
             need = len(prompt) - req.prefix_len + len(output) + self.page_size
             evictable = tree.full_evictable_size() if self.hybrid else tree.evictable_size()
             room = self.allocator.available_size() + evictable - reserved
             if need >= room:
-                clock.time("unlock", live, tree.unlock, probe)
+                clock.time("unlock", [live], tree.unlock, probe)
                 if req.kv.holds_mamba:
                     clock.time(
                         "mamba_free",
-                        live,
+                        [live],
                         self.req_to_token_pool.mamba_allocator.free,
                         req.kv.mamba_pool_idx.unsqueeze(-1),
                     )
@@ -618,8 +672,8 @@ class _Replay:
                     )
                 self.tried[index] = live  # its time so far stays charged to it
                 break
-            req.lock = clock.time("lock", live, tree.lock, req.last_node)
-            clock.time("unlock", live, tree.unlock, probe)
+            req.lock = clock.time("lock", [live], tree.lock, req.last_node)
+            clock.time("unlock", [live], tree.unlock, probe)
             reserved += need
             self.waiting.popleft()
             self.tried.pop(index, None)
@@ -630,48 +684,57 @@ class _Replay:
             admitted.append(live)
         return admitted
 
-    def _prefill_chunk(self, live: _Live) -> None:
-        sg, torch, req, ps = self.sg, self.sg.torch, live.req, self.page_size
-        start = req.prefix_len
-        end = live.prompt_len
-        if end - start > self.chunk_size:  # the adder's cut: a whole number of pages
-            end = (start + self.chunk_size // ps * ps) // ps * ps
-        req.extend_end = end
-        batch = self._batch([req])
-        batch.prefix_lens = [start]
-        batch.extend_lens = [end - start]
-        batch.seq_lens = torch.tensor([end], dtype=torch.int64)
+    def _prefill(self, lives: list[_Live]) -> None:
+        """One prefill batch: a chunk of each request, allocated in one call, as SGLang does.
+
+        The scheduler's ``ScheduleBatch.prepare_for_extend`` calls ``alloc_for_extend`` once
+        for the whole batch; its time is split evenly over the batch's requests.
+        """
+        sg, torch, ps = self.sg, self.sg.torch, self.page_size
+        reqs = [live.req for live in lives]
+        for live, req in zip(lives, reqs):
+            start, end = req.prefix_len, live.prompt_len
+            if end - start > self.chunk_size:  # the adder's cut: a whole number of pages
+                end = (start + self.chunk_size // ps * ps) // ps * ps
+            req.extend_end = end
+        batch = self._batch(reqs)
+        batch.prefix_lens = [req.prefix_len for req in reqs]
+        batch.extend_lens = [req.extend_end - req.prefix_len for req in reqs]
+        batch.seq_lens = torch.tensor([req.extend_end for req in reqs], dtype=torch.int64)
         batch.seq_lens_cpu = batch.seq_lens
-        batch.extend_num_tokens = end - start
-        self.clock.time("alloc_extend", live, sg.alloc_for_extend, batch)
+        batch.extend_num_tokens = sum(batch.extend_lens)
+        self.clock.time("alloc_extend", lives, self.alloc_for_extend, batch)
         if self.result_side is not None:
-            batch._mamba_radix_cache_v2_req_prepare_for_extend(req)
+            for req in reqs:
+                batch._mamba_radix_cache_v2_req_prepare_for_extend(req)
         if self.hybrid:
-            self._mamba_state_init(live, batch)
-        live.prefilled = end
-        if end < live.prompt_len:
-            self.clock.time("checkpoint", live, sg.checkpoint_kv_cache, req, self.tree)
-            return
-        req.output_ids.append(live.output[0])
-        req.update_finish_state()
-        if req.finished():
-            self._finish(live)
-        else:
-            self.clock.time("checkpoint", live, sg.checkpoint_kv_cache, req, self.tree)
+            self._mamba_state_init(lives, batch)
+        for live, req in zip(lives, reqs):
+            live.prefilled = req.extend_end
+            if live.prefilled < live.prompt_len:
+                self.clock.time("checkpoint", [live], sg.checkpoint_kv_cache, req, self.tree)
+                continue
+            req.output_ids.append(live.output[0])
+            req.update_finish_state()
+            if req.finished():
+                self._finish(live)
+            else:
+                self.clock.time("checkpoint", [live], sg.checkpoint_kv_cache, req, self.tree)
 
-    def _mamba_state_init(self, live: _Live, batch: Any) -> None:
-        """Copy the matched state into the request's slot, or clear a fresh slot.
+    def _mamba_state_init(self, lives: list[_Live], batch: Any) -> None:
+        """Copy the matched states into the requests' slots, or clear fresh slots.
 
-        SGLang's model runner does this before the prefill's forward.
+        SGLang's model runner does this for the whole batch before the prefill's forward.
         """
         pool = self.req_to_token_pool
-        if not (live.req.kv.mamba_cow_src_index is not None or live.req.kv.mamba_needs_clear):
+        reqs = [live.req for live in lives]
+        if not any(r.kv.mamba_cow_src_index is not None or r.kv.mamba_needs_clear for r in reqs):
             return
-        batch._collect_deferred_mamba_cow_and_clear([live.req])
+        batch._collect_deferred_mamba_cow_and_clear(reqs)
         if batch.mamba_cow_src_indices is not None:
             self.clock.time(
                 "mamba_state_copy",
-                live,
+                lives,
                 pool.copy_mamba_state,
                 pool.translate_mamba_indices(batch.mamba_cow_src_indices),
                 pool.translate_mamba_indices(batch.mamba_cow_dst_indices),
@@ -679,7 +742,7 @@ class _Replay:
         if batch.mamba_clear_indices is not None:
             self.clock.time(
                 "mamba_state_clear",
-                live,
+                lives,
                 pool.mamba_pool.clear_slots,
                 pool.translate_mamba_indices(batch.mamba_clear_indices),
             )
@@ -694,14 +757,7 @@ class _Replay:
         batch.req_pool_indices_cpu = batch.req_pool_indices
         batch.seq_lens = torch.tensor(lens, dtype=torch.int64)
         batch.seq_lens_cpu = batch.seq_lens
-        start = time.perf_counter_ns()
-        sg.alloc_for_decode(batch, 1)
-        ns = time.perf_counter_ns() - start
-        self.clock.ops["alloc_decode"].append(ns)
-        share, rest = divmod(ns, len(decoding))
-        for i, live in enumerate(decoding):
-            live.ns += share + (1 if i < rest else 0)
-            live.alloc_ns += share + (1 if i < rest else 0)
+        self.clock.time("alloc_decode", decoding, self.alloc_for_decode, batch, 1)
         for req in reqs:
             req.decode_batch_idx += 1
         if self.result_side is not None:
@@ -725,7 +781,8 @@ class _Replay:
                 f"request {req.rid} finished after {len(req.output_ids)} of "
                 f"{len(live.output)} tokens ({req.finished_reason})"
             )
-        self.clock.time("release", live, self.sg.release_kv_cache, req, self.tree, checkpoint=True)
+        release = self.sg.release_kv_cache
+        self.clock.time("release", [live], release, req, self.tree, checkpoint=True)
         self.running.remove(live)
         self.per_request_ns.append(live.ns)
         self.per_request_alloc_ns.append(live.alloc_ns)
@@ -746,6 +803,8 @@ class _Replay:
             "per_request_ns": per,
             "per_request_alloc_ns": self.per_request_alloc_ns,
             "ops": self.clock.ops,
+            "alloc_ops": self.clock.alloc_ops,
+            "instrumentation": {"wrapped_calls": self.meter.calls, "wrap_ns": self.meter.wrap_ns},
             "leaks": self.leaks(),
         }
 

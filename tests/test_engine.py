@@ -350,7 +350,7 @@ def test_an_exception_between_take_and_the_end_of_a_batch_leaves_every_pool_whol
         if point == "submitted, then the engine raises":
             assert r.prefix_len == 4  # the copy had completed before the exception
         else:
-            # Failed copy-on-write: back to nothing reused (rule 10).
+            # Failed copy-on-write: back to nothing reused (docs/contract.md rule 10).
             assert (r.prefix_len, r.mamba_slot) == (0, None)
         c.abort(r)
     # Everything is back: evicting the tree frees every device and host slot.

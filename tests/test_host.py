@@ -1,4 +1,4 @@
-"""The host tier and load-back of API.md: backups (write-through and write-back),
+"""The host tier and load-back of docs/contract.md: backups (write-through and write-back),
 demotion, host eviction, and `load_back` with its guard (commit, complete, fail, every
 way of calling it off), and every error path leaving the cache exactly as it was."""
 

@@ -119,7 +119,7 @@ class Req:
     #: The path to the host_node its admission found (what load_back(request) loads), or
     #: None when there was none or a committed load cleared it.
     host_path: list[int] | None
-    #: The admission match on any tier (tokens[:branch_len]): rule 9's sequence.
+    #: The admission match on any tier (tokens[:branch_len]): docs/contract.md rule 9's sequence.
     admitted: list[int]
     copy: int | None = None  # admission copy batch, until acknowledged
     load: Guard | None = None  # a load-back of it, until released or acknowledged
@@ -243,7 +243,8 @@ class HostMachine(RuleBasedStateMachine):
 
     def refused(self, before: tuple[object, ...], held: tuple[int, ...], what: str) -> None:
         """A refused allocation took nothing. Under write-back it may have started to
-        demote (rule 11: the slots free when the backups complete), nothing else."""
+        demote (docs/contract.md rule 11: the slots free when the backups complete), nothing
+        else."""
         if snapshot(self.cache) == before:
             return
         assert self.policy == "write_back", f"a refused {what} changed the cache"
@@ -628,7 +629,8 @@ class HostMachine(RuleBasedStateMachine):
             h = r.handle
             assert h is not None
             assert view is not None
-            # Nothing changes for the request until commit (rule 8: its own slot stays).
+            # Nothing changes for the request until commit (docs/contract.md rule 8: its own
+            # slot stays).
             assert (ints(h.tokens), h.prefix_len, h.mamba_slot) == view
             assert h.load_pending == bid
             assert req_slot is None or req_slot != h.mamba_slot

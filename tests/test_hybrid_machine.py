@@ -314,7 +314,7 @@ class HybridMachine(RuleBasedStateMachine):
             h = req.handle
             assert h is not None
             view = (h.prefix_len, len(h.tokens), len(h.kv_indices), h.mamba_slot, h.copy_pending)
-            assert view == (0, 0, 0, None, None), "rule 10: back to nothing reused"
+            assert view == (0, 0, 0, None, None), "docs/contract.md rule 10: back to nothing reused"
             self.reset(req)
 
     # -------------------------------------------------------------------- rules

@@ -1,4 +1,4 @@
-"""The low-level KV API of API.md: every call, and every error path leaving the cache
+"""The low-level KV API of docs/contract.md: every call, and every error path leaving the cache
 exactly as it was."""
 
 from __future__ import annotations

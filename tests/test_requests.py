@@ -1,4 +1,4 @@
-"""The request level of API.md (admit, extend, checkpoint, finish, abort), transfer
+"""The request level of docs/contract.md (admit, extend, checkpoint, finish, abort), transfer
 batches, the Mamba state pool and state eviction: every path, and every error path
 leaving the cache exactly as it was."""
 
@@ -793,7 +793,7 @@ def test_abort_while_the_admission_copy_is_pending_drains_the_slot() -> None:
     r = admitted(c, [1, 2])
     b = one_batch(c)
     dst = r.mamba_slot
-    c.abort(r)  # allowed (rule 7): the copy may still write dst
+    c.abort(r)  # allowed (docs/contract.md rule 7): the copy may still write dst
     s = c.stats()
     assert (s["mamba_draining_slots"], s["mamba_free_slots"]) == (1, 0)
     # The source state is unlocked now: evicting it must not free it while the copy

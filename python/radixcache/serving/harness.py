@@ -130,7 +130,7 @@ def replay(
     """Serve `jobs` through the scheduler, the checksum model and a `TransferEngine`.
 
     Returns:
-        The report (the ``replay --json`` keys of docs/serving.md) and the timeline.
+        The report (the ``replay --json`` keys of docs/contract.md and more) and the timeline.
     """
     config = config or ReplayConfig()
     cache = config.cache()

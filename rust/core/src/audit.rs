@@ -1,8 +1,8 @@
 //! `audit()`: recomputes, from the tree, the requests, the load-backs and the batches
 //! alone, everything the cache keeps incrementally, and compares. The invariants are
-//! those of ARCHITECTURE.md §5: slot conservation per pool, device and host (1), tree
-//! shape (2), Mamba placement on each tier (3), locks and sizes (4), eviction sets,
-//! host included (5), host data and in-flight marks (6).
+//! those of docs/contract.md, "Invariants": slot conservation per pool, device and host
+//! (1), tree shape (2), Mamba placement on each tier (3), locks and sizes (4), eviction
+//! sets, host included (5), host data and in-flight marks (6).
 
 use std::collections::{BTreeSet, HashSet};
 
@@ -16,7 +16,7 @@ use crate::pool::{PageState, PoolCounts};
 use crate::tree::{Tree, NONE};
 
 impl Cache {
-    /// Checks every invariant of ARCHITECTURE.md §5 that applies (slot conservation,
+    /// Checks every invariant of docs/contract.md that applies (slot conservation,
     /// tree shape, lock counts and sizes, eviction candidates, host data, transfers in
     /// flight). Raises [`Error::Invariant`] naming the first broken one.
     pub fn audit(&self) -> Result<()> {

@@ -9,7 +9,8 @@
 //! * [`HybridCache`] shares a [`Cache`] between owners and gives owned handles
 //!   ([`Lock`], [`Request`], [`LoadBack`]) that give back what they hold when dropped.
 //!
-//! See `ARCHITECTURE.md` and `API.md` in the design folder for the contract.
+//! The contract (every promise, numbered rules and invariants) is docs/contract.md in
+//! the repository.
 
 mod audit;
 mod cache;

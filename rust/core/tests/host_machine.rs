@@ -42,7 +42,7 @@
 //!
 //! A call that takes nothing for itself (a refused `extend`, a called-off `load_back`)
 //! must leave the cache as it was too, except that under write-back the eviction it
-//! tried may have started backups (API rule 11).
+//! tried may have started backups (docs/contract.md rule 11).
 //!
 //! Each case ends by acknowledging every batch, calling off every uncommitted load,
 //! aborting every request and giving back every slot: the pools must then hold nothing
@@ -521,7 +521,7 @@ struct Frozen {
 
 impl Frozen {
     /// What a call that took nothing for itself must leave as it was. Under write-back
-    /// the eviction it tried may have started backups (API rule 11: the evicted slots
+    /// the eviction it tried may have started backups (docs/contract.md rule 11: the evicted slots
     /// are free only once those complete), so only the requests are compared then.
     fn after_refusal(mut self, write_back: bool) -> Frozen {
         self.stats.clear();

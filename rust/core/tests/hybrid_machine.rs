@@ -1584,7 +1584,7 @@ impl Machine {
                 if let Some(i) = self.m.req_index(req) {
                     let q = &mut self.m.reqs[i];
                     if q.cow == Some(id) {
-                        // API rule 10: back to nothing reused.
+                        // docs/contract.md rule 10: back to nothing reused.
                         q.cow = None;
                         q.tokens.clear();
                         q.prefix_len = 0;

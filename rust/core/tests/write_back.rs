@@ -1,4 +1,4 @@
-//! Write-back makes room in one round (API rule 11): whatever `alloc_kv(n)` a
+//! Write-back makes room in one round (docs/contract.md rule 11): whatever `alloc_kv(n)` a
 //! write-through cache grants at once, the same cache under write-back grants after one
 //! round of the backups its first `alloc_kv(n)` started, however long the chains of
 //! nodes that must go (a parent is chosen in the same pass as the children it waits for).

@@ -81,7 +81,7 @@ impl Cache {
     /// write-back, one without is backed up and marked *evicting*: it is demoted when
     /// the backup lands, and its parent, if that leaves it a leaf to be, becomes a
     /// candidate in the same pass, so one round of backups makes all the room the
-    /// eviction counted (API rule 11). A leaf to be is marked evicting too (backed up
+    /// eviction counted (docs/contract.md rule 11). A leaf to be is marked evicting too (backed up
     /// first if it needs it) and goes once its children have. Anything else is deleted
     /// with what is below it. Ancestors left as childless stateless unlocked leaves of a
     /// hybrid tree (unmatchable dead weight) go too. What is marked evicting counts as

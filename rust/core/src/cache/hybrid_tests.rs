@@ -271,7 +271,7 @@ fn kv_eviction_of_a_leaf_takes_its_state() {
 
 #[test]
 fn state_of_a_kv_locked_leaf_is_tombstoned_and_the_node_kept() {
-    // API rule 12. A receipt taken while the leaf had no state locks its KV only; the
+    // docs/contract.md rule 12. A receipt taken while the leaf had no state locks its KV only; the
     // state placed afterwards is unlocked and evictable.
     let mut c = hybrid(64, 1, 4);
     let got = c.alloc_kv(2).unwrap().unwrap();

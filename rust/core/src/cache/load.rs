@@ -390,7 +390,7 @@ impl Cache {
         None
     }
 
-    /// API rule 9, and no other copy of the request's pending.
+    /// docs/contract.md rule 9, and no other copy of the request's pending.
     fn check_load_request(&self, r: RequestId, node: Option<u32>) -> Result<()> {
         self.refuse_while_copying(r, "load back for")?;
         let rs = self.request_ref(r)?;

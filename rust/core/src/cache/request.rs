@@ -37,7 +37,7 @@ pub(crate) struct RequestState {
     pub host_node: Option<NodeId>,
     /// The admission match on any tier (`Match.kv_len` tokens) is `tokens[..admitted_from]`
     /// then `admitted_tail`: a load-back for the request may only load a prefix of it
-    /// (API rule 9). Only the tokens past the device match are copied a second time.
+    /// (docs/contract.md rule 9). Only the tokens past the device match are copied a second time.
     pub admitted_from: usize,
     pub admitted_tail: Vec<u32>,
     /// A load-back for this request: its guard is outstanding, or it was committed and
@@ -226,7 +226,8 @@ impl Cache {
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
         let wants_state = self.is_hybrid() && r.mamba.is_none();
         // Both checked before anything is evicted, so a refusal costs the cache nothing
-        // (under write-back, an eviction that did run may have started backups: rule 11).
+        // (under write-back, an eviction that did run may have started backups:
+        // docs/contract.md rule 11).
         // The state first: evicting one never lowers free + evictable KV, so the KV
         // allocation that follows succeeds.
         if !self.kv_available(need) || (wants_state && !self.states_available(1)) {
@@ -549,8 +550,8 @@ impl Cache {
         }
         r.cow = None;
         r.epoch += 1;
-        // The admitted sequence stays what it was (rule 9 still refers to it): its head
-        // moves from the tokens, which the request no longer holds, to the tail.
+        // The admitted sequence stays what it was (docs/contract.md rule 9 still refers to
+        // it): its head moves from the tokens, which the request no longer holds, to the tail.
         let mut admitted = std::mem::take(&mut r.tokens);
         admitted.truncate(r.admitted_from);
         admitted.append(&mut r.admitted_tail);
