@@ -267,7 +267,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (0usize..8).prop_map(|which| Step::Finish { which }),
         1 => (0usize..8).prop_map(|which| Step::Abort { which }),
         2 => op().prop_map(Step::Insert),
-        1 => (1usize..3).prop_map(|n| Step::EvictStates { n }),
+        2 => (1usize..3).prop_map(|n| Step::EvictStates { n }),
     ]
 }
 

@@ -110,12 +110,11 @@ impl Cache {
                 return StateRoom::Coming;
             }
         }
-        match self.pools.mamba.try_alloc(1) {
-            Some(s) => StateRoom::Now(s),
-            None => {
-                self.stats.mamba_alloc_failures += 1;
-                StateRoom::No
-            }
+        if let Some(s) = self.pools.mamba.try_alloc(1) {
+            StateRoom::Now(s)
+        } else {
+            self.stats.mamba_alloc_failures += 1;
+            StateRoom::No
         }
     }
 

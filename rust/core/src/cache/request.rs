@@ -12,9 +12,9 @@ use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
 use crate::slab::Slab;
 
+use super::alloc::StateRoom;
 use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
-use super::alloc::StateRoom;
 use super::Cache;
 
 pub(crate) struct RequestState {
