@@ -64,14 +64,19 @@ impl Shared {
     }
 
     /// Marks the cache broken when its pools recorded an illegal page transition.
+    #[inline]
     fn check_fault(&mut self) -> Result<()> {
-        match self.cache.fault() {
-            None => Ok(()),
-            Some(why) => {
-                self.broken = Some(why.clone());
-                Err(Error::Broken(why))
-            }
+        if self.cache.faulted() {
+            return Err(self.break_on_fault());
         }
+        Ok(())
+    }
+
+    #[cold]
+    fn break_on_fault(&mut self) -> Error {
+        let why = self.cache.fault().unwrap_or_default();
+        self.broken = Some(why.clone());
+        Error::Broken(why)
     }
 
     /// Runs `f` for a handle being dropped: nothing when the cache is broken (what the

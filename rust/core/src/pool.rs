@@ -78,6 +78,12 @@ impl Fault {
         self.set.store(true, Ordering::Release);
     }
 
+    /// Whether a fault was recorded (one atomic load: checked around every call).
+    #[inline]
+    pub(crate) fn is_set(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
     /// The first fault recorded, if any.
     fn get(&self) -> Option<String> {
         if !self.set.load(Ordering::Acquire) {

@@ -98,6 +98,8 @@ pub struct Cache {
     pub(crate) batches: batch::Batches,
     pub(crate) loads: load::Loads,
     pub(crate) stats: Stats,
+    /// Where the pools record an illegal page transition (shared by the four).
+    fault: Arc<Fault>,
     /// The node holding each device state slot (`NONE`, or past the end: not in the
     /// tree). Grows with the slots used, like the pools' books.
     pub(crate) state_nodes: Vec<u32>,
@@ -142,6 +144,7 @@ impl Cache {
             batches: batch::Batches::default(),
             loads: load::Loads::default(),
             stats: Stats::default(),
+            fault,
             state_nodes: Vec::new(),
             probe: Probe::default(),
         })
@@ -182,6 +185,12 @@ impl Cache {
     /// with [`crate::Error::Broken`], and `audit()` fails.
     pub fn fault(&self) -> Option<String> {
         self.pools.kv.fault()
+    }
+
+    /// Whether [`Cache::fault`] has anything to say (one atomic load).
+    #[inline]
+    pub(crate) fn faulted(&self) -> bool {
+        self.fault.is_set()
     }
 
     /// True when the model has Mamba layers (`mamba_slots > 0`): matches are then cut
