@@ -36,45 +36,41 @@ struct Shared {
 impl Shared {
     /// Runs `f` on the cache unless it is broken; a panic in `f` breaks it, and so does
     /// an illegal page transition (recorded by the pools, during `f` or since the last
-    /// call: a [`crate::Pages`] value may drop anywhere).
+    /// call: a [`crate::Pages`] value may drop anywhere). The pools refuse such a
+    /// transition, so their books hold; what `f` returned is dropped, since it may
+    /// describe a change half done, and every later call fails.
     fn enter<R>(&mut self, f: impl FnOnce(&mut Cache) -> R) -> Result<R> {
         if let Some(why) = &self.broken {
             return Err(Error::Broken(why.clone()));
         }
-        self.check_fault()?;
         let cache = &mut self.cache;
         let out = catch_unwind(AssertUnwindSafe(|| {
             cache.reap();
             f(cache)
         }));
-        let out = out.map_err(|payload| {
-            let why = match payload.downcast_ref::<&str>() {
-                Some(s) => (*s).to_owned(),
-                None => payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .unwrap_or_else(|| "a panic".to_owned()),
-            };
-            self.broken = Some(why.clone());
-            Error::Broken(why)
-        })?;
-        // What `f` returned is dropped on a fault: it may describe a change half done.
-        self.check_fault()?;
-        Ok(out)
-    }
-
-    /// Marks the cache broken when its pools recorded an illegal page transition.
-    #[inline]
-    fn check_fault(&mut self) -> Result<()> {
-        if self.cache.faulted() {
-            return Err(self.break_on_fault());
+        match out {
+            Ok(r) if !self.cache.faulted() => Ok(r),
+            Ok(_) => Err(self.break_on_fault()),
+            Err(payload) => Err(self.break_on_panic(payload.as_ref())),
         }
-        Ok(())
     }
 
     #[cold]
     fn break_on_fault(&mut self) -> Error {
         let why = self.cache.fault().unwrap_or_default();
+        self.broken = Some(why.clone());
+        Error::Broken(why)
+    }
+
+    #[cold]
+    fn break_on_panic(&mut self, payload: &(dyn std::any::Any + Send)) -> Error {
+        let why = match payload.downcast_ref::<&str>() {
+            Some(s) => (*s).to_owned(),
+            None => payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_else(|| "a panic".to_owned()),
+        };
         self.broken = Some(why.clone());
         Error::Broken(why)
     }
