@@ -78,7 +78,7 @@ impl Fault {
         self.set.store(true, Ordering::Release);
     }
 
-    /// Whether a fault was recorded (one atomic load: checked around every call).
+    /// Whether a fault was recorded (one atomic load: checked after every call).
     #[inline]
     pub(crate) fn is_set(&self) -> bool {
         self.set.load(Ordering::Acquire)
