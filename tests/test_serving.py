@@ -396,6 +396,31 @@ def test_running_requests_are_capped_by_the_state_slots() -> None:
     assert model.mismatches == 0
 
 
+def test_write_back_makes_the_room_an_extend_asks_for_in_one_round_with_states_too() -> None:
+    """Shared prompts and long chats on a write-back hybrid cache short of state slots.
+
+    An ``extend`` refused is retried after running every batch the cache emitted; it used
+    to be refused again now and then (the state slot it needed came with a backup, and
+    the KV evictions it also needed were started only by the retry), then served after
+    a second round.
+    """
+    cfg = sv.ReplayConfig(
+        kv_slots=40_000,
+        mamba_slots=32,
+        host_kv_slots=200_000,
+        host_mamba_slots=256,
+        write_policy="write_back",
+    )
+    cache = cfg.cache()
+    sched = cfg.scheduler(cache, sv.InstantEngine(cache), None)
+    sched.add(sv.mixed(500))
+    c = sched.run()
+    assert c.finished == 500
+    assert cache.stats()["backups_done"] > 0  # write-back did evict through backups
+    assert c.extend_second_rounds == 0
+    cache.audit()
+
+
 def test_a_request_too_big_for_the_pool_is_rejected_and_the_rest_served() -> None:
     jobs = jobs_of([1] * 100, [2] * 5000, [3] * 100)
     cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0)

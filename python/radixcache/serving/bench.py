@@ -222,10 +222,11 @@ class TimedEngine:
 class _BenchScheduler(Scheduler):
     """Closes each finished request's account once the batches it emitted have run."""
 
-    def _run_batches(self) -> None:
-        super()._run_batches()
+    def _run_batches(self) -> int:
+        ran = super()._run_batches()
         assert isinstance(self.cache, TimedCache)
         self.cache.close_finished()
+        return ran
 
 
 def _rss_kb() -> int:

@@ -208,6 +208,7 @@ def report(
         "evicted_used_states": s["evicted_used_states"],
         "host_evicted_tokens": s["host_evicted_tokens"],
         "retractions": c.retractions,
+        "extend_second_rounds": c.extend_second_rounds,
         "rejected": c.rejected,
         "batches_failed": e["batches_failed"],
         "batches_refused": c.batches_refused,

@@ -219,6 +219,10 @@ class Counters:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     retractions: int = 0
+    #: ``extend`` calls refused after one round of the batches the cache emitted that a
+    #: second round served: one round is always enough (docs/contract.md rule 11), so
+    #: anything but 0 is a bug of the cache.
+    extend_second_rounds: int = 0
     rejected: int = 0
     load_backs_refused: int = 0
     batches_refused: int = 0
@@ -532,6 +536,10 @@ class Scheduler:
         if slots is None:
             self._run_batches()  # under write-back, slots free when backups complete
             slots = cache.extend(live.req, toks)
+            if slots is None and self._run_batches():
+                slots = cache.extend(live.req, toks)
+                if slots is not None:
+                    self.counters.extend_second_rounds += 1
         while slots is None:
             victims = [r for r in self.running if r is not live]
             if not victims:
@@ -578,9 +586,12 @@ class Scheduler:
         c.device_hit_tokens += live.device_hit
         c.host_hit_tokens += live.host_hit
 
-    def _run_batches(self) -> None:
-        for batch in self.cache.take_batches():
+    def _run_batches(self) -> int:
+        """Run every batch the cache emitted; returns how many."""
+        batches = self.cache.take_batches()
+        for batch in batches:
             self._run(batch)
+        return len(batches)
 
     def _run(self, batch: TransferBatch) -> None:
         try:

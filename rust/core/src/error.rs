@@ -31,8 +31,9 @@ pub enum Error {
     /// `audit()` found a broken invariant (Python: `InvariantError`).
     #[error("invariant broken: {0}")]
     Invariant(String),
-    /// A panic (a bug in radixcache) interrupted a change, which may be half done: the
-    /// cache refuses every call from then on (Python: `CacheError`).
+    /// A panic or an illegal page transition (a bug in radixcache) interrupted a change,
+    /// which may be half done: the cache refuses every call from then on (Python:
+    /// `CacheError`).
     #[error(
         "the cache is broken: an internal error ({0}) interrupted a change, so it can no \
          longer be used; build a new cache (and please report the error)"

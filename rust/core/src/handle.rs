@@ -11,7 +11,8 @@
 //!
 //! Every call runs through [`HybridCache::with`]: a panic inside the core (a bug) is
 //! caught there, and the cache is marked broken, since the change it interrupted may be
-//! half done. Every later call then fails with [`Error::Broken`]; dropping handles stays
+//! half done; so is an illegal page transition the pools refused (also a bug, see
+//! [`crate::Pool::fault`]). Every later call then fails with [`Error::Broken`]; dropping handles stays
 //! safe (they give back nothing to a broken cache).
 
 use std::fmt;
@@ -33,7 +34,11 @@ struct Shared {
 }
 
 impl Shared {
-    /// Runs `f` on the cache unless it is broken; a panic in `f` breaks it.
+    /// Runs `f` on the cache unless it is broken; a panic in `f` breaks it, and so does
+    /// an illegal page transition (recorded by the pools, during `f` or since the last
+    /// call: a [`crate::Pages`] value may drop anywhere). The pools refuse such a
+    /// transition, so their books hold; what `f` returned is dropped, since it may
+    /// describe a change half done, and every later call fails.
     fn enter<R>(&mut self, f: impl FnOnce(&mut Cache) -> R) -> Result<R> {
         if let Some(why) = &self.broken {
             return Err(Error::Broken(why.clone()));
@@ -43,17 +48,31 @@ impl Shared {
             cache.reap();
             f(cache)
         }));
-        out.map_err(|payload| {
-            let why = match payload.downcast_ref::<&str>() {
-                Some(s) => (*s).to_owned(),
-                None => payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .unwrap_or_else(|| "a panic".to_owned()),
-            };
-            self.broken = Some(why.clone());
-            Error::Broken(why)
-        })
+        match out {
+            Ok(r) if !self.cache.faulted() => Ok(r),
+            Ok(_) => Err(self.break_on_fault()),
+            Err(payload) => Err(self.break_on_panic(payload.as_ref())),
+        }
+    }
+
+    #[cold]
+    fn break_on_fault(&mut self) -> Error {
+        let why = self.cache.fault().unwrap_or_default();
+        self.broken = Some(why.clone());
+        Error::Broken(why)
+    }
+
+    #[cold]
+    fn break_on_panic(&mut self, payload: &(dyn std::any::Any + Send)) -> Error {
+        let why = match payload.downcast_ref::<&str>() {
+            Some(s) => (*s).to_owned(),
+            None => payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_else(|| "a panic".to_owned()),
+        };
+        self.broken = Some(why.clone());
+        Error::Broken(why)
     }
 
     /// Runs `f` for a handle being dropped: nothing when the cache is broken (what the
@@ -115,9 +134,11 @@ impl HybridCache {
         }
     }
 
-    /// Why the cache is broken, if a panic broke it.
+    /// Why the cache is broken, if a panic or an illegal page transition broke it (the
+    /// latter is reported from the next call on).
     pub fn broken(&self) -> Option<String> {
-        self.core.lock().broken.clone()
+        let core = self.core.lock();
+        core.broken.clone().or_else(|| core.cache.fault())
     }
 
     /// True when both handles share one cache.
@@ -597,6 +618,42 @@ mod tests {
             (0, 2)
         );
         c.call(|core| core.audit()).unwrap();
+    }
+
+    #[test]
+    fn an_illegal_page_transition_in_a_call_breaks_the_cache_and_every_later_call_says_so() {
+        let c = cache();
+        let node = cached(&c, &[1, 2]);
+        // A double unpin, as a bug in the batch code would make it.
+        let err = c
+            .with(|core| {
+                core.pools.kv.pin(&[0]);
+                core.pools.kv.unpin(&[0]);
+                core.pools.kv.unpin(&[0]);
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Broken(why) if why.contains("unpinned more often")),
+            "{err}"
+        );
+        assert!(c.broken().is_some());
+        assert!(matches!(c.lock(node), Err(Error::Broken(_))));
+        assert!(matches!(c.admit(None, &[1, 2, 3]), Err(Error::Broken(_))));
+    }
+
+    #[test]
+    fn an_illegal_page_transition_outside_any_call_breaks_the_cache_at_the_next_call() {
+        let c = cache();
+        let node = cached(&c, &[1, 2]);
+        let pool = c.with(|core| core.kv_pool().clone()).unwrap();
+        // Pages may be given back anywhere (a finaliser): a bug there is caught too.
+        pool.release_tree(&[9]);
+        assert!(c.broken().unwrap().contains("page 9 (Tree to Free)"));
+        assert!(matches!(c.lock(node), Err(Error::Broken(_))));
+        assert!(matches!(
+            c.with(|core| core.available_kv()),
+            Err(Error::Broken(_))
+        ));
     }
 
     #[test]

@@ -11,8 +11,16 @@
 //! owns them by contract and gives them back with `free_kv` or `insert`), or dropped,
 //! which returns the pages to the free list. Nothing is "allocated, then hopefully
 //! freed later".
+//!
+//! Every change of a page's state or pins is checked, in release builds too: a change
+//! the books do not allow (a page moved from a state it is not in, freed twice, unpinned
+//! more often than pinned, a page of another pool) can only come from a bug, and it is
+//! not made. It is recorded as the pool's [`Pool::fault`] instead (shared by the pools of
+//! one cache), and the cache reports itself broken from then on ([`Error::Broken`]):
+//! loudly, rather than serving a slot that the books no longer describe.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -49,6 +57,40 @@ pub struct PoolCounts {
     pub tree: usize,
     /// Pages given back while pinned by a transfer, free once it ends.
     pub draining: usize,
+}
+
+/// The first illegal page transition seen by the pools that share it (those of one
+/// cache). Recording never blocks for long and never panics: it may run in a `Drop`.
+#[derive(Default)]
+pub(crate) struct Fault {
+    /// Set once something is recorded: checking costs one atomic load.
+    set: AtomicBool,
+    why: Mutex<Option<String>>,
+}
+
+impl Fault {
+    /// Records `why`, unless an earlier fault was recorded (the first one is kept).
+    fn record(&self, why: String) {
+        let mut first = self.why.lock();
+        if first.is_none() {
+            *first = Some(why);
+        }
+        self.set.store(true, Ordering::Release);
+    }
+
+    /// Whether a fault was recorded (one atomic load: checked after every call).
+    #[inline]
+    pub(crate) fn is_set(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
+    /// The first fault recorded, if any.
+    fn get(&self) -> Option<String> {
+        if !self.set.load(Ordering::Acquire) {
+            return None;
+        }
+        self.why.lock().clone()
+    }
 }
 
 impl PoolCounts {
@@ -94,37 +136,130 @@ impl PoolInner {
         }
     }
 
-    fn set(&mut self, page: u32, to: PageState) {
-        let from = std::mem::replace(&mut self.state[page as usize], to);
-        *self.counts.slot(from) -= 1;
-        *self.counts.slot(to) += 1;
+    /// Moves page `page` (in state `from`, checked by the caller) to `to`.
+    fn set(&mut self, page: u32, from: PageState, to: PageState) {
+        if let Some(s) = self.state.get_mut(page as usize) {
+            *s = to;
+            *self.counts.slot(from) -= 1;
+            *self.counts.slot(to) += 1;
+        }
     }
 
-    /// Moves pages that are all in state `from` to `to`, updating the counts once.
-    fn move_all(&mut self, pages: &[u32], from: PageState, to: PageState) {
-        for &p in pages {
-            debug_assert_eq!(self.state[p as usize], from);
-            self.state[p as usize] = to;
+    /// Moves pages that are all in state `from` to `to`, updating the counts once. A page
+    /// in another state (or out of the books, or listed twice) is an illegal transition:
+    /// then nothing moves, and the error describes the page.
+    fn move_all(&mut self, pages: &[u32], from: PageState, to: PageState) -> Checked {
+        for (k, &p) in pages.iter().enumerate() {
+            match self.state.get_mut(p as usize) {
+                Some(s) if *s == from => *s = to,
+                found => {
+                    let found = found.map(|s| *s);
+                    for &q in &pages[..k] {
+                        if let Some(s) = self.state.get_mut(q as usize) {
+                            *s = from;
+                        }
+                    }
+                    return Err(Illegal::State {
+                        page: p,
+                        found,
+                        from,
+                        to,
+                    });
+                }
+            }
         }
         *self.counts.slot(from) -= pages.len();
         *self.counts.slot(to) += pages.len();
+        Ok(())
     }
 
-    /// Frees pages that are all in state `from` (pinned ones start draining instead).
-    fn free_all(&mut self, pages: &[u32], from: PageState) {
+    /// Frees pages that are all in state `from` (pinned ones start draining instead). A
+    /// page in another state (or listed twice) is an illegal transition: it is left as
+    /// it is, the others are freed, and the error describes the first such page.
+    fn free_all(&mut self, pages: &[u32], from: PageState) -> Checked {
+        let mut illegal = Ok(());
         for &p in pages {
-            debug_assert_eq!(self.state[p as usize], from);
-            self.free_one(p);
+            let found = self.state.get(p as usize).copied();
+            if found == Some(from) {
+                self.free_one(p, from);
+            } else if illegal.is_ok() {
+                illegal = Err(Illegal::State {
+                    page: p,
+                    found,
+                    from,
+                    to: PageState::Free,
+                });
+            }
+        }
+        illegal
+    }
+
+    /// Frees page `p` (in state `from`), or marks it draining while a transfer still pins
+    /// it.
+    fn free_one(&mut self, p: u32, from: PageState) {
+        if self.pins.get(p as usize).is_some_and(|&pins| pins > 0) {
+            self.set(p, from, PageState::Draining);
+        } else {
+            self.set(p, from, PageState::Free);
+            self.free.push(p);
         }
     }
+}
 
-    /// Frees one page, or marks it draining while a transfer still pins it.
-    fn free_one(&mut self, p: u32) {
-        if self.pins[p as usize] > 0 {
-            self.set(p, PageState::Draining);
-        } else {
-            self.set(p, PageState::Free);
-            self.free.push(p);
+/// Whether a change was legal (`Err`: not made, and why).
+type Checked = std::result::Result<(), Illegal>;
+
+/// A change of a page that the books do not allow (a bug of radixcache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Illegal {
+    /// Page `page` was to move from `from` to `to` but is in state `found` (`None`: it
+    /// is out of the books).
+    State {
+        page: u32,
+        found: Option<PageState>,
+        from: PageState,
+        to: PageState,
+    },
+    /// A transfer pinned page `page`, which is free (or out of the books).
+    PinFree { page: u32 },
+    /// A transfer unpinned page `page`, which no transfer pins (an unpin twice).
+    Unpin { page: u32 },
+    /// Pages of another pool were appended to pages of this one.
+    ForeignPages { page: u32 },
+}
+
+impl Illegal {
+    fn describe(self, pool: &str) -> String {
+        match self {
+            Illegal::State {
+                page,
+                found: Some(found),
+                from,
+                to,
+            } => format!(
+                "illegal page transition in {pool}: page {page} is {found:?}, not {from:?}, \
+                 so it cannot become {to:?}"
+            ),
+            Illegal::State {
+                page,
+                found: None,
+                from,
+                to,
+            } => format!(
+                "illegal page transition in {pool}: page {page} ({from:?} to {to:?}) was \
+                 never handed out"
+            ),
+            Illegal::PinFree { page } => {
+                format!("illegal page transition in {pool}: page {page} is pinned but free")
+            }
+            Illegal::Unpin { page } => format!(
+                "illegal page transition in {pool}: page {page} is unpinned more often than \
+                 it was pinned"
+            ),
+            Illegal::ForeignPages { page } => format!(
+                "illegal page transition in {pool}: page {page} of another pool was added to \
+                 its pages"
+            ),
         }
     }
 }
@@ -134,6 +269,8 @@ struct PoolShared {
     page_size: usize,
     pages: usize,
     inner: Mutex<PoolInner>,
+    /// Where an illegal transition is recorded (shared by the pools of one cache).
+    fault: Arc<Fault>,
 }
 
 /// A pool of slots allocated in pages. Cloning the handle shares the pool.
@@ -162,6 +299,17 @@ impl Pool {
     /// A pool of `slots` slots in pages of `page_size`. `name` is the argument that
     /// configured it, used in error messages (`"kv_slots"`, `"mamba_slots"`, ...).
     pub fn new(name: &'static str, slots: usize, page_size: usize) -> Result<Pool> {
+        Pool::with_fault(name, slots, page_size, Arc::default())
+    }
+
+    /// [`Pool::new`] recording illegal transitions in `fault` (the cache's pools share
+    /// one, so that checking it once covers them all).
+    pub(crate) fn with_fault(
+        name: &'static str,
+        slots: usize,
+        page_size: usize,
+        fault: Arc<Fault>,
+    ) -> Result<Pool> {
         if page_size == 0 {
             return Err(Error::arg("page_size", "must be at least 1"));
         }
@@ -190,6 +338,7 @@ impl Pool {
                 page_size,
                 pages,
                 inner: Mutex::new(inner),
+                fault,
             }),
         })
     }
@@ -217,6 +366,25 @@ impl Pool {
     /// The state of one page (`None` when out of range).
     pub fn state(&self, page: u32) -> Option<PageState> {
         self.shared.inner.lock().get(page, self.shared.pages)
+    }
+
+    /// The first illegal page transition seen by this pool (or by another pool of its
+    /// cache), if any: a bug of radixcache, which leaves the cache unusable.
+    pub fn fault(&self) -> Option<String> {
+        self.shared.fault.get()
+    }
+
+    /// Records an illegal change the cache found itself (of a node's state, say): the
+    /// cache is then broken as for an illegal page transition.
+    pub(crate) fn record_fault(&self, why: String) {
+        self.shared.fault.record(why);
+    }
+
+    /// Records an illegal transition (see the module's documentation).
+    fn illegal(&self, outcome: Checked) {
+        if let Err(illegal) = outcome {
+            self.shared.fault.record(illegal.describe(self.shared.name));
+        }
     }
 
     /// True when both handles share one pool.
@@ -249,8 +417,13 @@ impl Pool {
         pages.extend((used..used + fresh).map(index_u32));
         inner.state.resize(used + fresh, PageState::Free);
         inner.pins.resize(used + fresh, 0);
-        inner.move_all(&pages, PageState::Free, PageState::Owned);
+        let moved = inner.move_all(&pages, PageState::Free, PageState::Owned);
         drop(inner);
+        if moved.is_err() {
+            // The free list held a page that is not free: none of it is handed out.
+            self.illegal(moved);
+            return None;
+        }
         Some(Pages {
             pool: self.clone(),
             pages,
@@ -311,8 +484,8 @@ impl Pool {
         let mut freed = 0;
         for &p in pages {
             // A page listed twice is no longer the caller's by its second mention.
-            if inner.state[p as usize] == PageState::Caller {
-                inner.free_one(p);
+            if inner.get(p, self.shared.pages) == Some(PageState::Caller) {
+                inner.free_one(p, PageState::Caller);
                 freed += 1;
             }
         }
@@ -322,31 +495,47 @@ impl Pool {
     /// Frees pages the tree owned (eviction). Crate-internal: the tree is the only owner
     /// that frees by raw index, and `audit()` checks it never frees what it does not own.
     pub(crate) fn release_tree(&self, pages: &[u32]) {
-        self.shared.inner.lock().free_all(pages, PageState::Tree);
+        let freed = self.shared.inner.lock().free_all(pages, PageState::Tree);
+        self.illegal(freed);
     }
 
     /// Pins pages for a transfer that may read or write them: until [`Pool::unpin`], none
-    /// of them can reach the free list, whoever gives them back meanwhile.
+    /// of them can reach the free list, whoever gives them back meanwhile. A free page
+    /// is an illegal transition: it is not pinned.
     pub(crate) fn pin(&self, pages: &[u32]) {
         let mut inner = self.shared.inner.lock();
+        let mut illegal = Ok(());
         for &p in pages {
-            debug_assert_ne!(inner.state[p as usize], PageState::Free);
-            inner.pins[p as usize] += 1;
+            let i = p as usize;
+            let held = inner.state.get(i).is_some_and(|&s| s != PageState::Free);
+            match inner.pins.get_mut(i) {
+                Some(pins) if held => *pins = pins.saturating_add(1),
+                _ => illegal = illegal.and(Err(Illegal::PinFree { page: p })),
+            }
         }
+        drop(inner);
+        self.illegal(illegal);
     }
 
-    /// Drops a transfer's pins; a page that was given back meanwhile becomes free now.
+    /// Drops a transfer's pins; a page that was given back meanwhile becomes free now. A
+    /// page no transfer pins is an illegal transition (an unpin twice): it is left as it
+    /// is.
     pub(crate) fn unpin(&self, pages: &[u32]) {
         let mut inner = self.shared.inner.lock();
+        let mut illegal = Ok(());
         for &p in pages {
-            let pins = &mut inner.pins[p as usize];
-            debug_assert!(*pins > 0);
-            *pins = pins.saturating_sub(1);
-            if *pins == 0 && inner.state[p as usize] == PageState::Draining {
-                inner.set(p, PageState::Free);
+            let Some(pins) = inner.pins.get_mut(p as usize).filter(|pins| **pins > 0) else {
+                illegal = illegal.and(Err(Illegal::Unpin { page: p }));
+                continue;
+            };
+            *pins -= 1;
+            if *pins == 0 && inner.state.get(p as usize) == Some(&PageState::Draining) {
+                inner.set(p, PageState::Draining, PageState::Free);
                 inner.free.push(p);
             }
         }
+        drop(inner);
+        self.illegal(illegal);
     }
 
     /// Pins on every page (audit).
@@ -391,10 +580,13 @@ impl Pool {
         }
     }
 
-    /// Checks the pool's own bookkeeping: the free list holds exactly the free pages that
-    /// were used before, once each (the others were never used), and the counts match
-    /// the states.
+    /// Checks the pool's own bookkeeping: no illegal transition was recorded, the free
+    /// list holds exactly the free pages that were used before, once each (the others
+    /// were never used), and the counts match the states.
     pub(crate) fn audit(&self) -> Result<PoolCounts> {
+        if let Some(why) = self.fault() {
+            return Err(Error::Invariant(why));
+        }
         let inner = self.shared.inner.lock();
         let name = self.shared.name;
         let mut counts = PoolCounts::default();
@@ -451,8 +643,17 @@ impl Pool {
         states
     }
 
+    /// Moves pages from `from` to `to` (none of them, the fault recorded, when one is not
+    /// in `from`).
     fn transition(&self, pages: &[u32], from: PageState, to: PageState) {
-        self.shared.inner.lock().move_all(pages, from, to);
+        let moved = self.shared.inner.lock().move_all(pages, from, to);
+        self.illegal(moved);
+    }
+
+    /// Frees pages that are all in state `from`, recording an illegal transition.
+    fn free_all(&self, pages: &[u32], from: PageState) {
+        let freed = self.shared.inner.lock().free_all(pages, from);
+        self.illegal(freed);
     }
 }
 
@@ -495,9 +696,16 @@ impl Pages {
         &self.pool
     }
 
-    /// Moves the pages of `other` (same pool) into `self`.
+    /// Moves the pages of `other` (same pool) into `self`. Pages of another pool are an
+    /// illegal transition: they stay with `other`, which gives them back to their pool
+    /// as it drops.
     pub fn append(&mut self, mut other: Pages) {
-        debug_assert!(self.pool.same_pool(&other.pool));
+        if !self.pool.same_pool(&other.pool) {
+            if let Some(&page) = other.pages.first() {
+                self.pool.illegal(Err(Illegal::ForeignPages { page }));
+            }
+            return;
+        }
         self.pages.append(&mut other.pages);
     }
 
@@ -573,9 +781,6 @@ impl Drop for PageRun {
     fn drop(&mut self) {
         if self.next < self.pages.len() {
             self.pool
-                .shared
-                .inner
-                .lock()
                 .free_all(&self.pages[self.next..], PageState::Owned);
         }
         self.pages.clear();
@@ -587,11 +792,7 @@ impl Drop for Pages {
         if self.pages.is_empty() {
             return;
         }
-        self.pool
-            .shared
-            .inner
-            .lock()
-            .free_all(&self.pages, PageState::Owned);
+        self.pool.free_all(&self.pages, PageState::Owned);
         self.pages.clear();
     }
 }
@@ -748,6 +949,159 @@ mod tests {
         drop((a, b, c, run));
         assert_eq!(p.counts().free, 8);
         p.audit().unwrap();
+    }
+
+    /// The fault a pool recorded, after checking that audit reports it too.
+    fn fault_of(p: &Pool) -> String {
+        let why = p.fault().expect("an illegal transition is recorded");
+        assert!(
+            matches!(p.audit(), Err(Error::Invariant(w)) if w == why),
+            "audit reports the fault"
+        );
+        why
+    }
+
+    /// Pages `pages` of `p`, as a value the pool never handed out (what a bug would hold).
+    fn forged(p: &Pool, pages: &[u32]) -> Pages {
+        Pages {
+            pool: p.clone(),
+            pages: pages.to_vec(),
+        }
+    }
+
+    #[test]
+    fn publishing_pages_that_are_not_owned_moves_nothing_and_records_the_fault() {
+        let p = pool(8, 1);
+        let held = p.try_alloc(2).unwrap();
+        let caller = p.try_alloc(1).unwrap().into_caller();
+        let before = p.counts();
+        // An owned page, then the caller's: the first is moved back, nothing changes.
+        let pages = forged(&p, &[held.pages()[0], caller[0]]).into_tree();
+        assert_eq!(pages.len(), 2);
+        assert_eq!(p.counts(), before);
+        assert_eq!(p.state(held.pages()[0]), Some(PageState::Owned));
+        assert!(fault_of(&p).contains("page 2 is Caller, not Owned"));
+        // A page never handed out, and a page listed twice.
+        let q = pool(8, 1);
+        let _ = forged(&q, &[7]).into_caller();
+        assert!(fault_of(&q).contains("page 7 (Owned to Caller) was never handed out"));
+        let r = pool(8, 1);
+        let one = r.try_alloc(1).unwrap();
+        let before = r.counts();
+        let _ = forged(&r, &[one.pages()[0], one.pages()[0]]).into_tree();
+        assert_eq!(r.counts(), before);
+        assert_eq!(
+            r.state(0),
+            Some(PageState::Owned),
+            "the first mention moved back"
+        );
+        assert!(fault_of(&r).contains("page 0 is Tree, not Owned"));
+        drop(one);
+        assert_eq!(r.counts().free, 8);
+        drop(held);
+    }
+
+    #[test]
+    fn freeing_pages_in_another_state_frees_only_the_legal_ones_and_records_the_fault() {
+        let p = pool(8, 1);
+        let tree = p.try_alloc(2).unwrap().into_tree();
+        let owned = p.try_alloc(1).unwrap();
+        // The tree gives back its pages and, by mistake, a page a request holds.
+        p.release_tree(&[tree[0], owned.pages()[0], tree[1]]);
+        let counts = p.counts();
+        assert_eq!((counts.free, counts.owned, counts.tree), (7, 1, 0));
+        assert!(fault_of(&p).contains("page 2 is Owned, not Tree"));
+        // A double free leaves the free list as it was (each page on it once).
+        let twice = pool(8, 1);
+        let freed = twice.try_alloc(1).unwrap().into_tree();
+        twice.release_tree(&freed);
+        twice.release_tree(&freed);
+        assert_eq!(twice.shared.inner.lock().free, vec![0]);
+        assert!(fault_of(&twice).contains("page 0 is Free, not Tree"));
+        // Owned pages listed twice, dropped: the page is freed once.
+        let listed = pool(8, 1);
+        let page = listed.try_alloc(1).unwrap().into_caller()[0];
+        drop(listed.claim_caller(&[page], "indices").map(|mut a| {
+            a.pages.push(page);
+            a
+        }));
+        assert_eq!(listed.shared.inner.lock().free, vec![0]);
+        assert!(fault_of(&listed).contains("page 0 is Free, not Owned"));
+        // Out of the books.
+        let out = pool(8, 1);
+        out.release_tree(&[99]);
+        assert!(fault_of(&out).contains("page 99 (Tree to Free) was never handed out"));
+        drop(owned);
+    }
+
+    #[test]
+    fn pinning_a_free_page_pins_nothing_and_records_the_fault() {
+        let p = pool(8, 1);
+        let tree = p.try_alloc(1).unwrap().into_tree();
+        p.release_tree(&tree);
+        p.pin(&[0, 5]);
+        assert_eq!((p.pins(0), p.pins(5)), (0, 0));
+        assert!(fault_of(&p).contains("page 0 is pinned but free"));
+    }
+
+    #[test]
+    fn an_unpin_without_a_pin_changes_nothing_and_records_the_fault() {
+        let p = pool(8, 1);
+        let tree = p.try_alloc(1).unwrap().into_tree();
+        p.pin(&tree);
+        p.release_tree(&tree);
+        assert_eq!(p.state(0), Some(PageState::Draining));
+        p.unpin(&tree);
+        assert_eq!(p.state(0), Some(PageState::Free));
+        assert!(p.fault().is_none(), "one pin, one unpin: legal");
+        // The double unpin: before, `saturating_sub` let it pass in release builds.
+        p.unpin(&tree);
+        assert_eq!((p.state(0), p.pins(0)), (Some(PageState::Free), 0));
+        assert_eq!(p.shared.inner.lock().free, vec![0], "freed once");
+        assert!(fault_of(&p).contains("page 0 is unpinned more often than it was pinned"));
+        // A page never handed out.
+        let q = pool(8, 1);
+        q.unpin(&[3]);
+        assert!(fault_of(&q).contains("page 3 is unpinned"));
+    }
+
+    #[test]
+    fn appending_pages_of_another_pool_records_the_fault_and_leaves_them_to_their_pool() {
+        let p = pool(8, 1);
+        let other = pool(8, 1);
+        let mut a = p.try_alloc(1).unwrap();
+        a.append(other.try_alloc(2).unwrap());
+        assert_eq!(a.pages(), &[0]);
+        assert_eq!(other.counts().free, 8, "the other pool's pages went home");
+        assert!(fault_of(&p).contains("page 0 of another pool"));
+        drop(a);
+        assert_eq!(p.counts().free, 8);
+    }
+
+    #[test]
+    fn a_free_list_holding_a_page_in_use_hands_out_nothing_and_records_the_fault() {
+        let p = pool(8, 1);
+        let held = p.try_alloc(1).unwrap();
+        p.shared.inner.lock().free.push(held.pages()[0]);
+        assert!(p.try_alloc(1).is_none());
+        assert_eq!(p.counts().owned, 1);
+        assert!(p.fault().unwrap().contains("page 0 is Owned, not Free"));
+        std::mem::forget(held);
+    }
+
+    #[test]
+    fn the_pools_of_a_cache_share_one_fault_record_and_the_first_fault_is_kept() {
+        let fault = Arc::<Fault>::default();
+        let kv = Pool::with_fault("kv_slots", 8, 1, fault.clone()).unwrap();
+        let states = Pool::with_fault("mamba_slots", 8, 1, fault).unwrap();
+        states.unpin(&[1]);
+        kv.unpin(&[2]);
+        let why = kv.fault().unwrap();
+        assert!(
+            why.contains("illegal page transition in mamba_slots: page 1"),
+            "{why}"
+        );
+        assert_eq!(states.fault(), Some(why));
     }
 
     #[test]

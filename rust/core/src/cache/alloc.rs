@@ -7,6 +7,14 @@ use crate::pool::{as_i64, page_of_slot, Pages};
 
 use super::{Cache, Evicted};
 
+/// A device state slot asked for: had now, on its way (it is freed when the backups of
+/// the eviction that made it land), or not to be had.
+pub(crate) enum StateRoom {
+    Now(Pages),
+    Coming,
+    No,
+}
+
 impl Cache {
     /// `n` device KV slots (whole pages) as raw indices the caller now holds, evicting
     /// first when the pool is short; `None` when it cannot, having taken nothing and
@@ -79,20 +87,35 @@ impl Cache {
     /// pool is empty it evicts the least recently used state that no transfer pins (a
     /// pinned one would only drain); when there is none it evicts nothing.
     pub(crate) fn alloc_state(&mut self) -> Option<Pages> {
+        match self.take_state() {
+            StateRoom::Now(s) => Some(s),
+            StateRoom::Coming | StateRoom::No => None,
+        }
+    }
+
+    /// [`Cache::alloc_state`], telling apart a slot that is on its way: under write-back
+    /// the state evicted for it may sit on a leaf that is backed up first, and its slot
+    /// is freed when that backup lands (in the round this call started).
+    pub(crate) fn take_state(&mut self) -> StateRoom {
         if self.pools.mamba.free_pages() == 0 {
             let Some(victim) = self.lru.first_state() else {
                 self.stats.mamba_alloc_failures += 1;
-                return None;
+                return StateRoom::No;
             };
             let mut out = Evicted::default();
             self.evict_state_of(victim, &mut out);
             self.count_evicted(out);
+            if self.pools.mamba.free_pages() == 0 && out.mamba_states > 0 {
+                self.stats.mamba_alloc_failures += 1;
+                return StateRoom::Coming;
+            }
         }
-        let got = self.pools.mamba.try_alloc(1);
-        if got.is_none() {
+        if let Some(s) = self.pools.mamba.try_alloc(1) {
+            StateRoom::Now(s)
+        } else {
             self.stats.mamba_alloc_failures += 1;
+            StateRoom::No
         }
-        got
     }
 
     /// Whether `n` state slots can be had now: free, or held by states that can be

@@ -60,9 +60,16 @@ impl Cache {
         }
     }
 
-    /// Frees node `i`'s device state (evictable: unlocked).
+    /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
+    /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
-        debug_assert_eq!(self.tree.node(i).mamba.lock, 0);
+        if self.tree.node(i).mamba.lock != 0 {
+            self.pools.mamba.record_fault(format!(
+                "illegal state transition: the locked state of node {} was to be freed",
+                self.tree.id(i)
+            ));
+            return;
+        }
         self.lru.unlist_state(&mut self.tree, i);
         if let Some(slot) = self.edit(i, |n| {
             n.mamba.pinned = false;

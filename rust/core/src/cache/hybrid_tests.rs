@@ -697,3 +697,52 @@ fn a_state_a_copy_reads_is_no_eviction_candidate_until_the_copy_ends() {
     assert_eq!(c.lru.state_count(), 1, "unpinned: a candidate again");
     c.audit().unwrap();
 }
+
+#[test]
+fn freeing_a_locked_state_is_refused_and_breaks_the_cache() {
+    let mut c = hybrid(64, 1, 4);
+    let a = cached_with_state(&mut c, &[1, 2, 3]);
+    let lock = c.lock(a.node).unwrap();
+    let i = c.tree.resolve(a.node).unwrap();
+    let mut out = Evicted::default();
+    // What a bug in eviction would do: the state a request reads is freed.
+    c.drop_state(i, &mut out);
+    assert_eq!(out, Evicted::default());
+    assert!(c.tree.node(i).mamba.device.is_some(), "the state stays");
+    let why = c.fault().unwrap();
+    assert!(why.contains("the locked state of node"), "{why}");
+    assert!(matches!(c.audit(), Err(Error::Invariant(w)) if w == why));
+    c.unlock(lock).unwrap();
+}
+
+#[test]
+fn a_second_state_on_a_node_is_refused_and_breaks_the_cache() {
+    let mut c = hybrid(64, 1, 4);
+    let a = cached_with_state(&mut c, &[1, 2, 3]);
+    let i = c.tree.resolve(a.node).unwrap();
+    let before = c.tree.node(i).mamba.device;
+    let state = c.pools.mamba.try_alloc(1).unwrap();
+    c.set_state(i, state);
+    assert_eq!(c.tree.node(i).mamba.device, before);
+    assert_eq!(c.mamba_counts().owned, 0, "the slot went back to the pool");
+    assert!(c.fault().unwrap().contains("which has a state: true"));
+    // Through the shared handle, every later call is refused.
+    let h = HybridCache::new(Config {
+        mamba_slots: 4,
+        ..Config::kv(64, 1)
+    })
+    .unwrap();
+    let err = h
+        .with(|core| {
+            let a = cached_with_state(core, &[1, 2, 3]);
+            let i = core.tree.resolve(a.node).unwrap();
+            let state = core.pools.mamba.try_alloc(1).unwrap();
+            core.set_state(i, state);
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::Broken(_)));
+    assert!(matches!(
+        h.with(|core| core.total_size()),
+        Err(Error::Broken(_))
+    ));
+}

@@ -260,17 +260,28 @@ impl Cache {
         self.refresh(i);
     }
 
-    /// Publishes a state slot on node `i` (which has device KV and no state).
+    /// Publishes a state slot on node `i` (which has device KV and no state). Anything
+    /// else would be a bug, which breaks the cache (see [`Cache::fault`]); the slot then
+    /// goes back to the pool.
     pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
+        let n = self.tree.node(i);
+        if n.mamba.device.is_some() || n.kv.device.is_none() || state.len() != 1 {
+            self.pools.mamba.record_fault(format!(
+                "illegal state transition: {} state slots for node {}, which has a state: {}, \
+                 device KV: {}",
+                state.len(),
+                self.tree.id(i),
+                n.mamba.device.is_some(),
+                n.kv.device.is_some()
+            ));
+            return;
+        }
         let slot = state.into_tree();
         for &s in &slot {
             // Marked pinned or not first, so that the tallies count it right at once.
             self.place_state(s, i);
         }
-        self.edit(i, |n| {
-            debug_assert!(n.mamba.device.is_none() && n.kv.device.is_some() && slot.len() == 1);
-            n.mamba.device = slot.first().copied();
-        });
+        self.edit(i, |n| n.mamba.device = slot.first().copied());
         self.stats.states_cached += 1;
         self.touch_state(i, false);
         self.refresh(i);

@@ -56,7 +56,7 @@ pub use results::{Evicted, Insert, Match, NodeInfo};
 
 use crate::config::Config;
 use crate::error::Result;
-use crate::pool::{as_i64, Pool};
+use crate::pool::{as_i64, Fault, Pool};
 use crate::stats::Stats;
 use crate::tree::{Node, Probe, Tree, NONE};
 
@@ -98,6 +98,8 @@ pub struct Cache {
     pub(crate) batches: batch::Batches,
     pub(crate) loads: load::Loads,
     pub(crate) stats: Stats,
+    /// Where the pools record an illegal page transition (shared by the four).
+    fault: Arc<Fault>,
     /// The node holding each device state slot (`NONE`, or past the end: not in the
     /// tree). Grows with the slots used, like the pools' books.
     pub(crate) state_nodes: Vec<u32>,
@@ -115,11 +117,15 @@ impl Cache {
     /// A cache with the given configuration (validated; errors name the argument).
     pub fn new(config: Config) -> Result<Cache> {
         config.validate()?;
+        // One record of illegal page transitions for the four pools: checking it once
+        // covers them all.
+        let fault = Arc::<Fault>::default();
+        let pool = |name, slots, page_size| Pool::with_fault(name, slots, page_size, fault.clone());
         let pools = Pools {
-            kv: Pool::new("kv_slots", config.kv_slots, config.page_size)?,
-            mamba: Pool::new("mamba_slots", config.mamba_slots, 1)?,
-            host_kv: Pool::new("host_kv_slots", config.host_kv_slots, config.page_size)?,
-            host_mamba: Pool::new("host_mamba_slots", config.host_mamba_slots, 1)?,
+            kv: pool("kv_slots", config.kv_slots, config.page_size)?,
+            mamba: pool("mamba_slots", config.mamba_slots, 1)?,
+            host_kv: pool("host_kv_slots", config.host_kv_slots, config.page_size)?,
+            host_mamba: pool("host_mamba_slots", config.host_mamba_slots, 1)?,
         };
         // Up to three quarters of the state slots keep states that matches used.
         let hot_cap = config.mamba_slots * 3 / 4;
@@ -138,6 +144,7 @@ impl Cache {
             batches: batch::Batches::default(),
             loads: load::Loads::default(),
             stats: Stats::default(),
+            fault,
             state_nodes: Vec::new(),
             probe: Probe::default(),
         })
@@ -171,6 +178,19 @@ impl Cache {
     /// The host-tier state pool.
     pub fn host_mamba_pool(&self) -> &Pool {
         &self.pools.host_mamba
+    }
+
+    /// The first illegal page transition the cache's pools saw (a bug of radixcache: the
+    /// transition was not made), if any. [`crate::HybridCache`] then refuses every call
+    /// with [`crate::Error::Broken`], and `audit()` fails.
+    pub fn fault(&self) -> Option<String> {
+        self.pools.kv.fault()
+    }
+
+    /// Whether [`Cache::fault`] has anything to say (one atomic load).
+    #[inline]
+    pub(crate) fn faulted(&self) -> bool {
+        self.fault.is_set()
     }
 
     /// True when the model has Mamba layers (`mamba_slots > 0`): matches are then cut

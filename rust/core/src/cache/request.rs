@@ -12,6 +12,7 @@ use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
 use crate::slab::Slab;
 
+use super::alloc::StateRoom;
 use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
 use super::Cache;
@@ -234,14 +235,18 @@ impl Cache {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
-        let state = if wants_state {
-            let Some(s) = self.alloc_state() else {
+        // Under write-back the state slot may be on its way (its eviction started a
+        // backup): the KV is asked for all the same, so that its evictions start their
+        // backups in the same round (docs/contract.md rule 11: one round is always enough), and then
+        // everything taken goes back.
+        let (state, coming) = match wants_state.then(|| self.take_state()) {
+            None => (None, false),
+            Some(StateRoom::Now(s)) => (Some(s), false),
+            Some(StateRoom::Coming) => (None, true),
+            Some(StateRoom::No) => {
                 self.stats.extends_refused += 1;
                 return Ok(None);
-            };
-            Some(s)
-        } else {
-            None
+            }
         };
         let pages = if need > 0 {
             let Some(p) = self.alloc_pages(need) else {
@@ -253,6 +258,11 @@ impl Cache {
         } else {
             self.pools.kv.empty()
         };
+        if coming {
+            // `pages` go back to the pool as they drop.
+            self.stats.extends_refused += 1;
+            return Ok(None);
+        }
         let r = self.request_mut(id)?;
         r.kv.append(pages);
         if state.is_some() {
@@ -315,14 +325,20 @@ impl Cache {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
+        // As in `extend`: every state slot and the KV are asked for in this one round,
+        // even when some state slots are on their way (they come with its backups).
         let mut new_states = Vec::with_capacity(states);
+        let mut coming = false;
         for _ in 0..states {
-            let Some(s) = self.alloc_state() else {
-                // The states taken so far go back to the pool as `new_states` drops.
-                self.stats.extends_refused += 1;
-                return Ok(None);
-            };
-            new_states.push(s);
+            match self.take_state() {
+                StateRoom::Now(s) => new_states.push(s),
+                StateRoom::Coming => coming = true,
+                StateRoom::No => {
+                    // The states taken so far go back to the pool as `new_states` drops.
+                    self.stats.extends_refused += 1;
+                    return Ok(None);
+                }
+            }
         }
         let mut pages = if need > 0 {
             let Some(p) = self.alloc_pages(need) else {
@@ -334,6 +350,10 @@ impl Cache {
             self.pools.kv.empty()
         }
         .into_run();
+        if coming {
+            self.stats.extends_refused += 1;
+            return Ok(None);
+        }
         let mut slots = Vec::with_capacity(ids.len());
         for ((id, &token), n) in ids.iter().zip(tokens).zip(needs) {
             let r = self.request_mut(*id)?;
