@@ -24,12 +24,11 @@ r = cache.admit(p); cache.extend(r, p); cache.finish(r)
 r2 = cache.admit(p + [1, 2, 3])
 """
 
-#: Everything that warns when collected: a live request, a held lock, an uncommitted
-#: load-back and unended batches, as locals of `hold()`, which raises `exc`.
-HOLD_ALL = """
+#: A cache with a node on the host only and a request admitted over it (ready to load).
+HOST_ONLY = """
 import radixcache as rc
 
-def hold(exc):
+def host_only_request():
     c = rc.HybridCache(kv_slots=64, mamba_slots=4, host_kv_slots=64, host_mamba_slots=4)
     c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
     for b in c.take_batches():
@@ -38,6 +37,16 @@ def hold(exc):
     request = c.admit([1, 2, 3, 4, 5])
     for b in c.take_batches():
         b.start(); b.complete()
+    return c, request
+"""
+
+#: Everything that warns when collected: a live request, a held lock, an uncommitted
+#: load-back and unended batches, as locals of `hold()`, which raises `exc`.
+HOLD_ALL = (
+    HOST_ONLY
+    + """
+def hold(exc):
+    c, request = host_only_request()
     lb = c.load_back(request)
     c.insert([7, 8], c.alloc_kv(2))
     lock = c.lock(c.match_prefix([7, 8]).node)
@@ -45,6 +54,7 @@ def hold(exc):
     assert request.live and lock.held and lb.held and batches
     raise exc
 """
+)
 
 #: Ways to leave a loop over batches with an exception (`{exc}`), by where it runs.
 LOOPS = {
@@ -88,21 +98,17 @@ LOOPS = {
     """,
 }
 
-HOLD_LB = """
+HOLD_LB = (
+    HOST_ONLY
+    + """
 def hold_lb(exc):
-    c = rc.HybridCache(kv_slots=64, mamba_slots=4, host_kv_slots=64, host_mamba_slots=4)
-    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
-    for b in c.take_batches():
-        b.start(); b.complete()
-    c.evict(kv_tokens=4)
-    request = c.admit([1, 2, 3, 4, 5])
-    for b in c.take_batches():
-        b.start(); b.complete()
+    c, request = host_only_request()
     with c.load_back(request) as lb:
         batch = lb.batch
         batch.start()
         raise exc
 """
+)
 
 #: Warnings filters: the default (ResourceWarning ignored), shown, and made errors.
 FILTERS = {
