@@ -13,7 +13,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -289,14 +289,23 @@ def test_a_device_lost_while_waiting_holds_the_batch_until_acknowledged_by_id() 
     settled(c)
 
 
-def test_submitted_batches_end_when_the_stream_passes_their_event() -> None:
+E = TypeVar("E", bound=AsyncEngine)
+
+
+def two_submitted(kind: type[E]) -> tuple[rc.HybridCache, E, rc.TransferBatch, rc.TransferBatch]:
+    """A cache, an asynchronous engine of `kind`, and two backups submitted, none run yet."""
     c = cache()
-    e = AsyncEngine(c, storage(c))
+    e = kind(c, storage(c))
     fill(c, [1, 2])
     fill(c, [3, 4])
     b1, b2 = c.take_batches()
     e.submit(b1)
     e.submit(b2)
+    return c, e, b1, b2
+
+
+def test_submitted_batches_end_when_the_stream_passes_their_event() -> None:
+    c, e, b1, b2 = two_submitted(AsyncEngine)
     assert e.in_flight == 2
     assert len(e.stream.queue) == 4  # nothing ran yet
     assert e.poll() == [b1, b2]
@@ -356,13 +365,7 @@ def test_a_keyboard_interrupt_during_the_copies_fails_the_batch_then_propagates(
 def test_a_batch_acknowledged_by_id_elsewhere_leaves_the_engines_other_batches_alone(
     ack: str, end: str
 ) -> None:
-    c = cache()
-    e = AsyncEngine(c, storage(c))
-    fill(c, [1, 2])
-    fill(c, [3, 4])
-    b1, b2 = c.take_batches()
-    e.submit(b1)
-    e.submit(b2)
+    c, e, b1, b2 = two_submitted(AsyncEngine)
     e.stream.synchronize()  # the copies ran; then a timeout acknowledges b1 by id
     getattr(c, ack)(b1.id)
     assert getattr(e, end)() == [b2]
@@ -405,13 +408,7 @@ def test_an_event_that_cannot_be_queried_holds_its_batch_and_not_the_others() ->
         def done(self) -> bool:
             raise RuntimeError("CUDA error: an illegal memory access")
 
-    c = cache()
-    e = AsyncEngine(c, storage(c))
-    fill(c, [1, 2])
-    fill(c, [3, 4])
-    b1, b2 = c.take_batches()
-    e.submit(b1)
-    e.submit(b2)
+    c, e, b1, b2 = two_submitted(AsyncEngine)
     e._in_flight[0].event = BadEvent()
     assert e.poll() == [b2]
     assert e.held == [b1]
@@ -423,13 +420,7 @@ def test_an_event_that_cannot_be_queried_holds_its_batch_and_not_the_others() ->
 
 
 def test_a_wait_that_fails_in_synchronize_holds_every_batch_in_flight() -> None:
-    c = cache()
-    e = AsyncEngine(c, storage(c))
-    fill(c, [1, 2])
-    fill(c, [3, 4])
-    b1, b2 = c.take_batches()
-    e.submit(b1)
-    e.submit(b2)
+    c, e, b1, b2 = two_submitted(AsyncEngine)
     e.stream.lost = True
     assert e.synchronize() == []
     assert e.held == [b1, b2]
@@ -452,14 +443,8 @@ def test_a_cache_refusing_a_batch_due_ends_the_others_then_raises() -> None:
                 raise rc.CacheError("the cache is broken")
             return super()._complete(batch)
 
-    c = cache()
-    e = Refusing(c, storage(c))
-    fill(c, [1, 2])
-    fill(c, [3, 4])
-    b1, b2 = c.take_batches()
+    c, e, b1, b2 = two_submitted(Refusing)
     e.refuse = b1.id
-    e.submit(b1)
-    e.submit(b2)
     with pytest.raises(rc.CacheError, match="broken"):
         e.poll()
     assert b2.outcome == "completed"
