@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import radixcache as rc
 import radixcache.serving as sv
 
+from conftest import examples
+
 ROOT = Path(__file__).resolve().parents[1]
 PS = 2  # page size
 
@@ -442,7 +444,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=OPS,
     policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),

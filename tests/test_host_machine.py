@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, fingerprint
+from conftest import assert_pool_sums, examples, fingerprint
 
 SYSTEM = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12]]
 NAMESPACES = st.sampled_from([None, None, None, "a"])
@@ -1378,7 +1378,7 @@ class HostMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=examples(40),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

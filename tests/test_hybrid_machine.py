@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, fingerprint
+from conftest import assert_pool_sums, examples, fingerprint
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 NAMESPACES = st.sampled_from([None, "a"])
@@ -655,7 +655,7 @@ class HybridMachine(RuleBasedStateMachine):
 
 
 HybridMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=examples(200),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import radixcache as rc
 
-from conftest import Index, assert_child_ok, cached, fingerprint, run_child
+from conftest import Index, assert_child_ok, cached, examples, fingerprint, run_child
 
 #: Every integer width, in both byte orders (1-byte dtypes have none: '|').
 WIDTHS = ("i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8")
@@ -179,7 +179,7 @@ def test_ndarray_subclasses_other_than_masked_arrays_are_read(cache: rc.HybridCa
     assert match_of(cache, np.array(BASE[:6]).view(Tagged)) == match_of(cache, BASE[:6])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     data=st.data(),
     dtype=st.sampled_from(DTYPES),

@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, fingerprint
+from conftest import assert_pool_sums, examples, fingerprint
 from model import Key, Model
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
@@ -261,7 +261,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=examples(150),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

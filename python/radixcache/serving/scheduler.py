@@ -331,6 +331,17 @@ class Scheduler:
             self.model.stream.synchronize()
         self._end_loads(self.engine.synchronize())
 
+    def stop(self) -> None:
+        """Stop serving: end what is in flight, abort every running request, drop the queue.
+
+        The running requests' slots go back to the cache and nothing of theirs is
+        cached; the waiting jobs are dropped unserved.
+        """
+        self.drain()
+        for live in list(self.running):
+            self._drop(live)
+        self.waiting.clear()
+
     def step(self) -> None:
         """One scheduling step (see the module docstring)."""
         c = self.counters
