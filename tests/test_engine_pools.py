@@ -231,6 +231,15 @@ def test_evicted_repr_shows_the_slots() -> None:
     )
 
 
+def test_repr_names_the_mode_and_the_queued_slots() -> None:
+    c = engine(kv_slots=8, page_size=2, mamba_slots=2)
+    c.insert([1, 2, 3], [0, 1, 2], mamba_slot=0)
+    assert repr(c) == (
+        'HybridCache(kv_slots=8, page_size=2, pools="engine", cached_tokens=2, evictable=2, '
+        "protected=0, queued_kv=2, nodes=1, mamba_slots=2, cached_states=0, queued_mamba=1)"
+    )
+
+
 # ----------------------------------------------------------------------- state machine
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]

@@ -290,9 +290,15 @@ impl Cache {
 
     /// A one-line summary.
     pub fn summary(&self) -> String {
+        // With engine-owned pools the free slots are those queued for the engine.
+        let (owner, free) = if self.engine_owned() {
+            (", pools=\"engine\"", "queued")
+        } else {
+            ("", "free")
+        };
         let states = if self.is_hybrid() {
             format!(
-                ", mamba_slots={}, cached_states={}, free_mamba={}",
+                ", mamba_slots={}, cached_states={}, {free}_mamba={}",
                 self.config.mamba_slots,
                 self.sizes.device_states(),
                 self.available_mamba()
@@ -301,8 +307,8 @@ impl Cache {
             String::new()
         };
         format!(
-            "HybridCache(kv_slots={}, page_size={}, cached_tokens={}, evictable={}, protected={}, \
-             free_kv={}, nodes={}{states})",
+            "HybridCache(kv_slots={}, page_size={}{owner}, cached_tokens={}, evictable={}, \
+             protected={}, {free}_kv={}, nodes={}{states})",
             self.config.kv_slots,
             self.config.page_size,
             self.total_size(),
