@@ -31,9 +31,15 @@ def test_the_mode_is_a_constructor_argument_and_a_property() -> None:
 
 
 def test_an_unknown_mode_is_refused_naming_the_argument() -> None:
-    want = r'^pools: unknown owner "sglang"; expected "cache" or "engine"$'
+    want = r'^pools: unknown owner "sglang"; expected "cache" or "engine"'
     with pytest.raises(ValueError, match=want):
         rc.HybridCache(kv_slots=8, pools="sglang")
+
+
+@pytest.mark.parametrize("pools", [1, None, b"engine"])
+def test_a_mode_that_is_not_a_str_is_refused_naming_the_argument(pools: object) -> None:
+    with pytest.raises(TypeError, match=r'^pools: expected "cache" or "engine", got '):
+        rc.HybridCache(kv_slots=8, pools=pools)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

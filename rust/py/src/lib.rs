@@ -70,6 +70,19 @@ fn err(e: core::Error) -> PyErr {
 /// Slot indices handed to Python (an int64 array).
 type Slots = Py<PyArray1<i64>>;
 
+/// The `pools` argument: "cache" or "engine" (errors name the argument).
+fn pools_arg(v: &Bound<'_, PyAny>) -> PyResult<core::PoolOwner> {
+    let s: String = v.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "pools: expected \"cache\" or \"engine\", got {}",
+            v.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    })?;
+    s.parse().map_err(err)
+}
+
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     PyArray1::from_vec(py, v).unbind()
 }
@@ -109,7 +122,7 @@ impl PyHybridCache {
     #[pyo3(signature = (kv_slots=Int::Value(8192), page_size=Int::Value(1),
                         mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
-                        write_through_threshold=None, pools="cache"),
+                        write_through_threshold=None, pools=core::PoolOwner::Cache),
            text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache')")]
     fn new(
         kv_slots: Int,
@@ -119,7 +132,7 @@ impl PyHybridCache {
         host_mamba_slots: Int,
         write_policy: &str,
         write_through_threshold: Option<Int>,
-        pools: &str,
+        #[pyo3(from_py_with = pools_arg)] pools: core::PoolOwner,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -139,7 +152,7 @@ impl PyHybridCache {
             host_mamba_slots: host_mamba_slots.count("host_mamba_slots")?,
             write_policy: write_policy.parse().map_err(err)?,
             write_through_threshold: threshold,
-            pools: pools.parse().map_err(err)?,
+            pools,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
