@@ -25,9 +25,14 @@
 //!   pages, or free + tree != capacity; after evicting everything, device pages left in
 //!   the tree.
 //!
+//! An input whose first byte is `engine::ENGINE_MODE` runs the rest with engine-owned
+//! pools instead (module `engine`, which lists its own findings).
+//!
 //! The harness is deterministic: the same input always makes the same calls.
 
 #![no_main]
+
+mod engine;
 
 use std::collections::{BTreeSet, HashSet};
 
@@ -491,6 +496,7 @@ fn config_of(c: &Cfg) -> Config {
         host_mamba_slots,
         write_policy,
         write_through_threshold,
+        ..Config::default()
     }
 }
 
@@ -780,7 +786,10 @@ impl H {
     }
 
     fn alloc_mamba(&mut self) -> Option<u32> {
-        let s = self.c.alloc_mamba()?;
+        let s = self
+            .c
+            .alloc_mamba()
+            .unwrap_or_else(|e| panic!("alloc_mamba on a cache that owns its pools: {e}"))?;
         assert!(
             self.held_mamba.insert(s),
             "alloc_mamba returned {s}, held already"
@@ -1266,7 +1275,7 @@ impl H {
                 self.other.audit().unwrap();
             }
             2 => {
-                let Some(id) = self.other.admit(None, &[1, 2]) else {
+                let Ok(Some(id)) = self.other.admit(None, &[1, 2]) else {
                     panic!("the other cache refused an admission")
                 };
                 refused(self.c.abort(id));
@@ -1356,7 +1365,10 @@ impl H {
             }
             Op::EvictHost { kv, mamba } => {
                 let device = (self.c.available_kv(), self.c.total_size());
-                let ev = self.c.evict_host(usize::from(*kv), usize::from(*mamba));
+                let ev = self
+                    .c
+                    .evict_host(usize::from(*kv), usize::from(*mamba))
+                    .unwrap_or_else(|e| panic!("evict_host with a host tier: {e}"));
                 assert_eq!((self.c.available_kv(), self.c.total_size()), device);
                 if ev.kv_tokens < usize::from(*kv) {
                     let left = self
@@ -1369,7 +1381,11 @@ impl H {
             }
             Op::Admit { ns, toks } => {
                 let t = self.resolve(*ns, toks);
-                if let Some(id) = self.c.admit(ns_of(*ns), &t) {
+                if let Some(id) = self
+                    .c
+                    .admit(ns_of(*ns), &t)
+                    .unwrap_or_else(|e| panic!("admit on a cache that owns its pools: {e}"))
+                {
                     if let Ok(v) = self.c.request(id) {
                         assert!(v.prefix_len <= t.len() && v.len == v.prefix_len, "{v:?}");
                         self.remember_node(v.node);
@@ -1568,7 +1584,37 @@ impl H {
     }
 }
 
-fuzz_target!(|input: Input| {
+fuzz_target!(|data: &[u8]| {
+    match data.split_first() {
+        Some((&engine::ENGINE_MODE, rest)) => run_engine(rest),
+        _ => run(data),
+    }
+});
+
+/// Engine-owned pools (see the `engine` module).
+fn run_engine(data: &[u8]) {
+    let Ok(input) = Input::arbitrary_take_rest(Unstructured::new(data)) else {
+        return;
+    };
+    let Some(mut e) = engine::E::new(&input.cfg) else {
+        return;
+    };
+    e.check();
+    for (i, op) in input.ops.iter().take(MAX_OPS).enumerate() {
+        e.step(op);
+        if let Err(err) = e.audit() {
+            panic!("audit after op {i} ({op:?}): {err}");
+        }
+        e.check();
+    }
+    e.teardown();
+}
+
+/// The cache's own pools.
+fn run(data: &[u8]) {
+    let Ok(input) = Input::arbitrary_take_rest(Unstructured::new(data)) else {
+        return;
+    };
     let Ok(cache) = Cache::new(config_of(&input.cfg)) else {
         return;
     };
@@ -1582,4 +1628,4 @@ fuzz_target!(|input: Input| {
         h.check_books();
     }
     h.teardown();
-});
+}

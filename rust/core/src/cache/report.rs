@@ -148,6 +148,10 @@ impl Cache {
             let (rk, rs) = r.retired.counts();
             (k + rk, s + rs)
         });
+        // Engine-owned pools: the caller's slots are the engine's, the free ones queued
+        // to go back to it (0 when the cache owns its pools).
+        let engine_owned = self.engine_owned();
+        let engine = |slots: u64| if engine_owned { slots } else { 0 };
         let mut out = self.stats.entries();
         out.extend([
             (
@@ -170,6 +174,8 @@ impl Cache {
                 "kv_retired_slots",
                 (retired.0 * self.config.page_size) as u64,
             ),
+            ("kv_engine_slots", engine(kv[2])),
+            ("kv_queued_slots", engine(kv[0])),
             ("kv_capacity_slots", self.config.kv_slots as u64),
             ("kv_evictable_tokens", self.sizes.evictable_tokens as u64),
             ("kv_protected_tokens", self.sizes.protected_tokens as u64),
@@ -180,6 +186,8 @@ impl Cache {
             ("mamba_request_slots", mamba[3]),
             ("mamba_draining_slots", mamba[4]),
             ("mamba_retired_slots", retired.1 as u64),
+            ("mamba_engine_slots", engine(mamba[2])),
+            ("mamba_queued_slots", engine(mamba[0])),
             ("mamba_capacity_slots", self.config.mamba_slots as u64),
             ("mamba_evictable_states", self.sizes.evictable_states as u64),
             ("mamba_protected_states", self.sizes.protected_states as u64),
@@ -282,9 +290,15 @@ impl Cache {
 
     /// A one-line summary.
     pub fn summary(&self) -> String {
+        // With engine-owned pools the free slots are those queued for the engine.
+        let (owner, free) = if self.engine_owned() {
+            (", pools=\"engine\"", "queued")
+        } else {
+            ("", "free")
+        };
         let states = if self.is_hybrid() {
             format!(
-                ", mamba_slots={}, cached_states={}, free_mamba={}",
+                ", mamba_slots={}, cached_states={}, {free}_mamba={}",
                 self.config.mamba_slots,
                 self.sizes.device_states(),
                 self.available_mamba()
@@ -293,8 +307,8 @@ impl Cache {
             String::new()
         };
         format!(
-            "HybridCache(kv_slots={}, page_size={}, cached_tokens={}, evictable={}, protected={}, \
-             free_kv={}, nodes={}{states})",
+            "HybridCache(kv_slots={}, page_size={}{owner}, cached_tokens={}, evictable={}, \
+             protected={}, {free}_kv={}, nodes={}{states})",
             self.config.kv_slots,
             self.config.page_size,
             self.total_size(),
