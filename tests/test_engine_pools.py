@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, fingerprint
+from conftest import assert_pool_sums, examples, fingerprint
 
 
 def engine(kv_slots: int = 32, page_size: int = 1, mamba_slots: int = 0) -> rc.HybridCache:
@@ -547,7 +547,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=80,
+    max_examples=examples(80),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
