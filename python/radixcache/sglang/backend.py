@@ -139,6 +139,10 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
     ``extra_buffer``. Node handles are radixcache ``Node`` objects; lock receipts are
     radixcache ``Lock`` objects inside SGLang's ``TreeLock``.
 
+    Attributes:
+        cache: the ``HybridCache`` behind it (``audit()``, ``stats()``, ``pretty()``);
+            a new one after `reset`.
+
     Args:
         params: SGLang's ``CacheInitParams`` (its pools and allocators).
         hybrid: the model has Mamba layers (``TreeCacheBuildContext.is_hybrid_ssm``).
