@@ -371,10 +371,15 @@ def env(env_factory: Any) -> Env:
 # ---------------------------------------------------------------------- construction
 
 
-def test_plugins_register_the_backend_name() -> None:
+def test_plugins_register_the_backend_name(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BACKEND_NAME in registered_radix_cache_backends()
     register()  # idempotent: the name is ours already
     assert registered_radix_cache_backends().count(BACKEND_NAME) == 1
+    from sglang.srt.mem_cache import registry
+
+    monkeypatch.setitem(registry._RADIX_CACHE_REGISTRY, BACKEND_NAME, lambda ctx: None)
+    with pytest.raises(ValueError, match="already registered"):
+        register()  # someone else's factory under the name
 
 
 def test_registry_builds_the_backend_by_name(env: Env) -> None:
@@ -577,4 +582,60 @@ def test_copy_on_write_without_a_free_state_slot_is_a_miss(strategy: str) -> Non
     assert req.kv.mamba_cow_src_index is not None
     while req in env.live:
         prefill(env, [req])
+    env.drained()
+
+
+def test_lock_receipts_through_inc_and_dec_lock_ref(env: Env) -> None:
+    p = prompt(96, seed=70)
+    serve(env, p, chunk=64)
+    match = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", p))))
+    assert match.device_prefix_len > 0
+    protected = env.tree.protected_size()
+    receipt = env.tree.inc_lock_ref(match.last_device_node)
+    assert env.tree.protected_size() == protected + match.device_prefix_len
+    env.tree.dec_lock_ref(match.last_device_node, receipt.to_dec_params())
+    assert env.tree.protected_size() == protected
+    with pytest.raises(ValueError, match="params"):
+        env.tree.dec_lock_ref(match.last_device_node, receipt.to_dec_params())
+    with pytest.raises(ValueError, match="params"):
+        env.tree.dec_lock_ref(match.last_device_node)
+    env.check()
+    env.drained()
+
+
+def test_prefix_indices_are_the_matched_ones_cut_to_prefix_len(env: Env) -> None:
+    p = prompt(96, seed=80)
+    serve(env, p, chunk=64)
+    req = new_req(env, p)
+    req.init_next_round_input(env.tree, cow_mamba=False)
+    assert req.prefix_len > 0
+    indices = env.tree.prefix_device_indices(req)
+    assert len(indices) == req.prefix_len
+    assert len(set(indices.tolist())) == req.prefix_len
+    req.prefix_len += env.page_size
+    with pytest.raises(ValueError, match="prefix_len"):
+        env.tree.prefix_device_indices(req)
+    env.drained()
+
+
+def test_joint_reclaim_is_not_supported(env: Env) -> None:
+    with pytest.raises(NotImplementedError, match="joint reclaim"):
+        env.tree.evict_for_alloc(EvictParams(num_tokens=1), allocation_reclaim_satisfied=bool)
+
+
+def test_waiting_order_groups_requests_by_matched_node(env: Env) -> None:
+    a, b = prompt(64, seed=90), prompt(64, seed=91)
+    serve(env, a + prompt(32, seed=92), chunk=64)
+    serve(env, b + prompt(32, seed=93), chunk=64)
+    tree = env.tree
+
+    def node(tokens: list[int]) -> Any:
+        return tree.match_prefix(
+            MatchPrefixParams(key=RadixKey(array("q", tokens)))
+        ).last_device_node
+
+    handles = [node(b), node(a), node(a), tree.root_node, node(a)]
+    assert tree.dfs_weight_order(handles) == [1, 2, 4, 0, 3]
+    tree.touch_prefix(RadixKey(array("q", a)))  # recency only: nothing taken
+    env.check()
     env.drained()

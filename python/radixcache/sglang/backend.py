@@ -430,15 +430,11 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         if inserted.prefix_len > owned:
             # The tree held some of these pages already: its slots replace the request's
             # (which the insert queued for the allocator).
-            tree = self.cache.match_prefix(tokens, namespace=namespace).kv_indices
-            if len(tree) != length:
-                raise RuntimeError(
-                    f"the tree lost the path it just inserted ({len(tree)} of {length} tokens)"
-                )
-            indices[owned:length] = tree[owned:]
+            tree = self.cache.match_prefix(tokens, namespace=namespace).kv_indices[owned:length]
+            indices[owned:length] = tree
             self.req_to_token_pool.write(
                 (req.kv.req_pool_idx, slice(owned, length)),
-                torch.from_numpy(tree[owned:]).to(self._kv_device),
+                torch.from_numpy(tree).to(self._kv_device),
             )
         return length, inserted.node
 
