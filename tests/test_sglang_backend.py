@@ -53,7 +53,7 @@ with warnings.catch_warnings():  # SGLang's import chain warns about this CPU ma
     )
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
     from sglang.srt.managers.scheduler_components.pool_stats_observer import (
         kv_mamba_slots,
         kv_private_tokens,
@@ -108,6 +108,8 @@ CONFIGS = [
     pytest.param((True, 1, "no_buffer"), id="mamba-page1-no_buffer"),
     pytest.param((True, 1, "extra_buffer"), id="mamba-page1-extra_buffer"),
     pytest.param((True, 16, "extra_buffer"), id="mamba-page16-extra_buffer"),
+    # Overlap scheduling (SGLang's default) gives extra_buffer two tracking slots.
+    pytest.param((True, 16, "extra_buffer+overlap"), id="mamba-page16-extra_buffer-overlap"),
 ]
 
 
@@ -167,6 +169,7 @@ class Env:
 
 def build(hybrid: bool, page_size: int, strategy: str, **server: Any) -> Env:
     """Build the backend as ``--radix-cache-backend radixcache`` does, through the registry."""
+    strategy, _, overlap = strategy.partition("+")
     extra_buffer = hybrid and strategy == "extra_buffer"
     args = ServerArgs(
         model_path="dummy",
@@ -204,7 +207,7 @@ def build(hybrid: bool, page_size: int, strategy: str, **server: Any) -> Env:
             mamba_layer_ids=layers,
             enable_mamba_extra_buffer=extra_buffer,
             speculative_num_draft_tokens=None,
-            enable_overlap_schedule=False,
+            enable_overlap_schedule=bool(overlap),
         )
         kv_pool = HybridLinearKVPool(
             size=KV_SLOTS,
@@ -638,4 +641,30 @@ def test_waiting_order_groups_requests_by_matched_node(env: Env) -> None:
     assert tree.dfs_weight_order(handles) == [1, 2, 4, 0, 3]
     tree.touch_prefix(RadixKey(array("q", a)))  # recency only: nothing taken
     env.check()
+    env.drained()
+
+
+@pytest.mark.parametrize(
+    ("previous", "cached"),
+    [(128, 128), (None, 0)],
+    ids=["earlier-state-fits", "no-state-fits"],
+)
+def test_a_finished_request_whose_last_state_overshot_gives_the_earlier_one(
+    previous: int | None, cached: int
+) -> None:
+    env = build(True, 16, "extra_buffer+overlap")
+    p = prompt(200, seed=110)
+    req = admit(env, new_req(env, p, max_new=4))
+    prefill(env, [req])  # caches 192 with its tracked state, keeps running
+    assert req.kv.cache_protected_len == 192
+    # The latest tracked state ran past what will be cached (as after a stop that lands
+    # before the last committed token); the other tracking slot holds `previous`.
+    req.kv.mamba_last_track_seqlen = 256
+    req.kv.mamba_prev_track_seqlen = previous
+    states = env.tree.mamba_evictable_size() + env.tree.mamba_protected_size()
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    finish(env, req)
+    assert env.tree.mamba_evictable_size() == states + (1 if cached else 0)
+    probe = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", p[:150]))))
+    assert probe.device_prefix_len == cached
     env.drained()
