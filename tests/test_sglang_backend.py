@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
 import warnings
 from array import array
 from pathlib import Path
@@ -39,8 +38,7 @@ def _load_shim() -> Any:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["_sglang_shim"] = module
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # not in sys.modules: benches/vs_sglang.py loads its own
     return module
 
 
