@@ -539,9 +539,11 @@ def test_reports_and_reset(env: Env, capsys: pytest.CaptureFixture[str]) -> None
     env.tree.pretty_print()
     assert capsys.readouterr().out
     assert env.tree.take_events() == []
-    assert env.tree.total_size() == env.tree.evictable_size()
+    kv, states = env.tree.total_size()
+    assert kv == env.tree.evictable_size()
+    assert states == env.tree.mamba_evictable_size()
     env.tree.reset()
-    assert env.tree.total_size() == 0
+    assert env.tree.total_size() == (0, 0)
     env.allocator.clear()
     env.rows.clear()
     env.check()

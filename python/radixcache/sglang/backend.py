@@ -535,9 +535,10 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         """States in the tree protected by locks."""
         return self.cache.stats()["mamba_protected_states"] if self._hybrid else 0
 
-    def total_size(self) -> int:
-        """Device KV tokens in the tree."""
-        return self.cache.total_size()
+    def total_size(self) -> tuple[int, int]:
+        """``(KV tokens, states)`` in the tree, as SGLang's unified cache reports them."""
+        states = self.cache.stats()["mamba_cached_states"] if self._hybrid else 0
+        return self.cache.total_size(), states
 
     def available_and_evictable_str(self) -> str:
         """Free and evictable KV tokens (and states), as SGLang logs them."""
