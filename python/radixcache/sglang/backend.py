@@ -171,7 +171,6 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             # A state SGLang tracks during prefill lies a whole number of Mamba chunks
             # past the request's prefix, on a page boundary.
             self._grid = math.lcm(mamba_cache_chunk_size(), self.page_size)
-        self._namespaces: dict[tuple[str | None, str | None], str | None] = {}
         self._receipts: dict[int, Lock] = {}
         self._next_receipt = 0
         if params.enable_metrics:
@@ -199,14 +198,12 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         """Return the root handle of `extra_key`'s namespace."""
         return self.cache.match_prefix((), namespace=self._namespace(extra_key, None)).node
 
-    def _namespace(self, extra_key: str | None, cache_salt: str | None) -> str | None:
-        key = (extra_key, cache_salt or None)
-        try:
-            return self._namespaces[key]
-        except KeyError:
-            name = None if key == (None, None) else repr(key)
-            self._namespaces[key] = name
-            return name
+    @staticmethod
+    def _namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+        """Return the namespace of (``extra_key``, ``cache_salt``); None for neither."""
+        if extra_key is None and not cache_salt:
+            return None
+        return repr((extra_key, cache_salt or None))
 
     # ------------------------------------------------------------------ slots back to SGLang
 
