@@ -168,6 +168,13 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             from sglang.srt.runtime_context import mamba_cache_chunk_size
 
             self._mamba_allocator = self.req_to_token_pool.mamba_allocator
+            # Every state slot id as a tensor: a copy-on-write source is a one-element
+            # slice of it (SGLang only reads it), not a new tensor per match.
+            self._mamba_ids = torch.arange(
+                self._mamba_allocator.size + 1,
+                dtype=torch.int64,
+                device=self._mamba_allocator.device,
+            )
             # A state SGLang tracks during prefill lies a whole number of Mamba chunks
             # past the request's prefix, on a page boundary.
             self._grid = math.lcm(mamba_cache_chunk_size(), self.page_size)
@@ -285,9 +292,7 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             if slot is None:
                 return False
             kv.mamba_pool_idx = slot[0]
-        kv.mamba_cow_src_index = torch.tensor(
-            [source], dtype=torch.int64, device=self._mamba_allocator.device
-        )
+        kv.mamba_cow_src_index = self._mamba_ids[source : source + 1]
         kv.mamba_needs_clear = False
         return True
 
