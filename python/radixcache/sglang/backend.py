@@ -179,6 +179,9 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             # past the request's prefix, on a page boundary.
             self._grid = math.lcm(mamba_cache_chunk_size(), self.page_size)
         self._receipts: dict[int, Lock] = {}
+        # SGLang's req_to_token table, and a numpy view of it when it is on the CPU.
+        self._table: Any = None
+        self._table_view: Any = None
         self._next_receipt = 0
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -213,6 +216,16 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         return repr((extra_key, cache_salt or None))
 
     # ------------------------------------------------------------------ slots back to SGLang
+
+    def _row(self, req_pool_idx: int, n: int) -> _Row:
+        """Return the first `n` slots of a request's row (on the CPU a view of it)."""
+        table = self.req_to_token_pool.req_to_token
+        if table is not self._table:
+            self._table = table
+            self._table_view = table.numpy() if table.device.type == "cpu" else None
+        if self._table_view is not None:
+            return self._table_view[req_pool_idx, :n]  # type: ignore[no-any-return]
+        return table[req_pool_idx, :n].cpu().numpy()  # type: ignore[no-any-return]
 
     def _kv_tensor(self, kv: _Array) -> torch.Tensor:
         tensor = torch.from_numpy(kv)
@@ -383,9 +396,7 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         finished = req.finished()
         full = up_to // self.page_size * self.page_size
         tokens = _tokens(req.full_untruncated_fill_ids, full)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        # On the CPU a view of the row: `_insert` writes the tree's slots into both.
-        indices = row[:full].cpu().numpy()
+        indices = self._row(kv.req_pool_idx, full)
         namespace = self._namespace(req.extra_key, req.cache_salt)
         protected = kv.cache_protected_len
         deepest: tuple[int, Node] | None = None
