@@ -74,8 +74,8 @@ class Checksums:
     def _slots(self, req: Any, start: int, end: int) -> Any:
         return self.rows.req_to_token[req.kv.req_pool_idx, start:end].to(self.torch.int64)
 
-    def _physical(self, slot: Any) -> Any:
-        index = self.torch.as_tensor(slot, dtype=self.torch.int64).reshape(-1)
+    def _physical(self, slots: list[int]) -> Any:
+        index = self.torch.tensor(slots, dtype=self.torch.int64)
         return self.rows.translate_mamba_indices(index)
 
     def _note(self, what: str) -> None:
@@ -98,18 +98,37 @@ class Checksums:
         if end > start:
             self.kv[self._slots(req, start, end)] = expected[start:end]
 
-    def check_state(self, slot: Any, value: float, rid: str, where: str) -> None:
-        """Check that the state in `slot` (every layer, every element) is `value`."""
-        assert self.temporal is not None
-        got = self.temporal[:, self._physical(slot)]
-        self.states_checked += 1
-        if not bool((got == value).all()):
-            self.state_mismatches += 1
-            self._note(f"request {rid}, {where}: state slot {int(slot)} does not hold its prefix")
+    def write_kv_at(self, rows: list[int], positions: list[int], values: list[float]) -> None:
+        """Write one token's value per request: position ``positions[i]`` of row ``rows[i]``."""
+        torch = self.torch
+        slots = self.rows.req_to_token[torch.tensor(rows), torch.tensor(positions)]
+        self.kv[slots.to(torch.int64)] = torch.tensor(values, dtype=self.kv.dtype)
 
-    def write_state(self, slot: Any, value: float) -> None:
+    def check_states(
+        self, slots: list[int], values: list[float], rids: list[str], where: str
+    ) -> None:
+        """Check that the state in each slot (every layer, every element) is its value."""
         assert self.temporal is not None
-        self.temporal[:, self._physical(slot)] = value
+        torch = self.torch
+        got = self.temporal[:, self._physical(slots)].transpose(0, 1).reshape(len(slots), -1)
+        want = torch.tensor(values, dtype=got.dtype).unsqueeze(1)
+        ok = (got == want).all(dim=1)
+        self.states_checked += len(slots)
+        if not bool(ok.all()):
+            for i in (~ok).nonzero().flatten().tolist():
+                self.state_mismatches += 1
+                self._note(f"request {rids[i]}, {where}: state slot {slots[i]} is not its prefix's")
+
+    def write_states(self, slots: list[int], values: list[float]) -> None:
+        """Fill each slot's state (every layer, every element) with its value."""
+        assert self.temporal is not None
+        if not slots:
+            return
+        torch = self.torch
+        index = self._physical(slots)
+        shape = [1, len(slots)] + [1] * (self.temporal.dim() - 2)
+        value = torch.tensor(values, dtype=self.temporal.dtype).view(shape)
+        self.temporal[:, index] = value.expand(self.temporal[:, index].shape)
 
     def result(self) -> dict[str, Any]:
         return {

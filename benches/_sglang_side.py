@@ -823,36 +823,52 @@ class _Replay:
         mapping = None
         if tracks:
             mapping = self.req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping
+        slots, starts, rids, ends, tracked, track_values = [], [], [], [], [], []
         for i, live in enumerate(lives):
             req, start, end = live.req, live.req.prefix_len, live.req.extend_end
             sums.check_kv(req, live.kv_values, start, "prefix read by a prefill chunk")
             sums.write_kv(req, live.kv_values, start, end)
             if not self.hybrid:
                 continue
-            slot = req.kv.mamba_pool_idx
-            sums.check_state(slot, live.state_values[start], req.rid, "state a chunk starts from")
-            sums.write_state(slot, live.state_values[end])
+            slots.append(int(req.kv.mamba_pool_idx))
+            starts.append(live.state_values[start])
+            ends.append(live.state_values[end])
+            rids.append(req.rid)
             if mapping is not None and tracks[i].track_mask:
-                track = mapping[req.kv.req_pool_idx, tracks[i].track_position]
-                sums.write_state(track, live.state_values[req.kv.mamba_last_track_seqlen])
+                tracked.append(int(mapping[req.kv.req_pool_idx, tracks[i].track_position]))
+                track_values.append(live.state_values[req.kv.mamba_last_track_seqlen])
+        if slots:
+            sums.check_states(slots, starts, rids, "state a chunk starts from")
+            sums.write_states(slots, ends)
+            sums.write_states(tracked, track_values)
 
     def _forward_decode(self, decoding: list[_Live], batch: Any) -> None:
         """Run the checksum model's decode forward (one token per request)."""
         sums = self.checksums
         assert sums is not None
-        for i, live in enumerate(decoding):
+        rows, positions, values = [], [], []
+        for live in decoding:
             req = live.req
             pos = len(req.origin_input_ids) + len(req.output_ids) - 1  # the token fed
-            sums.write_kv(req, live.kv_values, pos, pos + 1)
-            if not self.hybrid:
-                continue
-            slot = req.kv.mamba_pool_idx
-            sums.check_state(slot, live.state_values[pos], req.rid, "state a decode step reads")
-            sums.write_state(slot, live.state_values[pos + 1])
-            if self.extra_buffer and (pos + 1) % self.track_grid == 0:
-                track = batch.mamba_track_indices[i]
-                if int(track) >= 0:
-                    sums.write_state(track, live.state_values[pos + 1])
+            rows.append(req.kv.req_pool_idx)
+            positions.append(pos)
+            values.append(float(live.kv_values[pos]))
+        sums.write_kv_at(rows, positions, values)
+        if not self.hybrid:
+            return
+        slots = [int(live.req.kv.mamba_pool_idx) for live in decoding]
+        reads = [live.state_values[p] for live, p in zip(decoding, positions)]
+        sums.check_states(slots, reads, [live.req.rid for live in decoding], "state a decode reads")
+        writes = [live.state_values[p + 1] for live, p in zip(decoding, positions)]
+        sums.write_states(slots, writes)
+        if self.extra_buffer:
+            tracks = batch.mamba_track_indices.tolist()
+            due = [
+                i
+                for i, p in enumerate(positions)
+                if (p + 1) % self.track_grid == 0 and tracks[i] >= 0
+            ]
+            sums.write_states([tracks[i] for i in due], [writes[i] for i in due])
 
     def _retract(self, decoding: list[_Live]) -> None:
         """Retract the request SGLang's ``retract_decode`` gives up first, as it does."""
