@@ -1,21 +1,33 @@
-"""SGLang side of ``benches/vs_sglang.py``: a workload replayed through SGLang's prefix cache.
+"""A workload replayed through a tree cache in SGLang's own scheduler code, on the CPU.
 
-`replay_sglang` serves a list of jobs through SGLang 0.5.23's ``UnifiedRadixCache`` on the
-CPU, driving the cache with SGLang's own request object (``Req``) and the calls its
-scheduler makes, in a simplified continuous-batching loop, and times the cache operations
-only. It runs in the SGLang virtual environment. Importing it imports SGLang (an
-``ImportError`` says SGLang is not installed), after `_sglang_shim` has registered its
-placeholders for the heavy packages SGLang's import chain reaches.
+`replay_sglang` serves a list of jobs through a tree cache that SGLang 0.5.23's registry
+builds (its own ``UnifiedRadixCache`` on either tree core, or any ``--radix-cache-backend``
+by name: benches/sglang_backend.py proves radixcache's backend this way), driving it with
+SGLang's own request object (``Req``) and the calls its scheduler makes, in a simplified
+continuous-batching loop, and times the cache operations only. benches/vs_sglang.py and
+benches/sglang_backend.py run it. Importing it imports SGLang (an ``ImportError`` says
+SGLang is not installed), after `_sglang_shim` has registered its placeholders for the
+heavy packages SGLang's import chain reaches.
 
-The cache is built as SGLang's ``kv_cache_configurator`` builds it for a one-device server
-and as SGLang's unit tests build their fixtures: a ``ReqToTokenPool`` and an
+The pools are built as SGLang's ``kv_cache_configurator`` builds them for a one-device
+server and as SGLang's unit tests build their fixtures: a ``ReqToTokenPool`` and an
 ``MHATokenToKVPool`` (attention only), or a ``HybridReqToTokenPool`` with a small Mamba2
 state shape and a ``HybridLinearKVPool`` (hybrid); a ``TokenToKVPoolAllocator`` at page
-size 1, a ``PagedTokenToKVPoolAllocator`` above; ``CacheInitParams(tree_core_backend=...)``
-picks the tree core (the Python ``UnifiedTreeCore`` or the bundled Rust one). The server
-arguments are published as the unit tests do (``ServerArgs(model_path="dummy", ...)``,
-attention backend ``torch_native``, so every ``req_to_token`` write takes SGLang's torch
-path, no Triton kernel).
+size 1, a ``PagedTokenToKVPoolAllocator`` above. The tree cache is built as the
+scheduler's cache builder builds it: the plugins of the entry-point group
+``sglang.srt.plugins`` loaded first, then the registry's ``create_tree_cache`` with a
+``TreeCacheBuildContext`` (no tensor-parallel worker, no model config), which reads the
+published server arguments: ``radix_cache_backend`` set to the backend's name, or unset for
+SGLang's default chain, where ``CacheInitParams(tree_core_backend=...)`` picks the tree
+core (the Python ``UnifiedTreeCore`` or the bundled Rust one). The server arguments are
+published as the unit tests do (``ServerArgs(model_path="dummy", ...)``, attention
+backend ``torch_native``, so every ``req_to_token`` write takes SGLang's torch path, no
+Triton kernel).
+
+With ``verify=True`` the replay also runs the checksum model over SGLang's real KV and
+Mamba pool tensors and SGLang's pool invariant checks after every step
+(benches/_sglang_proof.py), outside the timed calls; with ``retract_every=N`` it retracts
+a decoding request every N decode steps (below).
 
 The loop (deterministic; the radixcache side runs the same one), each step:
 
@@ -53,7 +65,12 @@ The loop (deterministic; the radixcache side runs the same one), each step:
    lengths), then the next output token is appended and ``req.update_finish_state()``
    run. A request that has produced all its output is finished (``FINISH_LENGTH``) and
    released with ``release_kv_cache(req, tree_cache, checkpoint=True)``, which inserts
-   it into the tree, unlocks it and frees its request row.
+   it into the tree, unlocks it and frees its request row. With ``retract_every`` N,
+   every N-th decode step first retracts one request (if more than one decodes): the
+   one SGLang's ``retract_decode`` gives up first (its retraction order), through
+   SGLang's ``release_req`` (``release_kv_cache(..., checkpoint=False)``, an eviction for
+   the requests left, ``reset_for_retract``); it goes back to the head of the queue and
+   is later matched and prefilled again, its prompt and its output so far.
 
 Hybrid caches run SGLang's Mamba radix-cache strategy ``extra_buffer``: what SGLang's
 ``auto`` strategy resolves to for models that support it whenever overlap scheduling
@@ -77,8 +94,8 @@ budget per prefill batch and does not decode in a step that prefills (0.374).
 Timed (``time.perf_counter_ns`` around each call; Python's garbage collector is off during
 the replay): the match, lock and unlock, the rejected admission's Mamba free,
 ``alloc_for_extend`` and ``alloc_for_decode`` (request rows, Mamba slots, KV allocation
-with eviction, ``req_to_token`` writes), ``checkpoint_kv_cache`` and
-``release_kv_cache``. Each call is charged to its request; a batch's allocation (prefill
+with eviction, ``req_to_token`` writes), ``checkpoint_kv_cache``, ``release_kv_cache``
+and a retraction's ``release_req``. Each call is charged to its request; a batch's allocation (prefill
 or decode) is split evenly over the requests of its batch. Each timed call is also split
 (`Meter`, benches/_sglang_meter.py) into the allocator's part and the rest. The
 allocator's part: every call into SGLang's KV slot allocator, Mamba slot allocator and
