@@ -116,6 +116,7 @@ CONSTRUCTOR = [
     ("host_mamba_slots", 0),
     ("write_policy", "write_through"),
     ("write_through_threshold", None),
+    ("pools", "cache"),
 ]
 
 
@@ -534,7 +535,10 @@ def test_evict_more_than_evictable_takes_what_it_can(cache: rc.HybridCache) -> N
     ev = cache.evict(kv_tokens=1000, mamba_states=5)
     assert (ev.kv_tokens, ev.mamba_states) == (2, 0)
     assert cache.evictable_size() == 0
-    assert repr(ev) == "Evicted(kv_tokens=2, mamba_states=0)"
+    assert repr(ev) == (
+        "Evicted(kv_tokens=2, mamba_states=0, kv_indices=array([], dtype=int64), "
+        "mamba_slots=array([], dtype=int64))"
+    )
     cache.unlock(lk)
 
 

@@ -487,7 +487,7 @@ pub fn serve_request(cache: &mut Cache, prompt: &[u32], answer: &[u32]) {
 ///
 /// When the admission is refused.
 pub fn admit_acked(cache: &mut Cache, prompt: &[u32]) -> (RequestId, usize) {
-    let Some(id) = cache.admit(None, prompt) else {
+    let Ok(Some(id)) = cache.admit(None, prompt) else {
         panic!("admission refused");
     };
     complete_all(cache);

@@ -491,6 +491,7 @@ fn config_of(c: &Cfg) -> Config {
         host_mamba_slots,
         write_policy,
         write_through_threshold,
+        ..Config::default()
     }
 }
 
@@ -780,7 +781,10 @@ impl H {
     }
 
     fn alloc_mamba(&mut self) -> Option<u32> {
-        let s = self.c.alloc_mamba()?;
+        let s = self
+            .c
+            .alloc_mamba()
+            .unwrap_or_else(|e| panic!("alloc_mamba on a cache that owns its pools: {e}"))?;
         assert!(
             self.held_mamba.insert(s),
             "alloc_mamba returned {s}, held already"
@@ -1266,7 +1270,7 @@ impl H {
                 self.other.audit().unwrap();
             }
             2 => {
-                let Some(id) = self.other.admit(None, &[1, 2]) else {
+                let Ok(Some(id)) = self.other.admit(None, &[1, 2]) else {
                     panic!("the other cache refused an admission")
                 };
                 refused(self.c.abort(id));
@@ -1356,7 +1360,10 @@ impl H {
             }
             Op::EvictHost { kv, mamba } => {
                 let device = (self.c.available_kv(), self.c.total_size());
-                let ev = self.c.evict_host(usize::from(*kv), usize::from(*mamba));
+                let ev = self
+                    .c
+                    .evict_host(usize::from(*kv), usize::from(*mamba))
+                    .unwrap_or_else(|e| panic!("evict_host with a host tier: {e}"));
                 assert_eq!((self.c.available_kv(), self.c.total_size()), device);
                 if ev.kv_tokens < usize::from(*kv) {
                     let left = self
@@ -1369,7 +1376,11 @@ impl H {
             }
             Op::Admit { ns, toks } => {
                 let t = self.resolve(*ns, toks);
-                if let Some(id) = self.c.admit(ns_of(*ns), &t) {
+                if let Some(id) = self
+                    .c
+                    .admit(ns_of(*ns), &t)
+                    .unwrap_or_else(|e| panic!("admit on a cache that owns its pools: {e}"))
+                {
                     if let Ok(v) = self.c.request(id) {
                         assert!(v.prefix_len <= t.len() && v.len == v.prefix_len, "{v:?}");
                         self.remember_node(v.node);

@@ -132,7 +132,7 @@ class Insert:
 
 @final
 class Evicted:
-    """What ``HybridCache.evict`` actually evicted."""
+    """What ``HybridCache.evict`` actually evicted, and with ``pools="engine"`` the slots."""
 
     @property
     def kv_tokens(self) -> int:
@@ -140,6 +140,16 @@ class Evicted:
     @property
     def mamba_states(self) -> int:
         """Device Mamba states freed."""
+    @property
+    def kv_indices(self) -> npt.NDArray[np.int64]:
+        """``pools="engine"``: every slot of every KV page freed, the engine's now.
+
+        Empty with ``pools="cache"`` (the pages went to the cache's free list) and from
+        ``evict_host``.
+        """
+    @property
+    def mamba_slots(self) -> npt.NDArray[np.int64]:
+        """``pools="engine"``: the state slots freed, the engine's now (else empty)."""
 
 @final
 class Lock:
@@ -405,6 +415,19 @@ class HybridCache:
             to back up to).
         write_through_threshold: inserts before a selective backup (>= 1; default 2).
             Only with ``"write_through_selective"``: the other policies refuse it.
+        pools: who owns the device slots. ``"cache"`` (the default): the cache's own
+            pools hand them out (``alloc_kv``, ``alloc_mamba``, requests). ``"engine"``:
+            the engine's allocators own every slot, each starting as the engine's;
+            ``insert`` claims the slots it is passed, and every slot the tree gives up
+            goes back to the engine exactly once: ``evict`` returns the slots it freed
+            (``Evicted.kv_indices``, ``Evicted.mamba_slots``), and the rest (pages of
+            tokens cached already, an unaligned tail, a state the tree does not keep)
+            is queued for ``take_freed()``. No host tier (``host_kv_slots`` and
+            ``host_mamba_slots`` must be 0), and the calls that allocate from the
+            cache's pools or give slots back to them raise ``CacheError``:
+            ``alloc_kv``, ``free_kv``, ``alloc_mamba``, ``free_mamba``, ``admit``,
+            ``extend``, ``extend_batch``, ``checkpoint``, ``finish``, ``abort``,
+            ``load_back``, ``evict_host``.
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -432,6 +455,7 @@ class HybridCache:
         host_mamba_slots: int = 0,
         write_policy: str = "write_through",
         write_through_threshold: int | None = None,
+        pools: Literal["cache", "engine"] = "cache",
     ) -> HybridCache: ...
     @property
     def page_size(self) -> int:
@@ -454,6 +478,9 @@ class HybridCache:
     @property
     def write_through_threshold(self) -> int | None:
         """Inserts before a selective backup (None unless the policy is selective)."""
+    @property
+    def pools(self) -> Literal["cache", "engine"]:
+        """Who owns the device slots: ``"cache"`` (its own pools) or ``"engine"``."""
     def load_back(
         self,
         target: Node | Request,
@@ -512,6 +539,12 @@ class HybridCache:
         is freed when that node has a state (``mamba_existed``) or when ``tokens`` has
         an unaligned tail (the state then matches no node's end). Bad arguments raise
         ``ValueError``/``TypeError`` naming the argument and change nothing.
+
+        With ``pools="engine"`` the slots handed over (``kv_indices[owned_from:]``,
+        ``mamba_slot``) come from the engine's allocators and must be the engine's: a
+        slot in the tree, queued for ``take_freed``, out of range or listed twice
+        raises ``ValueError`` naming the argument. What the cache does not keep is
+        queued for ``take_freed()`` instead of freed.
         """
     def lock(self, node: Node) -> Lock:
         """Protect the path from ``node`` to the root from eviction; returns the receipt.
@@ -534,6 +567,16 @@ class HybridCache:
         the same pass; a leaf's state goes with its KV. Mamba: unlocked states by last
         use; an internal node's state (or a KV-locked leaf's) is dropped and the node
         kept as a tombstone, an unlocked leaf is deleted with its KV.
+
+        With ``pools="engine"`` the slots freed are the engine's on return, listed in
+        ``Evicted.kv_indices`` and ``Evicted.mamba_slots`` (not queued).
+        """
+    def take_freed(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``pools="engine"``: hand the queued slots back, as ``(kv slots, state slots)``.
+
+        Every slot of every queued KV page, and every queued state slot, is returned
+        once and is the engine's from then on; a second call returns only what was
+        queued since. With ``pools="cache"`` nothing is ever queued: two empty arrays.
         """
     def evict_host(self, *, kv_tokens: int = 0, mamba_states: int = 0) -> Evicted:
         """Evict host-only data: at least that much (or all that is evictable), LRU first.
@@ -542,6 +585,9 @@ class HybridCache:
         returns what left the host tier. Nodes with device data keep their host copies:
         ``evict`` them from the device first (which demotes them). ``evict`` then
         ``evict_host`` with each pool's size clears the cache.
+
+        Raises:
+            CacheError: ``pools="engine"`` (no host tier).
         """
     def alloc_kv(self, n: int) -> npt.NDArray[np.int64] | None:
         """``n`` device KV slots (a multiple of ``page_size``), evicting first when short.
@@ -684,9 +730,9 @@ class HybridCache:
     def total_size(self) -> int:
         """Device KV tokens in the tree."""
     def available_kv(self) -> int:
-        """Free device KV slots."""
+        """Free device KV slots (``pools="engine"``: slots queued for ``take_freed``)."""
     def available_mamba(self) -> int:
-        """Free device Mamba state slots (0 without a Mamba pool)."""
+        """Free device Mamba state slots (0 without a Mamba pool; ``pools="engine"``: queued)."""
     def stats(self) -> dict[str, int]:
         """Counters and gauges, by name.
 
@@ -701,6 +747,12 @@ class HybridCache:
         free. ``kv_evicting_tokens``: device tokens an eviction chose under write-back,
         free once their backups land. ``kv_retired_slots`` / ``mamba_retired_slots``:
         request slots a failed copy took from live requests, free when they end.
+
+        With ``pools="engine"`` the free slots are those queued for ``take_freed`` and
+        the caller slots are the engine's; ``kv_engine_slots``, ``kv_queued_slots``,
+        ``mamba_engine_slots`` and ``mamba_queued_slots`` say so by name (0 with
+        ``pools="cache"``), and ``kv_slots_returned`` / ``mamba_slots_returned`` count
+        the slots handed back to the engine by ``evict`` and ``take_freed``.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""

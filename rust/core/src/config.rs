@@ -53,6 +53,51 @@ impl FromStr for WritePolicy {
     }
 }
 
+/// Who owns the device slots: the cache's own allocator, or the engine's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolOwner {
+    /// The cache's pools hand out slots (`alloc_kv`, `alloc_mamba`, requests) and take
+    /// them back.
+    #[default]
+    Cache,
+    /// The engine's allocators own every device slot: each starts with the engine,
+    /// `insert` claims the slots it is passed, and what the tree gives up is queued for
+    /// [`crate::Cache::take_freed`] or returned by [`crate::Cache::evict`]. No host
+    /// tier, and the calls that allocate from the cache's pools are refused.
+    Engine,
+}
+
+impl PoolOwner {
+    /// The name used in the Python API (`pools=`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolOwner::Cache => "cache",
+            PoolOwner::Engine => "engine",
+        }
+    }
+}
+
+impl fmt::Display for PoolOwner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PoolOwner {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<PoolOwner> {
+        match s {
+            "cache" => Ok(PoolOwner::Cache),
+            "engine" => Ok(PoolOwner::Engine),
+            other => Err(Error::arg(
+                "pools",
+                format!("unknown owner {other:?}; expected \"cache\" or \"engine\""),
+            )),
+        }
+    }
+}
+
 /// Sizes and policies of a cache. Field names match the Python constructor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -72,6 +117,8 @@ pub struct Config {
     /// Inserts before a selective backup; only with
     /// [`WritePolicy::WriteThroughSelective`] (`None`: the default, 2).
     pub write_through_threshold: Option<u32>,
+    /// Who owns the device slots ([`PoolOwner::Engine`]: the engine's allocators).
+    pub pools: PoolOwner,
 }
 
 impl Default for Config {
@@ -84,6 +131,7 @@ impl Default for Config {
             host_mamba_slots: 0,
             write_policy: WritePolicy::WriteThrough,
             write_through_threshold: None,
+            pools: PoolOwner::Cache,
         }
     }
 }
@@ -134,6 +182,22 @@ impl Config {
         }
         if self.kv_slots == 0 {
             return Err(Error::arg("kv_slots", "must be at least one page"));
+        }
+        if self.pools == PoolOwner::Engine {
+            for (name, slots) in [
+                ("host_kv_slots", self.host_kv_slots),
+                ("host_mamba_slots", self.host_mamba_slots),
+            ] {
+                if slots > 0 {
+                    return Err(Error::arg(
+                        name,
+                        format!(
+                            "{slots} requested with pools=\"engine\", which has no host tier; \
+                             pass 0"
+                        ),
+                    ));
+                }
+            }
         }
         if let Some(t) = self.write_through_threshold {
             if t == 0 {
@@ -280,5 +344,70 @@ mod tests {
         .validate()
         .is_ok());
         assert!(Config::kv(64, 4).validate().is_ok());
+    }
+
+    #[test]
+    fn engine_owned_pools_refuse_a_host_tier_naming_the_argument() {
+        let engine = |c: Config| Config {
+            pools: PoolOwner::Engine,
+            ..c
+        };
+        for (config, arg) in [
+            (
+                engine(Config {
+                    host_kv_slots: 8,
+                    ..Config::kv(8, 1)
+                }),
+                "host_kv_slots",
+            ),
+            (
+                engine(Config {
+                    mamba_slots: 2,
+                    host_kv_slots: 8,
+                    host_mamba_slots: 2,
+                    ..Config::kv(8, 1)
+                }),
+                "host_kv_slots",
+            ),
+        ] {
+            let err = config.validate().unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument { arg: a, reason } if *a == arg
+                    && reason.contains("pools=\"engine\"")),
+                "{err}"
+            );
+        }
+        // Without a host KV tier a host state tier is refused as before, naming it.
+        let err = engine(Config {
+            mamba_slots: 2,
+            host_mamba_slots: 2,
+            ..Config::kv(8, 1)
+        })
+        .validate()
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument { arg: "host_mamba_slots", reason }
+                if reason.contains("pools=\"engine\"")),
+            "{err}"
+        );
+        assert!(engine(Config {
+            mamba_slots: 4,
+            ..Config::kv(8, 2)
+        })
+        .validate()
+        .is_ok());
+    }
+
+    #[test]
+    fn parses_and_names_pool_owners() {
+        for o in [PoolOwner::Cache, PoolOwner::Engine] {
+            assert_eq!(o.as_str().parse::<PoolOwner>(), Ok(o));
+            assert_eq!(o.to_string(), o.as_str());
+        }
+        let err = "sglang".parse::<PoolOwner>().unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument { arg: "pools", reason } if reason.contains("\"engine\"")),
+            "{err}"
+        );
     }
 }

@@ -39,6 +39,14 @@ pub enum Error {
          longer be used; build a new cache (and please report the error)"
     )]
     Broken(String),
+    /// A call that allocates from the cache's own pools or gives slots back to them, on a
+    /// cache whose slots the engine owns (`pools="engine"`; Python: `CacheError`). The
+    /// field names the call.
+    #[error(
+        "{0} is not available with pools=\"engine\": the engine's allocators own the \
+         slots (insert claims them; evict and take_freed hand them back)"
+    )]
+    EngineOwned(&'static str),
     /// Memory for an argument could not be had (Python: `MemoryError`).
     #[error("{arg}: {reason}")]
     OutOfMemory {

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::cache::{Abandoned, Cache, LoadRecord, LoadTarget, LockReceipt, TransferBatch};
-use crate::config::Config;
+use crate::config::{Config, PoolOwner};
 use crate::error::{Error, Result};
 use crate::ids::{BatchId, NodeId, RequestId};
 
@@ -86,6 +86,8 @@ impl Shared {
 #[derive(Clone)]
 pub struct HybridCache {
     core: Arc<Mutex<Shared>>,
+    /// The engine owns the slots (`pools="engine"`): no request can exist.
+    engine_owned: bool,
 }
 
 impl fmt::Debug for HybridCache {
@@ -100,11 +102,13 @@ impl fmt::Debug for HybridCache {
 impl HybridCache {
     /// A cache with the given configuration (errors name the bad argument).
     pub fn new(config: Config) -> Result<HybridCache> {
+        let engine_owned = config.pools == PoolOwner::Engine;
         Ok(HybridCache {
             core: Arc::new(Mutex::new(Shared {
                 cache: Cache::new(config)?,
                 broken: None,
             })),
+            engine_owned,
         })
     }
 
@@ -166,7 +170,7 @@ impl HybridCache {
     /// Admits a request (see [`Cache::admit`]); the returned handle aborts the request if
     /// it is dropped while the request is live. `None`: no state slot for its copy.
     pub fn admit(&self, namespace: Option<&str>, tokens: &[u32]) -> Result<Option<Request>> {
-        let id = self.with(|c| c.admit(namespace, tokens))?;
+        let id = self.call(|c| c.admit(namespace, tokens))?;
         id.map(|id| self.own_request(id)).transpose()
     }
 
@@ -187,8 +191,13 @@ impl HybridCache {
         }
     }
 
-    /// The request's id in this cache, or an error for a request of another cache.
-    pub fn request_id(&self, request: &Request) -> Result<RequestId> {
+    /// The request's id in this cache for `call` (the request call it is for), or an
+    /// error for a request of another cache. With engine-owned pools no request can be
+    /// this cache's: `call` is refused ([`Error::EngineOwned`]).
+    pub fn request_id(&self, request: &Request, call: &'static str) -> Result<RequestId> {
+        if self.engine_owned {
+            return Err(Error::EngineOwned(call));
+        }
         if self.same_cache(&request.cache) {
             Ok(request.id)
         } else {
@@ -209,7 +218,9 @@ impl HybridCache {
         mem_quota: Option<usize>,
         request: Option<&Request>,
     ) -> Result<Option<LoadBack>> {
-        let request = request.map(|r| self.request_id(r)).transpose()?;
+        let request = request
+            .map(|r| self.request_id(r, "load_back"))
+            .transpose()?;
         self.guard(LoadTarget::Node(node), mem_quota, request)
     }
 
@@ -219,7 +230,7 @@ impl HybridCache {
         request: &Request,
         mem_quota: Option<usize>,
     ) -> Result<Option<LoadBack>> {
-        let id = self.request_id(request)?;
+        let id = self.request_id(request, "load_back")?;
         self.guard(LoadTarget::Request(id), mem_quota, None)
     }
 
@@ -697,7 +708,7 @@ mod tests {
         let node = c
             .with(|core| {
                 let slots = core.alloc_kv(4).unwrap().unwrap();
-                let state = core.alloc_mamba().map(i64::from);
+                let state = core.alloc_mamba().unwrap().map(i64::from);
                 let node = core
                     .insert_with_state(None, &[1, 2, 3, 4], &slots, 0, state)
                     .unwrap()
@@ -812,7 +823,7 @@ mod tests {
         .unwrap();
         c.with(|core| {
             let slots = core.alloc_kv(4).unwrap().unwrap();
-            let state = core.alloc_mamba().map(i64::from);
+            let state = core.alloc_mamba().unwrap().map(i64::from);
             core.insert_with_state(None, &[1, 2, 3, 4], &slots, 0, state)
                 .unwrap();
         })

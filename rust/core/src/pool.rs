@@ -12,6 +12,11 @@
 //! which returns the pages to the free list. Nothing is "allocated, then hopefully
 //! freed later".
 //!
+//! A pool whose slots the engine owns (`pools="engine"`) starts with every page in the
+//! `Caller` state (the engine's), and its free list is the "to free" queue: pages the
+//! tree gave up, waiting to go back to the engine ([`Pool::take_queued`]). Nothing is
+//! allocated from such a pool.
+//!
 //! Every change of a page's state or pins is checked, in release builds too: a change
 //! the books do not allow (a page moved from a state it is not in, freed twice, unpinned
 //! more often than pinned, a page of another pool) can only come from a bug, and it is
@@ -25,17 +30,19 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::config::PoolOwner;
 use crate::error::{Error, Result};
 
 /// Where a page is. Exactly one state per page at every moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum PageState {
-    /// On the free list.
+    /// On the free list (engine-owned pools: queued to go back to the engine).
     Free,
     /// Held by a live [`Pages`] value (a request, a guard, an operation in progress).
     Owned,
-    /// Handed to a caller as raw indices; the caller gives it back by `free` or `insert`.
+    /// Handed to a caller as raw indices; the caller gives it back by `free` or `insert`
+    /// (engine-owned pools: the engine's, which every page is at first).
     Caller,
     /// Published into the radix tree.
     Tree,
@@ -106,10 +113,14 @@ impl PoolCounts {
 }
 
 /// The books of a pool. They cover only the pages handed out at least once (`state` and
-/// `pins` have one entry per such page): the pages from there on are free and have
-/// never been used, so a pool costs memory in proportion to its high-water mark, not to
-/// its size (a pool of 2**32 - 1 slots is made at once and costs nothing until used).
+/// `pins` have one entry per such page): the pages from there on have never been used
+/// and are in the pool's first state (free; the engine's when the engine owns the
+/// slots), so a pool costs memory in proportion to its high-water mark, not to its size
+/// (a pool of 2**32 - 1 slots is made at once and costs nothing until used).
 struct PoolInner {
+    /// The state of a page never used ([`PageState::Free`], or [`PageState::Caller`]
+    /// when the engine owns the slots).
+    untouched: PageState,
     /// Pages given back, handed out again first (a stack: O(1) per page).
     free: Vec<u32>,
     /// Per page handed out at least once (`state.len()` pages): its state.
@@ -131,9 +142,25 @@ impl PoolInner {
         let i = p as usize;
         match self.state.get(i) {
             Some(&s) => Some(s),
-            None if i < pages => Some(PageState::Free),
+            None if i < pages => Some(self.untouched),
             None => None,
         }
+    }
+
+    /// Extends the books to cover page `p` (in range, checked by the caller): the pages
+    /// added are in their first state. False when memory for them cannot be had.
+    fn cover(&mut self, p: u32) -> bool {
+        let need = (p as usize + 1).saturating_sub(self.state.len());
+        if need == 0 {
+            return true;
+        }
+        if self.state.try_reserve(need).is_err() || self.pins.try_reserve(need).is_err() {
+            return false;
+        }
+        let len = p as usize + 1;
+        self.state.resize(len, self.untouched);
+        self.pins.resize(len, 0);
+        true
     }
 
     /// Moves page `page` (in state `from`, checked by the caller) to `to`.
@@ -268,6 +295,8 @@ struct PoolShared {
     name: &'static str,
     page_size: usize,
     pages: usize,
+    /// The engine owns the slots (see the module's documentation).
+    engine: bool,
     inner: Mutex<PoolInner>,
     /// Where an illegal transition is recorded (shared by the pools of one cache).
     fault: Arc<Fault>,
@@ -299,16 +328,18 @@ impl Pool {
     /// A pool of `slots` slots in pages of `page_size`. `name` is the argument that
     /// configured it, used in error messages (`"kv_slots"`, `"mamba_slots"`, ...).
     pub fn new(name: &'static str, slots: usize, page_size: usize) -> Result<Pool> {
-        Pool::with_fault(name, slots, page_size, Arc::default())
+        Pool::with_fault(name, slots, page_size, Arc::default(), PoolOwner::Cache)
     }
 
     /// [`Pool::new`] recording illegal transitions in `fault` (the cache's pools share
-    /// one, so that checking it once covers them all).
+    /// one, so that checking it once covers them all), its pages first `owner`'s (every
+    /// page free, or every page the engine's).
     pub(crate) fn with_fault(
         name: &'static str,
         slots: usize,
         page_size: usize,
         fault: Arc<Fault>,
+        owner: PoolOwner,
     ) -> Result<Pool> {
         if page_size == 0 {
             return Err(Error::arg("page_size", "must be at least 1"));
@@ -323,20 +354,25 @@ impl Pool {
             return Err(Error::arg(name, format!("{slots} exceeds 2**32 - 1 slots")));
         }
         let pages = slots / page_size;
+        let mut counts = PoolCounts::default();
+        let untouched = match owner {
+            PoolOwner::Cache => PageState::Free,
+            PoolOwner::Engine => PageState::Caller,
+        };
+        *counts.slot(untouched) = pages;
         let inner = PoolInner {
+            untouched,
             free: Vec::new(),
             state: Vec::new(),
             pins: Vec::new(),
-            counts: PoolCounts {
-                free: pages,
-                ..PoolCounts::default()
-            },
+            counts,
         };
         Ok(Pool {
             shared: Arc::new(PoolShared {
                 name,
                 page_size,
                 pages,
+                engine: owner == PoolOwner::Engine,
                 inner: Mutex::new(inner),
                 fault,
             }),
@@ -353,7 +389,13 @@ impl Pool {
         self.shared.pages
     }
 
-    /// Pages on the free list now.
+    /// Whether the engine owns the slots (every page starts as the engine's, the free
+    /// list is the queue of pages to hand back to it).
+    pub fn engine_owned(&self) -> bool {
+        self.shared.engine
+    }
+
+    /// Pages on the free list now (engine-owned pools: queued for the engine).
     pub fn free_pages(&self) -> usize {
         self.shared.inner.lock().counts.free
     }
@@ -458,6 +500,18 @@ impl Pool {
                 };
                 return Err(Error::arg(arg, self.describe(p, state)));
             }
+            if !inner.cover(p) {
+                for &q in &pages[..i] {
+                    inner.state[q as usize] = PageState::Caller;
+                }
+                return Err(Error::OutOfMemory {
+                    arg,
+                    reason: format!(
+                        "cannot extend the books of {} to page {p}",
+                        self.shared.name
+                    ),
+                });
+            }
             // Marked at once, so that a second mention of the page is caught.
             inner.state[p as usize] = PageState::Owned;
         }
@@ -490,6 +544,39 @@ impl Pool {
             }
         }
         Ok(freed)
+    }
+
+    /// Pages on the free list now, in the order they joined it (the queue of an
+    /// engine-owned pool; [`Pool::take_queued`] takes them from a position on).
+    pub(crate) fn queued_len(&self) -> usize {
+        self.shared.inner.lock().free.len()
+    }
+
+    /// Hands the pages that joined the free list from position `from` on (see
+    /// [`Pool::queued_len`]) to the caller: each leaves the list once, in the order it
+    /// joined, and is the caller's (the engine's) from then on.
+    pub(crate) fn take_queued(&self, from: usize) -> Vec<u32> {
+        let mut inner = self.shared.inner.lock();
+        let from = from.min(inner.free.len());
+        let pages: Vec<u32> = inner.free.drain(from..).collect();
+        let moved = inner.move_all(&pages, PageState::Free, PageState::Caller);
+        if moved.is_err() {
+            // The list held a page that is not free: none of it is handed out.
+            inner.free.extend_from_slice(&pages);
+            drop(inner);
+            self.illegal(moved);
+            return Vec::new();
+        }
+        pages
+    }
+
+    /// Lists the last queued page a second time (what a bug would do; audit tests).
+    #[cfg(test)]
+    pub(crate) fn corrupt_queue_for_tests(&self) {
+        let mut inner = self.shared.inner.lock();
+        if let Some(&p) = inner.free.last() {
+            inner.free.push(p);
+        }
     }
 
     /// Frees pages the tree owned (eviction). Crate-internal: the tree is the only owner
@@ -567,11 +654,19 @@ impl Pool {
                 (page as usize + 1) * ps
             )
         };
+        let engine = self.shared.engine;
         match state {
             None => format!(
                 "{what} is out of range for a pool of {} slots",
                 self.shared.pages * ps
             ),
+            Some(PageState::Free) if engine => format!(
+                "{what} is queued to go back to the engine (take_freed hands it back), so \
+                 it is not the engine's"
+            ),
+            Some(PageState::Tree) if engine => {
+                format!("{what} is in the cache's tree, not the engine's")
+            }
             Some(PageState::Free) => format!("{what} is not allocated (double free?)"),
             Some(PageState::Tree) => format!("{what} is owned by the cache, not by the caller"),
             Some(PageState::Owned) => format!("{what} is held by a request or transfer"),
@@ -594,7 +689,7 @@ impl Pool {
             *counts.slot(s) += 1;
         }
         let never_used = self.shared.pages - inner.used();
-        counts.free += never_used;
+        *counts.slot(inner.untouched) += never_used;
         if inner.pins.len() != inner.used() {
             return Err(Error::Invariant(format!(
                 "{name}: {} pages have pin counts, {} were used",
@@ -608,10 +703,15 @@ impl Pool {
                 inner.counts
             )));
         }
-        if inner.free.len() + never_used != counts.free {
+        let never_used_free = if inner.untouched == PageState::Free {
+            never_used
+        } else {
+            0
+        };
+        if inner.free.len() + never_used_free != counts.free {
             return Err(Error::Invariant(format!(
-                "{name}: free list has {} pages and {never_used} were never used, {} pages \
-                 are free",
+                "{name}: free list has {} pages and {never_used_free} free ones were never \
+                 used, {} pages are free",
                 inner.free.len(),
                 counts.free
             )));
@@ -638,8 +738,9 @@ impl Pool {
 
     /// The state of every page (audit).
     pub(crate) fn snapshot_states(&self) -> Vec<PageState> {
-        let mut states = self.shared.inner.lock().state.clone();
-        states.resize(self.shared.pages, PageState::Free);
+        let inner = self.shared.inner.lock();
+        let mut states = inner.state.clone();
+        states.resize(self.shared.pages, inner.untouched);
         states
     }
 
@@ -1092,8 +1193,8 @@ mod tests {
     #[test]
     fn the_pools_of_a_cache_share_one_fault_record_and_the_first_fault_is_kept() {
         let fault = Arc::<Fault>::default();
-        let kv = Pool::with_fault("kv_slots", 8, 1, fault.clone()).unwrap();
-        let states = Pool::with_fault("mamba_slots", 8, 1, fault).unwrap();
+        let kv = Pool::with_fault("kv_slots", 8, 1, fault.clone(), PoolOwner::Cache).unwrap();
+        let states = Pool::with_fault("mamba_slots", 8, 1, fault, PoolOwner::Cache).unwrap();
         states.unpin(&[1]);
         kv.unpin(&[2]);
         let why = kv.fault().unwrap();

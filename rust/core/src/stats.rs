@@ -28,6 +28,11 @@ pub(crate) struct Stats {
     /// States published into the tree (inserts, finished requests, checkpoint copies).
     pub states_cached: u64,
     pub evicted_mamba_states: u64,
+    /// Engine-owned pools: KV slots handed back to the engine (by `evict` and
+    /// `take_freed`).
+    pub kv_slots_returned: u64,
+    /// Engine-owned pools: state slots handed back to the engine.
+    pub mamba_slots_returned: u64,
     /// States that state eviction took although a match had used them (the protected
     /// segment): high next to `state_hits` means the state pool is too small for what
     /// requests share.
@@ -122,6 +127,8 @@ impl Stats {
             ("state_hits", self.state_hits),
             ("states_cached", self.states_cached),
             ("evicted_mamba_states", self.evicted_mamba_states),
+            ("kv_slots_returned", self.kv_slots_returned),
+            ("mamba_slots_returned", self.mamba_slots_returned),
             ("evicted_used_states", self.evicted_used_states),
             ("tombstones", self.tombstones),
             ("mamba_alloc_failures", self.mamba_alloc_failures),

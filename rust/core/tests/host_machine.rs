@@ -444,6 +444,7 @@ fn kv_config() -> impl Strategy<Value = Config> {
             write_policy,
             write_through_threshold: (write_policy == WritePolicy::WriteThroughSelective)
                 .then_some(threshold),
+            ..Config::default()
         },
     )
 }
@@ -1113,7 +1114,7 @@ impl Machine {
             let pick = self.rng.below(self.reqs.len());
             return self.do_finish(pick);
         }
-        let Some(id) = self.cache.admit(ns.as_deref(), prompt) else {
+        let Some(id) = self.cache.admit(ns.as_deref(), prompt).unwrap() else {
             assert!(self.hybrid, "an attention-only admit was refused");
             return self.check();
         };
@@ -1302,7 +1303,7 @@ impl Machine {
         if state && self.hybrid {
             st = self.held_mamba.iter().next().copied();
             if st.is_none() {
-                st = self.cache.alloc_mamba();
+                st = self.cache.alloc_mamba().unwrap();
                 if let Some(s) = st {
                     self.take_state(s, "alloc_mamba");
                 }
@@ -1373,7 +1374,7 @@ impl Machine {
 
     fn do_alloc_mamba(&mut self) {
         if self.hybrid && self.held_mamba.len() < 2 {
-            if let Some(s) = self.cache.alloc_mamba() {
+            if let Some(s) = self.cache.alloc_mamba().unwrap() {
                 self.take_state(s, "alloc_mamba");
             }
         }
@@ -2158,12 +2159,12 @@ fn loading_a_node_above_a_requests_prefix_for_it_loads_nothing() {
     })
     .unwrap();
     let kv = c.alloc_kv(2).unwrap().unwrap();
-    let s = c.alloc_mamba().map(i64::from);
+    let s = c.alloc_mamba().unwrap().map(i64::from);
     let upper = c.insert_with_state(None, &[1, 2], &kv, 0, s).unwrap().node;
     let m = c.match_prefix(None, &[1, 2, 3]);
     let mut kv = m.kv_indices.clone();
     kv.extend(c.alloc_kv(1).unwrap().unwrap());
-    let s = c.alloc_mamba().map(i64::from);
+    let s = c.alloc_mamba().unwrap().map(i64::from);
     c.insert_with_state(None, &[1, 2, 3], &kv, 2, s).unwrap();
     for b in c.take_batches() {
         c.complete(b.id).unwrap();
@@ -2172,7 +2173,7 @@ fn loading_a_node_above_a_requests_prefix_for_it_loads_nothing() {
     c.match_prefix(None, &[1, 2, 3]);
     // [1, 2]'s state goes: a tombstone now, backed up on the host.
     assert_eq!(c.evict(0, 1).mamba_states, 1);
-    let r = c.admit(None, &[1, 2, 3, 5]).unwrap();
+    let r = c.admit(None, &[1, 2, 3, 5]).unwrap().unwrap();
     for b in c.take_batches() {
         c.complete(b.id).unwrap();
     }
@@ -2209,7 +2210,7 @@ fn loading_a_node_of_another_namespace_for_a_request_is_refused() {
     for b in c.take_batches() {
         c.complete(b.id).unwrap();
     }
-    let r = c.admit(None, &[1, 2, 3]).unwrap();
+    let r = c.admit(None, &[1, 2, 3]).unwrap().unwrap();
     assert_eq!(c.request(r).unwrap().prefix_len, 2);
     let m = c.match_prefix(Some("a"), &[1, 2]);
     assert_eq!((m.device_len, m.host_len), (0, 2));
@@ -2237,7 +2238,7 @@ fn loading_a_node_off_a_checkpointed_requests_path_is_refused() {
     for b in c.take_batches() {
         c.complete(b.id).unwrap();
     }
-    let r = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let r = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
     let v = c.request(r).unwrap();
     assert_eq!((v.prefix_len, v.host_len), (2, 2));
     c.extend(r, &[5, 6]).unwrap().unwrap();

@@ -1249,7 +1249,7 @@ impl Machine {
         let free = self.m.slots_in(PageState::Free);
         let pinned = self.m.pinned();
         let victims = self.m.state_victims(None, None);
-        let r = self.cache.alloc_mamba();
+        let r = self.cache.alloc_mamba().unwrap();
         let removed = self.absorb(&[], false);
         assert_eq!(removed.state_keys, victims, "alloc_mamba evicted (LRU)");
         assert_eq!(r.is_some(), ok, "alloc_mamba");
@@ -1657,7 +1657,7 @@ impl Machine {
         } else {
             BTreeSet::new()
         };
-        let got = self.cache.admit(ns.as_deref(), toks);
+        let got = self.cache.admit(ns.as_deref(), toks).unwrap();
         let removed = self.absorb(&[(k.clone(), src.is_some())], true);
         assert_eq!(removed.state_keys, victims, "admit evicted (LRU)");
         if src.is_some() {

@@ -104,7 +104,7 @@ fn apply(c: &mut Cache, op: &Op) {
             let mut kv = m.kv_indices.clone();
             kv.extend_from_slice(&fresh[..rest]);
             let slot = if *state && c.is_hybrid() {
-                c.alloc_mamba().map(i64::from)
+                c.alloc_mamba().unwrap().map(i64::from)
             } else {
                 None
             };
@@ -128,6 +128,7 @@ fn twins(ps: usize, kv: usize, host: usize, states: usize) -> [Cache; 2] {
             host_mamba_slots: if states > 0 { states } else { 0 },
             write_policy,
             write_through_threshold: None,
+            ..Config::default()
         })
         .unwrap()
     })
@@ -346,7 +347,7 @@ impl Served {
                 if toks.is_empty() || self.live.len() >= 6 {
                     return Ok(());
                 }
-                let Some(id) = self.cache.admit(None, &toks) else {
+                let Some(id) = self.cache.admit(None, &toks).unwrap() else {
                     return Ok(());
                 };
                 // The state copy runs before the request computes anything.
@@ -419,6 +420,7 @@ proptest! {
             host_mamba_slots: host_states,
             write_policy: WritePolicy::WriteBack,
             write_through_threshold: None,
+            ..Config::default()
         })
         .unwrap();
         let mut served = Served { cache, live: Vec::new(), history: Vec::new() };

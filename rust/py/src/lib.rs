@@ -59,11 +59,16 @@ fn err(e: core::Error) -> PyErr {
         core::Error::InvalidArgument { .. } => PyValueError::new_err(msg),
         core::Error::StaleNode(_) => StaleNodeError::new_err(msg),
         core::Error::Lock(_) => LockError::new_err(msg),
-        core::Error::Request(_) | core::Error::Broken(_) => CacheError::new_err(msg),
+        core::Error::Request(_) | core::Error::Broken(_) | core::Error::EngineOwned(_) => {
+            CacheError::new_err(msg)
+        }
         core::Error::Invariant(_) => InvariantError::new_err(msg),
         core::Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
     }
 }
+
+/// Slot indices handed to Python (an int64 array).
+type Slots = Py<PyArray1<i64>>;
 
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     PyArray1::from_vec(py, v).unbind()
@@ -84,6 +89,11 @@ fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
 ///     write_through_threshold times) or "write_back" (only a node being evicted).
 ///   write_through_threshold: inserts before a selective backup (>= 1; None: 2). Only
 ///     with "write_through_selective": the other policies refuse it.
+///   pools: who owns the device slots. "cache" (the default): the cache's own pools
+///     (alloc_kv, alloc_mamba, requests). "engine": the engine's allocators own every
+///     slot; insert claims the slots it is passed, what the tree gives up is queued
+///     for take_freed() (evict returns what it frees directly); no host tier, and the
+///     calls that allocate from the cache's pools raise CacheError.
 #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 struct PyHybridCache {
@@ -95,11 +105,12 @@ struct PyHybridCache {
 #[pymethods]
 impl PyHybridCache {
     #[new]
+    #[allow(clippy::too_many_arguments)] // one per argument of the Python constructor
     #[pyo3(signature = (kv_slots=Int::Value(8192), page_size=Int::Value(1),
                         mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
-                        write_through_threshold=None),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None)")]
+                        write_through_threshold=None, pools="cache"),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache')")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -108,6 +119,7 @@ impl PyHybridCache {
         host_mamba_slots: Int,
         write_policy: &str,
         write_through_threshold: Option<Int>,
+        pools: &str,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -127,6 +139,7 @@ impl PyHybridCache {
             host_mamba_slots: host_mamba_slots.count("host_mamba_slots")?,
             write_policy: write_policy.parse().map_err(err)?,
             write_through_threshold: threshold,
+            pools: pools.parse().map_err(err)?,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -170,6 +183,12 @@ impl PyHybridCache {
         self.config.write_policy.as_str()
     }
 
+    /// Who owns the device slots: "cache" (its own pools) or "engine".
+    #[getter]
+    fn pools(&self) -> &'static str {
+        self.config.pools.as_str()
+    }
+
     /// Inserts before a selective backup (None unless the policy is selective).
     #[getter]
     fn write_through_threshold(&self) -> Option<u32> {
@@ -194,7 +213,9 @@ impl PyHybridCache {
     ) -> PyResult<Option<PyLoadBack>> {
         let quota = mem_quota.map(|q| q.count("mem_quota")).transpose()?;
         let (target, request) = if let Ok(node) = target.cast::<PyNode>() {
-            let req = request.map(|r| self.request_id(r)).transpose()?;
+            let req = request
+                .map(|r| self.request_id(r, "load_back"))
+                .transpose()?;
             (core::LoadTarget::Node(node.get().id), req)
         } else if let Ok(req) = target.cast::<PyRequest>() {
             if request.is_some() {
@@ -202,7 +223,10 @@ impl PyHybridCache {
                     "request: the target is a Request already; pass request= only with a Node",
                 ));
             }
-            (core::LoadTarget::Request(self.request_id(req)?), None)
+            (
+                core::LoadTarget::Request(self.request_id(req, "load_back")?),
+                None,
+            )
         } else {
             return Err(PyTypeError::new_err(format!(
                 "target: expected a Node or a Request, got {}",
@@ -283,17 +307,23 @@ impl PyHybridCache {
         settle(py, &self.inner, || self.inner.unlock(slot)).map_err(err)
     }
 
-    /// Evict at least that much (or all that is evictable), LRU leaves first.
+    /// Evict at least that much (or all that is evictable), LRU leaves first. With
+    /// pools="engine" the freed slots are the engine's on return (`Evicted.kv_indices`,
+    /// `Evicted.mamba_slots`).
     #[pyo3(signature = (*, kv_tokens=Int::Value(0), mamba_states=Int::Value(0)),
            text_signature = "($self, *, kv_tokens=0, mamba_states=0)")]
     fn evict(&self, py: Python<'_>, kv_tokens: Int, mamba_states: Int) -> PyResult<PyEvicted> {
         let kv_tokens = kv_tokens.count("kv_tokens")?;
         let mamba_states = mamba_states.count("mamba_states")?;
         let e = run(py, &self.inner, 0, |c| Ok(c.evict(kv_tokens, mamba_states)))?;
-        Ok(PyEvicted {
-            kv_tokens: e.kv_tokens,
-            mamba_states: e.mamba_states,
-        })
+        Ok(PyEvicted::new(py, e))
+    }
+
+    /// pools="engine": hand every slot queued to go back to the engine to it, as
+    /// `(kv slots, state slots)`; each slot is returned once. Empty with pools="cache".
+    fn take_freed(&self, py: Python<'_>) -> PyResult<(Slots, Slots)> {
+        let (kv, states) = run(py, &self.inner, 0, |c| Ok(c.take_freed()))?;
+        Ok((array(py, kv), array(py, states)))
     }
 
     /// Evict host-only data: at least that much (or all that is evictable), LRU first.
@@ -303,12 +333,9 @@ impl PyHybridCache {
         let kv_tokens = kv_tokens.count("kv_tokens")?;
         let mamba_states = mamba_states.count("mamba_states")?;
         let e = run(py, &self.inner, 0, |c| {
-            Ok(c.evict_host(kv_tokens, mamba_states))
+            c.evict_host(kv_tokens, mamba_states)
         })?;
-        Ok(PyEvicted {
-            kv_tokens: e.kv_tokens,
-            mamba_states: e.mamba_states,
-        })
+        Ok(PyEvicted::new(py, e))
     }
 
     /// `n` device KV slots (whole pages), evicting first when short; None if impossible.
@@ -326,7 +353,7 @@ impl PyHybridCache {
 
     /// One device state slot, evicting the least recently used state first when short.
     fn alloc_mamba(&self, py: Python<'_>) -> PyResult<Option<u32>> {
-        run(py, &self.inner, 0, |c| Ok(c.alloc_mamba()))
+        run(py, &self.inner, 0, core::Cache::alloc_mamba)
     }
 
     /// Give back a state slot the caller holds.
@@ -345,7 +372,7 @@ impl PyHybridCache {
     ) -> PyResult<Option<PyRequest>> {
         let tokens = tokens_arg(tokens, "tokens")?;
         let id = run(py, &self.inner, tokens.len(), |c| {
-            let id = c.admit(namespace, &tokens);
+            let id = c.admit(namespace, &tokens)?;
             if let Some(id) = id {
                 c.own_request(id)?;
             }
@@ -362,7 +389,7 @@ impl PyHybridCache {
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Py<PyArray1<i64>>>> {
         let tokens = tokens_arg(tokens, "tokens")?;
-        let id = self.request_id(request)?;
+        let id = self.request_id(request, "extend")?;
         let r = run(py, &self.inner, tokens.len(), |c| c.extend(id, &tokens))?;
         Ok(r.map(|v| array(py, v)))
     }
@@ -387,7 +414,7 @@ impl PyHybridCache {
                             .map_or_else(|_| "?".into(), |n| n.to_string())
                     ))
                 })?;
-                self.request_id(req)
+                self.request_id(req, "extend_batch")
             })
             .collect::<PyResult<Vec<_>>>()?;
         let tokens = tokens_arg(tokens, "tokens")?;
@@ -399,19 +426,19 @@ impl PyHybridCache {
 
     /// Cache what the request holds so far; forks its state for the tree.
     fn checkpoint(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = self.request_id(request)?;
+        let id = self.request_id(request, "checkpoint")?;
         run(py, &self.inner, 0, |c| c.checkpoint(id))
     }
 
     /// Cache every token fed, donate the state, unlock: the request holds nothing after.
     fn finish(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = self.request_id(request)?;
+        let id = self.request_id(request, "finish")?;
         run(py, &self.inner, 0, |c| c.finish(id))
     }
 
     /// Give back everything the request holds and cache nothing.
     fn abort(&self, py: Python<'_>, request: &Bound<'_, PyRequest>) -> PyResult<()> {
-        let id = self.request_id(request)?;
+        let id = self.request_id(request, "abort")?;
         run(py, &self.inner, 0, |c| c.abort(id))
     }
 
@@ -545,9 +572,16 @@ impl PyHybridCache {
         )
     }
 
-    /// The id of `request` in this cache (`CacheError` for another cache's request).
-    fn request_id(&self, request: &Bound<'_, PyRequest>) -> PyResult<core::RequestId> {
-        self.inner.request_id(&request.get().inner).map_err(err)
+    /// The id of `request` in this cache for request call `call` (`CacheError` for
+    /// another cache's request, and for every request with pools="engine").
+    fn request_id(
+        &self,
+        request: &Bound<'_, PyRequest>,
+        call: &'static str,
+    ) -> PyResult<core::RequestId> {
+        self.inner
+            .request_id(&request.get().inner, call)
+            .map_err(err)
     }
 }
 
@@ -626,20 +660,36 @@ impl PyInsert {
     }
 }
 
-/// What `evict` actually evicted.
+/// What `evict` actually evicted; with pools="engine", the slots it handed back.
 #[pyclass(frozen, module = "radixcache._core", name = "Evicted", get_all)]
 struct PyEvicted {
     kv_tokens: usize,
     mamba_states: usize,
+    kv_indices: Py<PyArray1<i64>>,
+    mamba_slots: Py<PyArray1<i64>>,
+}
+
+impl PyEvicted {
+    fn new(py: Python<'_>, e: core::Evicted) -> PyEvicted {
+        PyEvicted {
+            kv_tokens: e.kv_tokens,
+            mamba_states: e.mamba_states,
+            kv_indices: array(py, e.kv_indices),
+            mamba_slots: array(py, e.mamba_slots),
+        }
+    }
 }
 
 #[pymethods]
 impl PyEvicted {
-    fn __repr__(&self) -> String {
-        format!(
-            "Evicted(kv_tokens={}, mamba_states={})",
-            self.kv_tokens, self.mamba_states
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Evicted(kv_tokens={}, mamba_states={}, kv_indices={}, mamba_slots={})",
+            self.kv_tokens,
+            self.mamba_states,
+            self.kv_indices.bind(py).repr()?,
+            self.mamba_slots.bind(py).repr()?
+        ))
     }
 }
 

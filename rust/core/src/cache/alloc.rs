@@ -20,6 +20,7 @@ impl Cache {
     /// first when the pool is short; `None` when it cannot, having taken nothing and
     /// evicted nothing.
     pub fn alloc_kv(&mut self, n: usize) -> Result<Option<Vec<i64>>> {
+        self.cache_owned("alloc_kv")?;
         self.reap();
         let ps = self.config.page_size;
         if !n.is_multiple_of(ps) {
@@ -77,10 +78,12 @@ impl Cache {
 
     /// One device state slot the caller now holds, evicting the least recently used
     /// unlocked state first when the pool is empty; `None` when none can be had.
-    pub fn alloc_mamba(&mut self) -> Option<u32> {
+    pub fn alloc_mamba(&mut self) -> Result<Option<u32>> {
+        self.cache_owned("alloc_mamba")?;
         self.reap();
-        self.alloc_state()
-            .and_then(|s| s.into_caller().first().copied())
+        Ok(self
+            .alloc_state()
+            .and_then(|s| s.into_caller().first().copied()))
     }
 
     /// One device state slot as an owned value (see [`Cache::alloc_mamba`]). When the
@@ -104,7 +107,7 @@ impl Cache {
             };
             let mut out = Evicted::default();
             self.evict_state_of(victim, &mut out);
-            self.count_evicted(out);
+            self.count_evicted(&out);
             if self.pools.mamba.free_pages() == 0 && out.mamba_states > 0 {
                 self.stats.mamba_alloc_failures += 1;
                 return StateRoom::Coming;
@@ -136,6 +139,7 @@ impl Cache {
     /// Gives back a state slot the caller holds (from `alloc_mamba`). A slot that is
     /// free, owned by the cache or out of range fails, and nothing changes.
     pub fn free_mamba(&mut self, slot: i64) -> Result<()> {
+        self.cache_owned("free_mamba")?;
         let p = self.state_slot_arg(slot, "slot")?;
         self.pools.mamba.free_caller(&[p], "slot").map(|_| ())
     }
@@ -144,6 +148,7 @@ impl Cache {
     /// are freed; a page named more than once is freed once. A slot that is free,
     /// owned by the cache or out of range fails the call, which then changes nothing.
     pub fn free_kv(&mut self, indices: &[i64]) -> Result<usize> {
+        self.cache_owned("free_kv")?;
         let ps = self.config.page_size;
         let capacity = as_i64(self.config.kv_slots);
         let mut pages = Vec::with_capacity(indices.len());

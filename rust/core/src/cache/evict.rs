@@ -1,6 +1,7 @@
 //! Device eviction (LRU leaves, states, tombstones), demotion to the host tier instead
 //! of deletion, and host eviction.
 
+use crate::error::Result;
 use crate::tree::NONE;
 
 use super::batch::Action;
@@ -17,8 +18,15 @@ impl Cache {
     /// and the node kept as a tombstone, an unlocked leaf is deleted with its KV. A leaf
     /// left without a state can never be matched again and is deleted too. O(log n) per
     /// evicted node.
+    ///
+    /// When the engine owns the slots, every slot the eviction freed is the engine's on
+    /// return, listed in `Evicted::kv_indices` and `Evicted::mamba_slots` (a slot a
+    /// transfer pins would join the queue when it drains instead); otherwise the freed
+    /// slots went to the cache's free lists and both lists are empty.
     pub fn evict(&mut self, kv_tokens: usize, mamba_states: usize) -> Evicted {
         self.reap();
+        // What the tree gives up joins the free lists (the queues) behind these marks.
+        let marks = (self.pools.kv.queued_len(), self.pools.mamba.queued_len());
         let mut out = Evicted::default();
         while out.kv_tokens < kv_tokens {
             let Some(i) = self.lru.pop_kv(&mut self.tree) else {
@@ -33,12 +41,44 @@ impl Cache {
             self.evict_state_of(i, &mut out);
         }
         self.stats.evict_calls += 1;
-        self.count_evicted(out);
+        self.count_evicted(&out);
+        if self.engine_owned() {
+            let kv = self.pools.kv.take_queued(marks.0);
+            let states = self.pools.mamba.take_queued(marks.1);
+            self.expand_into(&kv, &mut out.kv_indices);
+            out.mamba_slots = states.iter().map(|&s| i64::from(s)).collect();
+            self.count_returned(out.kv_indices.len(), out.mamba_slots.len());
+        }
         out
     }
 
+    /// Hands every slot queued to go back to the engine to it: `(kv slots, state
+    /// slots)`, each slot of each queued page once, in the order they were queued. A
+    /// second call returns what was queued since. Without engine-owned pools nothing is
+    /// ever queued (what the tree gives up goes to the cache's free lists) and both are
+    /// empty.
+    pub fn take_freed(&mut self) -> (Vec<i64>, Vec<i64>) {
+        self.reap();
+        if !self.engine_owned() {
+            return (Vec::new(), Vec::new());
+        }
+        let pages = self.pools.kv.take_queued(0);
+        let states = self.pools.mamba.take_queued(0);
+        let mut kv = Vec::new();
+        self.expand_into(&pages, &mut kv);
+        let states: Vec<i64> = states.iter().map(|&s| i64::from(s)).collect();
+        self.count_returned(kv.len(), states.len());
+        (kv, states)
+    }
+
+    /// Adds slots handed back to the engine to the counters.
+    fn count_returned(&mut self, kv: usize, states: usize) {
+        self.stats.kv_slots_returned += kv as u64;
+        self.stats.mamba_slots_returned += states as u64;
+    }
+
     /// Adds what an eviction took to the counters.
-    pub(crate) fn count_evicted(&mut self, out: Evicted) {
+    pub(crate) fn count_evicted(&mut self, out: &Evicted) {
         self.stats.evicted_kv_tokens += out.kv_tokens as u64;
         self.stats.evicted_mamba_states += out.mamba_states as u64;
     }
@@ -286,8 +326,10 @@ impl Cache {
     /// everything evictable there): unlocked host-only leaves, least recently used
     /// first; a parent left as a host-only leaf joins the candidates. Nodes with device
     /// data keep their host copies (evict them from the device first, which demotes
-    /// them). Returns what was taken from the host tier.
-    pub fn evict_host(&mut self, kv_tokens: usize, mamba_states: usize) -> Evicted {
+    /// them). Returns what was taken from the host tier. Refused when the engine owns the
+    /// slots ([`crate::Error::EngineOwned`]: there is no host tier).
+    pub fn evict_host(&mut self, kv_tokens: usize, mamba_states: usize) -> Result<Evicted> {
+        self.cache_owned("evict_host")?;
         self.reap();
         let mut out = Evicted::default();
         while out.kv_tokens < kv_tokens || out.mamba_states < mamba_states {
@@ -298,7 +340,7 @@ impl Cache {
             out.kv_tokens += len;
             out.mamba_states += usize::from(state);
         }
-        out
+        Ok(out)
     }
 
     /// Host eviction: deletes unlocked host-only leaves, least recently used first,

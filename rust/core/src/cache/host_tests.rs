@@ -17,6 +17,7 @@ fn hybrid(policy: WritePolicy) -> Cache {
         host_mamba_slots: 4,
         write_policy: policy,
         write_through_threshold: None,
+        ..Config::default()
     })
     .unwrap()
 }
@@ -27,7 +28,7 @@ fn cached(c: &mut Cache, toks: &[u32]) -> NodeId {
     let rest = toks.len() - m.device_len;
     let mut kv = m.kv_indices.clone();
     kv.extend(c.alloc_kv(rest).unwrap().unwrap());
-    let s = c.alloc_mamba().map(i64::from);
+    let s = c.alloc_mamba().unwrap().map(i64::from);
     c.insert_with_state(None, toks, &kv, m.device_len, s)
         .unwrap()
         .node
@@ -78,7 +79,7 @@ fn write_through_backs_up_on_insert_and_eviction_demotes() {
 #[test]
 fn load_back_for_a_request_uses_two_state_slots_and_publishes_on_complete() {
     let (mut c, node) = demoted();
-    let r = c.admit(None, &[1, 2, 3, 4, 5]).unwrap();
+    let r = c.admit(None, &[1, 2, 3, 4, 5]).unwrap().unwrap();
     assert_eq!(c.request(r).unwrap().host_len, 4);
     let free_states = c.available_mamba();
     let rec = c
@@ -123,7 +124,7 @@ fn load_back_for_a_request_uses_two_state_slots_and_publishes_on_complete() {
 #[test]
 fn fail_after_commit_turns_the_load_into_a_miss() {
     let (mut c, _) = demoted();
-    let r = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let r = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
     let before = counts(&c);
     let rec = c
         .load_back(LoadTarget::Request(r), None, None)
@@ -218,7 +219,7 @@ fn a_request_admitted_through_a_split_host_only_path_can_load_it() {
     // spans two nodes, neither of which the request holds on the device.
     let (mut c, _) = demoted();
     c.match_prefix(None, &[1, 2]);
-    let r = c.admit(None, &[1, 2, 3, 4, 9]).unwrap();
+    let r = c.admit(None, &[1, 2, 3, 4, 9]).unwrap().unwrap();
     assert_eq!(c.request(r).unwrap().host_len, 4);
     let rec = c
         .load_back(LoadTarget::Request(r), None, None)
@@ -314,18 +315,18 @@ fn evict_host_takes_host_only_leaves_oldest_first_and_can_clear_the_tier() {
     cached(&mut c, &[7, 8, 9]);
     run_all(&mut c);
     // Device data keeps its host copy: nothing is host-only yet.
-    assert_eq!(c.evict_host(100, 100), Evicted::default());
+    assert_eq!(c.evict_host(100, 100).unwrap(), Evicted::default());
     assert_eq!(c.evict(100, 100).kv_tokens, 7);
     run_all(&mut c);
     // Host-only now. [1, 2] is an inner node: it goes after its child [3, 4].
-    let first = c.evict_host(2, 0);
+    let first = c.evict_host(2, 0).unwrap();
     assert_eq!(
         (first.kv_tokens, first.mamba_states),
         (2, 1),
         "[3, 4], the oldest leaf"
     );
     assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).host_len, 2);
-    let rest = c.evict_host(100, 100);
+    let rest = c.evict_host(100, 100).unwrap();
     assert_eq!((rest.kv_tokens, rest.mamba_states), (5, 2));
     assert_eq!(
         c.host_kv_pool().counts().free,

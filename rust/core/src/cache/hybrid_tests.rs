@@ -22,7 +22,7 @@ fn cached_with_state(c: &mut Cache, toks: &[u32]) -> Insert {
     let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
     let mut kv = m.kv_indices.clone();
     kv.extend_from_slice(&got[..rest]);
-    let state = c.alloc_mamba().unwrap();
+    let state = c.alloc_mamba().unwrap().unwrap();
     c.insert_with_state(None, toks, &kv, m.device_len, Some(i64::from(state)))
         .unwrap()
 }
@@ -98,7 +98,7 @@ fn a_split_of_a_node_whose_state_is_being_backed_up_protects_only_the_lower_part
 fn slots_extended_before_a_failed_admission_copy_are_not_reused_until_the_request_ends() {
     let mut c = hybrid(16, 1, 4);
     cached_with_state(&mut c, &[1, 2, 3, 4]);
-    let r = c.admit(None, &[1, 2, 3, 4, 5, 6]).unwrap();
+    let r = c.admit(None, &[1, 2, 3, 4, 5, 6]).unwrap().unwrap();
     let slot = c.request(r).unwrap().mamba_slot.unwrap();
     // The engine queued a forward pass on these before the copy's outcome was known.
     let extended = c.extend(r, &[5, 6]).unwrap().unwrap();
@@ -117,7 +117,7 @@ fn slots_extended_before_a_failed_admission_copy_are_not_reused_until_the_reques
     let kv = c.alloc_kv(c.available_kv()).unwrap().unwrap();
     assert!(kv.iter().all(|s| !extended.contains(s)));
     let mut others = Vec::new();
-    while let Some(s) = c.alloc_mamba() {
+    while let Some(s) = c.alloc_mamba().unwrap() {
         others.push(s);
     }
     assert!(!others.contains(&slot));
@@ -148,7 +148,7 @@ fn insert_places_the_state_or_frees_it() {
     assert!(ins.mamba_existed);
     assert_eq!(c.mamba_counts(), before);
     // An unaligned tail: the state matches no node's end and is freed.
-    let s = c.alloc_mamba().unwrap();
+    let s = c.alloc_mamba().unwrap().unwrap();
     let got = c.alloc_kv(4).unwrap().unwrap();
     let before_free = c.available_mamba();
     c.insert_with_state(None, &[5, 6, 7], &got[..3], 0, Some(i64::from(s)))
@@ -277,7 +277,7 @@ fn state_of_a_kv_locked_leaf_is_tombstoned_and_the_node_kept() {
     let got = c.alloc_kv(2).unwrap().unwrap();
     let ins = c.insert(None, &[1, 2], &got, 0).unwrap();
     let lock = c.lock(ins.node).unwrap();
-    let s = c.alloc_mamba().unwrap();
+    let s = c.alloc_mamba().unwrap().unwrap();
     let again = c.alloc_kv(2).unwrap().unwrap();
     c.insert_with_state(None, &[1, 2], &again, 0, Some(i64::from(s)))
         .unwrap();
@@ -294,7 +294,7 @@ fn cow_batch_copies_from_the_node_slot_to_the_request_slot() {
     let mut c = hybrid(64, 1, 4);
     cached_with_state(&mut c, &[1, 2, 3]);
     let node_slot = c.match_prefix(None, &[1, 2, 3]).mamba_slot.unwrap();
-    let id = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
     let view = c.request(id).unwrap();
     let batches = c.take_batches();
     assert_eq!(batches.len(), 1);
@@ -326,7 +326,7 @@ fn admit_without_a_free_state_slot_takes_nothing() {
     // The only state slot is the cached one; the admission locks it, so it cannot be
     // evicted for the copy: refused, and everything is as before.
     let before = (c.snapshot(), c.kv_counts(), c.mamba_counts());
-    assert_eq!(c.admit(None, &[1, 2, 3]), None);
+    assert_eq!(c.admit(None, &[1, 2, 3]).unwrap(), None);
     let after = (c.snapshot(), c.kv_counts(), c.mamba_counts());
     assert_eq!(before.1, after.1);
     assert_eq!(before.2, after.2);
@@ -338,7 +338,7 @@ fn admit_without_a_free_state_slot_takes_nothing() {
 #[test]
 fn request_lifecycle_caches_everything_and_donates_the_state() {
     let mut c = hybrid(64, 2, 4);
-    let id = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
     assert!(c.take_batches().is_empty(), "nothing cached: no copy");
     let slots = c.extend(id, &[1, 2, 3]).unwrap().unwrap();
     assert_eq!(slots.len(), 3);
@@ -361,7 +361,7 @@ fn request_lifecycle_caches_everything_and_donates_the_state() {
 #[test]
 fn checkpoint_publishes_the_state_copy_only_when_the_batch_completes() {
     let mut c = hybrid(64, 1, 4);
-    let id = c.admit(None, &[1, 2, 3]).unwrap();
+    let id = c.admit(None, &[1, 2, 3]).unwrap().unwrap();
     c.extend(id, &[1, 2, 3]).unwrap().unwrap();
     c.checkpoint(id).unwrap();
     let view = c.request(id).unwrap();
@@ -395,7 +395,7 @@ fn checkpoint_publishes_the_state_copy_only_when_the_batch_completes() {
 fn a_failed_admission_copy_drops_the_request_back_to_nothing() {
     let mut c = hybrid(64, 1, 4);
     cached_with_state(&mut c, &[1, 2, 3]);
-    let id = c.admit(None, &[1, 2, 3, 4]).unwrap();
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
     c.extend(id, &[4]).unwrap().unwrap();
     assert!(matches!(c.checkpoint(id), Err(Error::Request(_))));
     assert!(matches!(c.finish(id), Err(Error::Request(_))));
@@ -427,7 +427,7 @@ fn a_state_freed_while_a_copy_reads_it_drains_until_the_copy_ends() {
     let mut c = hybrid(64, 1, 2);
     cached_with_state(&mut c, &[1, 2]);
     let src = c.match_prefix(None, &[1, 2]).mamba_slot.unwrap();
-    let id = c.admit(None, &[1, 2]).unwrap();
+    let id = c.admit(None, &[1, 2]).unwrap().unwrap();
     let b = c.take_batches();
     // The request goes away before the copy ran: its lock on the source state goes,
     // and eviction takes the state; its slot must not come back while the copy may
@@ -436,7 +436,11 @@ fn a_state_freed_while_a_copy_reads_it_drains_until_the_copy_ends() {
     c.evict(usize::MAX, usize::MAX);
     assert_eq!(c.mamba_pool().state(src), Some(PageState::Draining));
     assert_eq!(c.mamba_counts().draining, 2);
-    assert_eq!(c.alloc_mamba(), None, "nothing may be handed out yet");
+    assert_eq!(
+        c.alloc_mamba().unwrap(),
+        None,
+        "nothing may be handed out yet"
+    );
     c.audit().unwrap();
     c.complete(b[0].id).unwrap();
     assert_eq!(c.mamba_counts().draining, 0);
@@ -447,9 +451,9 @@ fn a_state_freed_while_a_copy_reads_it_drains_until_the_copy_ends() {
 #[test]
 fn extend_that_cannot_get_slots_takes_nothing() {
     let mut c = hybrid(4, 1, 1);
-    let a = c.admit(None, &[1]).unwrap();
+    let a = c.admit(None, &[1]).unwrap().unwrap();
     c.extend(a, &[1, 2, 3]).unwrap().unwrap();
-    let b = c.admit(None, &[7]).unwrap();
+    let b = c.admit(None, &[7]).unwrap().unwrap();
     let before = (c.kv_counts(), c.mamba_counts());
     // One KV slot is free but no state slot can be had: refused, the KV slot returned.
     assert_eq!(c.extend(b, &[7]).unwrap(), None);
@@ -464,8 +468,8 @@ fn extend_that_cannot_get_slots_takes_nothing() {
 #[test]
 fn extend_batch_gives_each_request_its_next_slot_as_extend_would() {
     let mut c = hybrid(64, 4, 4);
-    let a = c.admit(None, &[1, 2, 3]).unwrap();
-    let b = c.admit(None, &[9]).unwrap();
+    let a = c.admit(None, &[1, 2, 3]).unwrap().unwrap();
+    let b = c.admit(None, &[9]).unwrap().unwrap();
     let a_slots = c.extend(a, &[1, 2, 3]).unwrap().unwrap();
     c.extend(b, &[9, 8, 7, 6]).unwrap().unwrap();
     // `a` fills its last page; `b`'s page is full, so it gets a new one.
@@ -478,7 +482,7 @@ fn extend_batch_gives_each_request_its_next_slot_as_extend_would() {
     assert_eq!(c.request_tokens(a).unwrap(), vec![1, 2, 3, 4]);
     assert_eq!(c.request_tokens(b).unwrap(), vec![9, 8, 7, 6, 5]);
     // A request without a state gets one, as with `extend`.
-    let d = c.admit(None, &[5]).unwrap();
+    let d = c.admit(None, &[5]).unwrap().unwrap();
     assert_eq!(c.request(d).unwrap().mamba_slot, None);
     c.extend_batch(&[d], &[5]).unwrap().unwrap();
     assert!(c.request(d).unwrap().mamba_slot.is_some());
@@ -493,9 +497,9 @@ fn extend_batch_gives_each_request_its_next_slot_as_extend_would() {
 fn extend_batch_is_all_or_nothing() {
     // Two pages: `a` holds one, `b` the other; both need a new page and none can be had.
     let mut c = hybrid(8, 4, 4);
-    let a = c.admit(None, &[1]).unwrap();
+    let a = c.admit(None, &[1]).unwrap().unwrap();
     c.extend(a, &[1, 2, 3, 4]).unwrap().unwrap();
-    let b = c.admit(None, &[2]).unwrap();
+    let b = c.admit(None, &[2]).unwrap().unwrap();
     c.extend(b, &[2, 3, 4]).unwrap().unwrap();
     let before = (
         c.kv_counts(),
@@ -523,8 +527,8 @@ fn extend_batch_is_all_or_nothing() {
 #[test]
 fn a_malformed_extend_batch_is_refused_naming_the_argument() {
     let mut c = hybrid(64, 4, 4);
-    let a = c.admit(None, &[1]).unwrap();
-    let b = c.admit(None, &[2]).unwrap();
+    let a = c.admit(None, &[1]).unwrap().unwrap();
+    let b = c.admit(None, &[2]).unwrap().unwrap();
     let before = (c.kv_counts(), c.mamba_counts());
     let short = c.extend_batch(&[a, b], &[1]);
     assert!(
@@ -613,7 +617,7 @@ fn a_finished_request_handle_drops_silently() {
     })
     .unwrap();
     let r = cache.admit(None, &[1, 2]).unwrap().unwrap();
-    let id = cache.request_id(&r).unwrap();
+    let id = cache.request_id(&r, "extend").unwrap();
     cache
         .with(|c| c.extend(id, &[1, 2]).unwrap().unwrap())
         .unwrap();
@@ -628,7 +632,10 @@ fn a_finished_request_handle_drops_silently() {
         .unwrap();
     let other = HybridCache::new(Config::kv(8, 1)).unwrap();
     let foreign = other.admit(None, &[1]).unwrap().unwrap();
-    assert!(matches!(cache.request_id(&foreign), Err(Error::Request(_))));
+    assert!(matches!(
+        cache.request_id(&foreign, "extend"),
+        Err(Error::Request(_))
+    ));
 }
 
 #[test]
@@ -645,7 +652,7 @@ fn batch_ids_are_checked() {
         ));
     }
     cached_with_state(&mut c, &[1]);
-    let id = c.admit(None, &[1]).unwrap();
+    let id = c.admit(None, &[1]).unwrap().unwrap();
     let b = c.take_batches();
     c.start(b[0].id).unwrap();
     assert_eq!(c.started(b[0].id), Some(true));
@@ -662,9 +669,9 @@ fn a_refused_extend_evicts_nothing() {
     let mut c = hybrid(4, 1, 1);
     let got = c.alloc_kv(2).unwrap().unwrap();
     c.insert(None, &[1, 2], &got, 0).unwrap();
-    let a = c.admit(None, &[5]).unwrap();
+    let a = c.admit(None, &[5]).unwrap().unwrap();
     c.extend(a, &[5, 6]).unwrap().unwrap();
-    let b = c.admit(None, &[7]).unwrap();
+    let b = c.admit(None, &[7]).unwrap().unwrap();
     assert_eq!(c.extend(b, &[7]).unwrap(), None);
     assert_eq!(c.stats.evicted_kv_tokens, 0);
     assert_eq!(c.match_prefix(None, &[1, 2]).kv_len, 2, "still cached");
@@ -680,7 +687,7 @@ fn a_state_a_copy_reads_is_no_eviction_candidate_until_the_copy_ends() {
     cached_with_state(&mut c, &[2]);
     // Admission of [1, 9] copies [1]'s state (its source is pinned by the cow batch);
     // the admission's own lock on [1] goes when the request is aborted.
-    let r = c.admit(None, &[1, 9]).unwrap();
+    let r = c.admit(None, &[1, 9]).unwrap().unwrap();
     c.abort(r).unwrap();
     let b = c.take_batches();
     assert_eq!(c.lru.state_count(), 1, "only [2]'s state: [1]'s is pinned");

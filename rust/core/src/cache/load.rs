@@ -224,6 +224,7 @@ impl Cache {
         mem_quota: Option<usize>,
         request: Option<RequestId>,
     ) -> Result<Option<LoadRecord>> {
+        self.cache_owned("load_back")?;
         self.reap();
         let (node, request) = match target {
             LoadTarget::Node(n) => (Some(self.tree.resolve(n)?), request),

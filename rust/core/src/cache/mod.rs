@@ -26,6 +26,8 @@
 
 mod alloc;
 pub(crate) mod batch;
+#[cfg(test)]
+mod engine_tests;
 mod evict;
 pub(crate) mod host;
 #[cfg(test)]
@@ -120,7 +122,9 @@ impl Cache {
         // One record of illegal page transitions for the four pools: checking it once
         // covers them all.
         let fault = Arc::<Fault>::default();
-        let pool = |name, slots, page_size| Pool::with_fault(name, slots, page_size, fault.clone());
+        let owner = config.pools;
+        let pool =
+            |name, slots, page_size| Pool::with_fault(name, slots, page_size, fault.clone(), owner);
         let pools = Pools {
             kv: pool("kv_slots", config.kv_slots, config.page_size)?,
             mamba: pool("mamba_slots", config.mamba_slots, 1)?,
@@ -197,6 +201,20 @@ impl Cache {
     /// at the deepest node with a state.
     pub fn is_hybrid(&self) -> bool {
         self.config.mamba_slots > 0
+    }
+
+    /// True when the engine's allocators own the device slots (`pools="engine"`).
+    pub fn engine_owned(&self) -> bool {
+        self.config.pools == crate::config::PoolOwner::Engine
+    }
+
+    /// Refuses `call` when the engine owns the slots: it would allocate from the cache's
+    /// pools or give slots back to them ([`Error::EngineOwned`]).
+    pub(crate) fn cache_owned(&self, call: &'static str) -> Result<()> {
+        if self.engine_owned() {
+            return Err(crate::error::Error::EngineOwned(call));
+        }
+        Ok(())
     }
 
     /// True when the cache has a host tier for KV.

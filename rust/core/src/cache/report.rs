@@ -148,6 +148,10 @@ impl Cache {
             let (rk, rs) = r.retired.counts();
             (k + rk, s + rs)
         });
+        // Engine-owned pools: the caller's slots are the engine's, the free ones queued
+        // to go back to it (0 when the cache owns its pools).
+        let engine_owned = self.engine_owned();
+        let engine = |slots: u64| if engine_owned { slots } else { 0 };
         let mut out = self.stats.entries();
         out.extend([
             (
@@ -170,6 +174,8 @@ impl Cache {
                 "kv_retired_slots",
                 (retired.0 * self.config.page_size) as u64,
             ),
+            ("kv_engine_slots", engine(kv[2])),
+            ("kv_queued_slots", engine(kv[0])),
             ("kv_capacity_slots", self.config.kv_slots as u64),
             ("kv_evictable_tokens", self.sizes.evictable_tokens as u64),
             ("kv_protected_tokens", self.sizes.protected_tokens as u64),
@@ -180,6 +186,8 @@ impl Cache {
             ("mamba_request_slots", mamba[3]),
             ("mamba_draining_slots", mamba[4]),
             ("mamba_retired_slots", retired.1 as u64),
+            ("mamba_engine_slots", engine(mamba[2])),
+            ("mamba_queued_slots", engine(mamba[0])),
             ("mamba_capacity_slots", self.config.mamba_slots as u64),
             ("mamba_evictable_states", self.sizes.evictable_states as u64),
             ("mamba_protected_states", self.sizes.protected_states as u64),

@@ -158,8 +158,9 @@ impl Cache {
     /// layers) gives the request its own state slot with a copy of the cached state
     /// (a `cow` batch). `None`, having taken nothing, when no state slot can be had
     /// even after eviction. The request then holds only the reused prefix; `extend`
-    /// adds the rest.
-    pub fn admit(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Option<RequestId> {
+    /// adds the rest. Refused when the engine owns the slots ([`Error::EngineOwned`]).
+    pub fn admit(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Result<Option<RequestId>> {
+        self.cache_owned("admit")?;
         // The request will cache into its namespace: it gets a root now (dropped again
         // with the admission's lock if the admission is refused).
         self.root(namespace);
@@ -173,7 +174,7 @@ impl Cache {
             let Some(dst) = self.alloc_state() else {
                 let _ = self.unlock(lock);
                 self.stats.admits_refused += 1;
-                return None;
+                return Ok(None);
             };
             let dst_slot = dst.pages()[0];
             state = Some(dst);
@@ -214,13 +215,14 @@ impl Cache {
             }
         }
         self.stats.admits += 1;
-        Some(id)
+        Ok(Some(id))
     }
 
     /// Gives the request one KV slot for each of `tokens` (filling its last partial page
     /// first), plus a state slot if it has none. Returns the new tokens' slots, or
     /// `None` (nothing taken) when they cannot be had even after eviction.
     pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
+        self.cache_owned("extend")?;
         let ps = self.page_size();
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
@@ -285,6 +287,7 @@ impl Cache {
     /// in order, or `None` (nothing taken, nothing evicted) when the whole step cannot be
     /// had even after eviction. A request may appear once.
     pub fn extend_batch(&mut self, ids: &[RequestId], tokens: &[u32]) -> Result<Option<Vec<i64>>> {
+        self.cache_owned("extend_batch")?;
         if ids.len() != tokens.len() {
             return Err(Error::arg(
                 "tokens",
@@ -378,6 +381,7 @@ impl Cache {
     /// unaligned tail stays with the request. Re-read the request's `kv_indices`
     /// afterwards: tokens another request cached meanwhile now use the cache's slots.
     pub fn checkpoint(&mut self, id: RequestId) -> Result<()> {
+        self.cache_owned("checkpoint")?;
         self.refuse_while_copying(id, "checkpoint")?;
         let (end, cached) = self.cache_request(id, false)?;
         self.maybe_backup(end);
@@ -414,6 +418,7 @@ impl Cache {
     /// page-aligned), releases its lock and frees the rest. The request holds nothing
     /// afterwards.
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
+        self.cache_owned("finish")?;
         self.refuse_while_copying(id, "finish")?;
         let (end, cached) = self.cache_request(id, true)?;
         let mut r = self.take_request(id)?;
@@ -433,6 +438,7 @@ impl Cache {
 
     /// Gives back everything the request holds and caches nothing.
     pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        self.cache_owned("abort")?;
         let r = self.take_request(id)?;
         // KV pages and the state slot return as `r` drops (a slot a copy may still
         // write drains until the copy is acknowledged).

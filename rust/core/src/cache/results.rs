@@ -34,12 +34,18 @@ pub struct Insert {
 }
 
 /// What [`super::Cache::evict`] actually evicted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Evicted {
     /// Device KV tokens freed.
     pub kv_tokens: usize,
     /// Device Mamba states freed.
     pub mamba_states: usize,
+    /// When the engine owns the slots: every slot of every KV page the eviction freed,
+    /// the engine's on return (empty otherwise: the pages went to the cache's free list).
+    pub kv_indices: Vec<i64>,
+    /// When the engine owns the slots: the state slots the eviction freed, the engine's
+    /// on return (empty otherwise).
+    pub mamba_slots: Vec<i64>,
 }
 
 /// One node as seen by [`super::Cache::snapshot`] (tests, tools and pretty printing).
