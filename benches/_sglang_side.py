@@ -95,9 +95,10 @@ Timed (``time.perf_counter_ns`` around each call; Python's garbage collector is 
 the replay): the match, lock and unlock, the rejected admission's Mamba free,
 ``alloc_for_extend`` and ``alloc_for_decode`` (request rows, Mamba slots, KV allocation
 with eviction, ``req_to_token`` writes), ``checkpoint_kv_cache``, ``release_kv_cache``
-and a retraction's ``release_req``. Each call is charged to its request; a batch's allocation (prefill
-or decode) is split evenly over the requests of its batch. Each timed call is also split
-(`Meter`, benches/_sglang_meter.py) into the allocator's part and the rest. The
+and a retraction's ``release_req``. Each call is charged to its request; a batch's
+allocation (prefill or decode) is split evenly over the requests of its batch. Each timed
+call is also split (`Meter`, benches/_sglang_meter.py) into the allocator's part and the
+rest. The
 allocator's part: every call into SGLang's KV slot allocator, Mamba slot allocator and
 request-row pool (``write``: the ``req_to_token`` page-table writes), wherever it is made
 (a free inside an insert or an eviction included), and the whole of ``alloc_for_extend``
@@ -349,7 +350,8 @@ def replay_sglang(
 
     Returns:
         ``system``, ``tree_core`` (the class that ran), ``mamba_strategy`` (hybrid),
-        ``requests``, ``prompt_tokens``, ``device_hit_tokens``, ``hit_rate``,
+        ``requests``, ``prompt_tokens``, ``device_hit_tokens`` (``first_admission_hit_tokens``:
+        those of requests not retracted before), ``hit_rate``,
         ``per_request_ns`` (in finish order), ``per_request_alloc_ns`` (the allocator's
         part of it: `Meter`), ``ops`` (ns per call, by operation), ``alloc_ops`` (the
         allocator's part of each call), ``instrumentation`` (wrapped calls and what a
@@ -497,6 +499,7 @@ class _Replay:
         self.per_request_alloc_ns: list[int] = []
         self.prompt_tokens = 0
         self.device_hit_tokens = 0
+        self.first_hit_tokens = 0  # of requests on their first admission (not retracted)
         self.finished = 0
         self.retract_every = retract_every
         self.backend = backend
@@ -785,6 +788,8 @@ class _Replay:
             self.tried.pop(index, None)
             self.prompt_tokens += live.prompt_len
             self.device_hit_tokens += req.prefix_len
+            if not req.retraction_count:
+                self.first_hit_tokens += req.prefix_len
             live.prefilled = req.prefix_len
             self.running.append(live)
             admitted.append(live)
@@ -1004,6 +1009,7 @@ class _Replay:
             "requests": self.finished,
             "prompt_tokens": self.prompt_tokens,
             "device_hit_tokens": self.device_hit_tokens,
+            "first_admission_hit_tokens": self.first_hit_tokens,
             "hit_rate": self.device_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "per_request_ns": per,
             "per_request_alloc_ns": self.per_request_alloc_ns,

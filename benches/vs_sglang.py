@@ -230,6 +230,7 @@ def run_sglang(
         "requests": r["requests"],
         "prompt_tokens": r["prompt_tokens"],
         "device_hit_tokens": r["device_hit_tokens"],
+        "first_admission_hit_tokens": r["first_admission_hit_tokens"],
         "computed_tokens": computed,
         "hit_rate": r["hit_rate"],
         "retractions": r["retractions"],
