@@ -20,9 +20,9 @@ invariant checks after every step (benches/_sglang_proof.py). The checks, per wo
   end (and SGLang's idle checks pass), on every system;
 - 0 byte mismatches (KV and states) and 0 breaks of the pool invariant, on every system;
 - attention-only: the backend's hit tokens equal each SGLang core's; with retraction,
-  within 1% of them (a retraction evicts a number of tokens at once, which SGLang takes
-  in whole tree nodes and the backend in whole pages, least recently used first: from
-  there the two trees can keep slightly different prefixes; docs/sglang.md);
+  within 1% of them (a retraction evicts a number of tokens at once; from there the two
+  caches' least-recently-used orders, whose recency stamps and eviction units differ, can
+  keep slightly different prefixes; docs/sglang.md);
 - FULL+MAMBA: the backend's hit tokens at least each SGLang core's, counted at each
   request's first admission: a retracted request is prefilled again with its output so
   far, and how much that is (and so its hits) depends on when it was retracted, which the
