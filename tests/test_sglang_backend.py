@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
 import warnings
 from array import array
 from pathlib import Path
@@ -39,8 +38,7 @@ def _load_shim() -> Any:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["_sglang_shim"] = module
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # not in sys.modules: benches/vs_sglang.py loads its own
     return module
 
 
@@ -53,7 +51,7 @@ with warnings.catch_warnings():  # SGLang's import chain warns about this CPU ma
     )
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
     from sglang.srt.managers.scheduler_components.pool_stats_observer import (
         kv_mamba_slots,
         kv_private_tokens,
@@ -108,6 +106,8 @@ CONFIGS = [
     pytest.param((True, 1, "no_buffer"), id="mamba-page1-no_buffer"),
     pytest.param((True, 1, "extra_buffer"), id="mamba-page1-extra_buffer"),
     pytest.param((True, 16, "extra_buffer"), id="mamba-page16-extra_buffer"),
+    # Overlap scheduling (SGLang's default) gives extra_buffer two tracking slots.
+    pytest.param((True, 16, "extra_buffer+overlap"), id="mamba-page16-extra_buffer-overlap"),
 ]
 
 
@@ -167,6 +167,7 @@ class Env:
 
 def build(hybrid: bool, page_size: int, strategy: str, **server: Any) -> Env:
     """Build the backend as ``--radix-cache-backend radixcache`` does, through the registry."""
+    strategy, _, overlap = strategy.partition("+")
     extra_buffer = hybrid and strategy == "extra_buffer"
     args = ServerArgs(
         model_path="dummy",
@@ -204,7 +205,7 @@ def build(hybrid: bool, page_size: int, strategy: str, **server: Any) -> Env:
             mamba_layer_ids=layers,
             enable_mamba_extra_buffer=extra_buffer,
             speculative_num_draft_tokens=None,
-            enable_overlap_schedule=False,
+            enable_overlap_schedule=bool(overlap),
         )
         kv_pool = HybridLinearKVPool(
             size=KV_SLOTS,
@@ -371,10 +372,15 @@ def env(env_factory: Any) -> Env:
 # ---------------------------------------------------------------------- construction
 
 
-def test_plugins_register_the_backend_name() -> None:
+def test_plugins_register_the_backend_name(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BACKEND_NAME in registered_radix_cache_backends()
     register()  # idempotent: the name is ours already
     assert registered_radix_cache_backends().count(BACKEND_NAME) == 1
+    from sglang.srt.mem_cache import registry
+
+    monkeypatch.setitem(registry._RADIX_CACHE_REGISTRY, BACKEND_NAME, lambda ctx: None)
+    with pytest.raises(ValueError, match="already registered"):
+        register()  # someone else's factory under the name
 
 
 def test_registry_builds_the_backend_by_name(env: Env) -> None:
@@ -533,9 +539,11 @@ def test_reports_and_reset(env: Env, capsys: pytest.CaptureFixture[str]) -> None
     env.tree.pretty_print()
     assert capsys.readouterr().out
     assert env.tree.take_events() == []
-    assert env.tree.total_size() == env.tree.evictable_size()
+    kv, states = env.tree.total_size()
+    assert kv == env.tree.evictable_size()
+    assert states == env.tree.mamba_evictable_size()
     env.tree.reset()
-    assert env.tree.total_size() == 0
+    assert env.tree.total_size() == (0, 0)
     env.allocator.clear()
     env.rows.clear()
     env.check()
@@ -577,4 +585,86 @@ def test_copy_on_write_without_a_free_state_slot_is_a_miss(strategy: str) -> Non
     assert req.kv.mamba_cow_src_index is not None
     while req in env.live:
         prefill(env, [req])
+    env.drained()
+
+
+def test_lock_receipts_through_inc_and_dec_lock_ref(env: Env) -> None:
+    p = prompt(96, seed=70)
+    serve(env, p, chunk=64)
+    match = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", p))))
+    assert match.device_prefix_len > 0
+    protected = env.tree.protected_size()
+    receipt = env.tree.inc_lock_ref(match.last_device_node)
+    assert env.tree.protected_size() == protected + match.device_prefix_len
+    env.tree.dec_lock_ref(match.last_device_node, receipt.to_dec_params())
+    assert env.tree.protected_size() == protected
+    with pytest.raises(ValueError, match="params"):
+        env.tree.dec_lock_ref(match.last_device_node, receipt.to_dec_params())
+    with pytest.raises(ValueError, match="params"):
+        env.tree.dec_lock_ref(match.last_device_node)
+    env.check()
+    env.drained()
+
+
+def test_prefix_indices_are_the_matched_ones_cut_to_prefix_len(env: Env) -> None:
+    p = prompt(96, seed=80)
+    serve(env, p, chunk=64)
+    req = new_req(env, p)
+    req.init_next_round_input(env.tree, cow_mamba=False)
+    assert req.prefix_len > 0
+    indices = env.tree.prefix_device_indices(req)
+    assert len(indices) == req.prefix_len
+    assert len(set(indices.tolist())) == req.prefix_len
+    req.prefix_len += env.page_size
+    with pytest.raises(ValueError, match="prefix_len"):
+        env.tree.prefix_device_indices(req)
+    env.drained()
+
+
+def test_joint_reclaim_is_not_supported(env: Env) -> None:
+    with pytest.raises(NotImplementedError, match="joint reclaim"):
+        env.tree.evict_for_alloc(EvictParams(num_tokens=1), allocation_reclaim_satisfied=bool)
+
+
+def test_waiting_order_groups_requests_by_matched_node(env: Env) -> None:
+    a, b = prompt(64, seed=90), prompt(64, seed=91)
+    serve(env, a + prompt(32, seed=92), chunk=64)
+    serve(env, b + prompt(32, seed=93), chunk=64)
+    tree = env.tree
+
+    def node(tokens: list[int]) -> Any:
+        return tree.match_prefix(
+            MatchPrefixParams(key=RadixKey(array("q", tokens)))
+        ).last_device_node
+
+    handles = [node(b), node(a), node(a), tree.root_node, node(a)]
+    assert tree.dfs_weight_order(handles) == [1, 2, 4, 0, 3]
+    tree.touch_prefix(RadixKey(array("q", a)))  # recency only: nothing taken
+    env.check()
+    env.drained()
+
+
+@pytest.mark.parametrize(
+    ("previous", "cached"),
+    [(128, 128), (None, 0)],
+    ids=["earlier-state-fits", "no-state-fits"],
+)
+def test_a_finished_request_whose_last_state_overshot_gives_the_earlier_one(
+    previous: int | None, cached: int
+) -> None:
+    env = build(True, 16, "extra_buffer+overlap")
+    p = prompt(200, seed=110)
+    req = admit(env, new_req(env, p, max_new=4))
+    prefill(env, [req])  # caches 192 with its tracked state, keeps running
+    assert req.kv.cache_protected_len == 192
+    # The latest tracked state ran past what will be cached (as after a stop that lands
+    # before the last committed token); the other tracking slot holds `previous`.
+    req.kv.mamba_last_track_seqlen = 256
+    req.kv.mamba_prev_track_seqlen = previous
+    states = env.tree.mamba_evictable_size() + env.tree.mamba_protected_size()
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    finish(env, req)
+    assert env.tree.mamba_evictable_size() == states + (1 if cached else 0)
+    probe = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", p[:150]))))
+    assert probe.device_prefix_len == cached
     env.drained()

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 _PREFIX_ATTR = "_radixcache_prefix"
 
 _Array = npt.NDArray[np.int64]
+_Row = npt.NDArray[np.integer[Any]]
 
 
 def _refuse(flag: str, why: str) -> ValueError:
@@ -159,7 +160,8 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         self.disable = False
         self._hybrid = hybrid
         self._extra_buffer = bool(hybrid and params.enable_mamba_extra_buffer)
-        self._kv_device = self.token_to_kv_pool_allocator.device
+        self._kv_device = torch.device(self.token_to_kv_pool_allocator.device)
+        self._kv_on_cpu = self._kv_device.type == "cpu"
         self._mamba_allocator: Any = None
         self._grid = 0
         if hybrid:
@@ -208,9 +210,13 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ slots back to SGLang
 
+    def _kv_tensor(self, kv: _Array) -> torch.Tensor:
+        tensor = torch.from_numpy(kv)
+        return tensor if self._kv_on_cpu else tensor.to(self._kv_device, non_blocking=True)
+
     def _free_kv(self, kv: _Array) -> None:
         if kv.size:
-            self.token_to_kv_pool_allocator.free(torch.from_numpy(kv).to(self._kv_device))
+            self.token_to_kv_pool_allocator.free(self._kv_tensor(kv))
 
     def _free_mamba(self, slots: _Array) -> None:
         if slots.size:
@@ -255,7 +261,7 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
                 node = self.cache.match_prefix((), namespace=namespace).node
         req = params.req
         if req is not None:
-            setattr(req, _PREFIX_ATTR, torch.from_numpy(kv).to(self._kv_device))
+            setattr(req, _PREFIX_ATTR, self._kv_tensor(kv))
         return MatchResult(
             device_prefix_len=length,
             last_device_node=node,
@@ -376,7 +382,8 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         full = up_to // self.page_size * self.page_size
         tokens = _tokens(req.full_untruncated_fill_ids, full)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        indices = row[:full].to(device="cpu", dtype=torch.int64, copy=True).numpy()
+        # On the CPU a view of the row: `_insert` writes the tree's slots into both.
+        indices = row[:full].cpu().numpy()
         namespace = self._namespace(req.extra_key, req.cache_salt)
         protected = kv.cache_protected_len
         deepest: tuple[int, Node] | None = None
@@ -409,7 +416,7 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         self,
         req: Any,
         tokens: _Array,
-        indices: _Array,
+        indices: _Row,
         namespace: str | None,
         protected: int,
         state_slot: int | None,
@@ -430,15 +437,11 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         if inserted.prefix_len > owned:
             # The tree held some of these pages already: its slots replace the request's
             # (which the insert queued for the allocator).
-            tree = self.cache.match_prefix(tokens, namespace=namespace).kv_indices
-            if len(tree) != length:
-                raise RuntimeError(
-                    f"the tree lost the path it just inserted ({len(tree)} of {length} tokens)"
-                )
-            indices[owned:length] = tree[owned:]
+            tree = self.cache.match_prefix(tokens, namespace=namespace).kv_indices[owned:length]
+            indices[owned:length] = tree
             self.req_to_token_pool.write(
                 (req.kv.req_pool_idx, slice(owned, length)),
-                torch.from_numpy(tree[owned:]).to(self._kv_device),
+                self._kv_tensor(tree),
             )
         return length, inserted.node
 
@@ -532,9 +535,10 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         """States in the tree protected by locks."""
         return self.cache.stats()["mamba_protected_states"] if self._hybrid else 0
 
-    def total_size(self) -> int:
-        """Device KV tokens in the tree."""
-        return self.cache.total_size()
+    def total_size(self) -> tuple[int, int]:
+        """``(KV tokens, states)`` in the tree, as SGLang's unified cache reports them."""
+        states = self.cache.stats()["mamba_cached_states"] if self._hybrid else 0
+        return self.cache.total_size(), states
 
     def available_and_evictable_str(self) -> str:
         """Free and evictable KV tokens (and states), as SGLang logs them."""
