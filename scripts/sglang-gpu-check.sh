@@ -16,6 +16,8 @@
 #   ATTENTION_MODEL   a small attention-only model (default Qwen/Qwen2.5-0.5B-Instruct)
 #   MODELS            which to run: "hybrid attention" (default), "hybrid" or "attention"
 #   PORT              the server's port (default 30123)
+#   HF_HUB_OFFLINE=1  on a machine without network, so that the models and tokenizers
+#                     come from the Hugging Face cache without trying the hub
 #   OUT               where logs and results go (default target/sglang-gpu-check)
 #   GSP_ARGS          bench_serving's workload (default: 16 groups of 32 prompts, a
 #                     2,048-token shared system prompt, 256-token questions, 64 output
