@@ -25,9 +25,14 @@
 //!   pages, or free + tree != capacity; after evicting everything, device pages left in
 //!   the tree.
 //!
+//! An input whose first byte is `engine::ENGINE_MODE` runs the rest with engine-owned
+//! pools instead (module `engine`, which lists its own findings).
+//!
 //! The harness is deterministic: the same input always makes the same calls.
 
 #![no_main]
+
+mod engine;
 
 use std::collections::{BTreeSet, HashSet};
 
@@ -1579,7 +1584,37 @@ impl H {
     }
 }
 
-fuzz_target!(|input: Input| {
+fuzz_target!(|data: &[u8]| {
+    match data.split_first() {
+        Some((&engine::ENGINE_MODE, rest)) => run_engine(rest),
+        _ => run(data),
+    }
+});
+
+/// Engine-owned pools (see the `engine` module).
+fn run_engine(data: &[u8]) {
+    let Ok(input) = Input::arbitrary_take_rest(Unstructured::new(data)) else {
+        return;
+    };
+    let Some(mut e) = engine::E::new(&input.cfg) else {
+        return;
+    };
+    e.check();
+    for (i, op) in input.ops.iter().take(MAX_OPS).enumerate() {
+        e.step(op);
+        if let Err(err) = e.audit() {
+            panic!("audit after op {i} ({op:?}): {err}");
+        }
+        e.check();
+    }
+    e.teardown();
+}
+
+/// The cache's own pools.
+fn run(data: &[u8]) {
+    let Ok(input) = Input::arbitrary_take_rest(Unstructured::new(data)) else {
+        return;
+    };
     let Ok(cache) = Cache::new(config_of(&input.cfg)) else {
         return;
     };
@@ -1593,4 +1628,4 @@ fuzz_target!(|input: Input| {
         h.check_books();
     }
     h.teardown();
-});
+}

@@ -1205,6 +1205,110 @@ mod tests {
         assert_eq!(states.fault(), Some(why));
     }
 
+    fn engine_pool(slots: usize, ps: usize) -> Pool {
+        Pool::with_fault("kv_slots", slots, ps, Arc::default(), PoolOwner::Engine).unwrap()
+    }
+
+    #[test]
+    fn an_engine_owned_pool_starts_as_the_engines_and_keeps_books_only_for_pages_claimed() {
+        let p = engine_pool(u32::MAX as usize, 1);
+        assert!(p.engine_owned());
+        assert_eq!(p.counts().caller, u32::MAX as usize);
+        assert_eq!(p.state(7), Some(PageState::Caller));
+        // Claiming page 5 covers the books up to it; the pages below stay the engine's.
+        let claimed = p.claim_caller(&[5], "kv_indices").unwrap();
+        assert_eq!(p.shared.inner.lock().state.len(), 6);
+        assert_eq!(
+            (p.state(4), p.state(5)),
+            (Some(PageState::Caller), Some(PageState::Owned))
+        );
+        assert!(
+            p.try_alloc(1).is_none(),
+            "nothing is free to allocate: the queue is empty"
+        );
+        drop(claimed);
+        assert_eq!(
+            p.state(5),
+            Some(PageState::Free),
+            "dropped: queued for the engine"
+        );
+        assert_eq!((p.counts().free, p.queued_len()), (1, 1));
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn take_queued_hands_the_queue_from_a_mark_back_to_the_engine_once() {
+        let p = engine_pool(16, 4);
+        let tree = p
+            .claim_caller(&[0, 1, 2], "kv_indices")
+            .unwrap()
+            .into_tree();
+        p.release_tree(&tree[..1]);
+        let mark = p.queued_len();
+        p.release_tree(&tree[1..]);
+        assert_eq!(
+            p.take_queued(mark),
+            vec![1, 2],
+            "only what joined after the mark"
+        );
+        assert_eq!(p.take_queued(0), vec![0]);
+        assert!(p.take_queued(0).is_empty());
+        assert_eq!(p.counts().caller, 4);
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn a_pinned_page_the_tree_gives_up_joins_the_queue_when_its_last_pin_goes() {
+        let p = engine_pool(8, 1);
+        let tree = p.claim_caller(&[3], "kv_indices").unwrap().into_tree();
+        p.pin(&tree);
+        p.release_tree(&tree);
+        assert_eq!(p.state(3), Some(PageState::Draining));
+        assert!(p.take_queued(0).is_empty(), "not queued while pinned");
+        p.unpin(&tree);
+        assert_eq!(p.take_queued(0), vec![3]);
+        assert_eq!(p.state(3), Some(PageState::Caller));
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn claiming_a_queued_or_tree_page_of_an_engine_pool_says_whose_it_is() {
+        let p = engine_pool(16, 4);
+        let tree = p.claim_caller(&[0, 1], "kv_indices").unwrap().into_tree();
+        p.release_tree(&tree[1..]);
+        let before = p.counts();
+        let queued = p.claim_caller(&[2, 1], "kv_indices").unwrap_err();
+        assert!(
+            queued
+                .to_string()
+                .contains("page 1 (slots 4..8) is queued to go back to the engine"),
+            "{queued}"
+        );
+        let in_tree = p.claim_caller(&[0], "kv_indices").unwrap_err();
+        assert!(
+            in_tree.to_string().contains("in the cache's tree"),
+            "{in_tree}"
+        );
+        assert_eq!(p.counts(), before);
+        assert_eq!(
+            p.state(2),
+            Some(PageState::Caller),
+            "the claim was rolled back"
+        );
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn a_queue_holding_a_page_in_use_hands_back_nothing_and_records_the_fault() {
+        let p = engine_pool(8, 1);
+        let held = p.claim_caller(&[2], "kv_indices").unwrap();
+        p.shared.inner.lock().free.push(2);
+        assert!(p.take_queued(0).is_empty());
+        assert_eq!(p.state(2), Some(PageState::Owned));
+        assert!(p.fault().unwrap().contains("page 2 is Owned, not Free"));
+        std::mem::forget(held);
+    }
+
     #[test]
     fn split_and_append_keep_ownership_exact() {
         let p = pool(8, 1);

@@ -309,3 +309,35 @@ fn audit_finds_a_slot_queued_twice() {
         "{err}"
     );
 }
+
+#[test]
+fn the_shared_handle_refuses_every_request_naming_the_call() {
+    let h = crate::HybridCache::new(Config {
+        pools: PoolOwner::Engine,
+        ..Config::kv(8, 1)
+    })
+    .unwrap();
+    let other = crate::HybridCache::new(Config::kv(8, 1)).unwrap();
+    let r = other.admit(None, &[1]).unwrap().unwrap();
+    assert!(matches!(
+        h.request_id(&r, "extend"),
+        Err(Error::EngineOwned("extend"))
+    ));
+    assert!(matches!(
+        h.load_back_request(&r, None),
+        Err(Error::EngineOwned("load_back"))
+    ));
+    assert!(matches!(
+        h.load_back(
+            other.with(|c| c.match_prefix(None, &[1]).node).unwrap(),
+            None,
+            Some(&r)
+        ),
+        Err(Error::EngineOwned("load_back"))
+    ));
+    assert!(matches!(
+        h.admit(None, &[1]),
+        Err(Error::EngineOwned("admit"))
+    ));
+    assert!(h.broken().is_none(), "a refusal does not break the cache");
+}

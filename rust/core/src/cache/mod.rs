@@ -16,7 +16,7 @@
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
 //! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
-//! | `evict.rs` | — | device eviction, demotion, host eviction |
+//! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
 //! | `alloc.rs` | — | allocation, evicting first when short |
 //! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail` |
 //! | `host.rs` | — | backups to the host tier |
