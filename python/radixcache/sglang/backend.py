@@ -168,10 +168,16 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             from sglang.srt.runtime_context import mamba_cache_chunk_size
 
             self._mamba_allocator = self.req_to_token_pool.mamba_allocator
+            # Every state slot id as a tensor: a copy-on-write source is a one-element
+            # slice of it (SGLang only reads it), not a new tensor per match.
+            self._mamba_ids = torch.arange(
+                self._mamba_allocator.size + 1,
+                dtype=torch.int64,
+                device=self._mamba_allocator.device,
+            )
             # A state SGLang tracks during prefill lies a whole number of Mamba chunks
             # past the request's prefix, on a page boundary.
             self._grid = math.lcm(mamba_cache_chunk_size(), self.page_size)
-        self._namespaces: dict[tuple[str | None, str | None], str | None] = {}
         self._receipts: dict[int, Lock] = {}
         self._next_receipt = 0
         if params.enable_metrics:
@@ -199,14 +205,12 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         """Return the root handle of `extra_key`'s namespace."""
         return self.cache.match_prefix((), namespace=self._namespace(extra_key, None)).node
 
-    def _namespace(self, extra_key: str | None, cache_salt: str | None) -> str | None:
-        key = (extra_key, cache_salt or None)
-        try:
-            return self._namespaces[key]
-        except KeyError:
-            name = None if key == (None, None) else repr(key)
-            self._namespaces[key] = name
-            return name
+    @staticmethod
+    def _namespace(extra_key: str | None, cache_salt: str | None) -> str | None:
+        """Return the namespace of (``extra_key``, ``cache_salt``); None for neither."""
+        if extra_key is None and not cache_salt:
+            return None
+        return repr((extra_key, cache_salt or None))
 
     # ------------------------------------------------------------------ slots back to SGLang
 
@@ -288,9 +292,7 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             if slot is None:
                 return False
             kv.mamba_pool_idx = slot[0]
-        kv.mamba_cow_src_index = torch.tensor(
-            [source], dtype=torch.int64, device=self._mamba_allocator.device
-        )
+        kv.mamba_cow_src_index = self._mamba_ids[source : source + 1]
         kv.mamba_needs_clear = False
         return True
 
