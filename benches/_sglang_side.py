@@ -1,21 +1,33 @@
-"""SGLang side of ``benches/vs_sglang.py``: a workload replayed through SGLang's prefix cache.
+"""A workload replayed through a tree cache in SGLang's own scheduler code, on the CPU.
 
-`replay_sglang` serves a list of jobs through SGLang 0.5.23's ``UnifiedRadixCache`` on the
-CPU, driving the cache with SGLang's own request object (``Req``) and the calls its
-scheduler makes, in a simplified continuous-batching loop, and times the cache operations
-only. It runs in the SGLang virtual environment. Importing it imports SGLang (an
-``ImportError`` says SGLang is not installed), after `_sglang_shim` has registered its
-placeholders for the heavy packages SGLang's import chain reaches.
+`replay_sglang` serves a list of jobs through a tree cache that SGLang 0.5.23's registry
+builds (its own ``UnifiedRadixCache`` on either tree core, or any ``--radix-cache-backend``
+by name: benches/sglang_backend.py proves radixcache's backend this way), driving it with
+SGLang's own request object (``Req``) and the calls its scheduler makes, in a simplified
+continuous-batching loop, and times the cache operations only. benches/vs_sglang.py and
+benches/sglang_backend.py run it. Importing it imports SGLang (an ``ImportError`` says
+SGLang is not installed), after `_sglang_shim` has registered its placeholders for the
+heavy packages SGLang's import chain reaches.
 
-The cache is built as SGLang's ``kv_cache_configurator`` builds it for a one-device server
-and as SGLang's unit tests build their fixtures: a ``ReqToTokenPool`` and an
+The pools are built as SGLang's ``kv_cache_configurator`` builds them for a one-device
+server and as SGLang's unit tests build their fixtures: a ``ReqToTokenPool`` and an
 ``MHATokenToKVPool`` (attention only), or a ``HybridReqToTokenPool`` with a small Mamba2
 state shape and a ``HybridLinearKVPool`` (hybrid); a ``TokenToKVPoolAllocator`` at page
-size 1, a ``PagedTokenToKVPoolAllocator`` above; ``CacheInitParams(tree_core_backend=...)``
-picks the tree core (the Python ``UnifiedTreeCore`` or the bundled Rust one). The server
-arguments are published as the unit tests do (``ServerArgs(model_path="dummy", ...)``,
-attention backend ``torch_native``, so every ``req_to_token`` write takes SGLang's torch
-path, no Triton kernel).
+size 1, a ``PagedTokenToKVPoolAllocator`` above. The tree cache is built as the
+scheduler's cache builder builds it: the plugins of the entry-point group
+``sglang.srt.plugins`` loaded first, then the registry's ``create_tree_cache`` with a
+``TreeCacheBuildContext`` (no tensor-parallel worker, no model config), which reads the
+published server arguments: ``radix_cache_backend`` set to the backend's name, or unset for
+SGLang's default chain, where ``CacheInitParams(tree_core_backend=...)`` picks the tree
+core (the Python ``UnifiedTreeCore`` or the bundled Rust one). The server arguments are
+published as the unit tests do (``ServerArgs(model_path="dummy", ...)``, attention
+backend ``torch_native``, so every ``req_to_token`` write takes SGLang's torch path, no
+Triton kernel).
+
+With ``verify=True`` the replay also runs the checksum model over SGLang's real KV and
+Mamba pool tensors and SGLang's pool invariant checks after every step
+(benches/_sglang_proof.py), outside the timed calls; with ``retract_every=N`` it retracts
+a decoding request every N decode steps (below).
 
 The loop (deterministic; the radixcache side runs the same one), each step:
 
@@ -53,7 +65,12 @@ The loop (deterministic; the radixcache side runs the same one), each step:
    lengths), then the next output token is appended and ``req.update_finish_state()``
    run. A request that has produced all its output is finished (``FINISH_LENGTH``) and
    released with ``release_kv_cache(req, tree_cache, checkpoint=True)``, which inserts
-   it into the tree, unlocks it and frees its request row.
+   it into the tree, unlocks it and frees its request row. With ``retract_every`` N,
+   every N-th decode step first retracts one request (if more than one decodes): the
+   one SGLang's ``retract_decode`` gives up first (its retraction order), through
+   SGLang's ``release_req`` (``release_kv_cache(..., checkpoint=False)``, an eviction for
+   the requests left, ``reset_for_retract``); it goes back to the head of the queue and
+   is later matched and prefilled again, its prompt and its output so far.
 
 Hybrid caches run SGLang's Mamba radix-cache strategy ``extra_buffer``: what SGLang's
 ``auto`` strategy resolves to for models that support it whenever overlap scheduling
@@ -77,10 +94,11 @@ budget per prefill batch and does not decode in a step that prefills (0.374).
 Timed (``time.perf_counter_ns`` around each call; Python's garbage collector is off during
 the replay): the match, lock and unlock, the rejected admission's Mamba free,
 ``alloc_for_extend`` and ``alloc_for_decode`` (request rows, Mamba slots, KV allocation
-with eviction, ``req_to_token`` writes), ``checkpoint_kv_cache`` and
-``release_kv_cache``. Each call is charged to its request; a batch's allocation (prefill
-or decode) is split evenly over the requests of its batch. Each timed call is also split
-(`Meter`, benches/_sglang_meter.py) into the allocator's part and the rest. The
+with eviction, ``req_to_token`` writes), ``checkpoint_kv_cache``, ``release_kv_cache``
+and a retraction's ``release_req``. Each call is charged to its request; a batch's
+allocation (prefill or decode) is split evenly over the requests of its batch. Each timed
+call is also split (`Meter`, benches/_sglang_meter.py) into the allocator's part and the
+rest. The
 allocator's part: every call into SGLang's KV slot allocator, Mamba slot allocator and
 request-row pool (``write``: the ``req_to_token`` page-table writes), wherever it is made
 (a free inside an insert or an eviction included), and the whole of ``alloc_for_extend``
@@ -109,8 +127,10 @@ from typing import Any
 
 try:
     from ._sglang_meter import Clock, Meter  # type: ignore[attr-defined]
+    from ._sglang_proof import Checksums, Invariants, prefix_values  # type: ignore[attr-defined]
 except ImportError:  # run as a script from benches/
     from _sglang_meter import Clock, Meter  # type: ignore[no-redef]
+    from _sglang_proof import Checksums, Invariants, prefix_values  # type: ignore[no-redef]
 
 __all__ = ["DATA_OPS", "match_prefix_ns", "replay_sglang"]
 
@@ -129,9 +149,16 @@ _MAMBA2_SHAPE = dict(
     state_size=16,
     conv_kernel=4,
 )
-#: KV pool geometry: the cache never reads or writes KV data, so one head of one element.
+#: KV pool geometry: one head of one element, which the checksum model (`_Checksums`)
+#: writes; the pool is float32, which holds its values (below 2**24) exactly, as is the
+#: Mamba pool's temporal state (``SGLANG_MAMBA_SSM_DTYPE``).
 _KV_HEADS = 1
 _KV_HEAD_DIM = 1
+
+
+#: The tree cores of SGLang's own ``UnifiedRadixCache`` (its default chain builds it);
+#: any other backend name is a ``--radix-cache-backend`` name.
+SGLANG_CORES = ("python", "rust")
 
 _OPS = (
     "match",
@@ -144,6 +171,7 @@ _OPS = (
     "checkpoint",
     "alloc_decode",
     "release",
+    "retract",
 )
 #: Data movement (a real copy of the state on this CPU): recorded, but charged to no
 #: request, because the radixcache side makes no copies either (its batches complete at
@@ -161,7 +189,13 @@ _IMPORTS = {
         "FINISH_LENGTH",
         "Req",
         "ScheduleBatch",
+        "release_req",
         "set_mamba_track_indices_from_reqs",
+    ),
+    "sglang.srt.managers.scheduler_components.invariant_checker": ("SchedulerInvariantChecker",),
+    "sglang.srt.managers.scheduler_components.pool_stats_observer": (
+        "SchedulerPoolStatsObserver",
+        "kv_mamba_slots",
     ),
     "sglang.srt.managers.scheduler_components.batch_result_processor": (
         "SchedulerBatchResultProcessor",
@@ -178,8 +212,9 @@ _IMPORTS = {
         "MHATokenToKVPool",
         "ReqToTokenPool",
     ),
-    "sglang.srt.mem_cache.unified_cache.component_type": ("ComponentType",),
-    "sglang.srt.mem_cache.unified_radix_cache": ("UnifiedRadixCache",),
+    "sglang.srt.mem_cache.registry": ("TreeCacheBuildContext", "create_tree_cache"),
+    "sglang.srt.plugins": ("load_plugins",),
+    "sglang.srt.runtime_context": ("mamba_track_grid",),
     "sglang.srt.sampling.sampling_params": ("SamplingParams",),
     "sglang.srt.server_args": ("ServerArgs", "set_global_server_args_for_scheduler"),
     "sglang.srt.speculative.spec_info": ("SpeculativeAlgorithm",),
@@ -220,6 +255,8 @@ class _Live:
     alloc_ns: int = 0  # of `ns`: the allocator's part (`Meter`)
     prefilled: int = 0  # prompt tokens with KV allocated
     decoding: bool = False  # its prefill ended in an earlier step
+    kv_values: Any = None  # verify: what the model computes per position (`Checksums`)
+    state_values: Any = None  # verify: the state after n tokens, per n
 
 
 #: Methods of SGLang's KV slot allocator, Mamba slot allocator and request-row pool that the
@@ -283,14 +320,19 @@ def replay_sglang(
     chunk_size: int,
     progress: Callable[[int], None] | None = None,
     mamba_strategy: str = "extra_buffer",
+    verify: bool = False,
+    retract_every: int = 0,
 ) -> dict[str, Any]:
-    """Serve `jobs` through SGLang's ``UnifiedRadixCache`` and time its operations.
+    """Serve `jobs` through a tree cache SGLang's registry builds, and time its operations.
 
     Args:
         jobs: ``(prompt, output, namespace)`` in arrival order; the namespace (or None)
             becomes the request's ``extra_key``.
         hybrid: Full attention plus Mamba (else attention only).
-        backend: ``"python"`` or ``"rust"``: SGLang's tree core.
+        backend: ``"python"`` or ``"rust"``: SGLang's default chain (its
+            ``UnifiedRadixCache``) on that tree core; any other name is a
+            ``--radix-cache-backend`` name, built by the registry's factory for it (the
+            ``sglang.srt.plugins`` entry points are loaded first).
         kv_slots: KV token slots.
         mamba_slots: Mamba state slots (hybrid only).
         page_size: Tokens per page (1 or a power of two, e.g. 16).
@@ -299,23 +341,33 @@ def replay_sglang(
         progress: Called once per step with the number of finished requests (untimed).
         mamba_strategy: SGLang's Mamba radix-cache strategy, ``"extra_buffer"`` (what
             ``auto`` resolves to by default) or ``"no_buffer"`` (page size 1 only).
+        verify: Run the checksum model and SGLang's pool invariants after every step
+            (benches/_sglang_proof.py; untimed).
+        retract_every: Every this many decode steps (0: never), retract one decoding
+            request, the one SGLang's ``retract_decode`` gives up first, through SGLang's
+            ``release_req``; it goes back to the head of the queue and is prefilled
+            again (prompt and output so far).
 
     Returns:
         ``system``, ``tree_core`` (the class that ran), ``mamba_strategy`` (hybrid),
-        ``requests``, ``prompt_tokens``, ``device_hit_tokens``, ``hit_rate``,
+        ``requests``, ``prompt_tokens``, ``device_hit_tokens`` (``first_admission_hit_tokens``:
+        those of requests not retracted before), ``hit_rate``,
         ``per_request_ns`` (in finish order), ``per_request_alloc_ns`` (the allocator's
         part of it: `Meter`), ``ops`` (ns per call, by operation), ``alloc_ops`` (the
         allocator's part of each call), ``instrumentation`` (wrapped calls and what a
-        wrapper costs), ``seconds`` (the replay's wall time, untimed work included) and
-        ``leaks``.
+        wrapper costs), ``seconds`` (the replay's wall time, untimed work included),
+        ``retractions``, ``leaks`` and, with `verify`, ``verify`` (`Checksums` and
+        `Invariants` results).
 
     Raises:
         ValueError: A bad argument.
         RuntimeError: The Rust tree core was asked for but the Python one ran; or a
             request can never fit in the KV pool.
     """
-    if backend not in ("python", "rust"):
-        raise ValueError(f"backend: 'python' or 'rust', got {backend!r}")
+    if not backend.strip():
+        raise ValueError("backend: 'python', 'rust' or a registered backend name, got ''")
+    if retract_every < 0:
+        raise ValueError(f"retract_every: must be >= 0, got {retract_every}")
     if mamba_strategy not in ("extra_buffer", "no_buffer"):
         raise ValueError(f"mamba_strategy: 'extra_buffer' or 'no_buffer', got {mamba_strategy!r}")
     if hybrid and mamba_strategy == "no_buffer" and page_size != 1:
@@ -346,6 +398,8 @@ def replay_sglang(
         max_running=max_running,
         chunk_size=chunk_size,
         extra_buffer=hybrid and mamba_strategy == "extra_buffer",
+        verify=verify,
+        retract_every=retract_every,
     )
     gc.collect()
     gc.disable()
@@ -415,6 +469,8 @@ class _Replay:
         max_running: int,
         chunk_size: int,
         extra_buffer: bool,
+        verify: bool = False,
+        retract_every: int = 0,
     ) -> None:
         self.sg = sg
         self.jobs = jobs
@@ -443,8 +499,34 @@ class _Replay:
         self.per_request_alloc_ns: list[int] = []
         self.prompt_tokens = 0
         self.device_hit_tokens = 0
+        self.first_hit_tokens = 0  # of requests on their first admission (not retracted)
         self.finished = 0
+        self.retract_every = retract_every
+        self.backend = backend
+        self.decode_steps = 0
+        self.retractions = 0
+        self.extra_buffer = extra_buffer
         self._build(backend, max_running, extra_buffer)
+        self.checksums: Checksums | None = None
+        self.invariants: Invariants | None = None
+        if verify:
+            kv_layer = _FULL_ATTENTION_LAYERS[0] if hybrid else 0
+            self.checksums = Checksums(
+                sg.torch,
+                self.allocator.get_kvcache().get_key_buffer(kv_layer),
+                self.req_to_token_pool,
+                hybrid,
+            )
+            self.invariants = Invariants(
+                sg,
+                self.tree,
+                self.allocator,
+                self.req_to_token_pool,
+                hybrid=hybrid,
+                page_size=page_size,
+                kv_slots=kv_slots,
+            )
+            self.track_grid = sg.mamba_track_grid(page_size)
 
     # ------------------------------------------------------------------ setup
 
@@ -460,6 +542,7 @@ class _Replay:
             chunked_prefill_size=self.chunk_size,
             disable_overlap_schedule=True,
             mamba_radix_cache_strategy="extra_buffer" if extra_buffer else "no_buffer",
+            radix_cache_backend=None if backend in SGLANG_CORES else backend,
         )
         # The Mamba component reads mamba_cache_chunk_size, whose property would load
         # the model's config; SGLang's unit tests set the value for a dummy model.
@@ -469,7 +552,7 @@ class _Replay:
         rows = max_running + 2
         context = max_len + 2 * ps
         if self.hybrid:
-            with sg.envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+            with sg.envs.SGLANG_MAMBA_SSM_DTYPE.override("float32"):
                 shape = sg.Mamba2StateShape.create(**_MAMBA2_SHAPE)
                 mamba_layers = [i for i in range(_NUM_LAYERS) if i not in _FULL_ATTENTION_LAYERS]
                 params = sg.Mamba2CacheParams(shape=shape, layers=mamba_layers)
@@ -488,7 +571,7 @@ class _Replay:
             )
             kv_pool = sg.HybridLinearKVPool(
                 size=self.kv_slots,
-                dtype=torch.bfloat16,
+                dtype=torch.float32,
                 page_size=ps,
                 head_num=_KV_HEADS,
                 head_dim=_KV_HEAD_DIM,
@@ -504,7 +587,7 @@ class _Replay:
             kv_pool = sg.MHATokenToKVPool(
                 size=self.kv_slots,
                 page_size=ps,
-                dtype=torch.bfloat16,
+                dtype=torch.float32,
                 head_num=_KV_HEADS,
                 head_dim=_KV_HEAD_DIM,
                 layer_num=len(_FULL_ATTENTION_LAYERS),
@@ -514,7 +597,7 @@ class _Replay:
         if ps == 1:
             self.allocator = sg.TokenToKVPoolAllocator(
                 size=self.kv_slots,
-                dtype=torch.bfloat16,
+                dtype=torch.float32,
                 device="cpu",
                 kvcache=kv_pool,
                 need_sort=False,
@@ -523,27 +606,45 @@ class _Replay:
             self.allocator = sg.PagedTokenToKVPoolAllocator(
                 size=self.kv_slots,
                 page_size=ps,
-                dtype=torch.bfloat16,
+                dtype=torch.float32,
                 device="cpu",
                 kvcache=kv_pool,
                 need_sort=False,
             )
-        components = (sg.ComponentType.FULL,)
-        if self.hybrid:
-            components += (sg.ComponentType.MAMBA,)
+        sglang_own = backend in SGLANG_CORES
         params = sg.CacheInitParams(
             disable=False,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator,
             page_size=ps,
             chunked_prefill_size=self.chunk_size,
-            tree_components=components,
             enable_mamba_extra_buffer=extra_buffer,
-            tree_core_backend=backend,
+            tree_core_backend=backend if sglang_own else None,
         )
-        with sg.envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(backend):
-            self.tree = sg.UnifiedRadixCache(params=params)
-        core = type(self.tree.tree_core)
+        # As the scheduler's cache builder: the registry picks the factory from the
+        # published server arguments (``--radix-cache-backend``), with the plugins loaded
+        # first, as ``run_scheduler_process`` loads them; no tensor-parallel worker.
+        sg.load_plugins()
+        context = sg.TreeCacheBuildContext(
+            server_args=server_args,
+            params=params,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=self.hybrid,
+            enable_hierarchical_cache=False,
+            disable_radix_cache=False,
+            tp_worker=None,
+            model_config=None,
+            tp_size=1,
+            tp_rank=0,
+            tp_group=None,
+        )
+        if sglang_own:
+            with sg.envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(backend):
+                self.tree = sg.create_tree_cache(context)
+            core = type(self.tree.tree_core)
+        else:
+            self.tree = sg.create_tree_cache(context)
+            core = type(self.tree)
         self.tree_core = f"{core.__module__}.{core.__qualname__}"
         if backend == "rust" and not self.tree_core.endswith("RustUnifiedTreeCore"):
             raise RuntimeError(f"asked for SGLang's Rust tree core, but {self.tree_core} ran")
@@ -606,6 +707,8 @@ class _Replay:
     def run(self, progress: Callable[[int], None] | None) -> None:
         while self.waiting or self.running:
             self.step()
+            if self.invariants is not None:
+                self.invariants.check([live.req for live in self.running])
             if progress is not None:
                 progress(self.finished)
 
@@ -648,10 +751,16 @@ class _Replay:
                 )
                 req.refresh_fill_ids()  # the fill ids a scheduler's request already holds
                 live = _Live(req, output, len(prompt))
+                if self.checksums is not None:
+                    kv, states = prefix_values([*prompt, *output], namespace)
+                    live.kv_values = self.sg.torch.tensor(kv, dtype=self.sg.torch.float32)
+                    live.state_values = states
             req = live.req
             clock.time("match", [live], req.init_next_round_input, tree)
             probe = clock.time("lock", [live], tree.lock, req.last_node)
-            need = len(prompt) - req.prefix_len + len(output) + self.page_size
+            # A retracted request prefills its prompt and its output so far again.
+            still = len(output) - len(req.output_ids)
+            need = live.prompt_len - req.prefix_len + still + self.page_size
             evictable = tree.full_evictable_size() if self.hybrid else tree.evictable_size()
             room = self.allocator.available_size() + evictable - reserved
             if need >= room:
@@ -677,8 +786,10 @@ class _Replay:
             reserved += need
             self.waiting.popleft()
             self.tried.pop(index, None)
-            self.prompt_tokens += len(prompt)
+            self.prompt_tokens += live.prompt_len
             self.device_hit_tokens += req.prefix_len
+            if not req.retraction_count:
+                self.first_hit_tokens += req.prefix_len
             live.prefilled = req.prefix_len
             self.running.append(live)
             admitted.append(live)
@@ -704,22 +815,109 @@ class _Replay:
         batch.seq_lens_cpu = batch.seq_lens
         batch.extend_num_tokens = sum(batch.extend_lens)
         self.clock.time("alloc_extend", lives, self.alloc_for_extend, batch)
+        tracks = []
         if self.result_side is not None:
-            for req in reqs:
-                batch._mamba_radix_cache_v2_req_prepare_for_extend(req)
+            tracks = [batch._mamba_radix_cache_v2_req_prepare_for_extend(req) for req in reqs]
         if self.hybrid:
             self._mamba_state_init(lives, batch)
+        if self.checksums is not None:
+            self._forward_extend(lives, tracks)
         for live, req in zip(lives, reqs):
             live.prefilled = req.extend_end
             if live.prefilled < live.prompt_len:
                 self.clock.time("checkpoint", [live], sg.checkpoint_kv_cache, req, self.tree)
                 continue
-            req.output_ids.append(live.output[0])
+            req.output_ids.append(live.output[len(req.output_ids)])
             req.update_finish_state()
             if req.finished():
                 self._finish(live)
             else:
                 self.clock.time("checkpoint", [live], sg.checkpoint_kv_cache, req, self.tree)
+
+    def _forward_extend(self, lives: list[_Live], tracks: list[Any]) -> None:
+        """Run the checksum model's prefill forward over the batch.
+
+        It checks what each chunk reads (its prefix's KV, its starting state) and writes
+        what it computes (its tokens' KV, the request's state, the tracked state).
+        """
+        sums = self.checksums
+        assert sums is not None
+        mapping = None
+        if tracks:
+            mapping = self.req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping
+        slots, starts, rids, ends, tracked, track_values = [], [], [], [], [], []
+        for i, live in enumerate(lives):
+            req, start, end = live.req, live.req.prefix_len, live.req.extend_end
+            sums.check_kv(req, live.kv_values, start, "prefix read by a prefill chunk")
+            sums.write_kv(req, live.kv_values, start, end)
+            if not self.hybrid:
+                continue
+            slots.append(int(req.kv.mamba_pool_idx))
+            starts.append(live.state_values[start])
+            ends.append(live.state_values[end])
+            rids.append(req.rid)
+            if mapping is not None and tracks[i].track_mask:
+                tracked.append(int(mapping[req.kv.req_pool_idx, tracks[i].track_position]))
+                track_values.append(live.state_values[req.kv.mamba_last_track_seqlen])
+        if slots:
+            sums.check_states(slots, starts, rids, "state a chunk starts from")
+            sums.write_states(slots, ends)
+            sums.write_states(tracked, track_values)
+
+    def _forward_decode(self, decoding: list[_Live], batch: Any) -> None:
+        """Run the checksum model's decode forward (one token per request)."""
+        sums = self.checksums
+        assert sums is not None
+        rows, positions, values = [], [], []
+        for live in decoding:
+            req = live.req
+            pos = len(req.origin_input_ids) + len(req.output_ids) - 1  # the token fed
+            rows.append(req.kv.req_pool_idx)
+            positions.append(pos)
+            values.append(float(live.kv_values[pos]))
+        sums.write_kv_at(rows, positions, values)
+        if not self.hybrid:
+            return
+        slots = [int(live.req.kv.mamba_pool_idx) for live in decoding]
+        reads = [live.state_values[p] for live, p in zip(decoding, positions)]
+        sums.check_states(slots, reads, [live.req.rid for live in decoding], "state a decode reads")
+        writes = [live.state_values[p + 1] for live, p in zip(decoding, positions)]
+        sums.write_states(slots, writes)
+        if self.extra_buffer:
+            tracks = batch.mamba_track_indices.tolist()
+            due = [
+                i
+                for i, p in enumerate(positions)
+                if (p + 1) % self.track_grid == 0 and tracks[i] >= 0
+            ]
+            sums.write_states([tracks[i] for i in due], [writes[i] for i in due])
+
+    def _retract(self, decoding: list[_Live]) -> None:
+        """Retract the request SGLang's ``retract_decode`` gives up first, as it does."""
+        sg = self.sg
+        order = sg.ScheduleBatch._get_decode_retraction_order([live.req for live in decoding])
+        live = decoding.pop(order[-1])
+        req = live.req
+        if self.checksums is not None:
+            self.checksums.check_kv(req, live.kv_values, req.kv.kv_committed_len, "retraction")
+        self.clock.time(
+            "retract",
+            [live],
+            sg.release_req,
+            req=req,
+            remaing_req_count=len(decoding),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            tree_cache=self.tree,
+            hisparse_coordinator=None,
+        )
+        self.running.remove(live)
+        live.decoding = False
+        live.prefilled = 0
+        live.prompt_len = len(req.origin_input_ids) + len(req.output_ids)
+        self.waiting.appendleft(int(req.rid))
+        self.tried[int(req.rid)] = live
+        self.retractions += 1
 
     def _mamba_state_init(self, lives: list[_Live], batch: Any) -> None:
         """Copy the matched states into the requests' slots, or clear fresh slots.
@@ -749,6 +947,10 @@ class _Replay:
 
     def _decode(self, decoding: list[_Live]) -> None:
         sg, torch = self.sg, self.sg.torch
+        self.decode_steps += 1
+        retract = self.retract_every and self.decode_steps % self.retract_every == 0
+        if retract and len(decoding) > 1:
+            self._retract(decoding)
         reqs = [r.req for r in decoding]
         batch = self._batch(reqs)
         indices = [r.kv.req_pool_idx for r in reqs]
@@ -763,6 +965,8 @@ class _Replay:
         if self.result_side is not None:
             sg.set_mamba_track_indices_from_reqs(batch)
             batch.mamba_decode_batch_idx_cpu = [req.decode_batch_idx for req in reqs]
+        if self.checksums is not None:
+            self._forward_decode(decoding, batch)
         for i, live in enumerate(decoding):
             req = live.req
             req.output_ids.append(live.output[len(req.output_ids)])
@@ -781,6 +985,8 @@ class _Replay:
                 f"request {req.rid} finished after {len(req.output_ids)} of "
                 f"{len(live.output)} tokens ({req.finished_reason})"
             )
+        if self.checksums is not None:
+            self.checksums.check_kv(req, live.kv_values, req.kv.kv_committed_len, "release")
         release = self.sg.release_kv_cache
         self.clock.time("release", [live], release, req, self.tree, checkpoint=True)
         self.running.remove(live)
@@ -792,21 +998,31 @@ class _Replay:
 
     def result(self) -> dict[str, Any]:
         per = self.per_request_ns
-        rust = self.tree_core.endswith("RustUnifiedTreeCore")
-        return {
-            "system": "sglang-rust" if rust else "sglang-python",
+        if self.backend in SGLANG_CORES:
+            rust = self.tree_core.endswith("RustUnifiedTreeCore")
+            system = "sglang-rust" if rust else "sglang-python"
+        else:
+            system = self.backend
+        out = {
+            "system": system,
             "tree_core": self.tree_core,
             "requests": self.finished,
             "prompt_tokens": self.prompt_tokens,
             "device_hit_tokens": self.device_hit_tokens,
+            "first_admission_hit_tokens": self.first_hit_tokens,
             "hit_rate": self.device_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "per_request_ns": per,
             "per_request_alloc_ns": self.per_request_alloc_ns,
             "ops": self.clock.ops,
             "alloc_ops": self.clock.alloc_ops,
             "instrumentation": {"wrapped_calls": self.meter.calls, "wrap_ns": self.meter.wrap_ns},
-            "leaks": self.leaks(),
+            "retractions": self.retractions,
         }
+        if self.checksums is not None and self.invariants is not None:
+            self.invariants.check([])  # nothing runs: SGLang's idle checks
+            out["verify"] = {**self.checksums.result(), **self.invariants.result()}
+        out["leaks"] = self.leaks()
+        return out
 
     def leaks(self) -> dict[str, Any]:
         """Evict everything evictable (nothing runs) and count what did not come back."""

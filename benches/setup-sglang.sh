@@ -4,6 +4,7 @@
 #
 #   benches/setup-sglang.sh [VENV]      # default VENV: .venv-sglang
 #   VENV/bin/python benches/vs_sglang.py --workload mixed
+#   VENV/bin/python benches/sglang_backend.py          # the SGLang backend, proved in SGLang
 #
 # What it installs (the facts behind it: docs/benchmarks.md, "Side by side with SGLang"):
 # - torch 2.13.0 from PyPI: SGLang's bundled Rust tree core links libtorch and loads only
@@ -11,7 +12,8 @@
 # - sglang 0.5.23 without its dependencies (the full set pulls in GPU-only packages);
 # - the small pure-Python packages its import chain really uses; the heavy ones it reaches
 #   but no cache path calls are placeholders registered by benches/_sglang_shim.py;
-# - radixcache with the plot extra (vs_sglang.py --plot).
+# - radixcache with the plot extra (vs_sglang.py --plot); its entry point registers the
+#   SGLang backend `radixcache` (sglang_backend.py drives it by that name).
 # PYTHON picks the interpreter (3.10 or newer; default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."

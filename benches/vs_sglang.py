@@ -177,9 +177,20 @@ def run_radixcache(
 
 
 def run_sglang(
-    jobs: list[Any], args: argparse.Namespace, hybrid: bool, backend: str, progress: Any
+    jobs: list[Any],
+    args: argparse.Namespace,
+    hybrid: bool,
+    backend: str,
+    progress: Any,
+    *,
+    verify: bool = False,
+    retract_every: int = 0,
 ) -> dict[str, Any]:
-    """SGLang's cache on one tree core (benches/_sglang_side.py)."""
+    """Replay `jobs` through a tree cache in SGLang's path (benches/_sglang_side.py).
+
+    `backend`: ``"python"`` or ``"rust"`` (SGLang's own cache on that tree core) or a
+    ``--radix-cache-backend`` name; `verify` and `retract_every` as ``replay_sglang``'s.
+    """
     import _sglang_side
 
     triples = [(j.prompt.tolist(), j.output.tolist(), j.namespace) for j in jobs]
@@ -194,6 +205,8 @@ def run_sglang(
         max_running=args.max_running,
         chunk_size=args.chunk_size,
         progress=progress,
+        verify=verify,
+        retract_every=retract_every,
     )
     per_request = r["per_request_ns"]
     total = sum(per_request)  # every charged call, less the instrumentation's cost
@@ -216,8 +229,12 @@ def run_sglang(
         "tree_core": r["tree_core"],
         "requests": r["requests"],
         "prompt_tokens": r["prompt_tokens"],
+        "device_hit_tokens": r["device_hit_tokens"],
+        "first_admission_hit_tokens": r["first_admission_hit_tokens"],
         "computed_tokens": computed,
         "hit_rate": r["hit_rate"],
+        "retractions": r["retractions"],
+        **({"verify": r["verify"]} if "verify" in r else {}),
         **summarize(per_request, r["prompt_tokens"], total, computed),
         # Every call into SGLang's allocators and every req_to_token write left out (on a
         # CPU its torch fallback): SGLang's tree alone, radixcache's allocation kept in.

@@ -112,6 +112,8 @@ def test_missing_sglang_exits_2_and_names_the_setup(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a)
     )
+    # Another test module of the session may have set SGLang up already.
+    monkeypatch.delitem(sys.modules, "_sglang_shim", raising=False)
     status = vs.main(["--systems", "radixcache,sglang-rust", "--requests", "5", "--quiet"])
     assert status == 2
     err = capsys.readouterr().err
