@@ -137,6 +137,32 @@ def test_evict_returns_the_slots_it_freed_and_leaves_the_queue_to_take_freed() -
     c.audit()
 
 
+def test_tree_slots_lists_the_trees_slots_for_an_engines_census() -> None:
+    c = engine(kv_slots=16, page_size=2, mamba_slots=4)
+    kv, states = c.tree_slots()
+    assert (kv.dtype, states.dtype, kv.size, states.size) == (np.int64, np.int64, 0, 0)
+    c.insert([1, 2, 3, 4], [4, 5, 0, 1], mamba_slot=3)
+    c.insert([1, 2, 9], [6, 7, 8])  # [6, 7] duplicates, [8] an unaligned tail: queued
+    kv, states = c.tree_slots()
+    assert (kv.tolist(), states.tolist()) == ([0, 1, 4, 5], [3])
+    # The census: every slot is the engine's, the tree's or queued, once.
+    queued = c.stats()["kv_queued_slots"]
+    assert queued == 4
+    taken, _ = c.take_freed()
+    assert sorted(set(kv.tolist()) | set(taken.tolist())) == [0, 1, 4, 5, 6, 7, 8, 9]
+    # A state at [1, 2] too, so that the node stays when its child is evicted.
+    c.insert([1, 2], [4, 5], owned_from=2, mamba_slot=1)
+    assert c.tree_slots()[1].tolist() == [1, 3]
+    c.evict(kv_tokens=2)
+    assert c.tree_slots()[0].tolist() == [4, 5]
+    assert c.tree_slots()[1].tolist() == [1]
+    own = rc.HybridCache(kv_slots=8)
+    slots = own.alloc_kv(2)
+    assert slots is not None
+    own.insert([1, 2], slots)
+    assert own.tree_slots()[0].tolist() == sorted(slots.tolist())
+
+
 def test_a_cache_that_owns_its_pools_returns_and_queues_no_slots() -> None:
     c = rc.HybridCache(kv_slots=16)
     slots = c.alloc_kv(2)

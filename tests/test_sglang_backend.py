@@ -542,8 +542,13 @@ def test_reports_and_reset(env: Env, capsys: pytest.CaptureFixture[str]) -> None
     kv, states = env.tree.total_size()
     assert kv == env.tree.evictable_size()
     assert states == env.tree.mamba_evictable_size()
+    # The leak census of SGLang's invariant checker: the tree's slots, each once.
+    cached = env.tree.all_values_flatten().tolist()
+    assert len(cached) == len(set(cached)) == kv > 0
+    assert env.tree.all_mamba_values_flatten().numel() == states
     env.tree.reset()
     assert env.tree.total_size() == (0, 0)
+    assert env.tree.all_values_flatten().numel() == 0
     env.allocator.clear()
     env.rows.clear()
     env.check()

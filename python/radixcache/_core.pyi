@@ -578,6 +578,15 @@ class HybridCache:
         once and is the engine's from then on; a second call returns only what was
         queued since. With ``pools="cache"`` nothing is ever queued: two empty arrays.
         """
+    def tree_slots(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The device slots the tree holds, as ``(kv slots, state slots)``, ascending.
+
+        Every slot of every KV page in the tree and every state slot in it, on either
+        kind of pools; slots queued for the engine, held by requests or by the caller
+        are not listed. For an engine's census of its pools (a slot neither free in its
+        allocator nor here nor held by a request has leaked); it costs a pass over the
+        pages used, so it is not for every step.
+        """
     def evict_host(self, *, kv_tokens: int = 0, mamba_states: int = 0) -> Evicted:
         """Evict host-only data: at least that much (or all that is evictable), LRU first.
 

@@ -551,6 +551,14 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         states = self.cache.stats()["mamba_cached_states"] if self._hybrid else 0
         return self.cache.total_size(), states
 
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every KV slot in the tree, ascending (SGLang's invariant checker's leak census)."""
+        return torch.from_numpy(self.cache.tree_slots()[0])
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        """Every state slot in the tree, ascending (the same census, for the Mamba pool)."""
+        return torch.from_numpy(self.cache.tree_slots()[1])
+
     def available_and_evictable_str(self) -> str:
         """Free and evictable KV tokens (and states), as SGLang logs them."""
         available = self.token_to_kv_pool_allocator.available_size()

@@ -736,6 +736,16 @@ impl Pool {
         Ok(counts)
     }
 
+    /// The pages in state `state`, ascending. Pages never used are in the pool's first
+    /// state and are left out: ask only for a state that a page reaches by a change.
+    pub(crate) fn pages_in(&self, state: PageState) -> Vec<u32> {
+        let inner = self.shared.inner.lock();
+        (0..inner.used())
+            .filter(|&i| inner.state[i] == state)
+            .map(index_u32)
+            .collect()
+    }
+
     /// The state of every page (audit).
     pub(crate) fn snapshot_states(&self) -> Vec<PageState> {
         let inner = self.shared.inner.lock();

@@ -339,6 +339,12 @@ impl PyHybridCache {
         Ok((array(py, kv), array(py, states)))
     }
 
+    /// The device slots the tree holds, as `(kv slots, state slots)`, ascending.
+    fn tree_slots(&self, py: Python<'_>) -> PyResult<(Slots, Slots)> {
+        let (kv, states) = run(py, &self.inner, 0, |c| Ok(c.tree_slots()))?;
+        Ok((array(py, kv), array(py, states)))
+    }
+
     /// Evict host-only data: at least that much (or all that is evictable), LRU first.
     #[pyo3(signature = (*, kv_tokens=Int::Value(0), mamba_states=Int::Value(0)),
            text_signature = "($self, *, kv_tokens=0, mamba_states=0)")]
@@ -1249,7 +1255,7 @@ impl Drop for PyTransferBatch {
 /// through the stable ABI. Must read as the `text_signature` of `PyHybridCache::new`.
 const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
-    write_through_threshold=None";
+    write_through_threshold=None, pools='cache'";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {

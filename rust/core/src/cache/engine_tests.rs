@@ -341,3 +341,20 @@ fn the_shared_handle_refuses_every_request_naming_the_call() {
     ));
     assert!(h.broken().is_none(), "a refusal does not break the cache");
 }
+
+#[test]
+fn tree_slots_lists_what_the_tree_holds_and_nothing_queued_or_the_engines() {
+    let mut c = engine(16, 2, 4);
+    assert_eq!(c.tree_slots(), (vec![], vec![]));
+    c.insert_with_state(None, &[1, 2, 3, 4], &[4, 5, 0, 1], 0, Some(3))
+        .unwrap();
+    c.insert(None, &[1, 2, 9], &[6, 7, 8], 0).unwrap(); // [6, 7] duplicates, [8] a tail.
+    assert_eq!(c.tree_slots(), (vec![0, 1, 4, 5], vec![3]));
+    // A state at [1, 2] too, so that the node stays when its child is evicted.
+    c.insert_with_state(None, &[1, 2], &[4, 5], 2, Some(1))
+        .unwrap();
+    assert_eq!(c.tree_slots(), (vec![0, 1, 4, 5], vec![1, 3]));
+    c.evict(2, 0);
+    assert_eq!(c.tree_slots(), (vec![4, 5], vec![1]));
+    c.audit().unwrap();
+}

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use crate::error::Result;
 use crate::ids::NodeId;
-use crate::pool::{as_i64, PoolCounts};
+use crate::pool::{as_i64, PageState, PoolCounts};
 use crate::tree::NONE;
 
 use super::batch::Action;
@@ -205,6 +205,17 @@ impl Cache {
             ),
         ]);
         out
+    }
+
+    /// The device slots the tree holds, as `(kv slots, state slots)`, ascending: every
+    /// slot of every KV page in the tree, and every state slot in it. For an engine's
+    /// census of its pools (which slots are neither free nor cached); costs a pass over
+    /// the pages used.
+    pub fn tree_slots(&self) -> (Vec<i64>, Vec<i64>) {
+        let mut kv = Vec::new();
+        self.expand_into(&self.pools.kv.pages_in(PageState::Tree), &mut kv);
+        let states = self.pools.mamba.pages_in(PageState::Tree);
+        (kv, states.into_iter().map(i64::from).collect())
     }
 
     /// Every live node (roots included), per namespace, parents before children.
