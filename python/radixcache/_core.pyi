@@ -579,7 +579,7 @@ class HybridCache:
         queued since. With ``pools="cache"`` nothing is ever queued: two empty arrays.
         """
     def tree_slots(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """The device slots the tree holds, as ``(kv slots, state slots)``, ascending.
+        """Return the device slots the tree holds, as ``(kv slots, state slots)``, ascending.
 
         Every slot of every KV page in the tree and every state slot in it, on either
         kind of pools; slots queued for the engine, held by requests or by the caller
