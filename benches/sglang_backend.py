@@ -72,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
             "Drive a --radix-cache-backend through SGLang 0.5.23's scheduler code on the "
             "CPU, side by side with SGLang's UnifiedRadixCache, and check it."
         ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument(
         "--workloads",
@@ -79,16 +80,36 @@ def parser() -> argparse.ArgumentParser:
         default=list(WORKLOADS),
         help="comma-separated: gsp, multiturn, mixed or JSONL files",
     )
-    ap.add_argument("--requests", type=vs_sglang._positive, default=300)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--requests", type=vs_sglang._positive, default=300, help="requests per workload"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the workloads' random seed")
     ap.add_argument("--backend", default="radixcache", help="a --radix-cache-backend name")
-    ap.add_argument("--systems", type=vs_sglang._choices(SYSTEMS), default=list(SYSTEMS))
-    ap.add_argument("--configs", type=vs_sglang._choices(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--kv-slots", type=vs_sglang._positive, default=65_536)
-    ap.add_argument("--mamba-slots", type=vs_sglang._positive, default=128)
-    ap.add_argument("--page-size", type=vs_sglang._positive, default=16)
-    ap.add_argument("--max-running", type=vs_sglang._positive, default=16)
-    ap.add_argument("--chunk-size", type=vs_sglang._positive, default=512)
+    ap.add_argument(
+        "--systems",
+        type=vs_sglang._choices(SYSTEMS),
+        default=list(SYSTEMS),
+        help="comma-separated: the backend, SGLang's cache on its Rust or Python tree core",
+    )
+    ap.add_argument(
+        "--configs",
+        type=vs_sglang._choices(CONFIGS),
+        default=list(CONFIGS),
+        help="comma-separated models: attention-only, FULL+MAMBA",
+    )
+    ap.add_argument(
+        "--kv-slots", type=vs_sglang._positive, default=65_536, help="SGLang's KV pool, tokens"
+    )
+    ap.add_argument(
+        "--mamba-slots", type=vs_sglang._positive, default=128, help="SGLang's Mamba pool, states"
+    )
+    ap.add_argument("--page-size", type=vs_sglang._positive, default=16, help="tokens per page")
+    ap.add_argument(
+        "--max-running", type=vs_sglang._positive, default=16, help="requests running at most"
+    )
+    ap.add_argument(
+        "--chunk-size", type=vs_sglang._positive, default=512, help="chunked prefill, tokens"
+    )
     ap.add_argument(
         "--retract-every",
         type=int,
