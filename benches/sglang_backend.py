@@ -300,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the proof; return the exit status (0: every check passed)."""
     args = parser().parse_args(argv)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from radixcache.serving import workloads
 
@@ -342,15 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "retract_every": args.retract_every,
         "workloads": [],
     }
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        disable=args.quiet,
-        transient=True,
-    ) as bar:
+    with vs_sglang.progress_bar(err, quiet=args.quiet) as bar:
 
         def track(label: str, total: int) -> Callable[[int], None]:
             task = bar.add_task(label, total=total)

@@ -551,11 +551,25 @@ def _draw(report: dict[str, Any], path: str) -> None:
 # ------------------------------------------------------------------------------ main
 
 
+def progress_bar(console: Any, *, quiet: bool) -> Any:
+    """Return the progress bar these benches show on `console` (hidden with `quiet`)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+        transient=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; return the exit status (0: every check passed)."""
     args = parser().parse_args(argv)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from radixcache.serving import workloads
 
@@ -577,15 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             err.print(f"[red]error:[/red] SGLang's caches cannot be imported: {why}")
             return 2
     results: list[dict[str, Any]] = []
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        disable=args.quiet,
-        transient=True,
-    ) as bar:
+    with progress_bar(err, quiet=args.quiet) as bar:
 
         def track(label: str) -> Callable[[int], None]:
             task = bar.add_task(label, total=len(jobs))
