@@ -215,16 +215,9 @@ def test_a_warning_made_an_error_is_reported_as_unraisable_naming_the_class() ->
 
 @pytest.mark.parametrize("flags", FILTERS.values(), ids=FILTERS.keys())
 def test_objects_still_held_at_exit_are_given_back_quietly(flags: list[str]) -> None:
-    body = """
+    body = HOST_ONLY + textwrap.dedent("""
         import atexit
-        c = rc.HybridCache(kv_slots=64, mamba_slots=4, host_kv_slots=64, host_mamba_slots=4)
-        c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
-        for b in c.take_batches():
-            b.start(); b.complete()
-        c.evict(kv_tokens=4)
-        request = c.admit([1, 2, 3, 4, 5])
-        for b in c.take_batches():
-            b.start(); b.complete()
+        c, request = host_only_request()
         lb = c.load_back(request)
         c.insert([7, 8], c.alloc_kv(2))
         lock = c.lock(c.match_prefix([7, 8]).node)
@@ -235,7 +228,7 @@ def test_objects_still_held_at_exit_are_given_back_quietly(flags: list[str]) -> 
         cycle = [request, lock, lb, batches]
         cycle.append(cycle)
         print("done")
-    """
+    """)
     out = child(body, flags)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "done\n"
