@@ -1,5 +1,6 @@
-//! Scaffolding shared by the state-machine tests `machine.rs` (KV only) and
-//! `hybrid_machine.rs` (Mamba states, requests and batches): token specs and their
+//! Scaffolding shared by the state-machine tests `machine.rs` (KV only),
+//! `hybrid_machine.rs` (Mamba states, requests and batches), `host_machine.rs` (the host
+//! tier) and `engine_machine.rs` (engine-owned pools): token specs and their
 //! strategies, the proptest setup, a small RNG, slot and key helpers, reading the tree's
 //! pages back from `snapshot()`, and the checks both models make of locks, sizes,
 //! allocations and evictions.
