@@ -5,7 +5,7 @@
 //! pages back from `snapshot()`, and the checks both models make of locks, sizes,
 //! allocations and evictions.
 //!
-//! What differs between the two machines on purpose (the weights of their strategies,
+//! What differs between the machines on purpose (the weights of their strategies,
 //! the bad slots they try, what a failing call must leave as it was) stays in each.
 
 // Each test crate compiles this module and uses only part of it.
