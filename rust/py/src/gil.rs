@@ -31,7 +31,7 @@ use pyo3::types::PyCFunction;
 use radixcache_core as core;
 use radixcache_core::Cache;
 
-use crate::err;
+use crate::errors::err;
 
 /// Calls over this many tokens run with the GIL released even when the cache is free:
 /// long enough that another Python thread should not wait for them (see [`run`]).

@@ -30,6 +30,7 @@
 use std::ffi::c_void;
 use std::sync::OnceLock;
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -232,4 +233,19 @@ pub(crate) unsafe fn list_items(list: *mut ffi::PyObject) -> (usize, *const *mut
     // SAFETY: the caller's contract; the layout was checked at import.
     let head = unsafe { &*list.cast::<ListHead>() };
     (head.ob_size.unsigned_abs(), head.ob_item)
+}
+
+/// For tests of the layout reads: `(value, bytes read)` of the fast path on `obj`, an
+/// exact int (`value` None where the fast path declines it), or None when the layout
+/// reads are off.
+#[pyfunction]
+pub(crate) fn _small_int_read(obj: &Bound<'_, PyAny>) -> PyResult<Option<(Option<i64>, usize)>> {
+    if !obj.is_exact_instance_of::<pyo3::types::PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "obj: expected an exact int, got {}",
+            obj.get_type().name()?
+        )));
+    }
+    // SAFETY: `obj` is a live exact int, and the layout is this interpreter's.
+    Ok(int_layout().map(|l| unsafe { small_int_read(l, obj.as_ptr()) }))
 }
