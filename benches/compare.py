@@ -27,10 +27,11 @@ numpy (the dev venv)::
 
     python benches/compare.py BASE [--rounds N] [--quick] [--json] [--check]
 
-``--quick``: one round, criterion's ``--quick`` (two samples per bench), the scale bench on
-trees of at most 100k tokens, py_calls at ``--tiny`` size (minutes; a smoke test, not a
-measurement). Builds, criterion's output and logs go to ``target/compare-bench`` (``--out``);
-the base build is kept there and reused by a later run against the same revision.
+``--quick``: one round (unless ``--rounds`` says otherwise), criterion's ``--quick`` (two
+samples per bench), the scale bench on trees of at most 100k tokens, py_calls at ``--tiny``
+size (minutes once built; a smoke test, not a measurement). Builds, criterion's output and
+logs go to ``target/compare-bench`` (``--out``); the base's sources and build are kept there
+and reused by a later run against the same revision.
 """
 
 from __future__ import annotations
@@ -110,15 +111,18 @@ def git(*args: str) -> str:
 
 def base_side(rev: str, out: Path) -> Side:
     """Export the base revision's sources under ``out`` (once per commit)."""
-    sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    try:
+        sha = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise Failed(f"base: {rev!r} is not a commit of this repository") from None
     root = out / f"base-{sha[:12]}"
     src = root / "src"
     if not (src / ".exported").exists():
         shutil.rmtree(src, ignore_errors=True)
         src.mkdir(parents=True)
-        archive = subprocess.Popen(["git", "archive", sha], cwd=ROOT, stdout=subprocess.PIPE)
-        subprocess.run(["tar", "-x", "-C", str(src)], stdin=archive.stdout, check=True)
-        if archive.wait() != 0:
+        with subprocess.Popen(["git", "archive", sha], cwd=ROOT, stdout=subprocess.PIPE) as archive:
+            subprocess.run(["tar", "-x", "-C", str(src)], stdin=archive.stdout, check=True)
+        if archive.returncode != 0:
             raise Failed(f"git archive {sha} failed")
         (src / ".exported").write_text(sha + "\n")
     return Side("base", src, root / "target")
@@ -305,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("base", help="the base revision (a commit, branch or tag)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of every bench (default 3)")
-    ap.add_argument("--quick", action="store_true", help="one short round: a smoke test")
+    ap.add_argument("--rounds", type=int, help="rounds of every bench (default 3; quick: 1)")
+    ap.add_argument("--quick", action="store_true", help="short runs: a smoke test")
     ap.add_argument("--limit", type=float, default=1.05, help="head/base goal (default 1.05)")
     ap.add_argument("--criterion-args", default="", help="more arguments for every bench run")
     ap.add_argument("--no-criterion", action="store_true", help="skip the criterion benches")
@@ -315,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
     ap.add_argument("--check", action="store_true", help="exit 1 if the goal fails")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.rounds = 1
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         ap.error("--rounds: must be at least 1")
     if args.no_criterion and args.no_py_calls:
