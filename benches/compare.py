@@ -44,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +275,17 @@ def fmt_ns(ns: float | None) -> str:
     return f"{ns:.3g} ns"
 
 
+def within(table: list[Row], limit: float) -> bool:
+    """Tell whether no operation both sides measured is slower than ``limit`` (head/base)."""
+    return all(r.ratio is None or r.ratio <= limit for r in table)
+
+
+def as_json(table: list[Row], limit: float) -> dict[str, Any]:
+    """Return the table and its verdict as ``--json`` prints them."""
+    rows = [{**asdict(r), "ratio": r.ratio} for r in table]
+    return {"limit": limit, "passed": within(table, limit), "rows": rows}
+
+
 def report(table: list[Row], limit: float, header: str) -> bool:
     """Print the table and the verdict; return whether every operation is within ``limit``."""
     print(header)
@@ -338,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: {e}", file=sys.stderr)
         return 2
 
-    dirty = (
-        " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    )
+    dirty = " with uncommitted changes" if git("status", "--porcelain") else ""
     base_sha = (base.src / ".exported").read_text().strip()
     head_sha = git("rev-parse", "HEAD")
     table = rows(base, head)
@@ -351,29 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.perf_counter() - start:.0f} s\n"
     )
     if args.json:
-        passed = all(r.ratio is None or r.ratio <= args.limit for r in table)
-        print(
-            json.dumps(
-                {
-                    "base": base_sha,
-                    "head": head_sha,
-                    "head_dirty": bool(dirty),
-                    "rounds": args.rounds,
-                    "quick": args.quick,
-                    "limit": args.limit,
-                    "passed": passed,
-                    "rows": [
-                        {"op": r.op, "base_ns": r.base_ns, "head_ns": r.head_ns}
-                        | {"ratio": r.ratio, "spread": r.spread}
-                        for r in table
-                    ],
-                },
-                indent=1,
-            )
-        )
+        run_info = {"base": base_sha, "head": head_sha, "head_dirty": bool(dirty)}
+        run_info |= {"rounds": args.rounds, "quick": args.quick}
+        print(json.dumps({**run_info, **as_json(table, args.limit)}, indent=1))
     else:
-        passed = report(table, args.limit, header)
-    return 1 if args.check and not passed else 0
+        report(table, args.limit, header)
+    return 1 if args.check and not within(table, args.limit) else 0
 
 
 if __name__ == "__main__":

@@ -110,6 +110,25 @@ def test_report_passes_at_the_limit_and_fails_above_it(capsys: pytest.CaptureFix
     assert slow_line.endswith("SLOWER")
 
 
+def test_json_has_every_row_with_its_ratio_and_the_verdict() -> None:
+    table = compare.rows(
+        side("base", {"op": [100.0, 110.0], "gone": [1.0]}),
+        side("head", {"op": [106.0, 107.0]}),
+    )
+    out = json.loads(json.dumps(compare.as_json(table, 1.05)))
+    assert out["limit"] == 1.05
+    assert out["passed"] is False
+    assert out["rows"][0] == {
+        "op": "op",
+        "base_ns": 100.0,
+        "head_ns": 106.0,
+        "spread": pytest.approx(0.1),
+        "ratio": pytest.approx(1.06),
+    }
+    assert out["rows"][1]["ratio"] is None
+    assert compare.as_json(table, 1.07)["passed"] is True
+
+
 def test_times_are_printed_with_their_unit() -> None:
     assert compare.fmt_ns(None) == "-"
     assert compare.fmt_ns(640.0) == "640 ns"
