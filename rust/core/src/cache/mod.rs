@@ -40,6 +40,8 @@ pub(crate) mod locks;
 mod lookup;
 pub(crate) mod lru;
 mod namespaces;
+#[cfg(test)]
+mod policy_tests;
 pub(crate) mod report;
 pub(crate) mod request;
 mod results;
