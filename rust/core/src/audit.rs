@@ -301,8 +301,8 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     if n.is_root() {
         return;
     }
-    let (a, b) = c.lru.kv_key(n);
-    let key = (a, b, i);
+    let key = c.lru.kv_key(n);
+    let key = (key.0, key.1, i);
     if n.kv.host.is_some() && n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
         sums.host_candidates.insert(key);
         if n.mamba.host.is_some() {
@@ -321,8 +321,8 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     }
     let unpinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) == 0);
     if unpinned && n.mamba.lock == 0 {
-        let (a, b) = c.lru.state_key(&c.tree, i);
-        sums.mamba_candidates.insert((a, b, i));
+        let state_key = c.lru.state_key(&c.tree, i);
+        sums.mamba_candidates.insert((state_key.0, state_key.1, i));
     }
 }
 
