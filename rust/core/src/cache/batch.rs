@@ -6,12 +6,16 @@
 //! everything the batch needs: every slot a batch reads or writes is pinned in its pool
 //! from emission on, so that whoever gives such a slot back meanwhile only marks it
 //! draining, and no copy ever reads a reused slot or writes one handed to someone else.
+//!
+//! This module knows batches, not their clients: each batch carries an opaque
+//! [`Payload`] of its kind, defined by the module that emits it (`request.rs` for
+//! copy-on-write, `host.rs` for backups, `load.rs` for load-backs), and when the batch
+//! ends the payload goes back to that module to settle, with whether the copies landed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
-use crate::ids::{BatchId, NodeId, RequestId};
-use crate::pool::Pages;
+use crate::ids::BatchId;
 
 use super::Cache;
 
@@ -102,19 +106,28 @@ pub struct TransferBatch {
     pub copies: Vec<SlotCopy>,
 }
 
-/// What acknowledging a batch does besides dropping its pins.
-pub(crate) enum Action {
-    /// A request's own state slot receives a copy of a cached node's state (admission).
-    /// On failure the request drops back to `prefix_len == 0` and recomputes.
-    AdmitCow { request: RequestId },
-    /// `dst` receives a copy of a request's state; on success it is published on `node`
-    /// (if that node still exists and has no state), on failure it is freed.
-    CheckpointCow { node: NodeId, dst: Pages },
-    /// Device to host copies of the nodes on the path to `end` (see `host.rs`).
+/// What a batch carries for the module that owns its kind, handed back to that module
+/// when the batch ends (`complete` or `fail`): this module only keeps it and says how
+/// the batch ended.
+pub(crate) enum Payload {
+    /// A copy-on-write of a state (`request.rs`).
+    Cow(super::request::Cow),
+    /// Device to host copies of the nodes on a path (`host.rs`).
     Backup(super::host::Backup),
-    /// Host to device copies of a load-back; what it carries lives in `Cache::loads`
-    /// under the batch's id (gone when its guard was dropped uncommitted).
+    /// Host to device copies of a load-back: what it carries lives in `Cache::loads`
+    /// under the batch's id (`load.rs`; gone when its guard was dropped uncommitted).
     LoadBack,
+}
+
+impl Payload {
+    /// The kind of batch that carries it.
+    fn kind(&self) -> BatchKind {
+        match self {
+            Payload::Cow(_) => BatchKind::Cow,
+            Payload::Backup(_) => BatchKind::Backup,
+            Payload::LoadBack => BatchKind::LoadBack,
+        }
+    }
 }
 
 /// What [`Cache::abandon`] did with a batch whose owner let go of it before it ended.
@@ -146,7 +159,7 @@ pub(crate) struct Pending {
     /// Every page the batch's copies read or write, pinned in its pool until the batch
     /// is acknowledged.
     pub pins: Vec<Pins>,
-    pub action: Action,
+    pub payload: Payload,
 }
 
 /// Batches emitted and not yet acknowledged.
@@ -163,18 +176,36 @@ impl Batches {
     pub fn len(&self) -> usize {
         self.pending.len()
     }
+
+    /// The payloads of the batches in flight, oldest first.
+    pub fn payloads(&self) -> impl Iterator<Item = &Payload> {
+        self.pending.values().map(|p| &p.payload)
+    }
+
+    /// The oldest batch in flight whose payload satisfies `pred`.
+    pub fn find(&self, mut pred: impl FnMut(&Payload) -> bool) -> Option<BatchId> {
+        self.pending
+            .iter()
+            .find_map(|(&id, p)| pred(&p.payload).then_some(id))
+    }
+
+    /// The payload of batch `id`, if it is in flight.
+    pub fn payload_mut(&mut self, id: BatchId) -> Option<&mut Payload> {
+        self.pending.get_mut(&id).map(|p| &mut p.payload)
+    }
 }
 
 impl Cache {
-    /// Emits a batch: pins every page its copies read or write and, when `queued`,
-    /// queues it for `take_batches` (a load-back's batch is reached through its guard).
+    /// Emits a batch of the payload's kind: pins every page its copies read or write
+    /// and, when `queued`, queues it for `take_batches` (a load-back's batch is reached
+    /// through its guard).
     pub(crate) fn emit(
         &mut self,
-        kind: BatchKind,
         copies: Vec<SlotCopy>,
-        action: Action,
+        payload: Payload,
         queued: bool,
     ) -> BatchId {
+        let kind = payload.kind();
         let id = BatchId::new(self.id(), self.batches.next);
         self.batches.next += 1;
         let ps = self.page_size();
@@ -210,7 +241,7 @@ impl Cache {
                 started: false,
                 abandoned: false,
                 pins,
-                action,
+                payload,
             },
         );
         if queued {
@@ -302,52 +333,41 @@ impl Cache {
         Ok(p)
     }
 
-    /// The batch's copies are done: publish what it carried and drop its pins (an
-    /// abandoned batch fails instead: its owner no longer vouches for the copies).
+    /// The batch's copies are done: the module that owns the batch's kind publishes
+    /// what it carried, and its pins are dropped (an abandoned batch fails instead: its
+    /// owner no longer vouches for the copies).
     pub fn complete(&mut self, id: BatchId) -> Result<()> {
         let p = self.end_batch(id)?;
         if p.abandoned {
-            self.undo(id, p.action);
+            self.settle(id, p.payload, false);
             return Ok(());
         }
-        match p.action {
-            Action::AdmitCow { request } => self.admit_copy_done(request, id),
-            Action::CheckpointCow { node, dst } => {
-                let live = self.tree.resolve(node).ok().filter(|&i| {
-                    let n = self.tree.node(i);
-                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.loading
-                });
-                if let Some(i) = live {
-                    self.set_state(i, dst);
-                    self.maybe_backup(i);
-                } else {
-                    drop(dst);
-                }
-            }
-            Action::Backup(b) => self.backup_done(b),
-            Action::LoadBack => self.load_done(id),
-        }
-        self.stats.batches_completed += 1;
+        self.settle(id, p.payload, true);
         Ok(())
     }
 
-    /// The batch's copies failed: undo what it would have published (a failed copy is a
-    /// miss, never a hit) and drop its pins.
+    /// The batch's copies failed: the module that owns the batch's kind undoes what it
+    /// would have published (a failed copy is a miss, never a hit), and its pins are
+    /// dropped.
     pub fn fail(&mut self, id: BatchId) -> Result<()> {
         let p = self.end_batch(id)?;
-        self.undo(id, p.action);
+        self.settle(id, p.payload, false);
         Ok(())
     }
 
-    /// Undoes what a failed batch would have published.
-    fn undo(&mut self, id: BatchId, action: Action) {
-        match action {
-            Action::AdmitCow { request } => self.admit_copy_failed(request, id),
-            Action::CheckpointCow { dst, .. } => drop(dst),
-            Action::Backup(b) => self.backup_failed(b),
-            Action::LoadBack => self.load_failed(id),
+    /// Hands an ended batch's payload back to the module that owns it, with whether
+    /// the copies landed.
+    fn settle(&mut self, id: BatchId, payload: Payload, landed: bool) {
+        match payload {
+            Payload::Cow(cow) => self.cow_ended(id, cow, landed),
+            Payload::Backup(b) => self.backup_ended(b, landed),
+            Payload::LoadBack => self.load_ended(id, landed),
         }
-        self.stats.batches_failed += 1;
+        if landed {
+            self.stats.batches_completed += 1;
+        } else {
+            self.stats.batches_failed += 1;
+        }
     }
 
     /// The owner of a batch let go of it before it ended (an exception, a forgotten
@@ -385,7 +405,7 @@ impl Cache {
             .filter(|&(&id, p)| {
                 p.abandoned
                     || (p.started
-                        && matches!(p.action, Action::LoadBack)
+                        && p.batch.kind == BatchKind::LoadBack
                         && !self.loads.contains(id))
             })
             .count()

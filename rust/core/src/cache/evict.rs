@@ -4,7 +4,6 @@
 use crate::error::Result;
 use crate::tree::NONE;
 
-use super::batch::Action;
 use super::lru::HOT;
 use super::{Cache, Evicted};
 
@@ -198,27 +197,6 @@ impl Cache {
             self.set_evicting(i, false);
             self.lock_for_backup(i);
             i = self.tree.node(i).parent;
-        }
-    }
-
-    /// Node `i`'s eviction was called off while its backup is in flight: the node stays
-    /// out of reach until the backup lands, and so, until then, do its ancestors. The
-    /// backup takes a lock on it (released when it ends), so that they count as
-    /// protected rather than evictable: room the eviction cannot make is never counted.
-    fn lock_for_backup(&mut self, i: u32) {
-        let id = self.tree.id(i);
-        let Some(batch) = self.batches.pending.iter().find_map(|(&bid, p)| {
-            matches!(&p.action, Action::Backup(b) if b.demote == Some(id) && b.lock.is_none())
-                .then_some(bid)
-        }) else {
-            return;
-        };
-        let lock = self.lock_index(i);
-        match self.batches.pending.get_mut(&batch).map(|p| &mut p.action) {
-            Some(Action::Backup(b)) => b.lock = Some(lock),
-            _ => {
-                let _ = self.unlock(lock);
-            }
         }
     }
 

@@ -12,7 +12,7 @@ use crate::config::WritePolicy;
 use crate::ids::NodeId;
 use crate::pool::{PageRun, Pages};
 
-use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
+use super::batch::{Payload, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -70,6 +70,17 @@ pub(crate) struct Backup {
     /// The node being evicted under write-back: demoted when the backup completes,
     /// removed when it fails.
     pub demote: Option<NodeId>,
+}
+
+impl Backup {
+    /// Calls `f(pool, pages)` for the host pages the batch owns until it ends (`pool`:
+    /// 2 for host KV, 3 for host states, as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        f(2, self.kv.pages());
+        for (_, s) in &self.states {
+            f(3, s.pages());
+        }
+    }
 }
 
 impl Cache {
@@ -200,7 +211,7 @@ impl Cache {
             states,
             demote,
         };
-        self.emit(BatchKind::Backup, copies, Action::Backup(backup), true);
+        self.emit(copies, Payload::Backup(backup), true);
     }
 
     /// Write-back: backs up an unlocked device leaf being evicted (what it lacks on the
@@ -308,26 +319,42 @@ impl Cache {
         }
     }
 
-    /// A backup landed: the nodes get their host copies; a write-back eviction demotes.
-    pub(crate) fn backup_done(&mut self, b: Backup) {
-        self.stats.backups_done += 1;
-        self.end_backup(b, true);
-    }
-
-    /// A backup failed: the nodes stay not backed up; a write-back eviction removes the
-    /// node instead of demoting it.
-    pub(crate) fn backup_failed(&mut self, b: Backup) {
-        self.stats.backups_failed += 1;
-        self.end_backup(b, false);
-    }
-
-    fn end_backup(&mut self, mut b: Backup, landed: bool) {
+    /// A backup batch ended. Landed: the nodes get their host copies; a write-back
+    /// eviction demotes. Failed: the nodes stay not backed up; a write-back eviction
+    /// removes the node instead of demoting it.
+    pub(crate) fn backup_ended(&mut self, mut b: Backup, landed: bool) {
+        if landed {
+            self.stats.backups_done += 1;
+        } else {
+            self.stats.backups_failed += 1;
+        }
         self.settle_backup(&mut b, landed);
         if let Some(lock) = b.lock.take() {
             let _ = self.unlock(lock);
         }
         if let Some(i) = b.demote.and_then(|id| self.tree.resolve(id).ok()) {
             self.settle_eviction(i);
+        }
+    }
+
+    /// Node `i`'s eviction was called off while its backup is in flight: the node stays
+    /// out of reach until the backup lands, and so, until then, do its ancestors. The
+    /// backup takes a lock on it (released when it ends), so that they count as
+    /// protected rather than evictable: room the eviction cannot make is never counted.
+    pub(crate) fn lock_for_backup(&mut self, i: u32) {
+        let id = self.tree.id(i);
+        let Some(batch) = self
+            .batches
+            .find(|p| matches!(p, Payload::Backup(b) if b.demote == Some(id) && b.lock.is_none()))
+        else {
+            return;
+        };
+        let lock = self.lock_index(i);
+        match self.batches.payload_mut(batch) {
+            Some(Payload::Backup(b)) => b.lock = Some(lock),
+            _ => {
+                let _ = self.unlock(lock);
+            }
         }
     }
 }

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
 
-use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
 use super::locks::LockReceipt;
 use super::returns::{Returned, Returns};
 use super::Cache;
@@ -295,7 +295,7 @@ impl Cache {
         let restore = slots.pop();
         let start = plan.start;
         let copies = self.load_copies(plan, &kv, restore.as_ref(), req_slot.as_ref());
-        let id = self.emit(BatchKind::LoadBack, copies, Action::LoadBack, false);
+        let id = self.emit(copies, Payload::LoadBack, false);
         if let Some(rs) = request.and_then(|r| self.request_mut(r).ok()) {
             rs.load = Some(id);
         }
@@ -707,15 +707,12 @@ impl Cache {
         }
     }
 
-    /// A load-back's copies landed.
-    pub(crate) fn load_done(&mut self, id: BatchId) {
-        self.end_copies(id, true);
-    }
-
-    /// A load-back's copies failed.
-    pub(crate) fn load_failed(&mut self, id: BatchId) {
-        self.end_copies(id, false);
-        self.stats.load_backs_failed += 1;
+    /// A load-back's batch ended (`ok`: its copies landed).
+    pub(crate) fn load_ended(&mut self, id: BatchId, ok: bool) {
+        self.end_copies(id, ok);
+        if !ok {
+            self.stats.load_backs_failed += 1;
+        }
     }
 
     fn end_copies(&mut self, id: BatchId, ok: bool) {

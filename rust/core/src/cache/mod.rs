@@ -18,7 +18,7 @@
 //! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
 //! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
 //! | `alloc.rs` | — | allocation, evicting first when short |
-//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail` |
+//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
 //! | `host.rs` | — | backups to the host tier |
 //! | `load.rs` | load-back records | `load_back`, commit, cancel, settle |
 //! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort` |

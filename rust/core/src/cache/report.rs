@@ -8,7 +8,7 @@ use crate::ids::NodeId;
 use crate::pool::{as_i64, PageState, PoolCounts};
 use crate::tree::NONE;
 
-use super::batch::Action;
+use super::batch::Payload;
 use super::{Cache, NodeInfo};
 
 /// Who holds pages as owned values (what a pool counts as `owned`).
@@ -57,16 +57,15 @@ impl Cache {
                 f(1, Holder::InFlight, s.pages());
             }
         }
-        for p in self.batches.pending.values() {
-            match &p.action {
-                Action::CheckpointCow { dst, .. } => f(1, Holder::InFlight, dst.pages()),
-                Action::Backup(b) => {
-                    f(2, Holder::InFlight, b.kv.pages());
-                    for (_, s) in &b.states {
-                        f(3, Holder::InFlight, s.pages());
+        for p in self.batches.payloads() {
+            match p {
+                Payload::Cow(cow) => {
+                    if let Some(dst) = cow.owned() {
+                        f(1, Holder::InFlight, dst.pages());
                     }
                 }
-                Action::AdmitCow { .. } | Action::LoadBack => {}
+                Payload::Backup(b) => b.owned(|pool, pages| f(pool, Holder::InFlight, pages)),
+                Payload::LoadBack => {}
             }
         }
     }

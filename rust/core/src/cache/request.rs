@@ -13,9 +13,29 @@ use crate::pool::Pages;
 use crate::slab::Slab;
 
 use super::alloc::StateRoom;
-use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
+use super::batch::{Payload, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
 use super::Cache;
+
+/// What a copy-on-write batch carries until it is acknowledged.
+pub(crate) enum Cow {
+    /// A request's own state slot receives a copy of a cached node's state (admission).
+    /// On failure the request drops back to `prefix_len == 0` and recomputes.
+    Admit { request: RequestId },
+    /// `dst` receives a copy of a request's state; on success it is published on `node`
+    /// (if that node still exists and has no state), on failure it is freed.
+    Checkpoint { node: NodeId, dst: Pages },
+}
+
+impl Cow {
+    /// The state slot the batch owns until it ends (a checkpoint's destination).
+    pub fn owned(&self) -> Option<&Pages> {
+        match self {
+            Cow::Admit { .. } => None,
+            Cow::Checkpoint { dst, .. } => Some(dst),
+        }
+    }
+}
 
 pub(crate) struct RequestState {
     pub namespace: Option<String>,
@@ -205,9 +225,8 @@ impl Cache {
         };
         if let Some((src, dst)) = cow {
             let batch = self.emit(
-                BatchKind::Cow,
                 vec![state_copy(src, dst)],
-                Action::AdmitCow { request: id },
+                Payload::Cow(Cow::Admit { request: id }),
                 true,
             );
             if let Ok(r) = self.request_mut(id) {
@@ -396,9 +415,8 @@ impl Cache {
                         let dst_slot = dst.pages()[0];
                         let node = self.tree.id(end);
                         self.emit(
-                            BatchKind::Cow,
                             vec![state_copy(src, dst_slot)],
-                            Action::CheckpointCow { node, dst },
+                            Payload::Cow(Cow::Checkpoint { node, dst }),
                             true,
                         );
                     } else {
@@ -555,8 +573,29 @@ impl Cache {
         Ok((end, cached))
     }
 
+    /// A copy-on-write batch ended (`landed`: its copies are done).
+    pub(crate) fn cow_ended(&mut self, batch: BatchId, cow: Cow, landed: bool) {
+        match cow {
+            Cow::Admit { request } if landed => self.admit_copy_done(request, batch),
+            Cow::Admit { request } => self.admit_copy_failed(request, batch),
+            Cow::Checkpoint { node, dst } if landed => {
+                let live = self.tree.resolve(node).ok().filter(|&i| {
+                    let n = self.tree.node(i);
+                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.loading
+                });
+                if let Some(i) = live {
+                    self.set_state(i, dst);
+                    self.maybe_backup(i);
+                } else {
+                    drop(dst);
+                }
+            }
+            Cow::Checkpoint { dst, .. } => drop(dst),
+        }
+    }
+
     /// The admission copy landed: the request's state is good.
-    pub(crate) fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
+    fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
         if let Ok(r) = self.request_mut(id) {
             if r.cow == Some(batch) {
                 r.cow = None;
@@ -566,7 +605,7 @@ impl Cache {
 
     /// The admission copy failed: the request's state is garbage, so the request drops
     /// back to nothing reused (`prefix_len == 0`, no tokens, no slots) and recomputes.
-    pub(crate) fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
+    fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
         let empty = self.pools.kv.empty();
         let Ok(r) = self.request_mut(id) else {
             return;
