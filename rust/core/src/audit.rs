@@ -40,12 +40,12 @@ struct Sums {
 }
 
 fn audit(c: &Cache) -> Result<()> {
-    let tree = &c.tree;
+    let tree = &c.tree();
     let pools = [
-        &c.pools.kv,
-        &c.pools.mamba,
-        &c.pools.host_kv,
-        &c.pools.host_mamba,
+        &c.pools().kv,
+        &c.pools().mamba,
+        &c.pools().host_kv,
+        &c.pools().host_mamba,
     ];
     let mut counts = Vec::new();
     let mut states = Vec::new();
@@ -107,7 +107,7 @@ fn audit(c: &Cache) -> Result<()> {
             }
         }
     }
-    let mapped = c.state_nodes.iter().filter(|&&i| i != NONE).count();
+    let mapped = c.state_nodes().iter().filter(|&&i| i != NONE).count();
     if mapped != states_placed {
         return broken(format!(
             "{mapped} state slots are mapped to nodes, {states_placed} nodes hold one"
@@ -140,8 +140,8 @@ fn audit(c: &Cache) -> Result<()> {
 ///    device state is the one the state's slot maps to, and it knows whether a transfer
 ///    pins the slot.
 fn check_states(c: &Cache, i: u32) -> Result<()> {
-    let n = c.tree.node(i);
-    let id = c.tree.id(i);
+    let n = c.tree().node(i);
+    let id = c.tree().id(i);
     if n.mamba.device.is_some() && (n.kv.device.is_none() || n.is_root()) {
         return broken(format!("node {id} has a state but no device KV"));
     }
@@ -152,11 +152,11 @@ fn check_states(c: &Cache, i: u32) -> Result<()> {
         return broken(format!("node {id} has a state lock but no state"));
     }
     if let Some(s) = n.mamba.device {
-        if c.state_nodes.get(s as usize) != Some(&i) {
+        if c.state_nodes().get(s as usize) != Some(&i) {
             return broken(format!("state slot {s} of node {id} is not mapped to it"));
         }
     }
-    let pinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) > 0);
+    let pinned = n.mamba.device.is_some_and(|s| c.pools().mamba.pins(s) > 0);
     if n.mamba.pinned != pinned {
         return broken(format!(
             "node {id} marks its state pinned {}, the pool says {pinned}",
@@ -169,13 +169,13 @@ fn check_states(c: &Cache, i: u32) -> Result<()> {
 /// Every root: live, keyless and stateless; a named namespace's holds something; the
 /// shared empty root has no child. Returns them all, the empty one last.
 fn check_roots(c: &Cache) -> Result<Vec<u32>> {
-    let empty = c.roots.empty();
-    if !c.tree.node(empty).children.is_empty() {
+    let empty = c.roots().empty();
+    if !c.tree().node(empty).children.is_empty() {
         return broken("the empty root (answer of unknown namespaces) has children".to_owned());
     }
     let mut out = Vec::new();
-    for (ns, root) in c.roots.all().into_iter().chain([(None, empty)]) {
-        let r = c.tree.node(root);
+    for (ns, root) in c.roots().all().into_iter().chain([(None, empty)]) {
+        let r = c.tree().node(root);
         if !r.live || !r.is_root() || !r.key.is_empty() || r.mamba.device.is_some() {
             return broken(format!(
                 "root slot {root} is not a live, empty, stateless root"
@@ -194,7 +194,7 @@ fn check_roots(c: &Cache) -> Result<Vec<u32>> {
 /// 4 and 5: sizes and eviction sets equal what the walk added up.
 fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
     // 4. Sizes equal the sums over nodes.
-    let (got, want) = (&c.sizes, &sums.sizes);
+    let (got, want) = (&c.sizes(), &sums.sizes);
     if (want.evictable_tokens, want.protected_tokens)
         != (got.evictable_tokens, got.protected_tokens)
     {
@@ -236,12 +236,12 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
         ));
     }
     // 5. The eviction sets are exactly the candidates.
-    let [kv, mamba, host, host_states] = c.lru.sets();
+    let [kv, mamba, host, host_states] = c.lru().sets();
     let used = mamba.iter().filter(|k| k.0 & HOT != 0).count();
-    if c.lru.hot() != used {
+    if c.lru().hot() != used {
         return broken(format!(
             "{} used states counted, {used} in the state eviction set",
-            c.lru.hot()
+            c.lru().hot()
         ));
     }
     for (name, set, candidates) in [
@@ -276,7 +276,7 @@ fn claim(states: &[PageState], seen: &mut [bool], p: u32, what: &str, holder: &s
 }
 
 fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
-    let n = c.tree.node(i);
+    let n = c.tree().node(i);
     sums.sizes += Sizes::of(n);
     if n.is_root() {
         return;
@@ -297,7 +297,7 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     {
         sums.kv_candidates.insert((n.last_access, i));
     }
-    let unpinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) == 0);
+    let unpinned = n.mamba.device.is_some_and(|s| c.pools().mamba.pins(s) == 0);
     if unpinned && n.mamba.lock == 0 {
         sums.mamba_candidates.insert((n.mamba.last_access, i));
     }
@@ -336,9 +336,9 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
     if let Some((k, p)) = twice {
         return broken(format!("page {p} of pool {} is held twice", POOLS[k]));
     }
-    for r in c.requests.iter() {
+    for r in c.requests().iter() {
         if let Some(id) = r.load {
-            if !c.loads.contains(id) {
+            if !c.loads().contains(id) {
                 return broken(format!("a request waits on load-back {id}, which is gone"));
             }
         }
@@ -357,13 +357,15 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
 fn check_pins(c: &Cache) -> Result<()> {
     for pool in [PoolKind::Kv, PoolKind::Mamba] {
         for tier in [Tier::Device, Tier::Host] {
-            let p = c.pools.of(pool, tier);
+            let p = c.pools().of(pool, tier);
             let mut expected = vec![0u32; p.capacity_pages()];
-            for b in c.batches.pending.values() {
-                for pins in b.pins.iter().filter(|x| x.pool == pool && x.tier == tier) {
-                    for &s in &pins.pages {
-                        expected[s as usize] += 1;
-                    }
+            for pins in c
+                .batches()
+                .pins()
+                .filter(|x| x.pool == pool && x.tier == tier)
+            {
+                for &s in &pins.pages {
+                    expected[s as usize] += 1;
                 }
             }
             let got = p.all_pins();
@@ -384,8 +386,8 @@ fn check_pins(c: &Cache) -> Result<()> {
 /// Load-backs: an uncommitted one has its batch pending unless the copies ended; a
 /// committed one is in flight. Their requests point back at them.
 fn check_loads(c: &Cache) -> Result<()> {
-    for (id, load) in c.loads.iter() {
-        let pending = c.batches.pending.contains_key(id);
+    for (id, load) in c.loads().iter() {
+        let pending = c.batches().contains(*id);
         let in_flight = load.committed || load.copies == CopyOutcome::Pending;
         if pending != in_flight {
             return broken(format!(
@@ -399,8 +401,8 @@ fn check_loads(c: &Cache) -> Result<()> {
 /// 6. In-flight marks: a node being loaded has device KV and nothing cached below it
 ///    but nodes of the same load; a node being backed up is locked.
 fn check_marks(c: &Cache, i: u32) -> Result<()> {
-    let n = c.tree.node(i);
-    let id = c.tree.id(i);
+    let n = c.tree().node(i);
+    let id = c.tree().id(i);
     if n.kv.loading && (n.kv.device.is_none() || n.kv.lock == 0) {
         return broken(format!("node {id} is loading without device KV or a lock"));
     }
@@ -415,7 +417,7 @@ fn check_marks(c: &Cache, i: u32) -> Result<()> {
         ));
     }
     if !n.is_root() {
-        let p = c.tree.node(n.parent);
+        let p = c.tree().node(n.parent);
         if p.kv.loading && n.kv.device.is_some() && !n.kv.loading {
             return broken(format!(
                 "node {id} has device KV below a node whose load is in flight"
@@ -428,10 +430,10 @@ fn check_marks(c: &Cache, i: u32) -> Result<()> {
 /// 4. Expected lock counts: each live receipt covers its node's path to the root, and
 ///    its node's state when it holds it.
 fn expected_locks(c: &Cache) -> Result<(Vec<u32>, Vec<u32>)> {
-    let tree = &c.tree;
+    let tree = &c.tree();
     let mut kv = vec![0u32; tree.nodes.len()];
     let mut mamba = vec![0u32; tree.nodes.len()];
-    for l in c.locks.held() {
+    for l in c.locks().held() {
         let i = l.node;
         if !tree.node(i).live {
             return broken(format!("a live receipt points at dead node slot {i}"));

@@ -150,23 +150,23 @@ pub(crate) struct Pins {
     pub pages: Vec<u32>,
 }
 
-pub(crate) struct Pending {
-    pub batch: TransferBatch,
-    pub started: bool,
+struct Pending {
+    batch: TransferBatch,
+    started: bool,
     /// Its owner let go of it after it was started: it ends failed, whichever way it
     /// is acknowledged.
-    pub abandoned: bool,
+    abandoned: bool,
     /// Every page the batch's copies read or write, pinned in its pool until the batch
     /// is acknowledged.
-    pub pins: Vec<Pins>,
-    pub payload: Payload,
+    pins: Vec<Pins>,
+    payload: Payload,
 }
 
 /// Batches emitted and not yet acknowledged.
 #[derive(Default)]
 pub(crate) struct Batches {
     next: u64,
-    pub pending: BTreeMap<BatchId, Pending>,
+    pending: BTreeMap<BatchId, Pending>,
     /// Emitted, not yet taken by `take_batches`.
     outbox: Vec<BatchId>,
 }
@@ -175,6 +175,16 @@ impl Batches {
     /// Batches not yet acknowledged.
     pub fn len(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Whether batch `id` is in flight.
+    pub fn contains(&self, id: BatchId) -> bool {
+        self.pending.contains_key(&id)
+    }
+
+    /// The pins of every batch in flight (for `audit()`).
+    pub fn pins(&self) -> impl Iterator<Item = &Pins> {
+        self.pending.values().flat_map(|p| &p.pins)
     }
 
     /// The payloads of the batches in flight, oldest first.
@@ -196,15 +206,22 @@ impl Batches {
 }
 
 impl Cache {
-    /// Emits a batch of the payload's kind: pins every page its copies read or write
-    /// and, when `queued`, queues it for `take_batches` (a load-back's batch is reached
-    /// through its guard).
-    pub(crate) fn emit(
-        &mut self,
-        copies: Vec<SlotCopy>,
-        payload: Payload,
-        queued: bool,
-    ) -> BatchId {
+    /// Emits a batch of the payload's kind, queued for `take_batches`: pins every page
+    /// its copies read or write.
+    pub(crate) fn emit(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> BatchId {
+        let id = self.record(copies, payload).id;
+        self.batches.outbox.push(id);
+        id
+    }
+
+    /// Emits a batch that is not queued (a load-back's, reached through its guard), and
+    /// returns it.
+    pub(crate) fn emit_held(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> TransferBatch {
+        self.record(copies, payload).clone()
+    }
+
+    /// Books a new batch in flight, pinning every page its copies read or write.
+    fn record(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> &TransferBatch {
         let kind = payload.kind();
         let id = BatchId::new(self.id(), self.batches.next);
         self.batches.next += 1;
@@ -234,24 +251,29 @@ impl Cache {
             BatchKind::Backup => self.stats.backups += 1,
             BatchKind::LoadBack => {}
         }
-        self.batches.pending.insert(
-            id,
-            Pending {
-                batch: TransferBatch { id, kind, copies },
-                started: false,
-                abandoned: false,
-                pins,
-                payload,
-            },
-        );
-        if queued {
-            self.batches.outbox.push(id);
+        let pending = self.batches.pending.entry(id).or_insert(Pending {
+            batch: TransferBatch { id, kind, copies },
+            started: false,
+            abandoned: false,
+            pins,
+            payload,
+        });
+        &pending.batch
+    }
+
+    /// Withdraws batch `id` if it was never started (a load-back called off before its
+    /// copies could run): its pins go, so what it held is free at once.
+    pub(crate) fn withdraw_unstarted(&mut self, id: BatchId) {
+        if self.batches.pending.get(&id).is_none_or(|p| p.started) {
+            return;
         }
-        id
+        if let Some(p) = self.batches.pending.remove(&id) {
+            self.unpin_all(&p.pins);
+        }
     }
 
     /// Drops a finished batch's pins: a page given back meanwhile becomes free now.
-    pub(crate) fn unpin_all(&mut self, pins: &[Pins]) {
+    fn unpin_all(&mut self, pins: &[Pins]) {
         for p in pins {
             self.pools.of(p.pool, p.tier).unpin(&p.pages);
             if (p.pool, p.tier) == (PoolKind::Mamba, Tier::Device) {

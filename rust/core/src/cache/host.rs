@@ -211,7 +211,7 @@ impl Cache {
             states,
             demote,
         };
-        self.emit(copies, Payload::Backup(backup), true);
+        self.emit(copies, Payload::Backup(backup));
     }
 
     /// Write-back: backs up an unlocked device leaf being evicted (what it lacks on the

@@ -22,6 +22,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ids::{BatchId, NodeId, RequestId};
+
+use super::request::SavedRequest;
 use crate::pool::Pages;
 
 use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
@@ -77,19 +79,6 @@ pub(crate) enum CopyOutcome {
     Pending,
     Completed,
     Failed,
-}
-
-/// A request as it was before a committed load changed it: restored if the load fails,
-/// released when it completes.
-pub(crate) struct SavedRequest {
-    prefix_len: usize,
-    host_len: usize,
-    host_node: Option<NodeId>,
-    node: u32,
-    lock: Option<LockReceipt>,
-    /// The request's earlier state slot, when the load gave it a fresh one.
-    pub mamba: Option<Pages>,
-    swapped: bool,
 }
 
 /// Everything a load-back holds.
@@ -295,11 +284,11 @@ impl Cache {
         let restore = slots.pop();
         let start = plan.start;
         let copies = self.load_copies(plan, &kv, restore.as_ref(), req_slot.as_ref());
-        let id = self.emit(copies, Payload::LoadBack, false);
-        if let Some(rs) = request.and_then(|r| self.request_mut(r).ok()) {
-            rs.load = Some(id);
+        let batch = self.emit_held(copies, Payload::LoadBack);
+        let id = batch.id;
+        if let Some(r) = request {
+            self.set_request_load(r, id);
         }
-        let batch = self.batches.pending[&id].batch.clone();
         self.loads.table.insert(
             id,
             Load {
@@ -598,42 +587,6 @@ impl Cache {
         }
     }
 
-    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
-    /// given, becomes its state slot. Returns what it was, to restore on failure.
-    /// `None` (nothing changed) when the request is gone.
-    fn move_request_to(
-        &mut self,
-        r: RequestId,
-        j: u32,
-        slot: Option<Pages>,
-    ) -> Option<SavedRequest> {
-        self.request_ref(r).ok()?;
-        let new_lock = self.lock_index(j);
-        let tokens = self.path_tokens(j);
-        let rs = self.request_mut(r).ok()?;
-        let swapped = slot.is_some();
-        let saved = SavedRequest {
-            prefix_len: rs.prefix_len,
-            host_len: rs.host_len,
-            host_node: rs.host_node,
-            node: rs.node,
-            lock: rs.lock.replace(new_lock),
-            mamba: if swapped {
-                std::mem::replace(&mut rs.mamba, slot)
-            } else {
-                None
-            },
-            swapped,
-        };
-        rs.prefix_len = tokens.len();
-        rs.tokens = tokens;
-        rs.epoch += 1;
-        rs.node = j;
-        rs.host_len = 0;
-        rs.host_node = None;
-        Some(saved)
-    }
-
     /// The end of a committed load: `ok` makes its data visible and lets go of what the
     /// request had before; otherwise the nodes go back to host-only and the request to
     /// what it was.
@@ -671,35 +624,12 @@ impl Cache {
         let mut release = Vec::new();
         if let Some(saved) = saved {
             match request {
-                Some(r) if !ok => {
-                    let empty = self.pools.kv.empty();
-                    if let Ok(rs) = self.request_mut(r) {
-                        release.extend(std::mem::replace(&mut rs.lock, saved.lock));
-                        rs.node = saved.node;
-                        rs.prefix_len = saved.prefix_len;
-                        rs.host_len = saved.host_len;
-                        rs.host_node = saved.host_node;
-                        rs.tokens.truncate(saved.prefix_len);
-                        rs.epoch += 1;
-                        let kv = std::mem::replace(&mut rs.kv, empty);
-                        let fresh = if saved.swapped {
-                            std::mem::replace(&mut rs.mamba, saved.mamba)
-                        } else {
-                            None
-                        };
-                        rs.retired.keep(kv, fresh);
-                    }
-                }
-                _ => {
-                    release.extend(saved.lock);
-                    drop(saved.mamba);
-                }
+                Some(r) if !ok => release.extend(self.restore_request(r, saved)),
+                _ => release.extend(saved.release()),
             }
         }
         if let Some(r) = request {
-            if let Ok(rs) = self.request_mut(r) {
-                rs.load = None;
-            }
+            self.clear_request_load(r, id);
         }
         release.extend(load.lock.take());
         for l in release {
@@ -756,16 +686,10 @@ impl Cache {
         let Some(mut load) = self.loads.table.remove(&id) else {
             return;
         };
-        if self.batches.pending.get(&id).is_some_and(|p| !p.started) {
-            // Never started: withdraw the batch, so the slots are free at once.
-            if let Some(p) = self.batches.pending.remove(&id) {
-                self.unpin_all(&p.pins);
-            }
-        }
-        if let Some(rs) = load.request.and_then(|r| self.request_mut(r).ok()) {
-            if rs.load == Some(id) {
-                rs.load = None;
-            }
+        // Never started: the batch is withdrawn, so the slots are free at once.
+        self.withdraw_unstarted(id);
+        if let Some(r) = load.request {
+            self.clear_request_load(r, id);
         }
         if let Some(lock) = load.lock.take() {
             let _ = self.unlock(lock);

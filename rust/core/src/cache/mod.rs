@@ -20,8 +20,8 @@
 //! | `alloc.rs` | — | allocation, evicting first when short |
 //! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
 //! | `host.rs` | — | backups to the host tier |
-//! | `load.rs` | load-back records | `load_back`, commit, cancel, settle |
-//! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort` |
+//! | `load.rs` | load-back records | `load_back`, commit, cancel, settle (through `request.rs` for the request) |
+//! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort`; moves a request to a load's target and back |
 //! | `report.rs` | — | `stats`, `snapshot`, `pretty` |
 
 mod alloc;
@@ -87,24 +87,28 @@ impl Pools {
 }
 
 /// The single-threaded cache core.
+///
+/// Its fields are private to this module and its parts (the files of `cache/`), each part
+/// changing only what it owns (the table above); `audit()` reads them through the
+/// read-only views below.
 pub struct Cache {
     config: Config,
-    pub(crate) tree: Tree,
-    pub(crate) pools: Pools,
-    pub(crate) roots: namespaces::Namespaces,
-    pub(crate) sizes: sizes::Sizes,
-    pub(crate) lru: lru::Lru,
-    pub(crate) locks: locks::Locks,
+    tree: Tree,
+    pools: Pools,
+    roots: namespaces::Namespaces,
+    sizes: sizes::Sizes,
+    lru: lru::Lru,
+    locks: locks::Locks,
     returns: Arc<returns::Returns>,
-    pub(crate) requests: request::Requests,
-    pub(crate) batches: batch::Batches,
-    pub(crate) loads: load::Loads,
-    pub(crate) stats: Stats,
+    requests: request::Requests,
+    batches: batch::Batches,
+    loads: load::Loads,
+    stats: Stats,
     /// Where the pools record an illegal page transition (shared by the four).
     fault: Arc<Fault>,
     /// The node holding each device state slot (`NONE`, or past the end: not in the
     /// tree). Grows with the slots used, like the pools' books.
-    pub(crate) state_nodes: Vec<u32>,
+    state_nodes: Vec<u32>,
     /// Scratch space of walks (kept to avoid an allocation per call).
     probe: Probe,
 }
@@ -189,6 +193,56 @@ impl Cache {
     /// with [`crate::Error::Broken`], and `audit()` fails.
     pub fn fault(&self) -> Option<String> {
         self.pools.kv.fault()
+    }
+
+    /// The tree (read-only: for `audit()`).
+    pub(crate) fn tree(&self) -> &Tree {
+        &self.tree
+    }
+
+    /// The pools (read-only: for `audit()`).
+    pub(crate) fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
+    /// The roots (read-only: for `audit()`).
+    pub(crate) fn roots(&self) -> &namespaces::Namespaces {
+        &self.roots
+    }
+
+    /// The size tallies (read-only: for `audit()`).
+    pub(crate) fn sizes(&self) -> &sizes::Sizes {
+        &self.sizes
+    }
+
+    /// The eviction sets (read-only: for `audit()`).
+    pub(crate) fn lru(&self) -> &lru::Lru {
+        &self.lru
+    }
+
+    /// The live lock receipts (read-only: for `audit()`).
+    pub(crate) fn locks(&self) -> &locks::Locks {
+        &self.locks
+    }
+
+    /// The request table (read-only: for `audit()`).
+    pub(crate) fn requests(&self) -> &request::Requests {
+        &self.requests
+    }
+
+    /// The batches in flight (read-only: for `audit()`).
+    pub(crate) fn batches(&self) -> &batch::Batches {
+        &self.batches
+    }
+
+    /// The load-back records (read-only: for `audit()`).
+    pub(crate) fn loads(&self) -> &load::Loads {
+        &self.loads
+    }
+
+    /// The node holding each device state slot (read-only: for `audit()`).
+    pub(crate) fn state_nodes(&self) -> &[u32] {
+        &self.state_nodes
     }
 
     /// Whether [`Cache::fault`] has anything to say (one atomic load).

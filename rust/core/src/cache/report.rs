@@ -9,6 +9,7 @@ use crate::pool::{as_i64, PageState, PoolCounts};
 use crate::tree::NONE;
 
 use super::batch::Payload;
+use super::request::SavedRequest;
 use super::{Cache, NodeInfo};
 
 /// Who holds pages as owned values (what a pool counts as `owned`).
@@ -53,7 +54,7 @@ impl Cache {
             for s in [&load.restore, &load.req_slot].into_iter().flatten() {
                 f(1, holder, s.pages());
             }
-            if let Some(s) = load.saved.as_ref().and_then(|saved| saved.mamba.as_ref()) {
+            if let Some(s) = load.saved.as_ref().and_then(SavedRequest::state) {
                 f(1, Holder::InFlight, s.pages());
             }
         }

@@ -17,6 +17,33 @@ use super::batch::{Payload, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
 use super::Cache;
 
+/// A request as it was before a committed load changed it: restored if the load fails,
+/// released when it completes.
+pub(crate) struct SavedRequest {
+    prefix_len: usize,
+    host_len: usize,
+    host_node: Option<NodeId>,
+    node: u32,
+    lock: Option<LockReceipt>,
+    /// The request's earlier state slot, when the load gave it a fresh one.
+    mamba: Option<Pages>,
+    swapped: bool,
+}
+
+impl SavedRequest {
+    /// The request's earlier state slot, kept until the load ends.
+    pub fn state(&self) -> Option<&Pages> {
+        self.mamba.as_ref()
+    }
+
+    /// The load landed: what the request had before goes (its lock is returned, to be
+    /// released).
+    pub fn release(self) -> Option<LockReceipt> {
+        drop(self.mamba);
+        self.lock
+    }
+}
+
 /// What a copy-on-write batch carries until it is acknowledged.
 pub(crate) enum Cow {
     /// A request's own state slot receives a copy of a cached node's state (admission).
@@ -227,7 +254,6 @@ impl Cache {
             let batch = self.emit(
                 vec![state_copy(src, dst)],
                 Payload::Cow(Cow::Admit { request: id }),
-                true,
             );
             if let Ok(r) = self.request_mut(id) {
                 r.cow = Some(batch);
@@ -417,7 +443,6 @@ impl Cache {
                         self.emit(
                             vec![state_copy(src, dst_slot)],
                             Payload::Cow(Cow::Checkpoint { node, dst }),
-                            true,
                         );
                     } else {
                         self.stats.checkpoint_states_skipped += 1;
@@ -571,6 +596,87 @@ impl Cache {
             let _ = self.unlock(old);
         }
         Ok((end, cached))
+    }
+
+    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
+    /// given, becomes its state slot. Returns what it was, to restore on failure.
+    /// `None` (nothing changed) when the request is gone.
+    pub(crate) fn move_request_to(
+        &mut self,
+        r: RequestId,
+        j: u32,
+        slot: Option<Pages>,
+    ) -> Option<SavedRequest> {
+        self.request_ref(r).ok()?;
+        let new_lock = self.lock_index(j);
+        let tokens = self.path_tokens(j);
+        let rs = self.request_mut(r).ok()?;
+        let swapped = slot.is_some();
+        let saved = SavedRequest {
+            prefix_len: rs.prefix_len,
+            host_len: rs.host_len,
+            host_node: rs.host_node,
+            node: rs.node,
+            lock: rs.lock.replace(new_lock),
+            mamba: if swapped {
+                std::mem::replace(&mut rs.mamba, slot)
+            } else {
+                None
+            },
+            swapped,
+        };
+        rs.prefix_len = tokens.len();
+        rs.tokens = tokens;
+        rs.epoch += 1;
+        rs.node = j;
+        rs.host_len = 0;
+        rs.host_node = None;
+        Some(saved)
+    }
+
+    /// A committed load of request `r` failed: the request goes back to what it was
+    /// before the load (`saved`), keeping what the load gave it until it ends. Returns
+    /// the load's lock on the request, to be released.
+    pub(crate) fn restore_request(
+        &mut self,
+        r: RequestId,
+        saved: SavedRequest,
+    ) -> Option<LockReceipt> {
+        let empty = self.pools.kv.empty();
+        let Ok(rs) = self.request_mut(r) else {
+            return saved.release();
+        };
+        let lock = std::mem::replace(&mut rs.lock, saved.lock);
+        rs.node = saved.node;
+        rs.prefix_len = saved.prefix_len;
+        rs.host_len = saved.host_len;
+        rs.host_node = saved.host_node;
+        rs.tokens.truncate(saved.prefix_len);
+        rs.epoch += 1;
+        let kv = std::mem::replace(&mut rs.kv, empty);
+        let fresh = if saved.swapped {
+            std::mem::replace(&mut rs.mamba, saved.mamba)
+        } else {
+            None
+        };
+        rs.retired.keep(kv, fresh);
+        lock
+    }
+
+    /// Request `r` has load-back `id` pending.
+    pub(crate) fn set_request_load(&mut self, r: RequestId, id: BatchId) {
+        if let Ok(rs) = self.request_mut(r) {
+            rs.load = Some(id);
+        }
+    }
+
+    /// Load-back `id` of request `r` ended or was called off.
+    pub(crate) fn clear_request_load(&mut self, r: RequestId, id: BatchId) {
+        if let Ok(rs) = self.request_mut(r) {
+            if rs.load == Some(id) {
+                rs.load = None;
+            }
+        }
     }
 
     /// A copy-on-write batch ended (`landed`: its copies are done).
