@@ -14,7 +14,7 @@ use crate::cache::{Cache, PoolKind, Tier};
 use crate::config::EvictionPolicy;
 use crate::error::{Error, Result};
 use crate::pool::{PageState, PoolCounts};
-use crate::tree::{Tree, NONE};
+use crate::tree::{StateMark, Tree, NONE};
 
 impl Cache {
     /// Checks every invariant of docs/contract.md that applies (slot conservation,
@@ -97,17 +97,19 @@ fn audit(c: &Cache) -> Result<()> {
             check_marks(c, i)?;
             add_sizes(c, i, &mut sums);
             let (key, state_key) = (c.lru().kv_key(n), c.lru().state_key(tree, i));
-            if n.kv.in_lru != sums.kv_candidates.contains(&(key.0, key.1, i))
-                || n.mamba.in_lru
+            if n.kv.state.in_lru() != sums.kv_candidates.contains(&(key.0, key.1, i))
+                || (n.mamba.mark == StateMark::Listed)
                     != sums
                         .mamba_candidates
                         .contains(&(state_key.0, state_key.1, i))
-                || n.kv.in_host_lru != sums.host_candidates.contains(&(key.0, key.1, i))
+                || n.kv.state.in_host_lru() != sums.host_candidates.contains(&(key.0, key.1, i))
             {
                 return broken(format!(
                     "node {id}: eviction-set flags (kv {}, mamba {}, host {}) disagree with \
                      what it is",
-                    n.kv.in_lru, n.mamba.in_lru, n.kv.in_host_lru
+                    n.kv.state.in_lru(),
+                    n.mamba.mark == StateMark::Listed,
+                    n.kv.state.in_host_lru()
                 ));
             }
         }
@@ -162,10 +164,10 @@ fn check_states(c: &Cache, i: u32) -> Result<()> {
         }
     }
     let pinned = n.mamba.device.is_some_and(|s| c.pools().mamba.pins(s) > 0);
-    if n.mamba.pinned != pinned {
+    if (n.mamba.mark == StateMark::Pinned) != pinned {
         return broken(format!(
-            "node {id} marks its state pinned {}, the pool says {pinned}",
-            n.mamba.pinned
+            "node {id} marks its state {:?}, the pool says pinned {pinned}",
+            n.mamba.mark
         ));
     }
     Ok(())
@@ -312,8 +314,8 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     if n.kv.device.is_some()
         && n.kv.lock == 0
         && n.mamba.lock == 0
-        && !n.kv.evicting
-        && !n.kv.backup_pending
+        && !n.kv.state.evicting()
+        && !n.kv.state.backup_pending()
         && !n.mamba.backup_pending
         && n.device_children == n.evicting_children
     {
@@ -426,22 +428,29 @@ fn check_loads(c: &Cache) -> Result<()> {
 fn check_marks(c: &Cache, i: u32) -> Result<()> {
     let n = c.tree().node(i);
     let id = c.tree().id(i);
-    if n.kv.loading && (n.kv.device.is_none() || n.kv.lock == 0) {
+    if n.kv.state.loading() && (n.kv.device.is_none() || n.kv.lock == 0) {
         return broken(format!("node {id} is loading without device KV or a lock"));
     }
-    if (n.kv.backup_pending || n.mamba.backup_pending) && n.kv.in_lru {
+    // A node whose KV is in flight is in no eviction set by construction (`KvState`);
+    // one whose state is backed up must not be a KV candidate either.
+    if n.mamba.backup_pending && n.kv.state.in_lru() {
         return broken(format!(
             "node {id} is being backed up but is an eviction candidate"
         ));
     }
-    if n.kv.evicting && (n.kv.device.is_none() || n.kv.lock > 0) {
+    if n.kv.state.backup_pending() && (n.kv.device.is_none() || n.kv.host.is_some()) {
+        return broken(format!(
+            "node {id} is being backed up without device KV or with a host copy already"
+        ));
+    }
+    if n.kv.state.evicting() && (n.kv.device.is_none() || n.kv.lock > 0) {
         return broken(format!(
             "node {id} is being evicted without device KV or locked"
         ));
     }
     if !n.is_root() {
         let p = c.tree().node(n.parent);
-        if p.kv.loading && n.kv.device.is_some() && !n.kv.loading {
+        if p.kv.state.loading() && n.kv.device.is_some() && !n.kv.state.loading() {
             return broken(format!(
                 "node {id} has device KV below a node whose load is in flight"
             ));
@@ -527,7 +536,7 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
         }
         if child.kv.device.is_some() {
             device_children += 1;
-            evicting_children += u32::from(child.kv.evicting);
+            evicting_children += u32::from(child.kv.state.evicting());
         }
     }
     if evicting_children != n.evicting_children {
@@ -536,7 +545,7 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
             n.evicting_children
         ));
     }
-    if n.kv.evicting && n.device_children != n.evicting_children {
+    if n.kv.state.evicting() && n.device_children != n.evicting_children {
         return broken(format!(
             "node {id} is being evicted but has a device child that is not"
         ));

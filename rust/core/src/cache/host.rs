@@ -2,9 +2,9 @@
 //!
 //! A backup is a `backup` batch of device-to-host copies for nodes on one path, ancestors
 //! first. Until it is acknowledged the nodes are device-locked by the batch's receipt
-//! and marked `backup_pending`; the host pages it writes are owned by the batch and
-//! become the nodes' host copies only at `complete` (a failed backup leaves the nodes
-//! not backed up). Under write-through a node is backed up once its insert count reaches
+//! and marked `BackingUp` (their `KvState`; a state being backed up: `backup_pending`);
+//! the host pages it writes are owned by the batch and become the nodes' host copies
+//! only at `complete` (a failed backup leaves the nodes not backed up). Under write-through a node is backed up once its insert count reaches
 //! the threshold; under write-back only a node being evicted is, and its device pages
 //! are freed when the backup completes.
 
@@ -115,9 +115,9 @@ impl Cache {
         for (k, &i) in path.iter().enumerate() {
             let n = self.tree.node(i);
             let np = n.key.len() / ps;
-            if n.kv.device.is_some() && !n.kv.loading {
+            if n.kv.device.is_some() && !n.kv.state.loading() {
                 let mut in_batch = false;
-                if n.kv.host.is_none() && !n.kv.backup_pending {
+                if n.kv.host.is_none() && !n.kv.state.backup_pending() {
                     let Some(h) = self.alloc_host_pages(np) else {
                         let skipped = path[k..]
                             .iter()
@@ -183,7 +183,9 @@ impl Cache {
         demote: Option<NodeId>,
     ) {
         for &i in marked {
-            self.edit(i, |n| n.kv.backup_pending = n.kv.host.is_none());
+            if self.tree.node(i).kv.host.is_none() {
+                self.mark_kv(i, |s| s.with_backup(true));
+            }
         }
         for (id, _) in &states {
             if let Ok(i) = self.tree.resolve(*id) {
@@ -292,7 +294,7 @@ impl Cache {
                 let len = self.tree.node(i).key.len();
                 let np = len / ps;
                 if let Some(pages) = b.kv.take(offset, offset + np) {
-                    self.edit(i, |n| n.kv.backup_pending = false);
+                    self.mark_kv(i, |s| s.with_backup(false));
                     if publish && self.tree.node(i).kv.host.is_none() {
                         self.edit(i, |n| n.kv.host = Some(pages.into_tree()));
                     } else {

@@ -7,8 +7,9 @@
 //! a fresh state slot of the request's own. Everything it took lives in `Cache::loads`
 //! under its batch id until one of two things happens:
 //!
-//! * `commit_load` publishes it: the pages go into the nodes (marked `loading`, so
-//!   `match_prefix` does not see them until the copies are acknowledged), the request's
+//! * `commit_load` publishes it: the pages go into the nodes (their `KvState` is
+//!   `Loading`, so `match_prefix` does not see them until the copies are
+//!   acknowledged), the request's
 //!   prefix grows to the target, and the batch is in flight; `complete` makes the data
 //!   visible, `fail` turns the load into a miss (nodes host-only again, the request as
 //!   before the load).
@@ -435,7 +436,7 @@ impl Cache {
         let mut first = None;
         for i in self.path_to(j) {
             let n = self.tree.node(i);
-            plan.busy |= n.kv.loading;
+            plan.busy |= n.kv.state.loading();
             if n.kv.device.is_none() {
                 first.get_or_insert(offset);
                 if let Some(host) = &n.kv.host {
@@ -527,7 +528,7 @@ impl Cache {
         if self
             .path_to(target)
             .iter()
-            .any(|&i| self.tree.node(i).kv.loading)
+            .any(|&i| self.tree.node(i).kv.state.loading())
         {
             return Err(Error::Request(format!(
                 "load-back {id} cannot be committed: another load-back is still landing on \
@@ -582,7 +583,7 @@ impl Cache {
                 drop(here);
                 continue;
             }
-            self.tree.node_mut(i).kv.loading = loading;
+            self.mark_kv(i, |s| s.with_loading(loading));
             self.give_device_pages(i, here);
         }
     }
@@ -603,9 +604,9 @@ impl Cache {
             .filter(|&r| self.request_ref(r).is_ok_and(|rs| rs.load == Some(id)));
         // Nodes marked loading by this load: the path's deepest ones, up from `j`.
         let mut cur = j;
-        while self.tree.node(cur).kv.loading {
+        while self.tree.node(cur).kv.state.loading() {
             let parent = self.tree.node(cur).parent;
-            self.tree.node_mut(cur).kv.loading = false;
+            self.mark_kv(cur, |s| s.with_loading(false));
             if !ok {
                 // Locked, no device child: nothing is cached below a load in flight.
                 self.take_device_pages(cur);

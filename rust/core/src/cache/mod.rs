@@ -62,7 +62,7 @@ use crate::config::Config;
 use crate::error::Result;
 use crate::pool::{as_i64, Fault, Pool};
 use crate::stats::Stats;
-use crate::tree::{Node, Probe, Tree, NONE};
+use crate::tree::{KvState, Node, Probe, StateMark, Tree, NONE};
 
 /// The four pools: device and host, KV and states.
 pub(crate) struct Pools {
@@ -295,6 +295,23 @@ impl Cache {
         out
     }
 
+    /// Moves node `i`'s KV state to `f` of it (a transfer or eviction starts or ends).
+    /// A node entering one leaves its eviction set first (see [`KvState`]); one leaving
+    /// it is listed again by the next [`Cache::refresh`].
+    pub(crate) fn mark_kv(&mut self, i: u32, f: impl FnOnce(KvState) -> KvState) {
+        let old = self.tree.node(i).kv.state;
+        let new = f(old);
+        if new == old {
+            return;
+        }
+        match old {
+            KvState::Listed => self.lru.unlist_kv(&mut self.tree, i),
+            KvState::HostListed => self.lru.unlist_host(&mut self.tree, i),
+            _ => {}
+        }
+        self.edit(i, |n| n.kv.state = new);
+    }
+
     /// Puts node `i` in or out of the eviction sets according to what it is now.
     pub(crate) fn refresh(&mut self, i: u32) {
         self.lru.refresh(&mut self.tree, i);
@@ -310,7 +327,20 @@ impl Cache {
         self.state_nodes[i] = node;
         if node != NONE {
             let pinned = self.pools.mamba.pins(slot) > 0;
-            self.edit(node, |n| n.mamba.pinned = pinned);
+            self.mark_pinned(node, pinned);
+        }
+    }
+
+    /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
+    /// the state eviction set first; an unpinned one is listed again by the next
+    /// [`Cache::refresh`].
+    fn mark_pinned(&mut self, i: u32, pinned: bool) {
+        let mark = self.tree.node(i).mamba.mark;
+        if pinned && mark != StateMark::Pinned {
+            self.lru.unlist_state(&mut self.tree, i);
+            self.edit(i, |n| n.mamba.mark = StateMark::Pinned);
+        } else if !pinned && mark == StateMark::Pinned {
+            self.edit(i, |n| n.mamba.mark = StateMark::Idle);
         }
     }
 
@@ -321,7 +351,7 @@ impl Cache {
             let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
             if i != NONE {
                 let pinned = self.pools.mamba.pins(slot) > 0;
-                self.edit(i, |n| n.mamba.pinned = pinned);
+                self.mark_pinned(i, pinned);
                 self.refresh(i);
             }
         }

@@ -252,7 +252,7 @@ impl Cache {
                         v
                     }),
                     host_mamba_slot: n.mamba.host,
-                    loading: n.kv.loading,
+                    loading: n.kv.state.loading(),
                 });
                 prefix_at.insert(i, prefix);
             }
@@ -361,7 +361,7 @@ impl Cache {
                         (Some(p), _) if !p.is_empty() => {
                             let first = i64::from(p[0]) * as_i64(self.config.page_size);
                             let host = if n.kv.host.is_some() { " +host" } else { "" };
-                            let loading = if n.kv.loading { " loading" } else { "" };
+                            let loading = if n.kv.state.loading() { " loading" } else { "" };
                             format!("kv@{first}..{host}{loading}")
                         }
                         (_, Some(_)) => "host only".to_owned(),

@@ -711,7 +711,7 @@ impl Cache {
             Cow::Checkpoint { node, dst } if landed => {
                 let live = self.tree.resolve(node).ok().filter(|&i| {
                     let n = self.tree.node(i);
-                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.loading
+                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.state.loading()
                 });
                 if let Some(i) = live {
                     self.set_state(i, dst);
