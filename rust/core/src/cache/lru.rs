@@ -3,13 +3,12 @@
 //!
 //! [`Lru`] owns the four sets and each node's membership marks (the `Listed` and
 //! `HostListed` states of [`KvState`], the `Listed` mark of [`StateMark`]); everyone else
-//! asks it to
-//! [`Lru::refresh`] a node
-//! after changing what the node is, and it decides. An entry is `(key, node index)` and
-//! the first entry goes first. The key is what the policy computes from the node
-//! ([`Lru::kv_key`], [`Lru::state_key`]); it is kept on the node while the node is
-//! listed, and everything a key is computed from changes through here, which lists the
-//! node again under its new key:
+//! asks it to [`Lru::refresh`] a node after changing what the node is, and it decides.
+//! It lists only nodes that are out of flight (`Idle`), and leaves the others as they
+//! are. An entry is `(key, node index)` and the first entry goes first. The key is what
+//! the policy computes from the node ([`Lru::kv_key`], [`Lru::state_key`]); it is kept
+//! on the node while the node is listed, and everything a key is computed from changes
+//! through here, which lists the node again under its new key:
 //!
 //! | policy | KV and host key | state key |
 //! |---|---|---|
