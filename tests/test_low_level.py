@@ -117,6 +117,7 @@ CONSTRUCTOR = [
     ("write_policy", "write_through"),
     ("write_through_threshold", None),
     ("pools", "cache"),
+    ("eviction_policy", "lru"),
 ]
 
 
@@ -132,9 +133,10 @@ def test_the_constructor_signature_is_known_at_runtime() -> None:
     assert f"HybridCache({signature})" in re.sub(r"[\s|]", "", text)
     for name, _ in CONSTRUCTOR:
         assert f"  {name}: " in text, f"help() does not explain {name}"
-    # The defaults it shows are the constructor's.
+    # The defaults it shows are the constructor's ("lru" applies to every component).
     c = rc.HybridCache()
-    assert [(name, getattr(c, name)) for name, _ in CONSTRUCTOR] == CONSTRUCTOR
+    assert [(name, getattr(c, name)) for name, _ in CONSTRUCTOR[:-1]] == CONSTRUCTOR[:-1]
+    assert c.eviction_policy == {"kv": "lru", "mamba": "lru"}
 
 
 def test_exception_hierarchy() -> None:
