@@ -14,7 +14,7 @@ use crate::cache::{Cache, PoolKind, Tier};
 use crate::config::EvictionPolicy;
 use crate::error::{Error, Result};
 use crate::pool::{PageState, PoolCounts};
-use crate::tree::{Tree, NONE};
+use crate::tree::{StateMark, Tree, NONE};
 
 impl Cache {
     /// Checks every invariant of docs/contract.md that applies (slot conservation,
@@ -41,12 +41,12 @@ struct Sums {
 }
 
 fn audit(c: &Cache) -> Result<()> {
-    let tree = &c.tree;
+    let tree = c.tree();
     let pools = [
-        &c.pools.kv,
-        &c.pools.mamba,
-        &c.pools.host_kv,
-        &c.pools.host_mamba,
+        &c.pools().kv,
+        &c.pools().mamba,
+        &c.pools().host_kv,
+        &c.pools().host_mamba,
     ];
     let mut counts = Vec::new();
     let mut states = Vec::new();
@@ -96,23 +96,25 @@ fn audit(c: &Cache) -> Result<()> {
             states_placed += usize::from(n.mamba.device.is_some());
             check_marks(c, i)?;
             add_sizes(c, i, &mut sums);
-            let (key, state_key) = (c.lru.kv_key(n), c.lru.state_key(tree, i));
-            if n.kv.in_lru != sums.kv_candidates.contains(&(key.0, key.1, i))
-                || n.mamba.in_lru
+            let (key, state_key) = (c.lru().kv_key(n), c.lru().state_key(tree, i));
+            if n.kv.state.in_lru() != sums.kv_candidates.contains(&(key.0, key.1, i))
+                || (n.mamba.mark == StateMark::Listed)
                     != sums
                         .mamba_candidates
                         .contains(&(state_key.0, state_key.1, i))
-                || n.kv.in_host_lru != sums.host_candidates.contains(&(key.0, key.1, i))
+                || n.kv.state.in_host_lru() != sums.host_candidates.contains(&(key.0, key.1, i))
             {
                 return broken(format!(
                     "node {id}: eviction-set flags (kv {}, mamba {}, host {}) disagree with \
                      what it is",
-                    n.kv.in_lru, n.mamba.in_lru, n.kv.in_host_lru
+                    n.kv.state.in_lru(),
+                    n.mamba.mark == StateMark::Listed,
+                    n.kv.state.in_host_lru()
                 ));
             }
         }
     }
-    let mapped = c.state_nodes.iter().filter(|&&i| i != NONE).count();
+    let mapped = c.state_nodes().iter().filter(|&&i| i != NONE).count();
     if mapped != states_placed {
         return broken(format!(
             "{mapped} state slots are mapped to nodes, {states_placed} nodes hold one"
@@ -145,8 +147,8 @@ fn audit(c: &Cache) -> Result<()> {
 ///    device state is the one the state's slot maps to, and it knows whether a transfer
 ///    pins the slot.
 fn check_states(c: &Cache, i: u32) -> Result<()> {
-    let n = c.tree.node(i);
-    let id = c.tree.id(i);
+    let n = c.tree().node(i);
+    let id = c.tree().id(i);
     if n.mamba.device.is_some() && (n.kv.device.is_none() || n.is_root()) {
         return broken(format!("node {id} has a state but no device KV"));
     }
@@ -157,15 +159,15 @@ fn check_states(c: &Cache, i: u32) -> Result<()> {
         return broken(format!("node {id} has a state lock but no state"));
     }
     if let Some(s) = n.mamba.device {
-        if c.state_nodes.get(s as usize) != Some(&i) {
+        if c.state_nodes().get(s as usize) != Some(&i) {
             return broken(format!("state slot {s} of node {id} is not mapped to it"));
         }
     }
-    let pinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) > 0);
-    if n.mamba.pinned != pinned {
+    let pinned = n.mamba.device.is_some_and(|s| c.pools().mamba.pins(s) > 0);
+    if (n.mamba.mark == StateMark::Pinned) != pinned {
         return broken(format!(
-            "node {id} marks its state pinned {}, the pool says {pinned}",
-            n.mamba.pinned
+            "node {id} marks its state {:?}, the pool says pinned {pinned}",
+            n.mamba.mark
         ));
     }
     Ok(())
@@ -174,13 +176,13 @@ fn check_states(c: &Cache, i: u32) -> Result<()> {
 /// Every root: live, keyless and stateless; a named namespace's holds something; the
 /// shared empty root has no child. Returns them all, the empty one last.
 fn check_roots(c: &Cache) -> Result<Vec<u32>> {
-    let empty = c.roots.empty();
-    if !c.tree.node(empty).children.is_empty() {
+    let empty = c.roots().empty();
+    if !c.tree().node(empty).children.is_empty() {
         return broken("the empty root (answer of unknown namespaces) has children".to_owned());
     }
     let mut out = Vec::new();
-    for (ns, root) in c.roots.all().into_iter().chain([(None, empty)]) {
-        let r = c.tree.node(root);
+    for (ns, root) in c.roots().all().into_iter().chain([(None, empty)]) {
+        let r = c.tree().node(root);
         if !r.live || !r.is_root() || !r.key.is_empty() || r.mamba.device.is_some() {
             return broken(format!(
                 "root slot {root} is not a live, empty, stateless root"
@@ -199,7 +201,7 @@ fn check_roots(c: &Cache) -> Result<Vec<u32>> {
 /// 4 and 5: sizes and eviction sets equal what the walk added up.
 fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
     // 4. Sizes equal the sums over nodes.
-    let (got, want) = (&c.sizes, &sums.sizes);
+    let (got, want) = (&c.sizes(), &sums.sizes);
     if (want.evictable_tokens, want.protected_tokens)
         != (got.evictable_tokens, got.protected_tokens)
     {
@@ -242,16 +244,16 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
     }
     // 5. The eviction sets are exactly the candidates, each listed under the key its
     //    policy computes from the node now.
-    let [kv, mamba, host, host_states] = c.lru.sets();
-    let used = if c.lru.policy().mamba == EvictionPolicy::Lru {
+    let [kv, mamba, host, host_states] = c.lru().sets();
+    let used = if c.lru().policy().mamba == EvictionPolicy::Lru {
         mamba.iter().filter(|k| k.0 & HOT != 0).count()
     } else {
         0
     };
-    if c.lru.hot() != used {
+    if c.lru().hot() != used {
         return broken(format!(
             "{} used states counted, {used} in the state eviction set",
-            c.lru.hot()
+            c.lru().hot()
         ));
     }
     for (name, set, candidates) in [
@@ -268,11 +270,11 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
                 candidates.len(),
                 stale.map_or_else(String::new, |&(a, b, i)| format!(
                     " (node {} is listed under ({a}, {b}), its key is now {:?})",
-                    c.tree.id(i),
+                    c.tree().id(i),
                     if name == "mamba" {
-                        c.lru.state_key(&c.tree, i)
+                        c.lru().state_key(c.tree(), i)
                     } else {
-                        c.lru.kv_key(c.tree.node(i))
+                        c.lru().kv_key(c.tree().node(i))
                     }
                 ))
             ));
@@ -296,13 +298,13 @@ fn claim(states: &[PageState], seen: &mut [bool], p: u32, what: &str, holder: &s
 }
 
 fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
-    let n = c.tree.node(i);
+    let n = c.tree().node(i);
     sums.sizes += Sizes::of(n);
     if n.is_root() {
         return;
     }
-    let key = c.lru.kv_key(n);
-    let key = (key.0, key.1, i);
+    let (major, minor) = c.lru().kv_key(n);
+    let key = (major, minor, i);
     if n.kv.host.is_some() && n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
         sums.host_candidates.insert(key);
         if n.mamba.host.is_some() {
@@ -312,17 +314,17 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     if n.kv.device.is_some()
         && n.kv.lock == 0
         && n.mamba.lock == 0
-        && !n.kv.evicting
-        && !n.kv.backup_pending
+        && !n.kv.state.evicting()
+        && !n.kv.state.backup_pending()
         && !n.mamba.backup_pending
         && n.device_children == n.evicting_children
     {
         sums.kv_candidates.insert(key);
     }
-    let unpinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) == 0);
+    let unpinned = n.mamba.device.is_some_and(|s| c.pools().mamba.pins(s) == 0);
     if unpinned && n.mamba.lock == 0 {
-        let state_key = c.lru.state_key(&c.tree, i);
-        sums.mamba_candidates.insert((state_key.0, state_key.1, i));
+        let (major, minor) = c.lru().state_key(c.tree(), i);
+        sums.mamba_candidates.insert((major, minor, i));
     }
 }
 
@@ -359,9 +361,9 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
     if let Some((k, p)) = twice {
         return broken(format!("page {p} of pool {} is held twice", POOLS[k]));
     }
-    for r in c.requests.iter() {
+    for r in c.requests().iter() {
         if let Some(id) = r.load {
-            if !c.loads.contains(id) {
+            if !c.loads().contains(id) {
                 return broken(format!("a request waits on load-back {id}, which is gone"));
             }
         }
@@ -380,13 +382,15 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
 fn check_pins(c: &Cache) -> Result<()> {
     for pool in [PoolKind::Kv, PoolKind::Mamba] {
         for tier in [Tier::Device, Tier::Host] {
-            let p = c.pools.of(pool, tier);
+            let p = c.pools().of(pool, tier);
             let mut expected = vec![0u32; p.capacity_pages()];
-            for b in c.batches.pending.values() {
-                for pins in b.pins.iter().filter(|x| x.pool == pool && x.tier == tier) {
-                    for &s in &pins.pages {
-                        expected[s as usize] += 1;
-                    }
+            for pins in c
+                .batches()
+                .pins()
+                .filter(|x| x.pool == pool && x.tier == tier)
+            {
+                for &s in &pins.pages {
+                    expected[s as usize] += 1;
                 }
             }
             let got = p.all_pins();
@@ -407,8 +411,8 @@ fn check_pins(c: &Cache) -> Result<()> {
 /// Load-backs: an uncommitted one has its batch pending unless the copies ended; a
 /// committed one is in flight. Their requests point back at them.
 fn check_loads(c: &Cache) -> Result<()> {
-    for (id, load) in c.loads.iter() {
-        let pending = c.batches.pending.contains_key(id);
+    for (id, load) in c.loads().iter() {
+        let pending = c.batches().contains(*id);
         let in_flight = load.committed || load.copies == CopyOutcome::Pending;
         if pending != in_flight {
             return broken(format!(
@@ -422,24 +426,31 @@ fn check_loads(c: &Cache) -> Result<()> {
 /// 6. In-flight marks: a node being loaded has device KV and nothing cached below it
 ///    but nodes of the same load; a node being backed up is locked.
 fn check_marks(c: &Cache, i: u32) -> Result<()> {
-    let n = c.tree.node(i);
-    let id = c.tree.id(i);
-    if n.kv.loading && (n.kv.device.is_none() || n.kv.lock == 0) {
+    let n = c.tree().node(i);
+    let id = c.tree().id(i);
+    if n.kv.state.loading() && (n.kv.device.is_none() || n.kv.lock == 0) {
         return broken(format!("node {id} is loading without device KV or a lock"));
     }
-    if (n.kv.backup_pending || n.mamba.backup_pending) && n.kv.in_lru {
+    // A node whose KV is in flight is in no eviction set by construction (`KvState`);
+    // one whose state is backed up must not be a KV candidate either.
+    if n.mamba.backup_pending && n.kv.state.in_lru() {
         return broken(format!(
             "node {id} is being backed up but is an eviction candidate"
         ));
     }
-    if n.kv.evicting && (n.kv.device.is_none() || n.kv.lock > 0) {
+    if n.kv.state.backup_pending() && (n.kv.device.is_none() || n.kv.host.is_some()) {
+        return broken(format!(
+            "node {id} is being backed up without device KV or with a host copy already"
+        ));
+    }
+    if n.kv.state.evicting() && (n.kv.device.is_none() || n.kv.lock > 0) {
         return broken(format!(
             "node {id} is being evicted without device KV or locked"
         ));
     }
     if !n.is_root() {
-        let p = c.tree.node(n.parent);
-        if p.kv.loading && n.kv.device.is_some() && !n.kv.loading {
+        let p = c.tree().node(n.parent);
+        if p.kv.state.loading() && n.kv.device.is_some() && !n.kv.state.loading() {
             return broken(format!(
                 "node {id} has device KV below a node whose load is in flight"
             ));
@@ -451,10 +462,10 @@ fn check_marks(c: &Cache, i: u32) -> Result<()> {
 /// 4. Expected lock counts: each live receipt covers its node's path to the root, and
 ///    its node's state when it holds it.
 fn expected_locks(c: &Cache) -> Result<(Vec<u32>, Vec<u32>)> {
-    let tree = &c.tree;
+    let tree = c.tree();
     let mut kv = vec![0u32; tree.nodes.len()];
     let mut mamba = vec![0u32; tree.nodes.len()];
-    for l in c.locks.held() {
+    for l in c.locks().held() {
         let i = l.node;
         if !tree.node(i).live {
             return broken(format!("a live receipt points at dead node slot {i}"));
@@ -525,7 +536,7 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
         }
         if child.kv.device.is_some() {
             device_children += 1;
-            evicting_children += u32::from(child.kv.evicting);
+            evicting_children += u32::from(child.kv.state.evicting());
         }
     }
     if evicting_children != n.evicting_children {
@@ -534,7 +545,7 @@ fn check_node(tree: &Tree, i: u32, ps: usize) -> Result<()> {
             n.evicting_children
         ));
     }
-    if n.kv.evicting && n.device_children != n.evicting_children {
+    if n.kv.state.evicting() && n.device_children != n.evicting_children {
         return broken(format!(
             "node {id} is being evicted but has a device child that is not"
         ));

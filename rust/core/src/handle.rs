@@ -649,9 +649,9 @@ mod tests {
         // A double unpin, as a bug in the batch code would make it.
         let err = c
             .with(|core| {
-                core.pools.kv.pin(&[0]);
-                core.pools.kv.unpin(&[0]);
-                core.pools.kv.unpin(&[0]);
+                core.kv_pool().pin(&[0]);
+                core.kv_pool().unpin(&[0]);
+                core.kv_pool().unpin(&[0]);
             })
             .unwrap_err();
         assert!(

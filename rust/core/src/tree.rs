@@ -13,9 +13,146 @@ use crate::ids::{CacheId, NodeId, Slot};
 /// Index value meaning "no node" (the parent of a root).
 pub(crate) const NONE: u32 = u32::MAX;
 
+/// Where a node's KV stands: in which eviction set, or which transfer or eviction it is
+/// part of. One value, so that no invalid mix can be written down: a node in an eviction
+/// set has nothing in flight, a node being loaded is neither backed up nor evicted, a node
+/// in the host set has no device KV to back up, load or evict.
+///
+/// | state | device KV | host KV | lock | set by |
+/// |---|---|---|---|---|
+/// | `Idle` | any | any | any | not a candidate, nothing in flight |
+/// | `Listed` | yes | any | 0 | `lru.rs` (an unlocked device leaf, or leaf to be) |
+/// | `HostListed` | no | yes | 0 | `lru.rs` (an unlocked host-only leaf) |
+/// | `Loading` | yes | yes | > 0 | `load.rs` (a committed load's copies in flight) |
+/// | `BackingUp` | yes | no | any | `host.rs` (a backup of its KV in flight) |
+/// | `Evicting` | yes | any | 0 | `evict.rs` (chosen by a write-back eviction; `backup`: its backup is in flight) |
+///
+/// A node can only enter an in-flight state (`Loading`, `BackingUp`, `Evicting`) out of
+/// the eviction sets ([`crate::cache::Cache`]'s `mark_kv` unlists it first), and
+/// `lru.rs` lists only `Idle` nodes.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KvState {
+    /// Neither an eviction candidate nor part of a transfer or eviction.
+    #[default]
+    Idle,
+    /// In the KV eviction set.
+    Listed,
+    /// In the host eviction set.
+    HostListed,
+    /// The device pages arrived by a committed load-back whose copies are not
+    /// acknowledged yet: present (and protected) but not matchable, and nothing is
+    /// cached below the node until the copies land or fail.
+    Loading,
+    /// A backup of this node's KV to the host tier is in flight.
+    BackingUp,
+    /// Chosen by an eviction (write-back): its device KV is freed once its backup, if
+    /// any (`backup`), has landed and its device children are gone. Unlocked and out of
+    /// the eviction set meanwhile; a lock or a new device child calls it off.
+    Evicting {
+        /// Its backup is in flight.
+        backup: bool,
+    },
+}
+
+impl KvState {
+    /// In the KV eviction set.
+    #[inline]
+    pub fn in_lru(self) -> bool {
+        self == KvState::Listed
+    }
+
+    /// In the host eviction set.
+    #[inline]
+    pub fn in_host_lru(self) -> bool {
+        self == KvState::HostListed
+    }
+
+    /// A committed load's copies are in flight.
+    #[inline]
+    pub fn loading(self) -> bool {
+        self == KvState::Loading
+    }
+
+    /// A backup of the node's KV is in flight.
+    #[inline]
+    pub fn backup_pending(self) -> bool {
+        matches!(
+            self,
+            KvState::BackingUp | KvState::Evicting { backup: true }
+        )
+    }
+
+    /// Chosen by a write-back eviction.
+    #[inline]
+    pub fn evicting(self) -> bool {
+        matches!(self, KvState::Evicting { .. })
+    }
+
+    /// In an eviction set (not in flight).
+    #[inline]
+    pub fn listed(self) -> bool {
+        matches!(self, KvState::Listed | KvState::HostListed)
+    }
+
+    /// This state with a backup of the node's KV started (`on`) or ended. Starting one
+    /// takes a listed node out of its set; a loading node is never backed up.
+    pub fn with_backup(self, on: bool) -> KvState {
+        match (self, on) {
+            (KvState::Evicting { .. }, backup) => KvState::Evicting { backup },
+            (KvState::Loading, _) => {
+                debug_assert!(!on, "a loading node is never backed up");
+                self
+            }
+            (_, true) => KvState::BackingUp,
+            (KvState::BackingUp, false) => KvState::Idle,
+            (other, false) => other,
+        }
+    }
+
+    /// This state with the node chosen by an eviction (`on`) or the eviction called
+    /// off (a backup in flight goes on).
+    pub fn with_evicting(self, on: bool) -> KvState {
+        match (self, on) {
+            (KvState::Evicting { .. }, true) => self,
+            (KvState::Evicting { backup: true }, false) => KvState::BackingUp,
+            (KvState::Evicting { backup: false }, false) => KvState::Idle,
+            (KvState::BackingUp, true) => KvState::Evicting { backup: true },
+            (_, true) => {
+                debug_assert!(!self.loading(), "a loading node is never evicted");
+                KvState::Evicting { backup: false }
+            }
+            (other, false) => other,
+        }
+    }
+
+    /// This state with a committed load's copies in flight (`on`) or ended.
+    pub fn with_loading(self, on: bool) -> KvState {
+        match (self, on) {
+            (_, true) => {
+                debug_assert!(
+                    matches!(self, KvState::Idle | KvState::HostListed | KvState::Loading),
+                    "only a node out of transfers and evictions is loaded"
+                );
+                KvState::Loading
+            }
+            (KvState::Loading, false) => KvState::Idle,
+            (other, false) => other,
+        }
+    }
+
+    /// What a node split off above this one starts as: the same transfer or eviction
+    /// (it is part of what was being loaded, backed up or evicted), in no set.
+    pub fn for_upper(self) -> KvState {
+        if self.listed() {
+            KvState::Idle
+        } else {
+            self
+        }
+    }
+}
+
 /// Per-node data of the KV component.
 #[derive(Debug, Default)]
-#[allow(clippy::struct_excessive_bools)] // independent marks, each read on its own
 pub(crate) struct KvNode {
     /// Device pages holding this node's tokens (`key.len() / page_size` of them), or
     /// `None` when the node has no device KV (a host-only node).
@@ -25,20 +162,22 @@ pub(crate) struct KvNode {
     /// Number of live lock receipts whose path covers this node. On a host-only node a
     /// lock also keeps the host copy from host eviction (a load-back reads it).
     pub lock: u32,
-    /// Whether the node is in the KV eviction set (an unlocked device leaf).
-    pub in_lru: bool,
-    /// Whether the node is in the host eviction set (an unlocked host-only leaf).
-    pub in_host_lru: bool,
-    /// The device pages arrived by a committed load-back whose copies are not
-    /// acknowledged yet: present (and protected) but not matchable, and nothing is
-    /// cached below the node until the copies land or fail.
-    pub loading: bool,
-    /// A backup of this node's KV to the host tier is in flight.
-    pub backup_pending: bool,
-    /// Chosen by an eviction (write-back): its device KV is freed once its backup, if
-    /// any, has landed and its device children are gone. Unlocked and out of the
-    /// eviction set meanwhile; a lock or a new device child calls it off.
-    pub evicting: bool,
+    /// Eviction-set membership, or the transfer or eviction the node is part of.
+    pub state: KvState,
+}
+
+/// Where a node's device state stands for eviction: listed, pinned by a transfer, or
+/// neither. A pinned state is never an eviction candidate (evicting it would only leave
+/// its slot draining), so the two cannot be written down together.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StateMark {
+    /// No device state, or one that is not a candidate (locked) and not pinned.
+    #[default]
+    Idle,
+    /// In the state eviction set (`lru.rs`: a device state, unlocked, not pinned).
+    Listed,
+    /// A transfer pins the device state's slot (kept by the cache from the pool's pins).
+    Pinned,
 }
 
 /// Per-node data of the Mamba component: at most one state, for the prefix that ends
@@ -49,15 +188,14 @@ pub(crate) struct MambaNode {
     pub device: Option<u32>,
     /// Host-tier state slot (a backup), or `None`.
     pub host: Option<u32>,
-    /// A backup of this state to the host tier is in flight.
+    /// A backup of this state to the host tier is in flight. Kept apart from `mark`:
+    /// the batch pins the state from its emission to its end, but the mark is set just
+    /// before the pins and cleared just after them, so it meets every mark.
     pub backup_pending: bool,
-    /// A transfer pins the device state's slot (it is not an eviction candidate: evicting
-    /// it would only leave the slot draining). Kept by the cache from the pool's pins.
-    pub pinned: bool,
     /// Single-node lock count (receipts that copy or use this state).
     pub lock: u32,
-    /// Whether the node is in the Mamba eviction set (a state, unlocked).
-    pub in_lru: bool,
+    /// Eviction-set membership of the device state, or its pin.
+    pub mark: StateMark,
     /// Logical time the state was last used by a match (only the state actually used
     /// is refreshed, never every state on the path).
     pub last_access: u64,
@@ -298,9 +436,9 @@ impl Tree {
             let upper_host = n.kv.host.as_mut().map(split_pages);
             (upper_key, upper_device, upper_host, n.kv.device.is_some())
         };
-        let (lock, loading, backup_pending, evicting) = {
+        let (lock, state) = {
             let n = &self.nodes[i as usize];
-            (n.kv.lock, n.kv.loading, n.kv.backup_pending, n.kv.evicting)
+            (n.kv.lock, n.kv.state)
         };
         let (last_access, hits, matches, priority) = {
             let n = &self.nodes[i as usize];
@@ -312,15 +450,13 @@ impl Tree {
             un.kv.device = upper_device;
             un.kv.host = upper_host;
             un.kv.lock = lock;
-            un.kv.loading = loading;
-            un.kv.backup_pending = backup_pending;
-            un.kv.evicting = evicting;
+            un.kv.state = state.for_upper();
             un.last_access = last_access;
             un.hits = hits;
             un.matches = matches;
             un.priority = priority;
             un.device_children = u32::from(has_kv);
-            un.evicting_children = u32::from(has_kv && evicting);
+            un.evicting_children = u32::from(has_kv && state.evicting());
         }
         self.nodes[i as usize].parent = u;
         self.link_child(parent, u);

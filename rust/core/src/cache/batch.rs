@@ -6,12 +6,16 @@
 //! everything the batch needs: every slot a batch reads or writes is pinned in its pool
 //! from emission on, so that whoever gives such a slot back meanwhile only marks it
 //! draining, and no copy ever reads a reused slot or writes one handed to someone else.
+//!
+//! This module knows batches, not their clients: each batch carries an opaque
+//! [`Payload`] of its kind, defined by the module that emits it (`request.rs` for
+//! copy-on-write, `host.rs` for backups, `load.rs` for load-backs), and when the batch
+//! ends the payload goes back to that module to settle, with whether the copies landed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
-use crate::ids::{BatchId, NodeId, RequestId};
-use crate::pool::Pages;
+use crate::ids::BatchId;
 
 use super::Cache;
 
@@ -102,19 +106,28 @@ pub struct TransferBatch {
     pub copies: Vec<SlotCopy>,
 }
 
-/// What acknowledging a batch does besides dropping its pins.
-pub(crate) enum Action {
-    /// A request's own state slot receives a copy of a cached node's state (admission).
-    /// On failure the request drops back to `prefix_len == 0` and recomputes.
-    AdmitCow { request: RequestId },
-    /// `dst` receives a copy of a request's state; on success it is published on `node`
-    /// (if that node still exists and has no state), on failure it is freed.
-    CheckpointCow { node: NodeId, dst: Pages },
-    /// Device to host copies of the nodes on the path to `end` (see `host.rs`).
+/// What a batch carries for the module that owns its kind, handed back to that module
+/// when the batch ends (`complete` or `fail`): this module only keeps it and says how
+/// the batch ended.
+pub(crate) enum Payload {
+    /// A copy-on-write of a state (`request.rs`).
+    Cow(super::request::Cow),
+    /// Device to host copies of the nodes on a path (`host.rs`).
     Backup(super::host::Backup),
-    /// Host to device copies of a load-back; what it carries lives in `Cache::loads`
-    /// under the batch's id (gone when its guard was dropped uncommitted).
+    /// Host to device copies of a load-back: what it carries lives in `Cache::loads`
+    /// under the batch's id (`load.rs`; gone when its guard was dropped uncommitted).
     LoadBack,
+}
+
+impl Payload {
+    /// The kind of batch that carries it.
+    fn kind(&self) -> BatchKind {
+        match self {
+            Payload::Cow(_) => BatchKind::Cow,
+            Payload::Backup(_) => BatchKind::Backup,
+            Payload::LoadBack => BatchKind::LoadBack,
+        }
+    }
 }
 
 /// What [`Cache::abandon`] did with a batch whose owner let go of it before it ended.
@@ -137,23 +150,23 @@ pub(crate) struct Pins {
     pub pages: Vec<u32>,
 }
 
-pub(crate) struct Pending {
-    pub batch: TransferBatch,
-    pub started: bool,
+struct Pending {
+    batch: TransferBatch,
+    started: bool,
     /// Its owner let go of it after it was started: it ends failed, whichever way it
     /// is acknowledged.
-    pub abandoned: bool,
+    abandoned: bool,
     /// Every page the batch's copies read or write, pinned in its pool until the batch
     /// is acknowledged.
-    pub pins: Vec<Pins>,
-    pub action: Action,
+    pins: Vec<Pins>,
+    payload: Payload,
 }
 
 /// Batches emitted and not yet acknowledged.
 #[derive(Default)]
 pub(crate) struct Batches {
     next: u64,
-    pub pending: BTreeMap<BatchId, Pending>,
+    pending: BTreeMap<BatchId, Pending>,
     /// Emitted, not yet taken by `take_batches`.
     outbox: Vec<BatchId>,
 }
@@ -163,18 +176,53 @@ impl Batches {
     pub fn len(&self) -> usize {
         self.pending.len()
     }
+
+    /// Whether batch `id` is in flight.
+    pub fn contains(&self, id: BatchId) -> bool {
+        self.pending.contains_key(&id)
+    }
+
+    /// The pins of every batch in flight (for `audit()`).
+    pub fn pins(&self) -> impl Iterator<Item = &Pins> {
+        self.pending.values().flat_map(|p| &p.pins)
+    }
+
+    /// The payloads of the batches in flight, oldest first.
+    pub fn payloads(&self) -> impl Iterator<Item = &Payload> {
+        self.pending.values().map(|p| &p.payload)
+    }
+
+    /// The oldest batch in flight whose payload satisfies `pred`.
+    pub fn find(&self, mut pred: impl FnMut(&Payload) -> bool) -> Option<BatchId> {
+        self.pending
+            .iter()
+            .find_map(|(&id, p)| pred(&p.payload).then_some(id))
+    }
+
+    /// The payload of batch `id`, if it is in flight.
+    pub fn payload_mut(&mut self, id: BatchId) -> Option<&mut Payload> {
+        self.pending.get_mut(&id).map(|p| &mut p.payload)
+    }
 }
 
 impl Cache {
-    /// Emits a batch: pins every page its copies read or write and, when `queued`,
-    /// queues it for `take_batches` (a load-back's batch is reached through its guard).
-    pub(crate) fn emit(
-        &mut self,
-        kind: BatchKind,
-        copies: Vec<SlotCopy>,
-        action: Action,
-        queued: bool,
-    ) -> BatchId {
+    /// Emits a batch of the payload's kind, queued for `take_batches`: pins every page
+    /// its copies read or write.
+    pub(crate) fn emit(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> BatchId {
+        let id = self.record(copies, payload).id;
+        self.batches.outbox.push(id);
+        id
+    }
+
+    /// Emits a batch that is not queued (a load-back's, reached through its guard), and
+    /// returns it.
+    pub(crate) fn emit_held(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> TransferBatch {
+        self.record(copies, payload).clone()
+    }
+
+    /// Books a new batch in flight, pinning every page its copies read or write.
+    fn record(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> &TransferBatch {
+        let kind = payload.kind();
         let id = BatchId::new(self.id(), self.batches.next);
         self.batches.next += 1;
         let ps = self.page_size();
@@ -203,24 +251,29 @@ impl Cache {
             BatchKind::Backup => self.stats.backups += 1,
             BatchKind::LoadBack => {}
         }
-        self.batches.pending.insert(
-            id,
-            Pending {
-                batch: TransferBatch { id, kind, copies },
-                started: false,
-                abandoned: false,
-                pins,
-                action,
-            },
-        );
-        if queued {
-            self.batches.outbox.push(id);
+        let pending = self.batches.pending.entry(id).or_insert(Pending {
+            batch: TransferBatch { id, kind, copies },
+            started: false,
+            abandoned: false,
+            pins,
+            payload,
+        });
+        &pending.batch
+    }
+
+    /// Withdraws batch `id` if it was never started (a load-back called off before its
+    /// copies could run): its pins go, so what it held is free at once.
+    pub(crate) fn withdraw_unstarted(&mut self, id: BatchId) {
+        if self.batches.pending.get(&id).is_none_or(|p| p.started) {
+            return;
         }
-        id
+        if let Some(p) = self.batches.pending.remove(&id) {
+            self.unpin_all(&p.pins);
+        }
     }
 
     /// Drops a finished batch's pins: a page given back meanwhile becomes free now.
-    pub(crate) fn unpin_all(&mut self, pins: &[Pins]) {
+    fn unpin_all(&mut self, pins: &[Pins]) {
         for p in pins {
             self.pools.of(p.pool, p.tier).unpin(&p.pages);
             if (p.pool, p.tier) == (PoolKind::Mamba, Tier::Device) {
@@ -302,52 +355,41 @@ impl Cache {
         Ok(p)
     }
 
-    /// The batch's copies are done: publish what it carried and drop its pins (an
-    /// abandoned batch fails instead: its owner no longer vouches for the copies).
+    /// The batch's copies are done: the module that owns the batch's kind publishes
+    /// what it carried, and its pins are dropped (an abandoned batch fails instead: its
+    /// owner no longer vouches for the copies).
     pub fn complete(&mut self, id: BatchId) -> Result<()> {
         let p = self.end_batch(id)?;
         if p.abandoned {
-            self.undo(id, p.action);
+            self.settle(id, p.payload, false);
             return Ok(());
         }
-        match p.action {
-            Action::AdmitCow { request } => self.admit_copy_done(request, id),
-            Action::CheckpointCow { node, dst } => {
-                let live = self.tree.resolve(node).ok().filter(|&i| {
-                    let n = self.tree.node(i);
-                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.loading
-                });
-                if let Some(i) = live {
-                    self.set_state(i, dst);
-                    self.maybe_backup(i);
-                } else {
-                    drop(dst);
-                }
-            }
-            Action::Backup(b) => self.backup_done(b),
-            Action::LoadBack => self.load_done(id),
-        }
-        self.stats.batches_completed += 1;
+        self.settle(id, p.payload, true);
         Ok(())
     }
 
-    /// The batch's copies failed: undo what it would have published (a failed copy is a
-    /// miss, never a hit) and drop its pins.
+    /// The batch's copies failed: the module that owns the batch's kind undoes what it
+    /// would have published (a failed copy is a miss, never a hit), and its pins are
+    /// dropped.
     pub fn fail(&mut self, id: BatchId) -> Result<()> {
         let p = self.end_batch(id)?;
-        self.undo(id, p.action);
+        self.settle(id, p.payload, false);
         Ok(())
     }
 
-    /// Undoes what a failed batch would have published.
-    fn undo(&mut self, id: BatchId, action: Action) {
-        match action {
-            Action::AdmitCow { request } => self.admit_copy_failed(request, id),
-            Action::CheckpointCow { dst, .. } => drop(dst),
-            Action::Backup(b) => self.backup_failed(b),
-            Action::LoadBack => self.load_failed(id),
+    /// Hands an ended batch's payload back to the module that owns it, with whether
+    /// the copies landed.
+    fn settle(&mut self, id: BatchId, payload: Payload, landed: bool) {
+        match payload {
+            Payload::Cow(cow) => self.cow_ended(id, cow, landed),
+            Payload::Backup(b) => self.backup_ended(b, landed),
+            Payload::LoadBack => self.load_ended(id, landed),
         }
-        self.stats.batches_failed += 1;
+        if landed {
+            self.stats.batches_completed += 1;
+        } else {
+            self.stats.batches_failed += 1;
+        }
     }
 
     /// The owner of a batch let go of it before it ended (an exception, a forgotten
@@ -385,7 +427,7 @@ impl Cache {
             .filter(|&(&id, p)| {
                 p.abandoned
                     || (p.started
-                        && matches!(p.action, Action::LoadBack)
+                        && p.batch.kind == BatchKind::LoadBack
                         && !self.loads.contains(id))
             })
             .count()

@@ -2,9 +2,8 @@
 //! of deletion, and host eviction.
 
 use crate::error::Result;
-use crate::tree::NONE;
+use crate::tree::{StateMark, NONE};
 
-use super::batch::Action;
 use super::lru::HOT;
 use super::{Cache, Evicted};
 
@@ -90,7 +89,7 @@ impl Cache {
             self.stats.evicted_used_states += 1;
         }
         self.lru.unlist_state(&mut self.tree, i);
-        if self.tree.node(i).kv.in_lru {
+        if self.tree.node(i).kv.state.in_lru() {
             self.lru.unlist_kv(&mut self.tree, i);
             self.remove_leaf(i, out);
         } else {
@@ -112,7 +111,7 @@ impl Cache {
         }
         self.lru.unlist_state(&mut self.tree, i);
         if let Some(slot) = self.edit(i, |n| {
-            n.mamba.pinned = false;
+            n.mamba.mark = StateMark::Idle;
             n.mamba.device.take()
         }) {
             self.place_state(slot, NONE);
@@ -153,7 +152,7 @@ impl Cache {
             }
             let parent = self.delete_subtree(i, out);
             let p = self.tree.node(parent);
-            if hybrid && p.kv.in_lru && p.mamba.device.is_none() && p.children.is_empty() {
+            if hybrid && p.kv.state.in_lru() && p.mamba.device.is_none() && p.children.is_empty() {
                 self.lru.unlist_kv(&mut self.tree, parent);
                 i = parent;
             } else {
@@ -174,10 +173,10 @@ impl Cache {
     /// Marks node `i` as being evicted or not, keeping its parent's count of evicting
     /// children (what makes it a leaf to be) and both nodes' candidacy right.
     fn set_evicting(&mut self, i: u32, on: bool) {
-        if self.tree.node(i).kv.evicting == on {
+        if self.tree.node(i).kv.state.evicting() == on {
             return;
         }
-        self.edit(i, |n| n.kv.evicting = on);
+        self.mark_kv(i, |s| s.with_evicting(on));
         let parent = self.tree.node(i).parent;
         if self.tree.node(i).kv.device.is_some() {
             let p = self.tree.node_mut(parent);
@@ -195,31 +194,10 @@ impl Cache {
     /// wants it, or it gains a device child that is not being evicted). A backup of it
     /// in flight still lands: the node then keeps its host copy.
     pub(crate) fn cancel_eviction(&mut self, mut i: u32) {
-        while self.tree.node(i).kv.evicting {
+        while self.tree.node(i).kv.state.evicting() {
             self.set_evicting(i, false);
             self.lock_for_backup(i);
             i = self.tree.node(i).parent;
-        }
-    }
-
-    /// Node `i`'s eviction was called off while its backup is in flight: the node stays
-    /// out of reach until the backup lands, and so, until then, do its ancestors. The
-    /// backup takes a lock on it (released when it ends), so that they count as
-    /// protected rather than evictable: room the eviction cannot make is never counted.
-    fn lock_for_backup(&mut self, i: u32) {
-        let id = self.tree.id(i);
-        let Some(batch) = self.batches.pending.iter().find_map(|(&bid, p)| {
-            matches!(&p.action, Action::Backup(b) if b.demote == Some(id) && b.lock.is_none())
-                .then_some(bid)
-        }) else {
-            return;
-        };
-        let lock = self.lock_index(i);
-        match self.batches.pending.get_mut(&batch).map(|p| &mut p.action) {
-            Some(Action::Backup(b)) => b.lock = Some(lock),
-            _ => {
-                let _ = self.unlock(lock);
-            }
         }
     }
 
@@ -230,8 +208,8 @@ impl Cache {
     pub(crate) fn settle_eviction(&mut self, mut i: u32) {
         loop {
             let n = self.tree.node(i);
-            if !n.kv.evicting
-                || n.kv.backup_pending
+            if !n.kv.state.evicting()
+                || n.kv.state.backup_pending()
                 || n.mamba.backup_pending
                 || n.device_children > 0
             {

@@ -2,9 +2,9 @@
 //!
 //! A backup is a `backup` batch of device-to-host copies for nodes on one path, ancestors
 //! first. Until it is acknowledged the nodes are device-locked by the batch's receipt
-//! and marked `backup_pending`; the host pages it writes are owned by the batch and
-//! become the nodes' host copies only at `complete` (a failed backup leaves the nodes
-//! not backed up). Under write-through a node is backed up once its insert count reaches
+//! and marked `BackingUp` (their `KvState`; a state being backed up: `backup_pending`);
+//! the host pages it writes are owned by the batch and become the nodes' host copies
+//! only at `complete` (a failed backup leaves the nodes not backed up). Under write-through a node is backed up once its insert count reaches
 //! the threshold; under write-back only a node being evicted is, and its device pages
 //! are freed when the backup completes.
 
@@ -12,7 +12,7 @@ use crate::config::WritePolicy;
 use crate::ids::NodeId;
 use crate::pool::{PageRun, Pages};
 
-use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
+use super::batch::{Payload, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -72,6 +72,17 @@ pub(crate) struct Backup {
     pub demote: Option<NodeId>,
 }
 
+impl Backup {
+    /// Calls `f(pool, pages)` for the host pages the batch owns until it ends (`pool`:
+    /// 2 for host KV, 3 for host states, as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        f(2, self.kv.pages());
+        for (_, s) in &self.states {
+            f(3, s.pages());
+        }
+    }
+}
+
 impl Cache {
     /// Write-through: after an insert ended at `end`, backs up the deepest node on its
     /// path whose insert count reached the threshold, with its unbacked ancestors.
@@ -104,9 +115,9 @@ impl Cache {
         for (k, &i) in path.iter().enumerate() {
             let n = self.tree.node(i);
             let np = n.key.len() / ps;
-            if n.kv.device.is_some() && !n.kv.loading {
+            if n.kv.device.is_some() && !n.kv.state.loading() {
                 let mut in_batch = false;
-                if n.kv.host.is_none() && !n.kv.backup_pending {
+                if n.kv.host.is_none() && !n.kv.state.backup_pending() {
                     let Some(h) = self.alloc_host_pages(np) else {
                         let skipped = path[k..]
                             .iter()
@@ -172,7 +183,9 @@ impl Cache {
         demote: Option<NodeId>,
     ) {
         for &i in marked {
-            self.edit(i, |n| n.kv.backup_pending = n.kv.host.is_none());
+            if self.tree.node(i).kv.host.is_none() {
+                self.mark_kv(i, |s| s.with_backup(true));
+            }
         }
         for (id, _) in &states {
             if let Ok(i) = self.tree.resolve(*id) {
@@ -200,7 +213,7 @@ impl Cache {
             states,
             demote,
         };
-        self.emit(BatchKind::Backup, copies, Action::Backup(backup), true);
+        self.emit(copies, Payload::Backup(backup));
     }
 
     /// Write-back: backs up an unlocked device leaf being evicted (what it lacks on the
@@ -281,7 +294,7 @@ impl Cache {
                 let len = self.tree.node(i).key.len();
                 let np = len / ps;
                 if let Some(pages) = b.kv.take(offset, offset + np) {
-                    self.edit(i, |n| n.kv.backup_pending = false);
+                    self.mark_kv(i, |s| s.with_backup(false));
                     if publish && self.tree.node(i).kv.host.is_none() {
                         self.edit(i, |n| n.kv.host = Some(pages.into_tree()));
                     } else {
@@ -308,26 +321,42 @@ impl Cache {
         }
     }
 
-    /// A backup landed: the nodes get their host copies; a write-back eviction demotes.
-    pub(crate) fn backup_done(&mut self, b: Backup) {
-        self.stats.backups_done += 1;
-        self.end_backup(b, true);
-    }
-
-    /// A backup failed: the nodes stay not backed up; a write-back eviction removes the
-    /// node instead of demoting it.
-    pub(crate) fn backup_failed(&mut self, b: Backup) {
-        self.stats.backups_failed += 1;
-        self.end_backup(b, false);
-    }
-
-    fn end_backup(&mut self, mut b: Backup, landed: bool) {
+    /// A backup batch ended. Landed: the nodes get their host copies; a write-back
+    /// eviction demotes. Failed: the nodes stay not backed up; a write-back eviction
+    /// removes the node instead of demoting it.
+    pub(crate) fn backup_ended(&mut self, mut b: Backup, landed: bool) {
+        if landed {
+            self.stats.backups_done += 1;
+        } else {
+            self.stats.backups_failed += 1;
+        }
         self.settle_backup(&mut b, landed);
         if let Some(lock) = b.lock.take() {
             let _ = self.unlock(lock);
         }
         if let Some(i) = b.demote.and_then(|id| self.tree.resolve(id).ok()) {
             self.settle_eviction(i);
+        }
+    }
+
+    /// Node `i`'s eviction was called off while its backup is in flight: the node stays
+    /// out of reach until the backup lands, and so, until then, do its ancestors. The
+    /// backup takes a lock on it (released when it ends), so that they count as
+    /// protected rather than evictable: room the eviction cannot make is never counted.
+    pub(crate) fn lock_for_backup(&mut self, i: u32) {
+        let id = self.tree.id(i);
+        let Some(batch) = self
+            .batches
+            .find(|p| matches!(p, Payload::Backup(b) if b.demote == Some(id) && b.lock.is_none()))
+        else {
+            return;
+        };
+        let lock = self.lock_index(i);
+        match self.batches.payload_mut(batch) {
+            Some(Payload::Backup(b)) => b.lock = Some(lock),
+            _ => {
+                let _ = self.unlock(lock);
+            }
         }
     }
 }

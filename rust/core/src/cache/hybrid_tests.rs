@@ -80,7 +80,7 @@ fn a_split_of_a_node_whose_state_is_being_backed_up_protects_only_the_lower_part
     c.edit(i, |n| n.mamba.backup_pending = true);
     c.refresh(i);
     assert!(
-        !c.tree.node(i).kv.in_lru,
+        !c.tree.node(i).kv.state.in_lru(),
         "no candidate while its state is in flight"
     );
     assert_eq!((c.sizes.evictable_tokens, c.sizes.protected_tokens), (0, 4));
@@ -90,7 +90,7 @@ fn a_split_of_a_node_whose_state_is_being_backed_up_protects_only_the_lower_part
     c.audit().unwrap();
     c.edit(i, |n| n.mamba.backup_pending = false);
     c.refresh(i);
-    assert!(c.tree.node(i).kv.in_lru);
+    assert!(c.tree.node(i).kv.state.in_lru());
     c.audit().unwrap();
 }
 

@@ -188,7 +188,7 @@ impl Cache {
         let mut blocked = false;
         let mut duplicates = 0;
         for &(i, n) in &probe.path {
-            if self.tree.node(i).kv.loading {
+            if self.tree.node(i).kv.state.loading() {
                 blocked = true;
                 break;
             }
@@ -385,7 +385,7 @@ impl Cache {
         let mut pos = 0;
         for &(i, n) in &probe.path {
             let node = self.tree.node(i);
-            let Some(pages) = node.kv.device.as_ref().filter(|_| !node.kv.loading) else {
+            let Some(pages) = node.kv.device.as_ref().filter(|_| !node.kv.state.loading()) else {
                 break;
             };
             for &p in &pages[..n / ps] {

@@ -7,8 +7,9 @@
 //! a fresh state slot of the request's own. Everything it took lives in `Cache::loads`
 //! under its batch id until one of two things happens:
 //!
-//! * `commit_load` publishes it: the pages go into the nodes (marked `loading`, so
-//!   `match_prefix` does not see them until the copies are acknowledged), the request's
+//! * `commit_load` publishes it: the pages go into the nodes (their `KvState` is
+//!   `Loading`, so `match_prefix` does not see them until the copies are
+//!   acknowledged), the request's
 //!   prefix grows to the target, and the batch is in flight; `complete` makes the data
 //!   visible, `fail` turns the load into a miss (nodes host-only again, the request as
 //!   before the load).
@@ -22,9 +23,11 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ids::{BatchId, NodeId, RequestId};
+
+use super::request::SavedRequest;
 use crate::pool::Pages;
 
-use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
 use super::locks::LockReceipt;
 use super::returns::{Returned, Returns};
 use super::Cache;
@@ -77,19 +80,6 @@ pub(crate) enum CopyOutcome {
     Pending,
     Completed,
     Failed,
-}
-
-/// A request as it was before a committed load changed it: restored if the load fails,
-/// released when it completes.
-pub(crate) struct SavedRequest {
-    prefix_len: usize,
-    host_len: usize,
-    host_node: Option<NodeId>,
-    node: u32,
-    lock: Option<LockReceipt>,
-    /// The request's earlier state slot, when the load gave it a fresh one.
-    pub mamba: Option<Pages>,
-    swapped: bool,
 }
 
 /// Everything a load-back holds.
@@ -295,11 +285,11 @@ impl Cache {
         let restore = slots.pop();
         let start = plan.start;
         let copies = self.load_copies(plan, &kv, restore.as_ref(), req_slot.as_ref());
-        let id = self.emit(BatchKind::LoadBack, copies, Action::LoadBack, false);
-        if let Some(rs) = request.and_then(|r| self.request_mut(r).ok()) {
-            rs.load = Some(id);
+        let batch = self.emit_held(copies, Payload::LoadBack);
+        let id = batch.id;
+        if let Some(r) = request {
+            self.set_request_load(r, id);
         }
-        let batch = self.batches.pending[&id].batch.clone();
         self.loads.table.insert(
             id,
             Load {
@@ -446,7 +436,7 @@ impl Cache {
         let mut first = None;
         for i in self.path_to(j) {
             let n = self.tree.node(i);
-            plan.busy |= n.kv.loading;
+            plan.busy |= n.kv.state.loading();
             if n.kv.device.is_none() {
                 first.get_or_insert(offset);
                 if let Some(host) = &n.kv.host {
@@ -538,7 +528,7 @@ impl Cache {
         if self
             .path_to(target)
             .iter()
-            .any(|&i| self.tree.node(i).kv.loading)
+            .any(|&i| self.tree.node(i).kv.state.loading())
         {
             return Err(Error::Request(format!(
                 "load-back {id} cannot be committed: another load-back is still landing on \
@@ -593,45 +583,9 @@ impl Cache {
                 drop(here);
                 continue;
             }
-            self.tree.node_mut(i).kv.loading = loading;
+            self.mark_kv(i, |s| s.with_loading(loading));
             self.give_device_pages(i, here);
         }
-    }
-
-    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
-    /// given, becomes its state slot. Returns what it was, to restore on failure.
-    /// `None` (nothing changed) when the request is gone.
-    fn move_request_to(
-        &mut self,
-        r: RequestId,
-        j: u32,
-        slot: Option<Pages>,
-    ) -> Option<SavedRequest> {
-        self.request_ref(r).ok()?;
-        let new_lock = self.lock_index(j);
-        let tokens = self.path_tokens(j);
-        let rs = self.request_mut(r).ok()?;
-        let swapped = slot.is_some();
-        let saved = SavedRequest {
-            prefix_len: rs.prefix_len,
-            host_len: rs.host_len,
-            host_node: rs.host_node,
-            node: rs.node,
-            lock: rs.lock.replace(new_lock),
-            mamba: if swapped {
-                std::mem::replace(&mut rs.mamba, slot)
-            } else {
-                None
-            },
-            swapped,
-        };
-        rs.prefix_len = tokens.len();
-        rs.tokens = tokens;
-        rs.epoch += 1;
-        rs.node = j;
-        rs.host_len = 0;
-        rs.host_node = None;
-        Some(saved)
     }
 
     /// The end of a committed load: `ok` makes its data visible and lets go of what the
@@ -650,9 +604,9 @@ impl Cache {
             .filter(|&r| self.request_ref(r).is_ok_and(|rs| rs.load == Some(id)));
         // Nodes marked loading by this load: the path's deepest ones, up from `j`.
         let mut cur = j;
-        while self.tree.node(cur).kv.loading {
+        while self.tree.node(cur).kv.state.loading() {
             let parent = self.tree.node(cur).parent;
-            self.tree.node_mut(cur).kv.loading = false;
+            self.mark_kv(cur, |s| s.with_loading(false));
             if !ok {
                 // Locked, no device child: nothing is cached below a load in flight.
                 self.take_device_pages(cur);
@@ -671,35 +625,12 @@ impl Cache {
         let mut release = Vec::new();
         if let Some(saved) = saved {
             match request {
-                Some(r) if !ok => {
-                    let empty = self.pools.kv.empty();
-                    if let Ok(rs) = self.request_mut(r) {
-                        release.extend(std::mem::replace(&mut rs.lock, saved.lock));
-                        rs.node = saved.node;
-                        rs.prefix_len = saved.prefix_len;
-                        rs.host_len = saved.host_len;
-                        rs.host_node = saved.host_node;
-                        rs.tokens.truncate(saved.prefix_len);
-                        rs.epoch += 1;
-                        let kv = std::mem::replace(&mut rs.kv, empty);
-                        let fresh = if saved.swapped {
-                            std::mem::replace(&mut rs.mamba, saved.mamba)
-                        } else {
-                            None
-                        };
-                        rs.retired.keep(kv, fresh);
-                    }
-                }
-                _ => {
-                    release.extend(saved.lock);
-                    drop(saved.mamba);
-                }
+                Some(r) if !ok => release.extend(self.restore_request(r, saved)),
+                _ => release.extend(saved.release()),
             }
         }
         if let Some(r) = request {
-            if let Ok(rs) = self.request_mut(r) {
-                rs.load = None;
-            }
+            self.clear_request_load(r, id);
         }
         release.extend(load.lock.take());
         for l in release {
@@ -707,15 +638,12 @@ impl Cache {
         }
     }
 
-    /// A load-back's copies landed.
-    pub(crate) fn load_done(&mut self, id: BatchId) {
-        self.end_copies(id, true);
-    }
-
-    /// A load-back's copies failed.
-    pub(crate) fn load_failed(&mut self, id: BatchId) {
-        self.end_copies(id, false);
-        self.stats.load_backs_failed += 1;
+    /// A load-back's batch ended (`ok`: its copies landed).
+    pub(crate) fn load_ended(&mut self, id: BatchId, ok: bool) {
+        self.end_copies(id, ok);
+        if !ok {
+            self.stats.load_backs_failed += 1;
+        }
     }
 
     fn end_copies(&mut self, id: BatchId, ok: bool) {
@@ -759,16 +687,10 @@ impl Cache {
         let Some(mut load) = self.loads.table.remove(&id) else {
             return;
         };
-        if self.batches.pending.get(&id).is_some_and(|p| !p.started) {
-            // Never started: withdraw the batch, so the slots are free at once.
-            if let Some(p) = self.batches.pending.remove(&id) {
-                self.unpin_all(&p.pins);
-            }
-        }
-        if let Some(rs) = load.request.and_then(|r| self.request_mut(r).ok()) {
-            if rs.load == Some(id) {
-                rs.load = None;
-            }
+        // Never started: the batch is withdrawn, so the slots are free at once.
+        self.withdraw_unstarted(id);
+        if let Some(r) = load.request {
+            self.clear_request_load(r, id);
         }
         if let Some(lock) = load.lock.take() {
             let _ = self.unlock(lock);

@@ -82,7 +82,7 @@ impl Cache {
             entry.0 = node;
             depth += n;
             let nd = self.tree.node(node);
-            on_device = on_device && !nd.kv.loading && nd.kv.device.is_some();
+            on_device = on_device && !nd.kv.state.loading() && nd.kv.device.is_some();
             if let (true, Some(pages), Some(out)) =
                 (on_device, nd.kv.device.as_deref(), slots.as_deref_mut())
             {

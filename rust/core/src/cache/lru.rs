@@ -1,13 +1,14 @@
 //! The eviction sets and the logical clock: which nodes eviction may take, in the order
 //! each component's [`EvictionPolicy`] gives.
 //!
-//! [`Lru`] owns the four sets and each node's membership marks (`kv.in_lru`,
-//! `mamba.in_lru`, `kv.in_host_lru`); everyone else asks it to [`Lru::refresh`] a node
-//! after changing what the node is, and it decides. An entry is `(key, node index)` and
-//! the first entry goes first. The key is what the policy computes from the node
-//! ([`Lru::kv_key`], [`Lru::state_key`]); it is kept on the node while the node is
-//! listed, and everything a key is computed from changes through here, which lists the
-//! node again under its new key:
+//! [`Lru`] owns the four sets and each node's membership marks (the `Listed` and
+//! `HostListed` states of [`KvState`], the `Listed` mark of [`StateMark`]); everyone else
+//! asks it to [`Lru::refresh`] a node after changing what the node is, and it decides.
+//! It lists only nodes that are out of flight (`Idle`), and leaves the others as they
+//! are. An entry is `(key, node index)` and the first entry goes first. The key is what
+//! the policy computes from the node ([`Lru::kv_key`], [`Lru::state_key`]); it is kept
+//! on the node while the node is listed, and everything a key is computed from changes
+//! through here, which lists the node again under its new key:
 //!
 //! | policy | KV and host key | state key |
 //! |---|---|---|
@@ -28,7 +29,7 @@
 use std::collections::BTreeSet;
 
 use crate::config::{EvictionPolicies, EvictionPolicy};
-use crate::tree::{Node, Tree, NONE};
+use crate::tree::{KvState, Node, StateMark, Tree, NONE};
 
 /// A node's place in an eviction set: compared first, then the second word.
 pub(crate) type Key = (u64, u64);
@@ -193,11 +194,11 @@ impl Lru {
     /// Lists node `i` in the KV and host sets it is in under its current key.
     fn rekey_kv(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node(i);
-        if !n.kv.in_lru && !n.kv.in_host_lru {
+        if !n.kv.state.listed() {
             return;
         }
         let (old, new) = (n.lru_key, self.kv_key(n));
-        let (in_kv, in_host) = (n.kv.in_lru, n.kv.in_host_lru);
+        let (in_kv, in_host) = (n.kv.state.in_lru(), n.kv.state.in_host_lru());
         tree.node_mut(i).lru_key = new;
         let entry = |k: Key| (k.0, k.1, i);
         if in_kv {
@@ -216,7 +217,7 @@ impl Lru {
     /// Lists node `i`'s state in the state set (if it is in it) under its current key.
     fn rekey_state(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node(i);
-        if !n.mamba.in_lru {
+        if n.mamba.mark != StateMark::Listed {
             return;
         }
         let (old, new) = (n.mamba.lru_key, self.state_key(tree, i));
@@ -260,21 +261,22 @@ impl Lru {
             && n.kv.device.is_some()
             && n.kv.lock == 0
             && n.mamba.lock == 0
-            && !n.kv.evicting
-            && !n.kv.backup_pending
+            && !n.kv.state.evicting()
+            && !n.kv.state.backup_pending()
             && !n.mamba.backup_pending
             && n.device_children == n.evicting_children;
-        let mamba = n.mamba.device.is_some() && n.mamba.lock == 0 && !n.mamba.pinned;
+        let mamba =
+            n.mamba.device.is_some() && n.mamba.lock == 0 && n.mamba.mark != StateMark::Pinned;
         let host_state = host && n.mamba.host.is_some();
         // Entries leave under the key they were listed with, and join under the key
         // the policy gives now (the same while the node stays listed).
         let (old, new) = ((n.lru_key.0, n.lru_key.1, i), self.kv_key(n));
         let new = (new.0, new.1, i);
-        let state_was = n.mamba.in_lru;
+        let state_was = n.mamba.mark == StateMark::Listed;
         let state_key = (mamba && !state_was).then(|| self.state_key(tree, i));
         let old_state = (n.mamba.lru_key.0, n.mamba.lru_key.1, i);
-        let host_state_was = n.kv.in_host_lru && self.host_states.contains(&old);
-        let (kv_was, host_was) = (n.kv.in_lru, n.kv.in_host_lru);
+        let host_state_was = n.kv.state.in_host_lru() && self.host_states.contains(&old);
+        let (kv_was, host_was) = (n.kv.state.in_lru(), n.kv.state.in_host_lru());
         set_membership(&mut self.kv, old, new, kv_was, kv);
         set_membership(&mut self.host, old, new, host_was, host);
         set_membership(&mut self.host_states, old, new, host_state_was, host_state);
@@ -282,9 +284,25 @@ impl Lru {
         if (kv && !kv_was) || (host && !host_was) {
             n.lru_key = (new.0, new.1);
         }
-        n.kv.in_lru = kv;
-        n.mamba.in_lru = mamba;
-        n.kv.in_host_lru = host;
+        // A node in flight is neither a KV nor a host candidate (see `KvState`): only
+        // a node out of flight changes sets here.
+        debug_assert!(!(kv || host) || n.kv.state == KvState::Idle || n.kv.state.listed());
+        if n.kv.state == KvState::Idle || n.kv.state.listed() {
+            n.kv.state = if kv {
+                KvState::Listed
+            } else if host {
+                KvState::HostListed
+            } else {
+                KvState::Idle
+            };
+        }
+        if n.mamba.mark != StateMark::Pinned {
+            n.mamba.mark = if mamba {
+                StateMark::Listed
+            } else {
+                StateMark::Idle
+            };
+        }
         if let Some(key) = state_key {
             n.mamba.lru_key = key;
             self.add_state((key.0, key.1, i));
@@ -296,7 +314,8 @@ impl Lru {
     /// Takes node `i` out of the KV set (it is being evicted).
     pub fn unlist_kv(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
-        if std::mem::take(&mut n.kv.in_lru) {
+        if n.kv.state.in_lru() {
+            n.kv.state = KvState::Idle;
             self.kv.remove(&(n.lru_key.0, n.lru_key.1, i));
         }
     }
@@ -304,7 +323,8 @@ impl Lru {
     /// Takes node `i` out of the state set (its state is being evicted).
     pub fn unlist_state(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
-        if std::mem::take(&mut n.mamba.in_lru) {
+        if n.mamba.mark == StateMark::Listed {
+            n.mamba.mark = StateMark::Idle;
             let key = n.mamba.lru_key;
             self.remove_state((key.0, key.1, i));
         }
@@ -313,7 +333,8 @@ impl Lru {
     /// Takes node `i` out of the host set (its host copy is being dropped).
     pub fn unlist_host(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
-        if std::mem::take(&mut n.kv.in_host_lru) {
+        if n.kv.state.in_host_lru() {
+            n.kv.state = KvState::Idle;
             let entry = (n.lru_key.0, n.lru_key.1, i);
             self.host.remove(&entry);
             self.host_states.remove(&entry);
@@ -323,7 +344,7 @@ impl Lru {
     /// The first KV candidate, taken out of the set.
     pub fn pop_kv(&mut self, tree: &mut Tree) -> Option<u32> {
         let (_, _, i) = self.kv.pop_first()?;
-        tree.node_mut(i).kv.in_lru = false;
+        tree.node_mut(i).kv.state = KvState::Idle;
         Some(i)
     }
 
@@ -336,7 +357,7 @@ impl Lru {
             let segment = usize::from(entry.0 & USED != 0);
             self.level[segment] = self.level[segment].max(entry.0 & !USED);
         }
-        tree.node_mut(entry.2).mamba.in_lru = false;
+        tree.node_mut(entry.2).mamba.mark = StateMark::Idle;
         Some(entry.2)
     }
 

@@ -18,10 +18,10 @@
 //! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
 //! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
 //! | `alloc.rs` | — | allocation, evicting first when short |
-//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail` |
+//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
 //! | `host.rs` | — | backups to the host tier |
-//! | `load.rs` | load-back records | `load_back`, commit, cancel, settle |
-//! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort` |
+//! | `load.rs` | load-back records | `load_back`, commit, cancel, settle (through `request.rs` for the request) |
+//! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort`; moves a request to a load's target and back |
 //! | `report.rs` | — | `stats`, `snapshot`, `pretty` |
 
 mod alloc;
@@ -62,7 +62,7 @@ use crate::config::Config;
 use crate::error::Result;
 use crate::pool::{as_i64, Fault, Pool};
 use crate::stats::Stats;
-use crate::tree::{Node, Probe, Tree, NONE};
+use crate::tree::{KvState, Node, Probe, StateMark, Tree, NONE};
 
 /// The four pools: device and host, KV and states.
 pub(crate) struct Pools {
@@ -89,24 +89,28 @@ impl Pools {
 }
 
 /// The single-threaded cache core.
+///
+/// Its fields are private to this module and its parts (the files of `cache/`), each part
+/// changing only what it owns (the table above); `audit()` reads them through the
+/// read-only views below.
 pub struct Cache {
     config: Config,
-    pub(crate) tree: Tree,
-    pub(crate) pools: Pools,
-    pub(crate) roots: namespaces::Namespaces,
-    pub(crate) sizes: sizes::Sizes,
-    pub(crate) lru: lru::Lru,
-    pub(crate) locks: locks::Locks,
+    tree: Tree,
+    pools: Pools,
+    roots: namespaces::Namespaces,
+    sizes: sizes::Sizes,
+    lru: lru::Lru,
+    locks: locks::Locks,
     returns: Arc<returns::Returns>,
-    pub(crate) requests: request::Requests,
-    pub(crate) batches: batch::Batches,
-    pub(crate) loads: load::Loads,
-    pub(crate) stats: Stats,
+    requests: request::Requests,
+    batches: batch::Batches,
+    loads: load::Loads,
+    stats: Stats,
     /// Where the pools record an illegal page transition (shared by the four).
     fault: Arc<Fault>,
     /// The node holding each device state slot (`NONE`, or past the end: not in the
     /// tree). Grows with the slots used, like the pools' books.
-    pub(crate) state_nodes: Vec<u32>,
+    state_nodes: Vec<u32>,
     /// Scratch space of walks (kept to avoid an allocation per call).
     probe: Probe,
 }
@@ -194,6 +198,56 @@ impl Cache {
         self.pools.kv.fault()
     }
 
+    /// The tree (read-only: for `audit()`).
+    pub(crate) fn tree(&self) -> &Tree {
+        &self.tree
+    }
+
+    /// The pools (read-only: for `audit()`).
+    pub(crate) fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
+    /// The roots (read-only: for `audit()`).
+    pub(crate) fn roots(&self) -> &namespaces::Namespaces {
+        &self.roots
+    }
+
+    /// The size tallies (read-only: for `audit()`).
+    pub(crate) fn sizes(&self) -> &sizes::Sizes {
+        &self.sizes
+    }
+
+    /// The eviction sets (read-only: for `audit()`).
+    pub(crate) fn lru(&self) -> &lru::Lru {
+        &self.lru
+    }
+
+    /// The live lock receipts (read-only: for `audit()`).
+    pub(crate) fn locks(&self) -> &locks::Locks {
+        &self.locks
+    }
+
+    /// The request table (read-only: for `audit()`).
+    pub(crate) fn requests(&self) -> &request::Requests {
+        &self.requests
+    }
+
+    /// The batches in flight (read-only: for `audit()`).
+    pub(crate) fn batches(&self) -> &batch::Batches {
+        &self.batches
+    }
+
+    /// The load-back records (read-only: for `audit()`).
+    pub(crate) fn loads(&self) -> &load::Loads {
+        &self.loads
+    }
+
+    /// The node holding each device state slot (read-only: for `audit()`).
+    pub(crate) fn state_nodes(&self) -> &[u32] {
+        &self.state_nodes
+    }
+
     /// Whether [`Cache::fault`] has anything to say (one atomic load).
     #[inline]
     pub(crate) fn faulted(&self) -> bool {
@@ -241,6 +295,23 @@ impl Cache {
         out
     }
 
+    /// Moves node `i`'s KV state to `f` of it (a transfer or eviction starts or ends).
+    /// A node entering one leaves its eviction set first (see [`KvState`]); one leaving
+    /// it is listed again by the next [`Cache::refresh`].
+    pub(crate) fn mark_kv(&mut self, i: u32, f: impl FnOnce(KvState) -> KvState) {
+        let old = self.tree.node(i).kv.state;
+        let new = f(old);
+        if new == old {
+            return;
+        }
+        match old {
+            KvState::Listed => self.lru.unlist_kv(&mut self.tree, i),
+            KvState::HostListed => self.lru.unlist_host(&mut self.tree, i),
+            _ => {}
+        }
+        self.edit(i, |n| n.kv.state = new);
+    }
+
     /// Puts node `i` in or out of the eviction sets according to what it is now.
     pub(crate) fn refresh(&mut self, i: u32) {
         self.lru.refresh(&mut self.tree, i);
@@ -256,7 +327,20 @@ impl Cache {
         self.state_nodes[i] = node;
         if node != NONE {
             let pinned = self.pools.mamba.pins(slot) > 0;
-            self.edit(node, |n| n.mamba.pinned = pinned);
+            self.mark_pinned(node, pinned);
+        }
+    }
+
+    /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
+    /// the state eviction set first; an unpinned one is listed again by the next
+    /// [`Cache::refresh`].
+    fn mark_pinned(&mut self, i: u32, pinned: bool) {
+        let mark = self.tree.node(i).mamba.mark;
+        if pinned && mark != StateMark::Pinned {
+            self.lru.unlist_state(&mut self.tree, i);
+            self.edit(i, |n| n.mamba.mark = StateMark::Pinned);
+        } else if !pinned && mark == StateMark::Pinned {
+            self.edit(i, |n| n.mamba.mark = StateMark::Idle);
         }
     }
 
@@ -267,7 +351,7 @@ impl Cache {
             let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
             if i != NONE {
                 let pinned = self.pools.mamba.pins(slot) > 0;
-                self.edit(i, |n| n.mamba.pinned = pinned);
+                self.mark_pinned(i, pinned);
                 self.refresh(i);
             }
         }

@@ -8,7 +8,8 @@ use crate::ids::NodeId;
 use crate::pool::{as_i64, PageState, PoolCounts};
 use crate::tree::NONE;
 
-use super::batch::Action;
+use super::batch::Payload;
+use super::request::SavedRequest;
 use super::{Cache, NodeInfo};
 
 /// Who holds pages as owned values (what a pool counts as `owned`).
@@ -53,20 +54,19 @@ impl Cache {
             for s in [&load.restore, &load.req_slot].into_iter().flatten() {
                 f(1, holder, s.pages());
             }
-            if let Some(s) = load.saved.as_ref().and_then(|saved| saved.mamba.as_ref()) {
+            if let Some(s) = load.saved.as_ref().and_then(SavedRequest::state) {
                 f(1, Holder::InFlight, s.pages());
             }
         }
-        for p in self.batches.pending.values() {
-            match &p.action {
-                Action::CheckpointCow { dst, .. } => f(1, Holder::InFlight, dst.pages()),
-                Action::Backup(b) => {
-                    f(2, Holder::InFlight, b.kv.pages());
-                    for (_, s) in &b.states {
-                        f(3, Holder::InFlight, s.pages());
+        for p in self.batches.payloads() {
+            match p {
+                Payload::Cow(cow) => {
+                    if let Some(dst) = cow.owned() {
+                        f(1, Holder::InFlight, dst.pages());
                     }
                 }
-                Action::AdmitCow { .. } | Action::LoadBack => {}
+                Payload::Backup(b) => b.owned(|pool, pages| f(pool, Holder::InFlight, pages)),
+                Payload::LoadBack => {}
             }
         }
     }
@@ -252,7 +252,7 @@ impl Cache {
                         v
                     }),
                     host_mamba_slot: n.mamba.host,
-                    loading: n.kv.loading,
+                    loading: n.kv.state.loading(),
                 });
                 prefix_at.insert(i, prefix);
             }
@@ -361,7 +361,7 @@ impl Cache {
                         (Some(p), _) if !p.is_empty() => {
                             let first = i64::from(p[0]) * as_i64(self.config.page_size);
                             let host = if n.kv.host.is_some() { " +host" } else { "" };
-                            let loading = if n.kv.loading { " loading" } else { "" };
+                            let loading = if n.kv.state.loading() { " loading" } else { "" };
                             format!("kv@{first}..{host}{loading}")
                         }
                         (_, Some(_)) => "host only".to_owned(),

@@ -13,9 +13,56 @@ use crate::pool::Pages;
 use crate::slab::Slab;
 
 use super::alloc::StateRoom;
-use super::batch::{Action, BatchKind, PoolKind, SlotCopy, Tier};
+use super::batch::{Payload, PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
 use super::Cache;
+
+/// A request as it was before a committed load changed it: restored if the load fails,
+/// released when it completes.
+pub(crate) struct SavedRequest {
+    prefix_len: usize,
+    host_len: usize,
+    host_node: Option<NodeId>,
+    node: u32,
+    lock: Option<LockReceipt>,
+    /// The request's earlier state slot, when the load gave it a fresh one.
+    mamba: Option<Pages>,
+    swapped: bool,
+}
+
+impl SavedRequest {
+    /// The request's earlier state slot, kept until the load ends.
+    pub fn state(&self) -> Option<&Pages> {
+        self.mamba.as_ref()
+    }
+
+    /// The load landed: what the request had before goes (its lock is returned, to be
+    /// released).
+    pub fn release(self) -> Option<LockReceipt> {
+        drop(self.mamba);
+        self.lock
+    }
+}
+
+/// What a copy-on-write batch carries until it is acknowledged.
+pub(crate) enum Cow {
+    /// A request's own state slot receives a copy of a cached node's state (admission).
+    /// On failure the request drops back to `prefix_len == 0` and recomputes.
+    Admit { request: RequestId },
+    /// `dst` receives a copy of a request's state; on success it is published on `node`
+    /// (if that node still exists and has no state), on failure it is freed.
+    Checkpoint { node: NodeId, dst: Pages },
+}
+
+impl Cow {
+    /// The state slot the batch owns until it ends (a checkpoint's destination).
+    pub fn owned(&self) -> Option<&Pages> {
+        match self {
+            Cow::Admit { .. } => None,
+            Cow::Checkpoint { dst, .. } => Some(dst),
+        }
+    }
+}
 
 pub(crate) struct RequestState {
     pub namespace: Option<String>,
@@ -220,10 +267,8 @@ impl Cache {
         };
         if let Some((src, dst)) = cow {
             let batch = self.emit(
-                BatchKind::Cow,
                 vec![state_copy(src, dst)],
-                Action::AdmitCow { request: id },
-                true,
+                Payload::Cow(Cow::Admit { request: id }),
             );
             if let Ok(r) = self.request_mut(id) {
                 r.cow = Some(batch);
@@ -411,10 +456,8 @@ impl Cache {
                         let dst_slot = dst.pages()[0];
                         let node = self.tree.id(end);
                         self.emit(
-                            BatchKind::Cow,
                             vec![state_copy(src, dst_slot)],
-                            Action::CheckpointCow { node, dst },
-                            true,
+                            Payload::Cow(Cow::Checkpoint { node, dst }),
                         );
                     } else {
                         self.stats.checkpoint_states_skipped += 1;
@@ -579,8 +622,110 @@ impl Cache {
         Ok((end, cached))
     }
 
+    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
+    /// given, becomes its state slot. Returns what it was, to restore on failure.
+    /// `None` (nothing changed) when the request is gone.
+    pub(crate) fn move_request_to(
+        &mut self,
+        r: RequestId,
+        j: u32,
+        slot: Option<Pages>,
+    ) -> Option<SavedRequest> {
+        self.request_ref(r).ok()?;
+        let new_lock = self.lock_index(j);
+        let tokens = self.path_tokens(j);
+        let rs = self.request_mut(r).ok()?;
+        let swapped = slot.is_some();
+        let saved = SavedRequest {
+            prefix_len: rs.prefix_len,
+            host_len: rs.host_len,
+            host_node: rs.host_node,
+            node: rs.node,
+            lock: rs.lock.replace(new_lock),
+            mamba: if swapped {
+                std::mem::replace(&mut rs.mamba, slot)
+            } else {
+                None
+            },
+            swapped,
+        };
+        rs.prefix_len = tokens.len();
+        rs.tokens = tokens;
+        rs.epoch += 1;
+        rs.node = j;
+        rs.host_len = 0;
+        rs.host_node = None;
+        Some(saved)
+    }
+
+    /// A committed load of request `r` failed: the request goes back to what it was
+    /// before the load (`saved`), keeping what the load gave it until it ends. Returns
+    /// the load's lock on the request, to be released.
+    pub(crate) fn restore_request(
+        &mut self,
+        r: RequestId,
+        saved: SavedRequest,
+    ) -> Option<LockReceipt> {
+        let empty = self.pools.kv.empty();
+        let Ok(rs) = self.request_mut(r) else {
+            return saved.release();
+        };
+        let lock = std::mem::replace(&mut rs.lock, saved.lock);
+        rs.node = saved.node;
+        rs.prefix_len = saved.prefix_len;
+        rs.host_len = saved.host_len;
+        rs.host_node = saved.host_node;
+        rs.tokens.truncate(saved.prefix_len);
+        rs.epoch += 1;
+        let kv = std::mem::replace(&mut rs.kv, empty);
+        let fresh = if saved.swapped {
+            std::mem::replace(&mut rs.mamba, saved.mamba)
+        } else {
+            None
+        };
+        rs.retired.keep(kv, fresh);
+        lock
+    }
+
+    /// Request `r` has load-back `id` pending.
+    pub(crate) fn set_request_load(&mut self, r: RequestId, id: BatchId) {
+        if let Ok(rs) = self.request_mut(r) {
+            rs.load = Some(id);
+        }
+    }
+
+    /// Load-back `id` of request `r` ended or was called off.
+    pub(crate) fn clear_request_load(&mut self, r: RequestId, id: BatchId) {
+        if let Ok(rs) = self.request_mut(r) {
+            if rs.load == Some(id) {
+                rs.load = None;
+            }
+        }
+    }
+
+    /// A copy-on-write batch ended (`landed`: its copies are done).
+    pub(crate) fn cow_ended(&mut self, batch: BatchId, cow: Cow, landed: bool) {
+        match cow {
+            Cow::Admit { request } if landed => self.admit_copy_done(request, batch),
+            Cow::Admit { request } => self.admit_copy_failed(request, batch),
+            Cow::Checkpoint { node, dst } if landed => {
+                let live = self.tree.resolve(node).ok().filter(|&i| {
+                    let n = self.tree.node(i);
+                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.state.loading()
+                });
+                if let Some(i) = live {
+                    self.set_state(i, dst);
+                    self.maybe_backup(i);
+                } else {
+                    drop(dst);
+                }
+            }
+            Cow::Checkpoint { dst, .. } => drop(dst),
+        }
+    }
+
     /// The admission copy landed: the request's state is good.
-    pub(crate) fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
+    fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
         if let Ok(r) = self.request_mut(id) {
             if r.cow == Some(batch) {
                 r.cow = None;
@@ -590,7 +735,7 @@ impl Cache {
 
     /// The admission copy failed: the request's state is garbage, so the request drops
     /// back to nothing reused (`prefix_len == 0`, no tokens, no slots) and recomputes.
-    pub(crate) fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
+    fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
         let empty = self.pools.kv.empty();
         let Ok(r) = self.request_mut(id) else {
             return;

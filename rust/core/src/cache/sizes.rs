@@ -8,7 +8,7 @@
 
 use std::ops::{AddAssign, SubAssign};
 
-use crate::tree::Node;
+use crate::tree::{Node, StateMark};
 
 /// Tallies over nodes (or one node's contribution to them).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -43,12 +43,16 @@ impl Sizes {
         let len = n.key.len();
         let locked = n.kv.lock > 0;
         if n.kv.device.is_some() {
-            if locked || n.kv.evicting || n.kv.backup_pending || n.mamba.backup_pending {
+            if locked
+                || n.kv.state.evicting()
+                || n.kv.state.backup_pending()
+                || n.mamba.backup_pending
+            {
                 s.protected_tokens = len;
             } else {
                 s.evictable_tokens = len;
             }
-            if n.kv.evicting {
+            if n.kv.state.evicting() {
                 s.evicting_tokens = len;
             }
         }
@@ -59,7 +63,7 @@ impl Sizes {
             }
         }
         if n.mamba.device.is_some() {
-            if n.mamba.lock > 0 || n.mamba.pinned {
+            if n.mamba.lock > 0 || n.mamba.mark == StateMark::Pinned {
                 s.protected_states = 1;
             } else {
                 s.evictable_states = 1;

@@ -164,3 +164,25 @@ fn audit_catches_corrupted_books() {
         assert!(err.to_string().contains(what), "{what}: {err}");
     }
 }
+
+#[test]
+fn audit_catches_a_backup_mark_on_a_node_backed_up_already() {
+    // A node's KV is marked in flight to the host tier while the node holds its host
+    // copy already (the mark would keep it protected for good).
+    let config = Config {
+        host_kv_slots: 16,
+        ..Config::kv(16, 1)
+    };
+    let mut c = Cache::new(config).unwrap();
+    cached(&mut c, &[1, 2, 3]);
+    cached(&mut c, &[1, 2, 4]);
+    c.audit().unwrap();
+    let root = c.roots.get(None).unwrap();
+    let &(_, inner) = c.tree.node(root).children.iter().next().unwrap();
+    let host = c.pools.host_kv.try_alloc(2).unwrap().into_tree();
+    let n = c.tree.node_mut(inner);
+    n.kv.state = KvState::BackingUp;
+    n.kv.host = Some(host);
+    let err = c.audit().unwrap_err();
+    assert!(err.to_string().contains("being backed up"), "{err}");
+}
