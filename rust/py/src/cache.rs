@@ -615,7 +615,8 @@ impl PyHybridCache {
 /// through the stable ABI. Must read as the `text_signature` of `PyHybridCache::new`.
 const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
-    write_through_threshold=None, pools='cache'";
+    write_through_threshold=None, pools='cache', \
+    eviction_policy='lru'";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {
