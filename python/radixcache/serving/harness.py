@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._core import HybridCache, InvariantError
 from ..engine import TransferEngine
+from .flops import ModelShape, compute_saved_ratio
 from .model import ChecksumModel
+from .offline import Event, StateTrace, bound
 from .scheduler import Counters, FaultyEngine, InstantEngine, Scheduler, StepSample
 from .workloads import Job
 
-__all__ = ["ReplayConfig", "attention_only_hit_rate", "clear", "replay"]
+__all__ = [
+    "ReplayConfig",
+    "attention_only",
+    "attention_only_hit_rate",
+    "clear",
+    "compute_saved",
+    "replay",
+]
 
 CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released")
 
@@ -27,7 +36,10 @@ class ReplayConfig:
     device gives both the same memory (256 states beside 262,144 KV tokens); the host
     tier is four times the device. `write_through_threshold` is given to the cache only
     when set (None: the cache's default, 2, under ``write_through_selective``; the cache
-    refuses a threshold with any other policy).
+    refuses a threshold with any other policy). `shape` is the model whose prefill
+    compute ``compute_saved_ratio`` counts (`radixcache.serving.flops`);
+    `offline_bound` records the state uses and reports the offline bound
+    (`radixcache.serving.offline`).
     """
 
     kv_slots: int = 262_144
@@ -48,6 +60,9 @@ class ReplayConfig:
     timeline: int = 0
     attention_only: bool = True
     branch_checkpoints: bool = True
+    eviction_policy: str = "lru"
+    shape: ModelShape = field(default_factory=ModelShape)
+    offline_bound: bool = False
 
     def cache(self, *, hybrid: bool = True) -> HybridCache:
         """Make a cache with these settings (`hybrid=False`: the same without states)."""
@@ -112,13 +127,23 @@ def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
     )
 
 
-def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
-    """Replay `jobs` with states disabled (no model, no faults); its device hit rate."""
+def attention_only(jobs: Sequence[Job], config: ReplayConfig) -> Counters:
+    """Replay `jobs` with states disabled (no model, no faults); its counters."""
     cache = config.cache(hybrid=False)
     sched = config.scheduler(cache, InstantEngine(cache), None)
     sched.add(jobs)
-    c = sched.run()
+    return sched.run()
+
+
+def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
+    """Replay `jobs` with states disabled (no model, no faults); its device hit rate."""
+    c = attention_only(jobs, config)
     return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+
+
+def compute_saved(c: Counters, shape: ModelShape) -> float:
+    """`c`'s compute saved: the tokens reused from the device or loaded from the host."""
+    return compute_saved_ratio(((p, d + h) for p, d, h in c.served), shape)
 
 
 def replay(
@@ -126,8 +151,12 @@ def replay(
     config: ReplayConfig | None = None,
     *,
     progress: Callable[[int], None] | None = None,
+    events: list[Event] | None = None,
 ) -> tuple[dict[str, Any], list[StepSample]]:
     """Serve `jobs` through the scheduler, the checksum model and a `TransferEngine`.
+
+    `events`, when given with ``config.offline_bound``, receives the recorded state
+    uses and offers (to simulate other rules on them: `radixcache.serving.offline`).
 
     Returns:
         The report (the ``replay --json`` keys of docs/contract.md and more) and the timeline.
@@ -139,7 +168,8 @@ def replay(
     )
     engine = FaultyEngine(cache, storage, config.inject_failures, seed=config.seed + 1)
     model = ChecksumModel(cache, storage, seed=config.seed)
-    sched = config.scheduler(cache, engine, model)
+    trace = StateTrace(cache) if config.offline_bound and cache.mamba_slots else None
+    sched = config.scheduler(cache, engine, model, trace=trace)
     sched.add(jobs)
     start = time.perf_counter()
     c = sched.run(progress)
@@ -157,12 +187,57 @@ def replay(
         cache.audit()
     except InvariantError as e:
         audit = audit if audit != "pass" else f"after clearing: {e}"
-    attn: float | None = None
+    attn: Counters | None = None
     if not cache.mamba_slots:  # the replay is itself the attention-only one
-        attn = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+        attn = c
     elif config.attention_only:
-        attn = attention_only_hit_rate(jobs, config)
-    return report(c, s, engine, model, seconds, audit, full, attn), c.timeline
+        attn = attention_only(jobs, config)
+    out = report(c, s, engine, model, seconds, audit, full, attn, config.shape)
+    out.update(offline_report(trace, c, out["attention_only_hit_rate"]))
+    if trace is not None and events is not None:
+        events.extend(trace.events)
+    return out, c.timeline
+
+
+def offline_report(
+    trace: StateTrace | None, c: Counters, attention_only: float | None
+) -> dict[str, Any]:
+    """Return the offline bound's keys of the report (None each without a trace).
+
+    Hit rates are in tokens over the prompt tokens, as ``device_hit_rate``; request hit
+    rates are the shares of requests that hit a state (``request_hit_rate`` is the
+    replay's own, measured).
+    """
+    keys = (
+        "offline_bound_hit_rate",
+        "offline_bound_ratio",
+        "offline_lru_hit_rate",
+        "offline_possible_hit_rate",
+        "offline_bound_request_hit_rate",
+        "offline_lru_request_hit_rate",
+        "offline_possible_request_hit_rate",
+    )
+    if trace is None:
+        return dict.fromkeys(keys)
+    return offline_keys(trace.events, trace.cache.mamba_slots, c.prompt_tokens, attention_only)
+
+
+def offline_keys(
+    events: Sequence[Event], mamba_slots: int, prompt_tokens: int, attention_only: float | None
+) -> dict[str, Any]:
+    """Return the offline bound's report keys from recorded `events` (see `offline_report`)."""
+    b = bound(events, mamba_slots * 3 // 4)
+    p, n = prompt_tokens, b.requests
+    rate = b.belady_tokens / p if p else 0.0
+    return {
+        "offline_bound_hit_rate": rate,
+        "offline_bound_ratio": rate / attention_only if attention_only else None,
+        "offline_lru_hit_rate": b.lru_tokens / p if p else 0.0,
+        "offline_possible_hit_rate": b.possible_tokens / p if p else 0.0,
+        "offline_bound_request_hit_rate": b.belady_requests / n if n else 0.0,
+        "offline_lru_request_hit_rate": b.lru_requests / n if n else 0.0,
+        "offline_possible_request_hit_rate": b.possible_requests / n if n else 0.0,
+    }
 
 
 def report(
@@ -173,15 +248,21 @@ def report(
     seconds: float,
     audit: str,
     full: bool,
-    attention_only: float | None,
+    attention_only: Counters | None,
+    shape: ModelShape,
 ) -> dict[str, Any]:
     """Gather the replay's report into a flat dict (the documented keys first).
 
-    `attention_only` is the attention-only replay's hit rate, or None when it was not
-    run: ``attention_only_hit_rate`` and ``hit_rate_ratio`` are then None, as is the
-    ratio when the attention-only rate is 0.
+    `attention_only` is the attention-only replay's counters, or None when it was not
+    run: ``attention_only_hit_rate``, ``attention_only_compute_saved_ratio`` and
+    ``hit_rate_ratio`` are then None, as is the ratio when the attention-only rate is 0.
     """
     rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    attn = attn_saved = None
+    if attention_only is not None:
+        a = attention_only
+        attn = a.device_hit_tokens / a.prompt_tokens if a.prompt_tokens else 0.0
+        attn_saved = compute_saved(a, shape)
     e = engine.stats()
     out: dict[str, Any] = {
         "requests": c.finished,
@@ -191,8 +272,13 @@ def report(
         "host_hit_tokens": c.host_hit_tokens,
         "device_hit_rate": rate,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-        "attention_only_hit_rate": attention_only,
-        "hit_rate_ratio": (rate / attention_only) if attention_only else None,
+        "attention_only_hit_rate": attn,
+        "hit_rate_ratio": (rate / attn) if attn else None,
+        "compute_saved_ratio": compute_saved(c, shape),
+        "attention_only_compute_saved_ratio": attn_saved,
+        "request_hit_rate": sum(1 for _, d, _ in c.served if d) / len(c.served)
+        if c.served
+        else 0.0,
         "cow_copies": s["cow_copies"],
         "checkpoints": s["checkpoints"],
         "backups": s["backups_done"],
