@@ -43,7 +43,9 @@ impl Books {
     /// Up to `n` slots from the engine to the requests (the lowest first).
     fn alloc(&mut self, n: usize) {
         for _ in 0..n {
-            let Some(p) = self.engine.pop_first() else { return };
+            let Some(p) = self.engine.pop_first() else {
+                return;
+            };
             self.held.insert(p);
         }
     }
@@ -84,6 +86,7 @@ fn engine_config(cfg: &Cfg) -> Config {
         page_size: base.page_size,
         mamba_slots: base.mamba_slots,
         pools: PoolOwner::Engine,
+        eviction_policy: base.eviction_policy,
         ..Config::default()
     }
 }
@@ -99,7 +102,10 @@ fn engine_owned<T: std::fmt::Debug>(r: Result<T, Error>) {
 
 /// The pages of page-structured slots.
 fn pages_of(slots: &[i64], ps: usize) -> Vec<u32> {
-    assert!(slots.len().is_multiple_of(ps), "slots of part of a page: {slots:?}");
+    assert!(
+        slots.len().is_multiple_of(ps),
+        "slots of part of a page: {slots:?}"
+    );
     slots
         .chunks(ps)
         .map(|c| {
@@ -195,8 +201,20 @@ impl E {
     pub fn check(&self) {
         let (kv, states) = self.tree();
         for (name, books, tree, all, counts) in [
-            ("kv", &self.kv, &kv, self.kv_pages, self.c.kv_pool().counts()),
-            ("mamba", &self.mamba, &states, self.states, self.c.mamba_pool().counts()),
+            (
+                "kv",
+                &self.kv,
+                &kv,
+                self.kv_pages,
+                self.c.kv_pool().counts(),
+            ),
+            (
+                "mamba",
+                &self.mamba,
+                &states,
+                self.states,
+                self.c.mamba_pool().counts(),
+            ),
         ] {
             let parts = [&books.engine, &books.held, tree, &books.queue];
             let total: usize = parts.iter().map(|p| p.len()).sum();
@@ -211,8 +229,20 @@ impl E {
                 books.queue.len()
             );
             assert_eq!(
-                (counts.caller, counts.tree, counts.free, counts.owned, counts.draining),
-                (books.engine.len() + books.held.len(), tree.len(), books.queue.len(), 0, 0),
+                (
+                    counts.caller,
+                    counts.tree,
+                    counts.free,
+                    counts.owned,
+                    counts.draining
+                ),
+                (
+                    books.engine.len() + books.held.len(),
+                    tree.len(),
+                    books.queue.len(),
+                    0,
+                    0
+                ),
                 "{name}: the pool's counts differ from the books"
             );
         }
@@ -228,7 +258,10 @@ impl E {
         let left: Vec<u32> = kv_before.difference(&kv_after).copied().collect();
         let mut sorted = pages.clone();
         sorted.sort_unstable();
-        assert_eq!(sorted, left, "evict returned other pages than those that left the tree");
+        assert_eq!(
+            sorted, left,
+            "evict returned other pages than those that left the tree"
+        );
         assert_eq!(out.kv_tokens, out.kv_indices.len());
         let mut got: Vec<u32> = out
             .mamba_slots
@@ -237,7 +270,10 @@ impl E {
             .collect();
         got.sort_unstable();
         let left: Vec<u32> = states_before.difference(&states_after).copied().collect();
-        assert_eq!(got, left, "evict returned other states than those that left the tree");
+        assert_eq!(
+            got, left,
+            "evict returned other states than those that left the tree"
+        );
         assert_eq!(out.mamba_states, got.len());
         self.kv.hand_back(&pages, "evict");
         self.mamba.hand_back(&got, "evict");
@@ -267,7 +303,16 @@ impl E {
     /// An insert of a request's slots (spoiled as `bad` says): valid ones succeed and
     /// move the slots to the tree or the queue; refused ones change nothing.
     #[allow(clippy::too_many_arguments)]
-    fn insert(&mut self, ns: u8, toks: &Toks, owned: u8, fresh: bool, state: u8, bad: Corrupt, seed: u8) {
+    fn insert(
+        &mut self,
+        ns: u8,
+        toks: &Toks,
+        owned: u8,
+        fresh: bool,
+        state: u8,
+        bad: Corrupt,
+        seed: u8,
+    ) {
         let ns = ns_of(ns);
         let t = self.resolve(toks);
         let ps = self.ps;
@@ -325,7 +370,11 @@ impl E {
         kv.extend(slots_for(&pages, owned_from, t.len(), ps));
         if let Some((at, k)) = kv_out_of_range {
             let pos = (owned_from + at * ps).min(kv.len().saturating_sub(1));
-            kv[pos] = if k % 2 == 0 { -1 } else { as_i64(self.kv_pages * ps) + i64::from(k) };
+            kv[pos] = if k % 2 == 0 {
+                -1
+            } else {
+                as_i64(self.kv_pages * ps) + i64::from(k)
+            };
         }
         let slot = match state % 4 {
             _ if self.states == 0 => None,
@@ -347,7 +396,11 @@ impl E {
             }
             _ => None,
         };
-        let before = (self.c.snapshot(), self.c.kv_pool().counts(), self.c.mamba_pool().counts());
+        let before = (
+            self.c.snapshot(),
+            self.c.kv_pool().counts(),
+            self.c.mamba_pool().counts(),
+        );
         let r = self
             .c
             .insert_with_state(ns, &t, &kv, owned_from, slot.map(i64::from));
@@ -378,8 +431,11 @@ impl E {
                     !valid && matches!(e, Error::InvalidArgument { .. }),
                     "insert failed with {e:?} (valid: {valid})"
                 );
-                let after =
-                    (self.c.snapshot(), self.c.kv_pool().counts(), self.c.mamba_pool().counts());
+                let after = (
+                    self.c.snapshot(),
+                    self.c.kv_pool().counts(),
+                    self.c.mamba_pool().counts(),
+                );
                 assert!(after == before, "a refused insert changed something: {e}");
             }
         }
@@ -387,7 +443,11 @@ impl E {
 
     /// One of the calls that allocate from the cache's pools: refused, nothing changed.
     fn refused_call(&mut self, which: u8) {
-        let before = (self.c.snapshot(), self.c.kv_pool().counts(), self.c.mamba_pool().counts());
+        let before = (
+            self.c.snapshot(),
+            self.c.kv_pool().counts(),
+            self.c.mamba_pool().counts(),
+        );
         let id = self.other_req;
         let node = self.nodes.last().copied();
         match which % 12 {
@@ -403,12 +463,20 @@ impl E {
             9 => engine_owned(self.c.abort(id)),
             10 => {
                 if let Some(n) = node {
-                    engine_owned(self.c.load_back(radixcache_core::LoadTarget::Node(n), None, None));
+                    engine_owned(self.c.load_back(
+                        radixcache_core::LoadTarget::Node(n),
+                        None,
+                        None,
+                    ));
                 }
             }
             _ => engine_owned(self.c.evict_host(1, 1)),
         }
-        let after = (self.c.snapshot(), self.c.kv_pool().counts(), self.c.mamba_pool().counts());
+        let after = (
+            self.c.snapshot(),
+            self.c.kv_pool().counts(),
+            self.c.mamba_pool().counts(),
+        );
         assert!(after == before, "a refused call changed something");
     }
 
@@ -418,11 +486,21 @@ impl E {
                 let t = self.resolve(toks);
                 let m = self.c.match_prefix(ns_of(*ns), &t);
                 let (kv, states) = self.tree();
-                assert!(pages_of(&m.kv_indices, self.ps).iter().all(|p| kv.contains(p)));
+                assert!(pages_of(&m.kv_indices, self.ps)
+                    .iter()
+                    .all(|p| kv.contains(p)));
                 assert!(m.mamba_slot.is_none_or(|s| states.contains(&s)));
                 self.remember(&t, m.node);
             }
-            Op::Insert { ns, toks, owned, fresh, state, bad, seed } => {
+            Op::Insert {
+                ns,
+                toks,
+                owned,
+                fresh,
+                state,
+                bad,
+                seed,
+            } => {
                 self.insert(*ns, toks, *owned, *fresh, *state, *bad, *seed);
             }
             Op::AllocKv { n } => self.kv.alloc(usize::from(*n % 8)),
@@ -450,13 +528,20 @@ impl E {
             }
             Op::Unlock { pick } => {
                 if !self.receipts.is_empty() {
-                    let r = self.receipts.remove(usize::from(*pick) % self.receipts.len());
-                    self.c.unlock(r).unwrap_or_else(|e| panic!("unlock of a live receipt: {e}"));
+                    let r = self
+                        .receipts
+                        .remove(usize::from(*pick) % self.receipts.len());
+                    self.c
+                        .unlock(r)
+                        .unwrap_or_else(|e| panic!("unlock of a live receipt: {e}"));
                 }
             }
             Op::DropReceipt { pick, reap } => {
                 if !self.receipts.is_empty() {
-                    drop(self.receipts.remove(usize::from(*pick) % self.receipts.len()));
+                    drop(
+                        self.receipts
+                            .remove(usize::from(*pick) % self.receipts.len()),
+                    );
                     if *reap {
                         self.c.reap();
                     }
@@ -481,17 +566,23 @@ impl E {
     /// the engine's or a request's again, and nothing left in the tree.
     pub fn teardown(mut self) {
         for r in std::mem::take(&mut self.receipts) {
-            self.c.unlock(r).unwrap_or_else(|e| panic!("unlock at the end: {e}"));
+            self.c
+                .unlock(r)
+                .unwrap_or_else(|e| panic!("unlock at the end: {e}"));
         }
         self.evict(usize::MAX, usize::MAX);
         self.take_freed();
-        self.c.audit().unwrap_or_else(|e| panic!("audit at the end: {e}"));
+        self.c
+            .audit()
+            .unwrap_or_else(|e| panic!("audit at the end: {e}"));
         self.check();
         let (kv, states) = (self.c.kv_pool().counts(), self.c.mamba_pool().counts());
         assert!(
             kv.caller == self.kv_pages && states.caller == self.states,
             "a slot is not the engine's after evicting and taking everything: {kv:?} {states:?}"
         );
-        self.other.abort(self.other_req).unwrap_or_else(|e| panic!("abort: {e}"));
+        self.other
+            .abort(self.other_req)
+            .unwrap_or_else(|e| panic!("abort: {e}"));
     }
 }

@@ -3,7 +3,8 @@
 //! no-leak check at the end.
 //!
 //! The input is a small configuration (page size 1/2/4, 4..=64 device KV slots, 0..=6
-//! state slots, an optional host tier and a write policy) and up to `MAX_OPS` operations.
+//! state slots, an optional host tier, a write policy and an eviction policy per
+//! component) and up to `MAX_OPS` operations; inserts and admissions carry priorities.
 //! Arguments are drawn from small alphabets (tokens 0..4, a few shared system prompts,
 //! earlier sequences, live requests' prompts) so that prefixes collide and nodes split,
 //! and from the harness's own bookkeeping (slots it holds, node ids it saw, receipts,
@@ -39,8 +40,8 @@ use std::collections::{BTreeSet, HashSet};
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use radixcache_core::{
-    BatchId, Cache, Config, Error, LoadRecord, LoadTarget, LockReceipt, NodeId, Pool, RequestId,
-    WritePolicy,
+    BatchId, Cache, Config, Error, EvictionPolicies, EvictionPolicy, LoadRecord, LoadTarget,
+    LockReceipt, NodeId, Pool, RequestId, WritePolicy,
 };
 
 /// Operations run per input at most.
@@ -82,6 +83,8 @@ struct Cfg {
     host_mamba: u8,
     policy: u8,
     threshold: u8,
+    /// The eviction policy of each component (KV: lru, lfu, priority; states: any).
+    eviction: u8,
     /// 0: batches run only when the ops say so; 1: an engine runs (completes) every batch
     /// after every op, as a scheduler would; 2: the same, failing some; 3: it starts every
     /// batch after every op and completes them after every fourth.
@@ -194,6 +197,7 @@ enum Op {
     Admit {
         ns: u8,
         toks: Toks,
+        priority: i8,
     },
     Extend {
         req: u8,
@@ -398,6 +402,7 @@ impl<'a> Arbitrary<'a> for Op {
             Kind::Admit => Op::Admit {
                 ns: u.arbitrary()?,
                 toks: u.arbitrary()?,
+                priority: u.arbitrary()?,
             },
             Kind::Extend => Op::Extend {
                 req: u.arbitrary()?,
@@ -496,6 +501,14 @@ fn config_of(c: &Cfg) -> Config {
         host_mamba_slots,
         write_policy,
         write_through_threshold,
+        eviction_policy: EvictionPolicies {
+            kv: [
+                EvictionPolicy::Lru,
+                EvictionPolicy::Lfu,
+                EvictionPolicy::Priority,
+            ][usize::from(c.eviction % 3)],
+            mamba: EvictionPolicy::ALL[usize::from(c.eviction / 3 % 4)],
+        },
         ..Config::default()
     }
 }
@@ -929,9 +942,15 @@ impl H {
         };
         let r = match mamba_slot {
             None if seed.is_multiple_of(2) => self.c.insert(ns_of(ns), &t, &kv, owned_from),
-            _ => self
-                .c
-                .insert_with_state(ns_of(ns), &t, &kv, owned_from, mamba_slot),
+            // A priority from -2 to 2.
+            _ => self.c.insert_with_priority(
+                ns_of(ns),
+                &t,
+                &kv,
+                owned_from,
+                mamba_slot,
+                i64::from(seed / 8 % 5) - 2,
+            ),
         };
         if let Some(ins) = allowed(r) {
             // Exactly the pages from `owned_from` on were the caller's, and now are not.
@@ -1379,11 +1398,11 @@ impl H {
                     assert_eq!(left, Some(("host_kv_evictable_tokens", 0)), "{ev:?}");
                 }
             }
-            Op::Admit { ns, toks } => {
+            Op::Admit { ns, toks, priority } => {
                 let t = self.resolve(*ns, toks);
                 if let Some(id) = self
                     .c
-                    .admit(ns_of(*ns), &t)
+                    .admit_with_priority(ns_of(*ns), &t, i64::from(*priority))
                     .unwrap_or_else(|e| panic!("admit on a cache that owns its pools: {e}"))
                 {
                     if let Ok(v) = self.c.request(id) {

@@ -4,13 +4,14 @@
 //! (1), tree shape (2), Mamba placement on each tier (3), locks and sizes (4), eviction
 //! sets, host included (5), host data and in-flight marks (6).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 
 use crate::cache::load::CopyOutcome;
-use crate::cache::lru::HOT;
+use crate::cache::lru::{LruSet, HOT};
 use crate::cache::report::POOLS;
 use crate::cache::sizes::Sizes;
 use crate::cache::{Cache, PoolKind, Tier};
+use crate::config::EvictionPolicy;
 use crate::error::{Error, Result};
 use crate::pool::{PageState, PoolCounts};
 use crate::tree::{Tree, NONE};
@@ -32,10 +33,10 @@ fn broken<T>(msg: String) -> Result<T> {
 #[derive(Default)]
 struct Sums {
     sizes: Sizes,
-    kv_candidates: BTreeSet<(u64, u32)>,
-    mamba_candidates: BTreeSet<(u64, u32)>,
-    host_candidates: BTreeSet<(u64, u32)>,
-    host_state_candidates: BTreeSet<(u64, u32)>,
+    kv_candidates: LruSet,
+    mamba_candidates: LruSet,
+    host_candidates: LruSet,
+    host_state_candidates: LruSet,
     reached: usize,
 }
 
@@ -95,9 +96,13 @@ fn audit(c: &Cache) -> Result<()> {
             states_placed += usize::from(n.mamba.device.is_some());
             check_marks(c, i)?;
             add_sizes(c, i, &mut sums);
-            if n.kv.in_lru != sums.kv_candidates.contains(&(n.last_access, i))
-                || n.mamba.in_lru != sums.mamba_candidates.contains(&(n.mamba.last_access, i))
-                || n.kv.in_host_lru != sums.host_candidates.contains(&(n.last_access, i))
+            let (key, state_key) = (c.lru.kv_key(n), c.lru.state_key(tree, i));
+            if n.kv.in_lru != sums.kv_candidates.contains(&(key.0, key.1, i))
+                || n.mamba.in_lru
+                    != sums
+                        .mamba_candidates
+                        .contains(&(state_key.0, state_key.1, i))
+                || n.kv.in_host_lru != sums.host_candidates.contains(&(key.0, key.1, i))
             {
                 return broken(format!(
                     "node {id}: eviction-set flags (kv {}, mamba {}, host {}) disagree with \
@@ -235,9 +240,14 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
             got.host_evictable, want.host_evictable
         ));
     }
-    // 5. The eviction sets are exactly the candidates.
+    // 5. The eviction sets are exactly the candidates, each listed under the key its
+    //    policy computes from the node now.
     let [kv, mamba, host, host_states] = c.lru.sets();
-    let used = mamba.iter().filter(|k| k.0 & HOT != 0).count();
+    let used = if c.lru.policy().mamba == EvictionPolicy::Lru {
+        mamba.iter().filter(|k| k.0 & HOT != 0).count()
+    } else {
+        0
+    };
     if c.lru.hot() != used {
         return broken(format!(
             "{} used states counted, {used} in the state eviction set",
@@ -251,10 +261,20 @@ fn check_sums(c: &Cache, sums: &Sums) -> Result<()> {
         ("host state", host_states, &sums.host_state_candidates),
     ] {
         if set != candidates {
+            let stale = set.difference(candidates).next();
             return broken(format!(
-                "the {name} eviction set has {} entries, {} nodes are candidates",
+                "the {name} eviction set has {} entries, {} nodes are candidates{}",
                 set.len(),
-                candidates.len()
+                candidates.len(),
+                stale.map_or_else(String::new, |&(a, b, i)| format!(
+                    " (node {} is listed under ({a}, {b}), its key is now {:?})",
+                    c.tree.id(i),
+                    if name == "mamba" {
+                        c.lru.state_key(&c.tree, i)
+                    } else {
+                        c.lru.kv_key(c.tree.node(i))
+                    }
+                ))
             ));
         }
     }
@@ -281,10 +301,12 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
     if n.is_root() {
         return;
     }
+    let (a, b) = c.lru.kv_key(n);
+    let key = (a, b, i);
     if n.kv.host.is_some() && n.kv.device.is_none() && n.kv.lock == 0 && n.children.is_empty() {
-        sums.host_candidates.insert((n.last_access, i));
+        sums.host_candidates.insert(key);
         if n.mamba.host.is_some() {
-            sums.host_state_candidates.insert((n.last_access, i));
+            sums.host_state_candidates.insert(key);
         }
     }
     if n.kv.device.is_some()
@@ -295,11 +317,12 @@ fn add_sizes(c: &Cache, i: u32, sums: &mut Sums) {
         && !n.mamba.backup_pending
         && n.device_children == n.evicting_children
     {
-        sums.kv_candidates.insert((n.last_access, i));
+        sums.kv_candidates.insert(key);
     }
     let unpinned = n.mamba.device.is_some_and(|s| c.pools.mamba.pins(s) == 0);
     if unpinned && n.mamba.lock == 0 {
-        sums.mamba_candidates.insert((n.mamba.last_access, i));
+        let (a, b) = c.lru.state_key(&c.tree, i);
+        sums.mamba_candidates.insert((a, b, i));
     }
 }
 

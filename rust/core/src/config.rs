@@ -98,6 +98,140 @@ impl FromStr for PoolOwner {
     }
 }
 
+/// The order in which one component's eviction candidates go (docs/design.md,
+/// "Eviction policies").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EvictionPolicy {
+    /// Least recently used first (states: unused before used, see docs/design.md).
+    #[default]
+    Lru,
+    /// Least often matched first, ties least recently used.
+    Lfu,
+    /// Lowest request priority first, ties least recently used.
+    Priority,
+    /// States only: least compute saved per byte first, aged (GreedyDual-Size-Frequency).
+    StateValue,
+}
+
+impl EvictionPolicy {
+    /// Every policy, in the order the names are listed.
+    pub const ALL: [EvictionPolicy; 4] = [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::Priority,
+        EvictionPolicy::StateValue,
+    ];
+
+    /// The name used in the Python API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Priority => "priority",
+            EvictionPolicy::StateValue => "state-value",
+        }
+    }
+}
+
+impl fmt::Display for EvictionPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for EvictionPolicy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<EvictionPolicy> {
+        match s {
+            "lru" => Ok(EvictionPolicy::Lru),
+            "lfu" => Ok(EvictionPolicy::Lfu),
+            "priority" => Ok(EvictionPolicy::Priority),
+            "state-value" | "state_value" => Ok(EvictionPolicy::StateValue),
+            other => Err(Error::arg(
+                "eviction_policy",
+                format!(
+                    "unknown policy {other:?}; expected \"lru\", \"lfu\", \"priority\" or \
+                     \"state-value\""
+                ),
+            )),
+        }
+    }
+}
+
+/// The eviction policy of each component (`eviction_policy=`). The host tier's sets
+/// follow the KV policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EvictionPolicies {
+    /// Device KV leaves and host-tier leaves.
+    pub kv: EvictionPolicy,
+    /// Device Mamba states.
+    pub mamba: EvictionPolicy,
+}
+
+impl EvictionPolicies {
+    /// The components, by the names of the per-component form.
+    pub const COMPONENTS: [&'static str; 2] = ["kv", "mamba"];
+
+    /// `policy` for every component it applies to: "state-value" is for states only,
+    /// so KV keeps LRU under it.
+    pub fn uniform(policy: EvictionPolicy) -> EvictionPolicies {
+        EvictionPolicies {
+            kv: if policy == EvictionPolicy::StateValue {
+                EvictionPolicy::Lru
+            } else {
+                policy
+            },
+            mamba: policy,
+        }
+    }
+
+    /// The per-component form: `(component, policy name)` pairs; components not named
+    /// keep LRU. An unknown component or policy, or a policy that does not apply to
+    /// the component, is refused naming `eviction_policy`.
+    pub fn from_components<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<EvictionPolicies> {
+        let mut out = EvictionPolicies::default();
+        for (component, name) in pairs {
+            let policy = name.parse()?;
+            match component {
+                "kv" => out.kv = policy,
+                "mamba" => out.mamba = policy,
+                other => {
+                    return Err(Error::arg(
+                        "eviction_policy",
+                        format!("unknown component {other:?}; expected \"kv\" or \"mamba\""),
+                    ))
+                }
+            }
+        }
+        out.validate()?;
+        Ok(out)
+    }
+
+    /// Checks that each component's policy applies to it.
+    pub fn validate(self) -> Result<()> {
+        if self.kv == EvictionPolicy::StateValue {
+            return Err(Error::arg(
+                "eviction_policy",
+                "\"state-value\" applies to states only; for \"kv\" choose \"lru\", \"lfu\" \
+                 or \"priority\"",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for EvictionPolicies {
+    type Err = Error;
+
+    /// One policy name for every component it applies to ([`EvictionPolicies::uniform`]).
+    fn from_str(s: &str) -> Result<EvictionPolicies> {
+        s.parse().map(EvictionPolicies::uniform)
+    }
+}
+
 /// Sizes and policies of a cache. Field names match the Python constructor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -119,6 +253,8 @@ pub struct Config {
     pub write_through_threshold: Option<u32>,
     /// Who owns the device slots ([`PoolOwner::Engine`]: the engine's allocators).
     pub pools: PoolOwner,
+    /// The eviction order of each component.
+    pub eviction_policy: EvictionPolicies,
 }
 
 impl Default for Config {
@@ -132,6 +268,7 @@ impl Default for Config {
             write_policy: WritePolicy::WriteThrough,
             write_through_threshold: None,
             pools: PoolOwner::Cache,
+            eviction_policy: EvictionPolicies::default(),
         }
     }
 }
@@ -166,6 +303,7 @@ impl Config {
 
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
+        self.eviction_policy.validate()?;
         if self.page_size == 0 {
             return Err(Error::arg("page_size", "must be at least 1"));
         }
@@ -396,6 +534,78 @@ mod tests {
         })
         .validate()
         .is_ok());
+    }
+
+    #[test]
+    fn parses_and_names_eviction_policies() {
+        for p in EvictionPolicy::ALL {
+            assert_eq!(p.as_str().parse::<EvictionPolicy>(), Ok(p));
+            assert_eq!(p.to_string(), p.as_str());
+        }
+        assert_eq!(
+            "state_value".parse::<EvictionPolicy>(),
+            Ok(EvictionPolicy::StateValue)
+        );
+        let err = "mru".parse::<EvictionPolicy>().unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument { arg: "eviction_policy", reason }
+                if reason.contains("\"lfu\"") && reason.contains("\"state-value\"")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn state_value_is_for_states_only() {
+        let both = "state-value".parse::<EvictionPolicies>().unwrap();
+        assert_eq!(both.kv, EvictionPolicy::Lru);
+        assert_eq!(both.mamba, EvictionPolicy::StateValue);
+        assert_eq!(
+            "lfu".parse::<EvictionPolicies>(),
+            Ok(EvictionPolicies {
+                kv: EvictionPolicy::Lfu,
+                mamba: EvictionPolicy::Lfu
+            })
+        );
+        let only_mamba = EvictionPolicies::from_components([("mamba", "priority")]).unwrap();
+        assert_eq!(
+            only_mamba.kv,
+            EvictionPolicy::Lru,
+            "a missing component keeps lru"
+        );
+        assert_eq!(only_mamba.mamba, EvictionPolicy::Priority);
+        for bad in [
+            vec![("kv", "state-value")],
+            vec![("swa", "lru")],
+            vec![("kv", "fifo")],
+        ] {
+            let err = EvictionPolicies::from_components(bad).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::InvalidArgument {
+                        arg: "eviction_policy",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
+        let err = Config {
+            eviction_policy: EvictionPolicies {
+                kv: EvictionPolicy::StateValue,
+                mamba: EvictionPolicy::Lru,
+            },
+            ..Config::kv(8, 1)
+        }
+        .validate()
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            Error::InvalidArgument {
+                arg: "eviction_policy",
+                ..
+            }
+        ));
     }
 
     #[test]

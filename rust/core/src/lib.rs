@@ -27,7 +27,7 @@ pub use cache::{
     Abandoned, BatchKind, Cache, CallOff, Evicted, Grown, Insert, LoadRecord, LoadTarget,
     LockReceipt, Match, NodeInfo, PoolKind, RequestView, SlotCopy, Tier, TransferBatch,
 };
-pub use config::{Config, PoolOwner, WritePolicy};
+pub use config::{Config, EvictionPolicies, EvictionPolicy, PoolOwner, WritePolicy};
 pub use error::{Error, Result};
 pub use handle::{Batch, HybridCache, LoadBack, Lock, Outcome, Request};
 pub use ids::{BatchId, CacheId, LockId, NodeId, RequestId};

@@ -61,6 +61,13 @@ pub(crate) struct MambaNode {
     /// Logical time the state was last used by a match (only the state actually used
     /// is refreshed, never every state on the path).
     pub last_access: u64,
+    /// Matches that used this state since it was cached.
+    pub hits: u64,
+    /// The state-value policy's aging level when the state was last used (see
+    /// `cache::lru`).
+    pub aged: u64,
+    /// The state's key in the state eviction set, while it is in it.
+    pub lru_key: (u64, u64),
 }
 
 /// One node of the tree.
@@ -82,7 +89,14 @@ pub(crate) struct Node {
     pub mamba: MambaNode,
     /// Logical time of the last access (larger is more recent).
     pub last_access: u64,
+    /// Inserts through this node (write-through-selective backs a node up after enough).
     pub hits: u64,
+    /// Matches that used this node (on the matched path up to the cut).
+    pub matches: u64,
+    /// The highest priority of the inserts and admissions through this node.
+    pub priority: i64,
+    /// The node's key in the KV or host eviction set, while it is in one.
+    pub lru_key: (u64, u64),
 }
 
 impl Node {
@@ -99,6 +113,9 @@ impl Node {
             mamba: MambaNode::default(),
             last_access: 0,
             hits: 0,
+            matches: 0,
+            priority: 0,
+            lru_key: (0, 0),
         }
     }
 
@@ -259,8 +276,9 @@ impl Tree {
     /// they did); a new upper node takes the first `at` tokens (device and host pages
     /// alike), the parent link, a copy of the KV lock count (so that receipts below it
     /// stay balanced) and the in-flight and eviction marks (it is part of what was being
-    /// backed up or evicted, and its only child is the lower part). A Mamba state
-    /// (and its single-node lock) stays with the lower node, which still ends where the
+    /// backed up or evicted, and its only child is the lower part), and copies of the
+    /// access time, the insert and match counts and the priority (everything that went
+    /// through the lower part went through it). A Mamba state (and its single-node lock) stays with the lower node, which still ends where the
     /// state was taken; the upper node is a Mamba tombstone.
     pub fn split(&mut self, i: u32, at: usize) -> u32 {
         // The parent's child entry is keyed by the first page, which the upper node
@@ -280,16 +298,13 @@ impl Tree {
             let upper_host = n.kv.host.as_mut().map(split_pages);
             (upper_key, upper_device, upper_host, n.kv.device.is_some())
         };
-        let (lock, loading, backup_pending, evicting, last_access, hits) = {
+        let (lock, loading, backup_pending, evicting) = {
             let n = &self.nodes[i as usize];
-            (
-                n.kv.lock,
-                n.kv.loading,
-                n.kv.backup_pending,
-                n.kv.evicting,
-                n.last_access,
-                n.hits,
-            )
+            (n.kv.lock, n.kv.loading, n.kv.backup_pending, n.kv.evicting)
+        };
+        let (last_access, hits, matches, priority) = {
+            let n = &self.nodes[i as usize];
+            (n.last_access, n.hits, n.matches, n.priority)
         };
         let u = self.alloc_node(parent, upper_key);
         {
@@ -302,6 +317,8 @@ impl Tree {
             un.kv.evicting = evicting;
             un.last_access = last_access;
             un.hits = hits;
+            un.matches = matches;
+            un.priority = priority;
             un.device_children = u32::from(has_kv);
             un.evicting_children = u32::from(has_kv && evicting);
         }

@@ -36,11 +36,11 @@ mod common;
 use std::collections::{BTreeSet, HashMap};
 
 use common::{
-    arg_of, assert_pool_sums, i64_of, ns_of, proptest_config, remember, tail, tok_spec_of, Rng,
-    TokSpec, SYSTEM,
+    arg_of, assert_pool_sums, eviction_policies, i64_of, ns_of, proptest_config, remember, tail,
+    tok_spec_of, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
-use radixcache_core::{Cache, Config, LockReceipt, PoolOwner};
+use radixcache_core::{Cache, Config, EvictionPolicies, LockReceipt, PoolOwner};
 
 #[derive(Debug, Clone, Copy)]
 enum Bad {
@@ -212,9 +212,15 @@ fn u64_of(n: usize) -> u64 {
 }
 
 impl Machine {
-    fn new(ps: usize, kv_pages: usize, mamba_slots: usize) -> Machine {
+    fn new(
+        ps: usize,
+        kv_pages: usize,
+        mamba_slots: usize,
+        eviction_policy: EvictionPolicies,
+    ) -> Machine {
         let cache = Cache::new(Config {
             mamba_slots,
+            eviction_policy,
             pools: PoolOwner::Engine,
             ..Config::kv(kv_pages * ps, ps)
         })
@@ -643,9 +649,10 @@ proptest! {
     #[test]
     fn engine_owned_kv_pools_conserve_every_slot(
         (ps, pages) in kv_config(),
+        policy in eviction_policies(),
         ops in prop::collection::vec(op(), 1..=200),
     ) {
-        let mut machine = Machine::new(ps, pages, 0);
+        let mut machine = Machine::new(ps, pages, 0, policy);
         machine.check();
         for op in &ops {
             machine.step(op);
@@ -657,9 +664,10 @@ proptest! {
     fn engine_owned_hybrid_pools_conserve_every_slot(
         (ps, pages) in kv_config(),
         states in 1usize..=8,
+        policy in eviction_policies(),
         ops in prop::collection::vec(op(), 1..=200),
     ) {
-        let mut machine = Machine::new(ps, pages, states);
+        let mut machine = Machine::new(ps, pages, states, policy);
         machine.check();
         for op in &ops {
             machine.step(op);

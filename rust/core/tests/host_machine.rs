@@ -60,8 +60,8 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 
 use common::{
-    assert_pool_sums, caller_slots, i64_of, ns_of, proptest_config, remember, tail, tok_spec_of,
-    Ns, OwnedFrom, Rng, TokSpec, SYSTEM,
+    assert_pool_sums, caller_slots, eviction_policies, i64_of, ns_of, proptest_config, remember,
+    tail, tok_spec_of, Ns, OwnedFrom, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
 use radixcache_core::{
@@ -434,19 +434,28 @@ fn page_size() -> impl Strategy<Value = usize> {
 
 /// An attention-only cache with a host tier.
 fn kv_config() -> impl Strategy<Value = Config> {
-    (page_size(), 16usize..=48, 16usize..=64, policy(), 1u32..=3).prop_map(
-        |(ps, kv, host, write_policy, threshold)| Config {
-            kv_slots: kv / ps * ps,
-            page_size: ps,
-            mamba_slots: 0,
-            host_kv_slots: host / ps * ps,
-            host_mamba_slots: 0,
-            write_policy,
-            write_through_threshold: (write_policy == WritePolicy::WriteThroughSelective)
-                .then_some(threshold),
-            ..Config::default()
-        },
+    (
+        page_size(),
+        16usize..=48,
+        16usize..=64,
+        policy(),
+        1u32..=3,
+        eviction_policies(),
     )
+        .prop_map(
+            |(ps, kv, host, write_policy, threshold, eviction_policy)| Config {
+                kv_slots: kv / ps * ps,
+                page_size: ps,
+                mamba_slots: 0,
+                host_kv_slots: host / ps * ps,
+                host_mamba_slots: 0,
+                write_policy,
+                write_through_threshold: (write_policy == WritePolicy::WriteThroughSelective)
+                    .then_some(threshold),
+                eviction_policy,
+                ..Config::default()
+            },
+        )
 }
 
 /// A hybrid cache with a host tier for KV and states.

@@ -44,11 +44,14 @@
 //! because a batch in flight pins it) is exactly what the model says, so the counts add
 //! up to the capacity; `live_requests`, `batches_in_flight` and `live_locks` agree.
 //!
-//! The Mamba LRU is modelled: a state is used when it is placed and when a match reuses
-//! it (only that state, not the others on the path). Every eviction of states alone
+//! Each case runs under one eviction policy (`eviction_policy=` one name for both
+//! components). The state order of "lru", "lfu" and "priority" is modelled: a state is
+//! used when it is placed and when a match reuses it (only that state, not the others
+//! on the path), and counts the matches that used it. Every eviction of states alone
 //! (`evict(0, m)`, and the state slot of `alloc_mamba`, `admit`, `checkpoint` and of an
-//! `extend` that needs no KV eviction) must take exactly the predicted states. The KV
-//! LRU order is not modelled: any eviction is read back and checked for legality: nothing
+//! `extend` that needs no KV eviction) must take exactly the predicted states; under
+//! "state-value" (values the model does not compute; `audit()` checks every key) as
+//! many unlocked, unpinned states as predicted. The KV order is not modelled: any eviction is read back and checked for legality: nothing
 //! locked goes, whole nodes go (or the lower part of a node the same call split), KV is
 //! taken with its extensions, a node's state goes with its KV, a removed state whose node
 //! stays leaves a locked or internal node (tombstone), removing a leaf never leaves its
@@ -75,8 +78,9 @@ use common::{
 };
 use proptest::prelude::*;
 use radixcache_core::{
-    BatchId, BatchKind, Cache, Config, Error, LockReceipt, Match, NodeId, NodeInfo, PageState,
-    PoolCounts, PoolKind, RequestId, RequestView, SlotCopy, Tier, TransferBatch,
+    BatchId, BatchKind, Cache, Config, Error, EvictionPolicies, EvictionPolicy, LockReceipt, Match,
+    NodeId, NodeInfo, PageState, PoolCounts, PoolKind, RequestId, RequestView, SlotCopy, Tier,
+    TransferBatch,
 };
 /// Longest a request grows (prompt and generated tokens).
 const MAX_REQUEST: usize = 24;
@@ -343,6 +347,45 @@ fn config() -> impl Strategy<Value = (usize, usize, usize)> {
         .prop_map(|(ps, slots, mamba)| (ps, slots / ps * ps, mamba))
 }
 
+/// The states an eviction must take: exactly `keys`, or (under state-value, whose
+/// values the model does not compute) as many of the `candidates`.
+struct Victims {
+    keys: BTreeSet<Key>,
+    candidates: BTreeSet<Key>,
+    exact: bool,
+    policy: EvictionPolicy,
+}
+
+impl Victims {
+    /// No state eviction.
+    fn none() -> Victims {
+        Victims {
+            keys: BTreeSet::new(),
+            candidates: BTreeSet::new(),
+            exact: true,
+            policy: EvictionPolicy::Lru,
+        }
+    }
+
+    fn check(&self, removed: &BTreeSet<Key>, call: &str) {
+        if self.exact {
+            assert_eq!(removed, &self.keys, "{call} evicted ({})", self.policy);
+        } else {
+            assert_eq!(
+                removed.len(),
+                self.keys.len(),
+                "{call} evicted ({})",
+                self.policy
+            );
+            assert!(
+                removed.is_subset(&self.candidates),
+                "{call} evicted a state that was no candidate ({})",
+                self.policy
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Helpers
 
@@ -527,7 +570,11 @@ struct Model {
     /// When each state was last used (placed, or reused by a match), and whether a
     /// match has used it since it was placed: the Mamba eviction order.
     used: HashMap<Key, (u64, bool)>,
+    /// Matches that used each state since it was placed.
+    hits: HashMap<Key, u64>,
     clock: u64,
+    /// The policy of both components (string form: KV keeps "lru" under state-value).
+    policy: EvictionPolicy,
 }
 
 impl Model {
@@ -705,32 +752,51 @@ impl Model {
         assert!(self.content.states.contains_key(k));
         self.clock += 1;
         self.used.insert(k.clone(), (self.clock, hit));
+        *self.hits.entry(k.clone()).or_default() += u64::from(hit);
     }
 
     fn place_state(&mut self, k: &Key, slot: u32) {
         assert!(self.content.states.insert(k.clone(), slot).is_none());
+        self.hits.insert(k.clone(), 0);
         self.use_state(k, false);
     }
 
-    /// The states a state eviction takes, least recently used first among the unlocked
-    /// ones that no batch pins (evicting a pinned one would only leave its slot
-    /// draining; `also_locked`: a state the call holds meanwhile): `Some(m)`: `m` of them
+    /// The states a state eviction takes, in the policy's order among the unlocked ones
+    /// that no batch pins (evicting a pinned one would only leave its slot draining;
+    /// `also_locked`: a state the call holds meanwhile): `Some(m)`: `m` of them
     /// (`evict(0, m)`); `None`: an allocation's eviction when no slot is free, which
     /// takes one, and nothing when there is none.
-    fn state_victims(&self, also_locked: Option<&Key>, count: Option<usize>) -> BTreeSet<Key> {
+    fn state_victims(&self, also_locked: Option<&Key>, count: Option<usize>) -> Victims {
         let (_, ml) = self.locks();
         let pinned = self.pinned();
-        // Unused states first, then used ones, each oldest first; but the oldest used
-        // one first while more used states than the protected cap are candidates.
-        let mut used: Vec<(u64, &Key)> = vec![];
-        let mut unused: Vec<(u64, &Key)> = vec![];
+        // "lru": unused states first, then used ones, each oldest first; but the oldest
+        // used one first while more used states than the protected cap are candidates.
+        // "lfu": fewest matches first; "priority" (every priority is 0 here): unused
+        // first, then used, each oldest first.
+        let mut used: Vec<((u64, u64), &Key)> = vec![];
+        let mut unused: Vec<((u64, u64), &Key)> = vec![];
         for (k, s) in &self.content.states {
             if ml.contains_key(k) || Some(k) == also_locked || pinned.contains(s) {
                 continue;
             }
             let (time, hit) = self.used[k];
-            if hit { &mut used } else { &mut unused }.push((time, k));
+            let rank = match self.policy {
+                EvictionPolicy::Lfu => self.hits[k],
+                _ => 0,
+            };
+            let uncapped = self.policy != EvictionPolicy::Lru;
+            if hit && !uncapped {
+                &mut used
+            } else {
+                &mut unused
+            }
+            .push(((rank, u64::from(hit) << 62 | time), k));
         }
+        let candidates: BTreeSet<Key> = used
+            .iter()
+            .chain(&unused)
+            .map(|(_, k)| (*k).clone())
+            .collect();
         used.sort_unstable_by(|a, b| b.cmp(a));
         unused.sort_unstable_by(|a, b| b.cmp(a));
         let n = match count {
@@ -739,16 +805,21 @@ impl Model {
             None => 1.min(used.len() + unused.len()),
         };
         let cap = self.mamba_cap * 3 / 4;
-        let mut out = BTreeSet::new();
+        let mut keys = BTreeSet::new();
         for _ in 0..n {
             let next = if used.len() > cap || unused.is_empty() {
                 used.pop()
             } else {
                 unused.pop()
             };
-            out.extend(next.map(|(_, k)| k.clone()));
+            keys.extend(next.map(|(_, k)| k.clone()));
         }
-        out
+        Victims {
+            keys,
+            candidates,
+            exact: self.policy != EvictionPolicy::StateValue,
+            policy: self.policy,
+        }
     }
 
     fn req_index(&self, id: RequestId) -> Option<usize> {
@@ -791,12 +862,13 @@ struct Machine {
 }
 
 impl Machine {
-    fn new(ps: usize, kv_slots: usize, mamba_slots: usize) -> Machine {
+    fn new(ps: usize, kv_slots: usize, mamba_slots: usize, policy: EvictionPolicy) -> Machine {
         Machine {
             cache: Cache::new(Config {
                 kv_slots,
                 page_size: ps,
                 mamba_slots,
+                eviction_policy: EvictionPolicies::uniform(policy),
                 ..Config::default()
             })
             .unwrap(),
@@ -816,7 +888,9 @@ impl Machine {
                 recent_nodes: Vec::new(),
                 history: Vec::new(),
                 used: HashMap::new(),
+                hits: HashMap::new(),
                 clock: 0,
+                policy,
             },
             read: Read::default(),
         }
@@ -1093,6 +1167,7 @@ impl Machine {
         }
         for k in &removed.state_keys {
             self.m.used.remove(k);
+            self.m.hits.remove(k);
         }
         self.m.content = after.content;
         self.read.ends = after.ends;
@@ -1251,7 +1326,7 @@ impl Machine {
         let victims = self.m.state_victims(None, None);
         let r = self.cache.alloc_mamba().unwrap();
         let removed = self.absorb(&[], false);
-        assert_eq!(removed.state_keys, victims, "alloc_mamba evicted (LRU)");
+        victims.check(&removed.state_keys, "alloc_mamba");
         assert_eq!(r.is_some(), ok, "alloc_mamba");
         if !free.is_empty() {
             assert!(removed.is_empty(), "alloc_mamba evicted with a free slot");
@@ -1475,7 +1550,7 @@ impl Machine {
         let r = self.cache.evict(kv, mamba);
         let removed = self.absorb(&[], false);
         if kv == 0 {
-            assert_eq!(removed.state_keys, victims, "evict(0, {mamba}) (LRU)");
+            victims.check(&removed.state_keys, &format!("evict(0, {mamba})"));
         }
         assert_eq!(
             r.kv_tokens,
@@ -1655,11 +1730,11 @@ impl Machine {
         let victims = if src.is_some() {
             self.m.state_victims(Some(&k), None)
         } else {
-            BTreeSet::new()
+            Victims::none()
         };
         let got = self.cache.admit(ns.as_deref(), toks).unwrap();
         let removed = self.absorb(&[(k.clone(), src.is_some())], true);
-        assert_eq!(removed.state_keys, victims, "admit evicted (LRU)");
+        victims.check(&removed.state_keys, "admit");
         if src.is_some() {
             // The match reused it (it was locked meanwhile: no eviction took it).
             self.m.use_state(&k, true);
@@ -1763,13 +1838,13 @@ impl Machine {
             if wants_state {
                 self.m.state_victims(None, None)
             } else {
-                BTreeSet::new()
+                Victims::none()
             }
         });
         let r = self.cache.extend(id, &toks).unwrap();
         let removed = self.absorb(&[], false);
         if let Some(v) = victims {
-            assert_eq!(removed.state_keys, v, "extend evicted (LRU)");
+            v.check(&removed.state_keys, "extend");
         }
         assert_eq!(r.is_some(), kv_ok && st_ok, "extend({id}, {toks:?})");
         if !(kv_ok && st_ok) || (free.len() >= need && (!wants_state || !free_m.is_empty())) {
@@ -1863,8 +1938,8 @@ impl Machine {
         let free_m = self.m.slots_in(PageState::Free);
         let pinned = self.m.pinned();
         let kv_ok = need == 0 || free.len() + self.m.unlocked_pages() >= need;
-        let st_ok =
-            states == 0 || free_m.len() + self.m.state_victims(None, Some(states)).len() >= states;
+        let st_ok = states == 0
+            || free_m.len() + self.m.state_victims(None, Some(states)).keys.len() >= states;
         let r = self.cache.extend_batch(&ids, &toks).unwrap();
         let removed = self.absorb(&[], false);
         assert_eq!(
@@ -1985,11 +2060,11 @@ impl Machine {
         let victims = if emit {
             self.m.state_victims(None, None)
         } else {
-            BTreeSet::new()
+            Victims::none()
         };
         self.cache.checkpoint(id).unwrap();
         let removed = self.absorb(&[], true);
-        assert_eq!(removed.state_keys, victims, "checkpoint evicted (LRU)");
+        victims.check(&removed.state_keys, "checkpoint");
         if !emit || !free.is_empty() {
             assert!(removed.is_empty(), "checkpoint evicted needlessly");
         }
@@ -2202,9 +2277,10 @@ proptest! {
     #[test]
     fn hybrid_cache_matches_the_reference_model(
         (ps, kv_slots, mamba_slots) in config(),
+        policy in prop::sample::select(EvictionPolicy::ALL.to_vec()),
         ops in prop::collection::vec(op(), 1..=200),
     ) {
-        let mut machine = Machine::new(ps, kv_slots, mamba_slots);
+        let mut machine = Machine::new(ps, kv_slots, mamba_slots, policy);
         machine.check();
         for op in &ops {
             machine.step(op);

@@ -45,12 +45,14 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use common::{
     add_lock, arg_of, assert_locks, assert_pool_sums, assert_sizes, cached_len, cached_slots,
-    caller_slots, evicted_pages, foreign_receipt, i64_of, key, ns_of, page_of, page_slots,
-    proptest_config, remember, some_held_slots, tail, take_allocated, tok_spec_of, tree_pages,
-    valid_insert_args, Key, Ns, OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
+    caller_slots, evicted_pages, eviction_policies, foreign_receipt, i64_of, key, ns_of, page_of,
+    page_slots, proptest_config, remember, some_held_slots, tail, take_allocated, tok_spec_of,
+    tree_pages, valid_insert_args, Key, Ns, OwnedFrom, Pages, Rng, TokSpec, SYSTEM,
 };
 use proptest::prelude::*;
-use radixcache_core::{Cache, Config, Error, LockReceipt, Match, NodeId, NodeInfo, PoolCounts};
+use radixcache_core::{
+    Cache, Config, Error, EvictionPolicies, LockReceipt, Match, NodeId, NodeInfo, PoolCounts,
+};
 
 // ---------------------------------------------------------------------------------------
 // Operations
@@ -352,9 +354,13 @@ struct Machine {
 }
 
 impl Machine {
-    fn new(ps: usize, slots: usize) -> Machine {
+    fn new(ps: usize, slots: usize, eviction_policy: EvictionPolicies) -> Machine {
         Machine {
-            cache: Cache::new(Config::kv(slots, ps)).unwrap(),
+            cache: Cache::new(Config {
+                eviction_policy,
+                ..Config::kv(slots, ps)
+            })
+            .unwrap(),
             m: Model {
                 ps,
                 capacity: slots,
@@ -936,9 +942,10 @@ proptest! {
     #[test]
     fn cache_matches_the_reference_model(
         (ps, slots) in config(),
+        policy in eviction_policies(),
         ops in prop::collection::vec(op(), 1..=240),
     ) {
-        let mut machine = Machine::new(ps, slots);
+        let mut machine = Machine::new(ps, slots, policy);
         machine.check();
         for op in &ops {
             machine.step(op);

@@ -83,6 +83,39 @@ fn pools_arg(v: &Bound<'_, PyAny>) -> PyResult<core::PoolOwner> {
     s.parse().map_err(err)
 }
 
+/// `eviction_policy=`: one policy name for every component it applies to, or a dict
+/// per component (`{"kv": ..., "mamba": ...}`); the core checks the names.
+fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies> {
+    let type_name = |v: &Bound<'_, PyAny>| {
+        v.get_type()
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string())
+    };
+    if let Ok(name) = v.extract::<String>() {
+        return name.parse().map_err(err);
+    }
+    let Ok(dict) = v.cast::<PyDict>() else {
+        return Err(PyTypeError::new_err(format!(
+            "eviction_policy: expected a policy name or a dict per component, got {}",
+            type_name(v)
+        )));
+    };
+    let mut pairs = Vec::with_capacity(dict.len());
+    for (component, name) in dict.iter() {
+        let (Ok(component), Ok(name)) = (component.extract::<String>(), name.extract::<String>())
+        else {
+            return Err(PyTypeError::new_err(format!(
+                "eviction_policy: expected str keys and str policy names, got {}: {}",
+                type_name(&component),
+                type_name(&name)
+            )));
+        };
+        pairs.push((component, name));
+    }
+    core::EvictionPolicies::from_components(pairs.iter().map(|(c, n)| (c.as_str(), n.as_str())))
+        .map_err(err)
+}
+
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     PyArray1::from_vec(py, v).unbind()
 }
@@ -102,6 +135,12 @@ fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
 ///     write_through_threshold times) or "write_back" (only a node being evicted).
 ///   write_through_threshold: inserts before a selective backup (>= 1; None: 2). Only
 ///     with "write_through_selective": the other policies refuse it.
+///   eviction_policy: the order in which eviction takes candidates: "lru" (the
+///     default), "lfu" (least often matched first), "priority" (lowest request
+///     priority first, see insert and admit) or "state-value" (states only: the
+///     state that saves the least compute first, aged; KV keeps "lru"). A name
+///     applies to every component; a dict sets each: {"kv": ..., "mamba": ...}
+///     (missing: "lru"). The host tier follows the KV policy.
 ///   pools: who owns the device slots. "cache" (the default): the cache's own pools
 ///     (alloc_kv, alloc_mamba, requests). "engine": the engine's allocators own every
 ///     slot; insert claims the slots it is passed, what the tree gives up is queued
@@ -122,8 +161,9 @@ impl PyHybridCache {
     #[pyo3(signature = (kv_slots=Int::Value(8192), page_size=Int::Value(1),
                         mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
-                        write_through_threshold=None, pools=core::PoolOwner::Cache),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache')")]
+                        write_through_threshold=None, pools=core::PoolOwner::Cache,
+                        eviction_policy=core::EvictionPolicies::default()),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru')")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -133,6 +173,7 @@ impl PyHybridCache {
         write_policy: &str,
         write_through_threshold: Option<Int>,
         #[pyo3(from_py_with = pools_arg)] pools: core::PoolOwner,
+        #[pyo3(from_py_with = eviction_policy_arg)] eviction_policy: core::EvictionPolicies,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -153,6 +194,7 @@ impl PyHybridCache {
             write_policy: write_policy.parse().map_err(err)?,
             write_through_threshold: threshold,
             pools,
+            eviction_policy,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -194,6 +236,16 @@ impl PyHybridCache {
     #[getter]
     fn write_policy(&self) -> &'static str {
         self.config.write_policy.as_str()
+    }
+
+    /// The eviction policy of each component: {"kv": name, "mamba": name}.
+    #[getter]
+    fn eviction_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let p = self.config.eviction_policy;
+        d.set_item("kv", p.kv.as_str())?;
+        d.set_item("mamba", p.mamba.as_str())?;
+        Ok(d)
     }
 
     /// Who owns the device slots: "cache" (its own pools) or "engine".
@@ -277,8 +329,9 @@ impl PyHybridCache {
 
     /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
     #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=Int::Value(0),
-                        mamba_slot=None),
-           text_signature = "($self, tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None)")]
+                        mamba_slot=None, priority=Int::Value(0)),
+           text_signature = "($self, tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None, priority=0)")]
+    #[allow(clippy::too_many_arguments)] // one per argument of the Python method
     fn insert(
         &self,
         py: Python<'_>,
@@ -287,13 +340,15 @@ impl PyHybridCache {
         namespace: Option<&str>,
         owned_from: Int,
         mamba_slot: Option<Int>,
+        priority: Int,
     ) -> PyResult<PyInsert> {
         let tokens = tokens_arg(tokens, "tokens")?;
         let kv = indices_arg(kv_indices, "kv_indices")?;
         let owned_from = owned_from.count("owned_from")?;
         let mamba_slot = mamba_slot.map(|s| s.get("mamba_slot")).transpose()?;
+        let priority = priority.get("priority")?;
         let r = run(py, &self.inner, tokens.len(), |c| {
-            c.insert_with_state(namespace, &tokens, &kv, owned_from, mamba_slot)
+            c.insert_with_priority(namespace, &tokens, &kv, owned_from, mamba_slot, priority)
         })?;
         Ok(PyInsert {
             prefix_len: r.prefix_len,
@@ -382,16 +437,19 @@ impl PyHybridCache {
     }
 
     /// Admit a request: match, lock the reused prefix, copy-on-write its state.
-    #[pyo3(signature = (tokens, *, namespace=None))]
+    #[pyo3(signature = (tokens, *, namespace=None, priority=Int::Value(0)),
+           text_signature = "($self, tokens, *, namespace=None, priority=0)")]
     fn admit(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&str>,
+        priority: Int,
     ) -> PyResult<Option<PyRequest>> {
         let tokens = tokens_arg(tokens, "tokens")?;
+        let priority = priority.get("priority")?;
         let id = run(py, &self.inner, tokens.len(), |c| {
-            let id = c.admit(namespace, &tokens)?;
+            let id = c.admit_with_priority(namespace, &tokens, priority)?;
             if let Some(id) = id {
                 c.own_request(id)?;
             }

@@ -101,7 +101,7 @@ impl Cache {
     /// is freed when that backup lands (in the round this call started).
     pub(crate) fn take_state(&mut self) -> StateRoom {
         if self.pools.mamba.free_pages() == 0 {
-            let Some(victim) = self.lru.first_state() else {
+            let Some(victim) = self.lru.pop_state(&mut self.tree) else {
                 self.stats.mamba_alloc_failures += 1;
                 return StateRoom::No;
             };

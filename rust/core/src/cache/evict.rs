@@ -118,6 +118,7 @@ impl Cache {
             self.place_state(slot, NONE);
             self.pools.mamba.release_tree(&[slot]);
             out.mamba_states += 1;
+            self.lru.ancestor_state_changed(&mut self.tree, i);
         }
     }
 

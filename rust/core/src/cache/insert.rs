@@ -38,11 +38,7 @@ impl Cache {
         self.insert_with_state(namespace, tokens, kv_indices, owned_from, None)
     }
 
-    /// [`Cache::insert`] that also hands over the Mamba state slot `mamba_slot` (from
-    /// `alloc_mamba`), taken at the end of `tokens`. It lands on the node where the insert
-    /// ends; if that node has a state already the slot is freed and
-    /// `Insert::mamba_existed` is true. A state cannot sit anywhere but at a node's end,
-    /// so with an unaligned tail, or with no whole page, the slot is freed too.
+    /// [`Cache::insert_with_priority`] with priority 0.
     pub fn insert_with_state(
         &mut self,
         namespace: Option<&str>,
@@ -50,6 +46,25 @@ impl Cache {
         kv_indices: &[i64],
         owned_from: usize,
         mamba_slot: Option<i64>,
+    ) -> Result<Insert> {
+        self.insert_with_priority(namespace, tokens, kv_indices, owned_from, mamba_slot, 0)
+    }
+
+    /// [`Cache::insert`] that also hands over the Mamba state slot `mamba_slot` (from
+    /// `alloc_mamba`), taken at the end of `tokens`. It lands on the node where the insert
+    /// ends; if that node has a state already the slot is freed and
+    /// `Insert::mamba_existed` is true. A state cannot sit anywhere but at a node's end,
+    /// so with an unaligned tail, or with no whole page, the slot is freed too.
+    /// Every node the insert passes or adds takes `priority` when it is higher than the
+    /// node's (the "priority" eviction policy keeps higher priorities longer).
+    pub fn insert_with_priority(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        kv_indices: &[i64],
+        owned_from: usize,
+        mamba_slot: Option<i64>,
+        priority: i64,
     ) -> Result<Insert> {
         let ps = self.config.page_size;
         if kv_indices.len() != tokens.len() {
@@ -125,7 +140,7 @@ impl Cache {
             None if aligned == 0 => self.roots.empty(),
             None => self.root(namespace),
         };
-        let out = self.publish(root, &probe, tokens, owned_from, owned, state);
+        let out = self.publish(root, &probe, tokens, owned_from, owned, state, priority);
         self.probe = probe;
         drop(out.unpublished);
         self.maybe_backup(out.end);
@@ -150,7 +165,9 @@ impl Cache {
     /// revives host-only nodes on the path with the caller's pages, adds the new leaf
     /// and places `state`. A node whose load-back is in flight stops the insert there:
     /// nothing is cached at or below it, and the caller's pages from there to the
-    /// aligned end come back as `unpublished`.
+    /// aligned end come back as `unpublished`. The nodes passed take `priority` when it
+    /// is higher, the new leaf takes it.
+    #[allow(clippy::too_many_arguments)] // the insert's parts, each used once
     pub(crate) fn publish(
         &mut self,
         root: u32,
@@ -159,6 +176,7 @@ impl Cache {
         owned_from: usize,
         owned: Pages,
         state: Option<Pages>,
+        priority: i64,
     ) -> Published {
         let ps = self.config.page_size;
         let aligned = self.aligned(tokens.len());
@@ -194,7 +212,8 @@ impl Cache {
                 owned_pos = next;
             }
             self.tree.node_mut(node).hits += 1;
-            self.touch(node);
+            self.raise_priority(node, priority);
+            self.touch(node, false);
             end = node;
             pos = next;
         }
@@ -207,7 +226,7 @@ impl Cache {
         } else {
             if aligned > pos {
                 let leaf_pages = owned.take((aligned - pos) / ps);
-                end = self.add_leaf(end, tokens[pos..aligned].to_vec(), leaf_pages);
+                end = self.add_leaf(end, tokens[pos..aligned].to_vec(), leaf_pages, priority);
                 self.tree.node_mut(end).hits = 1;
                 self.stats.inserted_tokens += (aligned - pos) as u64;
             }
@@ -281,10 +300,14 @@ impl Cache {
             // Marked pinned or not first, so that the tallies count it right at once.
             self.place_state(s, i);
         }
-        self.edit(i, |n| n.mamba.device = slot.first().copied());
+        self.edit(i, |n| {
+            n.mamba.device = slot.first().copied();
+            n.mamba.hits = 0;
+        });
         self.stats.states_cached += 1;
         self.touch_state(i, false);
         self.refresh(i);
+        self.lru.ancestor_state_changed(&mut self.tree, i);
     }
 
     /// Validates the page structure of caller slots for positions starting at `start`
@@ -393,14 +416,15 @@ impl Cache {
         Ok(())
     }
 
-    /// Adds a device leaf under `parent` holding `pages`; returns it.
-    fn add_leaf(&mut self, parent: u32, key: Vec<u32>, pages: Pages) -> u32 {
+    /// Adds a device leaf under `parent` holding `pages`, with `priority`; returns it.
+    fn add_leaf(&mut self, parent: u32, key: Vec<u32>, pages: Pages, priority: i64) -> u32 {
         let leaf = self.tree.alloc_node(parent, key);
+        self.tree.node_mut(leaf).priority = priority;
         self.edit(leaf, |n| n.kv.device = Some(pages.into_tree()));
         self.tree.link_child(parent, leaf);
         self.cancel_eviction(parent);
         self.tree.node_mut(parent).device_children += 1;
-        self.touch(leaf);
+        self.touch(leaf, false);
         self.refresh(parent);
         self.refresh(leaf);
         leaf

@@ -30,7 +30,7 @@ impl Cache {
     /// point), and only that state's LRU position is refreshed.
     pub fn match_prefix(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Match {
         let mut kv_indices = Vec::new();
-        let f = self.find(namespace, tokens, Some(&mut kv_indices));
+        let f = self.find(namespace, tokens, Some(&mut kv_indices), None);
         Match {
             device_len: f.device_len,
             kv_indices,
@@ -43,12 +43,15 @@ impl Cache {
     }
 
     /// [`Cache::match_prefix`], filling `slots` (when given) with the device slots of the
-    /// match. Callers that do not return the slots pass `None` and build nothing.
+    /// match. Callers that do not return the slots pass `None` and build nothing. Every
+    /// node up to the cut counts a match, and with a `priority` (an admission) is
+    /// raised to it.
     pub(crate) fn find(
         &mut self,
         namespace: Option<&str>,
         tokens: &[u32],
         mut slots: Option<&mut Vec<i64>>,
+        priority: Option<i64>,
     ) -> Found {
         self.reap();
         let root = self.roots.read(namespace);
@@ -67,12 +70,16 @@ impl Cache {
         let mut any = (root, 0);
         let mut on_device = true;
         let mut depth = 0;
-        for &(i, n) in &probe.path {
+        // Path entries past the cut (`valid`) are not used by the match.
+        let mut used = 0;
+        for (k, entry) in probe.path.iter_mut().enumerate() {
+            let (i, n) = *entry;
             let node = if n < self.tree.node(i).key.len() {
                 self.split(i, n)
             } else {
                 i
             };
+            entry.0 = node;
             depth += n;
             let nd = self.tree.node(node);
             on_device = on_device && !nd.kv.loading && nd.kv.device.is_some();
@@ -81,15 +88,23 @@ impl Cache {
             {
                 self.expand_into(pages, out);
             }
-            self.touch(node);
-            let nd = self.tree.node(node);
             if on_device && (!hybrid || nd.mamba.device.is_some()) {
                 valid = (node, depth);
+                used = k + 1;
             }
             let state_somewhere = nd.mamba.device.is_some() || nd.mamba.host.is_some();
             if !hybrid || state_somewhere {
                 any = (node, depth);
             }
+        }
+        // Every node on the path is refreshed, ancestors older than descendants; those
+        // the match uses count a hit (and take an admission's priority).
+        for (k, &(node, _)) in probe.path.iter().enumerate() {
+            let hit = k < used;
+            if let (true, Some(p)) = (hit, priority) {
+                self.raise_priority(node, p);
+            }
+            self.touch(node, hit);
         }
         let kv_len = probe.matched;
         self.probe = probe;

@@ -1,27 +1,54 @@
-//! The eviction sets and the logical clock: which nodes eviction may take, oldest first.
+//! The eviction sets and the logical clock: which nodes eviction may take, in the order
+//! each component's [`EvictionPolicy`] gives.
 //!
-//! [`Lru`] owns the three sets and each node's membership marks (`kv.in_lru`,
+//! [`Lru`] owns the four sets and each node's membership marks (`kv.in_lru`,
 //! `mamba.in_lru`, `kv.in_host_lru`); everyone else asks it to [`Lru::refresh`] a node
-//! after changing what the node is, and it decides. Keys are `(last access, index)`, so
-//! the first entry is the least recently used.
+//! after changing what the node is, and it decides. An entry is `(key, node index)` and
+//! the first entry goes first. The key is what the policy computes from the node
+//! ([`Lru::kv_key`], [`Lru::state_key`]); it is kept on the node while the node is
+//! listed, and everything a key is computed from changes through here, which lists the
+//! node again under its new key:
+//!
+//! | policy | KV and host key | state key |
+//! |---|---|---|
+//! | lru | (last access, 0) | (last use, [`HOT`] once used; 0) |
+//! | lfu | (matches, last access) | (matches of the state, last use) |
+//! | priority | (priority, last access) | (the node's priority, last use) |
+//! | state-value | (not for KV) | (aging level at last use + value, last use) |
+//!
+//! Under "lru" the keys are the access times alone, so the order is exactly the
+//! recency order. The state-value policy is GreedyDual-Size-Frequency: a state's value
+//! is the compute it saves ([`state_cost`]) times its matches plus one, per slot (every
+//! state takes one); the key adds the aging level `L` at the state's last use, and `L`
+//! rises to the key of each state the policy evicts, so states nobody uses age out
+//! behind the ones in use (docs/design.md, "Eviction policies").
 
 use std::collections::BTreeSet;
 
-use crate::tree::Tree;
+use crate::config::{EvictionPolicies, EvictionPolicy};
+use crate::tree::{Node, Tree, NONE};
 
-/// Eviction candidates by `(last access, node index)`: the first is the oldest.
-pub(crate) type LruSet = BTreeSet<(u64, u32)>;
+/// A node's place in an eviction set: compared first, then the second word.
+pub(crate) type Key = (u64, u64);
+
+/// Eviction candidates by `(key, node index)`: the first goes first.
+pub(crate) type LruSet = BTreeSet<(u64, u64, u32)>;
 
 /// Set in a state's `last_access` once a match has used the state (the time is in the
-/// bits below). States are evicted in two segments: unused states first (a finished
-/// request's end state, which often nobody resumes), then used ones (a shared prompt's
-/// branch point), each least recently used first; so a stream of one-off states cannot
-/// flush the states many requests reuse. While more than the protected cap of used
-/// states are candidates, the oldest used one goes first instead, so that used states
-/// nobody needs any more still age out. The bit orders used states after unused ones.
+/// bits below). Under "lru", states are evicted in two segments: unused states first (a
+/// finished request's end state, which often nobody resumes), then used ones (a shared
+/// prompt's branch point), each least recently used first; so a stream of one-off
+/// states cannot flush the states many requests reuse. While more than the protected
+/// cap of used states are candidates, the oldest used one goes first instead, so that
+/// used states nobody needs any more still age out. The bit orders used states after
+/// unused ones.
 pub(crate) const HOT: u64 = 1 << 62;
 
-/// The eviction candidates of each component, by last access.
+/// Depth (tokens) at which a token's attention costs as much again as the rest of its
+/// layers' work: the weight of a token at depth `d` is `1 + d / DEPTH_SCALE`.
+pub(crate) const DEPTH_SCALE: u64 = 4096;
+
+/// The eviction candidates of each component, in each component's policy order.
 #[derive(Default)]
 pub(crate) struct Lru {
     /// Unlocked device leaves whose state (if any) is unlocked too.
@@ -34,17 +61,22 @@ pub(crate) struct Lru {
     /// Those of `host` that hold a host state (where a host state slot can be had).
     host_states: LruSet,
     clock: u64,
-    /// Entries of `mamba` for used states (keys with [`HOT`]).
+    /// Entries of `mamba` for used states (keys with [`HOT`]; "lru" only).
     hot: usize,
     /// How many used states are protected (see [`HOT`]).
     hot_cap: usize,
+    policy: EvictionPolicies,
+    /// The state-value aging level `L`: the highest key of a state the policy evicted.
+    level: u64,
 }
 
 impl Lru {
-    /// Empty sets; up to `hot_cap` used states protected.
-    pub fn new(hot_cap: usize) -> Lru {
+    /// Empty sets ordered by `policy`; under "lru" up to `hot_cap` used states
+    /// protected.
+    pub fn new(hot_cap: usize, policy: EvictionPolicies) -> Lru {
         Lru {
             hot_cap,
+            policy,
             ..Lru::default()
         }
     }
@@ -54,45 +86,140 @@ impl Lru {
         self.clock
     }
 
-    /// Marks node `i` as accessed now, keeping its place in the sets right.
-    pub fn touch(&mut self, tree: &mut Tree, i: u32) {
-        let now = self.tick();
-        let n = tree.node_mut(i);
-        let old = std::mem::replace(&mut n.last_access, now);
-        if n.kv.in_lru {
-            self.kv.remove(&(old, i));
-            self.kv.insert((now, i));
+    /// The key of node `n` in the KV and host sets under the KV policy.
+    pub fn kv_key(&self, n: &Node) -> Key {
+        match self.policy.kv {
+            // Configuration refuses state-value for KV (it values states only).
+            EvictionPolicy::Lru | EvictionPolicy::StateValue => (n.last_access, 0),
+            EvictionPolicy::Lfu => (n.matches, n.last_access),
+            EvictionPolicy::Priority => (ordered(n.priority), n.last_access),
         }
-        if n.kv.in_host_lru {
-            self.host.remove(&(old, i));
-            self.host.insert((now, i));
-            if n.mamba.host.is_some() {
-                self.host_states.remove(&(old, i));
-                self.host_states.insert((now, i));
+    }
+
+    /// The key of node `i`'s device state in the state set under the state policy.
+    pub fn state_key(&self, tree: &Tree, i: u32) -> Key {
+        let n = tree.node(i);
+        let m = &n.mamba;
+        match self.policy.mamba {
+            EvictionPolicy::Lru => (m.last_access, 0),
+            EvictionPolicy::Lfu => (m.hits, m.last_access),
+            EvictionPolicy::Priority => (ordered(n.priority), m.last_access),
+            EvictionPolicy::StateValue => {
+                let value = state_cost(tree, i).saturating_mul(m.hits.saturating_add(1));
+                (m.aged.saturating_add(value), m.last_access)
             }
         }
     }
 
-    /// Marks node `i`'s state as accessed now: used by a match (`hit`), or just cached
-    /// (unused again).
+    /// Marks node `i` as accessed now, keeping its place in the sets right; `hit`: by a
+    /// match that uses it (counted in its matches).
+    pub fn touch(&mut self, tree: &mut Tree, i: u32, hit: bool) {
+        let now = self.tick();
+        let n = tree.node_mut(i);
+        n.last_access = now;
+        if hit {
+            n.matches += 1;
+        }
+        self.rekey_kv(tree, i);
+    }
+
+    /// Marks node `i`'s state as accessed now: used by a match (`hit`, counted in the
+    /// state's matches), or just cached (unused again).
     pub fn touch_state(&mut self, tree: &mut Tree, i: u32, hit: bool) {
         let now = self.tick() | if hit { HOT } else { 0 };
-        let n = tree.node_mut(i);
-        let old = std::mem::replace(&mut n.mamba.last_access, now);
-        if n.mamba.in_lru {
-            self.remove_state((old, i));
-            self.add_state((now, i));
+        let m = &mut tree.node_mut(i).mamba;
+        m.last_access = now;
+        m.aged = self.level;
+        if hit {
+            m.hits += 1;
+        }
+        self.rekey_state(tree, i);
+    }
+
+    /// Raises node `i`'s priority to `priority` (a request inserted or was admitted
+    /// through it), keeping its places in the sets right.
+    pub fn raise_priority(&mut self, tree: &mut Tree, i: u32, priority: i64) {
+        if tree.node(i).priority >= priority {
+            return;
+        }
+        tree.node_mut(i).priority = priority;
+        self.rekey_kv(tree, i);
+        if self.policy.mamba == EvictionPolicy::Priority {
+            self.rekey_state(tree, i);
         }
     }
 
-    fn add_state(&mut self, key: (u64, u32)) {
-        if self.mamba.insert(key) && key.0 & HOT != 0 {
+    /// After node `i` gained or lost its device state: under state-value, the states
+    /// below it whose nearest state above changed (down to the next state on each
+    /// branch) save a different amount of compute, and move.
+    pub fn ancestor_state_changed(&mut self, tree: &mut Tree, i: u32) {
+        if self.policy.mamba != EvictionPolicy::StateValue {
+            return;
+        }
+        let mut stack: Vec<u32> = tree.node(i).children.iter().map(|&(_, c)| c).collect();
+        while let Some(c) = stack.pop() {
+            let n = tree.node(c);
+            // Device KV is prefix-closed and a state needs its node's device KV: no
+            // device state lies at or below a node without device KV.
+            if n.kv.device.is_none() {
+                continue;
+            }
+            if n.mamba.device.is_some() {
+                self.rekey_state(tree, c);
+            } else {
+                stack.extend(n.children.iter().map(|&(_, g)| g));
+            }
+        }
+    }
+
+    /// Lists node `i` in the KV and host sets it is in under its current key.
+    fn rekey_kv(&mut self, tree: &mut Tree, i: u32) {
+        let n = tree.node(i);
+        if !n.kv.in_lru && !n.kv.in_host_lru {
+            return;
+        }
+        let (old, new) = (n.lru_key, self.kv_key(n));
+        let (in_kv, in_host) = (n.kv.in_lru, n.kv.in_host_lru);
+        tree.node_mut(i).lru_key = new;
+        let entry = |k: Key| (k.0, k.1, i);
+        if in_kv {
+            self.kv.remove(&entry(old));
+            self.kv.insert(entry(new));
+        }
+        if in_host {
+            self.host.remove(&entry(old));
+            self.host.insert(entry(new));
+            if self.host_states.remove(&entry(old)) {
+                self.host_states.insert(entry(new));
+            }
+        }
+    }
+
+    /// Lists node `i`'s state in the state set (if it is in it) under its current key.
+    fn rekey_state(&mut self, tree: &mut Tree, i: u32) {
+        let n = tree.node(i);
+        if !n.mamba.in_lru {
+            return;
+        }
+        let (old, new) = (n.mamba.lru_key, self.state_key(tree, i));
+        tree.node_mut(i).mamba.lru_key = new;
+        self.remove_state((old.0, old.1, i));
+        self.add_state((new.0, new.1, i));
+    }
+
+    /// Whether a state set entry counts as a used state (see [`HOT`]).
+    fn is_hot(&self, entry: (u64, u64, u32)) -> bool {
+        self.policy.mamba == EvictionPolicy::Lru && entry.0 & HOT != 0
+    }
+
+    fn add_state(&mut self, entry: (u64, u64, u32)) {
+        if self.mamba.insert(entry) && self.is_hot(entry) {
             self.hot += 1;
         }
     }
 
-    fn remove_state(&mut self, key: (u64, u32)) {
-        if self.mamba.remove(&key) && key.0 & HOT != 0 {
+    fn remove_state(&mut self, entry: (u64, u64, u32)) {
+        if self.mamba.remove(&entry) && self.is_hot(entry) {
             self.hot -= 1;
         }
     }
@@ -121,20 +248,30 @@ impl Lru {
             && n.device_children == n.evicting_children;
         let mamba = n.mamba.device.is_some() && n.mamba.lock == 0 && !n.mamba.pinned;
         let host_state = host && n.mamba.host.is_some();
-        let (key, state_key) = ((n.last_access, i), (n.mamba.last_access, i));
-        set_membership(&mut self.kv, key, n.kv.in_lru, kv);
+        // Entries leave under the key they were listed with, and join under the key
+        // the policy gives now (the same while the node stays listed).
+        let (old, new) = ((n.lru_key.0, n.lru_key.1, i), self.kv_key(n));
+        let new = (new.0, new.1, i);
         let state_was = n.mamba.in_lru;
-        let host_state_was = n.kv.in_host_lru && self.host_states.contains(&key);
-        set_membership(&mut self.host, key, n.kv.in_host_lru, host);
-        set_membership(&mut self.host_states, key, host_state_was, host_state);
+        let state_key = (mamba && !state_was).then(|| self.state_key(tree, i));
+        let old_state = (n.mamba.lru_key.0, n.mamba.lru_key.1, i);
+        let host_state_was = n.kv.in_host_lru && self.host_states.contains(&old);
+        let (kv_was, host_was) = (n.kv.in_lru, n.kv.in_host_lru);
+        set_membership(&mut self.kv, old, new, kv_was, kv);
+        set_membership(&mut self.host, old, new, host_was, host);
+        set_membership(&mut self.host_states, old, new, host_state_was, host_state);
         let n = tree.node_mut(i);
+        if (kv && !kv_was) || (host && !host_was) {
+            n.lru_key = (new.0, new.1);
+        }
         n.kv.in_lru = kv;
         n.mamba.in_lru = mamba;
         n.kv.in_host_lru = host;
-        if mamba && !state_was {
-            self.add_state(state_key);
+        if let Some(key) = state_key {
+            n.mamba.lru_key = key;
+            self.add_state((key.0, key.1, i));
         } else if state_was && !mamba {
-            self.remove_state(state_key);
+            self.remove_state(old_state);
         }
     }
 
@@ -142,7 +279,7 @@ impl Lru {
     pub fn unlist_kv(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
         if std::mem::take(&mut n.kv.in_lru) {
-            self.kv.remove(&(n.last_access, i));
+            self.kv.remove(&(n.lru_key.0, n.lru_key.1, i));
         }
     }
 
@@ -150,8 +287,8 @@ impl Lru {
     pub fn unlist_state(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
         if std::mem::take(&mut n.mamba.in_lru) {
-            let key = (n.mamba.last_access, i);
-            self.remove_state(key);
+            let key = n.mamba.lru_key;
+            self.remove_state((key.0, key.1, i));
         }
     }
 
@@ -159,43 +296,44 @@ impl Lru {
     pub fn unlist_host(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node_mut(i);
         if std::mem::take(&mut n.kv.in_host_lru) {
-            self.host.remove(&(n.last_access, i));
-            self.host_states.remove(&(n.last_access, i));
+            let entry = (n.lru_key.0, n.lru_key.1, i);
+            self.host.remove(&entry);
+            self.host_states.remove(&entry);
         }
     }
 
-    /// The least recently used KV candidate, taken out of the set.
+    /// The first KV candidate, taken out of the set.
     pub fn pop_kv(&mut self, tree: &mut Tree) -> Option<u32> {
-        let (_, i) = self.kv.pop_first()?;
+        let (_, _, i) = self.kv.pop_first()?;
         tree.node_mut(i).kv.in_lru = false;
         Some(i)
     }
 
-    /// The next state to evict (see [`HOT`]), taken out of the set.
+    /// The next state to evict (see [`HOT`]), taken out of the set. Under state-value
+    /// the aging level rises to its key.
     pub fn pop_state(&mut self, tree: &mut Tree) -> Option<u32> {
-        let key = self.state_victim()?;
-        self.remove_state(key);
-        tree.node_mut(key.1).mamba.in_lru = false;
-        Some(key.1)
+        let entry = self.state_victim()?;
+        self.remove_state(entry);
+        if self.policy.mamba == EvictionPolicy::StateValue {
+            self.level = self.level.max(entry.0);
+        }
+        tree.node_mut(entry.2).mamba.in_lru = false;
+        Some(entry.2)
     }
 
-    /// The next state to evict (see [`HOT`]): the oldest used state while more than the
-    /// cap are candidates, else the oldest unused one, else the oldest used one.
-    fn state_victim(&self) -> Option<(u64, u32)> {
-        if self.hot > self.hot_cap {
-            return self.mamba.range((HOT, 0)..).next().copied();
+    /// The next state to evict: the first entry, except under "lru" (see [`HOT`]): the
+    /// oldest used state while more than the cap are candidates, else the oldest unused
+    /// one, else the oldest used one.
+    fn state_victim(&self) -> Option<(u64, u64, u32)> {
+        if self.policy.mamba == EvictionPolicy::Lru && self.hot > self.hot_cap {
+            return self.mamba.range((HOT, 0, 0)..).next().copied();
         }
         self.mamba.first().copied()
     }
 
-    /// The least recently used host candidate (left in the set).
+    /// The first host candidate (left in the set).
     pub fn first_host(&self) -> Option<u32> {
-        self.host.first().map(|&(_, i)| i)
-    }
-
-    /// The next state to evict (left in the set).
-    pub fn first_state(&self) -> Option<u32> {
-        self.state_victim().map(|(_, i)| i)
+        self.host.first().map(|&(_, _, i)| i)
     }
 
     /// State candidates.
@@ -203,9 +341,9 @@ impl Lru {
         self.mamba.len()
     }
 
-    /// The least recently used host candidate that holds a host state (left in the set).
+    /// The first host candidate that holds a host state (left in the set).
     pub fn first_host_state(&self) -> Option<u32> {
-        self.host_states.first().map(|&(_, i)| i)
+        self.host_states.first().map(|&(_, _, i)| i)
     }
 
     /// Used states counted among the candidates: for `audit()`.
@@ -213,24 +351,67 @@ impl Lru {
         self.hot
     }
 
+    /// The policies the sets follow.
+    pub fn policy(&self) -> EvictionPolicies {
+        self.policy
+    }
+
     /// The sets, for `audit()`: KV, states, host, host with a state.
     pub fn sets(&self) -> [&LruSet; 4] {
         [&self.kv, &self.mamba, &self.host, &self.host_states]
     }
 
-    /// Drops the oldest KV candidate without updating its node (audit tests corrupt
-    /// the books this way).
+    /// Drops the first KV candidate without updating its node (audit tests corrupt the
+    /// books this way).
     #[cfg(test)]
     pub fn corrupt_kv(&mut self) {
         self.kv.pop_first();
     }
 }
 
-/// Adds or removes `key` when membership changes from `was` to `now`.
-fn set_membership(set: &mut LruSet, key: (u64, u32), was: bool, now: bool) {
+/// A priority as a key word: lower priorities first.
+fn ordered(priority: i64) -> u64 {
+    priority.cast_unsigned() ^ (1 << 63)
+}
+
+/// The compute node `i`'s state saves, in units of `1 / DEPTH_SCALE` of a token at
+/// depth 0: the tokens from the nearest device state above it (or the root) to its
+/// end, each weighted `1 + depth / DEPTH_SCALE` (attention reads every token before
+/// it; the other layers cost the same at any depth).
+pub(crate) fn state_cost(tree: &Tree, i: u32) -> u64 {
+    let n = tree.node(i);
+    let mut between = n.key.len() as u64;
+    let mut depth = between;
+    let mut below_state = true;
+    let mut cur = n.parent;
+    while cur != NONE {
+        let a = tree.node(cur);
+        below_state = below_state && a.mamba.device.is_none();
+        if below_state {
+            between += a.key.len() as u64;
+        }
+        depth += a.key.len() as u64;
+        cur = a.parent;
+    }
+    // Sum over depths d in [depth - between, depth) of (DEPTH_SCALE + d); the product
+    // below is even (its factors have opposite parities).
+    let first = depth - between;
+    let spread = between.saturating_mul((first + depth).saturating_sub(1)) / 2;
+    between.saturating_mul(DEPTH_SCALE).saturating_add(spread)
+}
+
+/// Adds or removes the entry when membership changes from `was` (listed as `old`) to
+/// `now` (listed as `new`).
+fn set_membership(
+    set: &mut LruSet,
+    old: (u64, u64, u32),
+    new: (u64, u64, u32),
+    was: bool,
+    now: bool,
+) {
     if now && !was {
-        set.insert(key);
+        set.insert(new);
     } else if was && !now {
-        set.remove(&key);
+        set.remove(&old);
     }
 }

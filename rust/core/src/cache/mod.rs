@@ -11,7 +11,7 @@
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it) |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
-//! | `lru.rs` | the eviction sets, the clock | which nodes eviction may take |
+//! | `lru.rs` | the eviction sets, the clock | which nodes eviction may take, in each policy's order |
 //! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
@@ -40,6 +40,8 @@ pub(crate) mod locks;
 mod lookup;
 pub(crate) mod lru;
 mod namespaces;
+#[cfg(test)]
+mod policy_tests;
 pub(crate) mod report;
 pub(crate) mod request;
 mod results;
@@ -133,6 +135,7 @@ impl Cache {
         };
         // Up to three quarters of the state slots keep states that matches used.
         let hot_cap = config.mamba_slots * 3 / 4;
+        let policy = config.eviction_policy;
         let mut tree = Tree::new(config.page_size);
         let roots = namespaces::Namespaces::new(&mut tree);
         Ok(Cache {
@@ -141,7 +144,7 @@ impl Cache {
             pools,
             roots,
             sizes: sizes::Sizes::default(),
-            lru: lru::Lru::new(hot_cap),
+            lru: lru::Lru::new(hot_cap, policy),
             locks: locks::Locks::default(),
             returns: Arc::default(),
             requests: request::Requests::default(),
@@ -270,9 +273,14 @@ impl Cache {
         }
     }
 
-    /// Marks node `i` as accessed now.
-    pub(crate) fn touch(&mut self, i: u32) {
-        self.lru.touch(&mut self.tree, i);
+    /// Marks node `i` as accessed now; `hit`: used by a match (counted).
+    pub(crate) fn touch(&mut self, i: u32, hit: bool) {
+        self.lru.touch(&mut self.tree, i, hit);
+    }
+
+    /// Raises node `i`'s priority to at least `priority`.
+    pub(crate) fn raise_priority(&mut self, i: u32, priority: i64) {
+        self.lru.raise_priority(&mut self.tree, i, priority);
     }
 
     /// Marks node `i`'s state as accessed now: used by a match (`hit`), or just cached.

@@ -54,6 +54,8 @@ pub(crate) struct RequestState {
     /// the copy was filling): a forward pass the engine already queued may still write
     /// them, so they stay the request's until it ends, and only then are freed.
     pub retired: Retired,
+    /// The request's priority: what it caches takes it.
+    pub priority: i64,
 }
 
 /// KV pages and state slots a request holds but no longer uses ([`RequestState::retired`]).
@@ -160,11 +162,23 @@ impl Cache {
     /// even after eviction. The request then holds only the reused prefix; `extend`
     /// adds the rest. Refused when the engine owns the slots ([`Error::EngineOwned`]).
     pub fn admit(&mut self, namespace: Option<&str>, tokens: &[u32]) -> Result<Option<RequestId>> {
+        self.admit_with_priority(namespace, tokens, 0)
+    }
+
+    /// [`Cache::admit`] for a request of `priority`: the nodes its match uses take it
+    /// when it is higher, and so do those its `checkpoint` and `finish` insert (the
+    /// "priority" eviction policy keeps higher priorities longer).
+    pub fn admit_with_priority(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        priority: i64,
+    ) -> Result<Option<RequestId>> {
         self.cache_owned("admit")?;
         // The request will cache into its namespace: it gets a root now (dropped again
         // with the admission's lock if the admission is refused).
         self.root(namespace);
-        let m = self.find(namespace, tokens, None);
+        let m = self.find(namespace, tokens, None, Some(priority));
         let node = m.end;
         let lock = self.lock_index(node);
         let mut state = None;
@@ -198,6 +212,7 @@ impl Cache {
             handle: false,
             epoch: 0,
             retired: Retired::default(),
+            priority,
         };
         let id = RequestId {
             cache: self.id(),
@@ -518,12 +533,21 @@ impl Cache {
         let rest = r.kv.split_off(give);
         let given = std::mem::replace(&mut r.kv, rest);
         let namespace = r.namespace.clone();
+        let priority = r.priority;
         let root = self.root(namespace.as_deref());
         let mut probe = std::mem::take(&mut self.probe);
         self.tree.probe(root, &tokens[..aligned], &mut probe);
         // The request's prefix is locked, so the probe passes it: the pages given cover
         // exactly tokens[prefix_len..aligned].
-        let published = self.publish(root, &probe, &tokens[..aligned], prefix_len, given, None);
+        let published = self.publish(
+            root,
+            &probe,
+            &tokens[..aligned],
+            prefix_len,
+            given,
+            None,
+            priority,
+        );
         self.probe = probe;
         let (end, cached) = (published.end, published.cached);
         if let Ok(r) = self.request_mut(id) {

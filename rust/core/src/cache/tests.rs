@@ -140,7 +140,7 @@ fn audit_catches_corrupted_books() {
         ("evictable/protected", |c| c.sizes.evictable_tokens += 1),
         ("eviction set", |c| c.lru.corrupt_kv()),
         ("lock count", |c| {
-            let i = c.lru.sets()[0].first().map(|&(_, i)| i).unwrap();
+            let i = c.lru.sets()[0].first().map(|&(_, _, i)| i).unwrap();
             c.tree.node_mut(i).kv.lock += 1;
         }),
         ("pool marks", |c| {

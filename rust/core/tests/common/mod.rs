@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
-use radixcache_core::{Cache, Error, NodeInfo};
+use radixcache_core::{Cache, Error, EvictionPolicies, EvictionPolicy, NodeInfo};
 
 pub type Ns = Option<String>;
 /// A cached page-prefix or node end: namespace and every token from the root.
@@ -44,6 +44,21 @@ pub fn proptest_config(file: &'static str) -> ProptestConfig {
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(file))),
         ..ProptestConfig::default()
     }
+}
+
+/// Any eviction policy per component (`eviction_policy=`): KV any policy but
+/// "state-value" (for states only), states any.
+pub fn eviction_policies() -> impl Strategy<Value = EvictionPolicies> {
+    let kv = [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::Priority,
+    ];
+    (
+        prop::sample::select(kv.to_vec()),
+        prop::sample::select(EvictionPolicy::ALL.to_vec()),
+    )
+        .prop_map(|(kv, mamba)| EvictionPolicies { kv, mamba })
 }
 
 // ---------------------------------------------------------------------------------------
