@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Union
 
 from .._core import HybridCache, InvariantError
 from ..engine import TransferEngine
@@ -24,6 +24,11 @@ __all__ = [
     "replay",
 ]
 
+#: An eviction policy name the cache takes (``"state_value"`` is ``"state-value"``).
+PolicyName = Literal["lru", "lfu", "priority", "state-value", "state_value"]
+#: ``eviction_policy``: one name, or one per component (``{"kv": ..., "mamba": ...}``).
+EvictionPolicy = Union[PolicyName, dict[str, PolicyName]]
+
 CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released")
 
 
@@ -36,7 +41,9 @@ class ReplayConfig:
     device gives both the same memory (256 states beside 262,144 KV tokens); the host
     tier is four times the device. `write_through_threshold` is given to the cache only
     when set (None: the cache's default, 2, under ``write_through_selective``; the cache
-    refuses a threshold with any other policy). `shape` is the model whose prefill
+    refuses a threshold with any other policy). `eviction_policy` is the cache's
+    (``"lru"``, ``"lfu"``, ``"priority"``, ``"state-value"`` or a dict per component);
+    the attention-only comparison uses it too. `shape` is the model whose prefill
     compute ``compute_saved_ratio`` counts (`radixcache.serving.flops`);
     `offline_bound` records the state uses and reports the offline bound
     (`radixcache.serving.offline`).
@@ -60,7 +67,7 @@ class ReplayConfig:
     timeline: int = 0
     attention_only: bool = True
     branch_checkpoints: bool = True
-    eviction_policy: str = "lru"
+    eviction_policy: EvictionPolicy = "lru"
     shape: ModelShape = field(default_factory=ModelShape)
     offline_bound: bool = False
 
@@ -75,6 +82,7 @@ class ReplayConfig:
             host_mamba_slots=self.host_mamba_slots if (hybrid and host and self.mamba_slots) else 0,
             write_policy=self.write_policy,
             write_through_threshold=self.write_through_threshold,
+            eviction_policy=self.eviction_policy,
         )
 
     def scheduler(
@@ -193,6 +201,7 @@ def replay(
     elif config.attention_only:
         attn = attention_only(jobs, config)
     out = report(c, s, engine, model, seconds, audit, full, attn, config.shape)
+    out["eviction_policy"] = cache.eviction_policy
     out.update(offline_report(trace, c, out["attention_only_hit_rate"]))
     if trace is not None and events is not None:
         events.extend(trace.events)

@@ -438,11 +438,11 @@ class Scheduler:
             if self.running and need > room:
                 return
             tokens, seq = self._prepare(index, job)
-            req = cache.admit(tokens, namespace=job.namespace)
+            req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None and not self.running:
                 cache.evict(mamba_states=1)
                 self._run_batches()  # under write-back, evicted slots free once backed up
-                req = cache.admit(tokens, namespace=job.namespace)
+                req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None:
                 if not self.running:
                     self.waiting.popleft()
