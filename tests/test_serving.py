@@ -994,3 +994,17 @@ def test_on_gsp_the_bound_is_above_lru_and_its_lru_model_near_the_cache() -> Non
     assert r["offline_bound_hit_rate"] >= r["offline_lru_hit_rate"]
     assert r["offline_bound_hit_rate"] >= r["device_hit_rate"]
     assert r["offline_lru_hit_rate"] == pytest.approx(r["device_hit_rate"], abs=0.05)
+
+
+def test_a_replay_without_the_oracle_makes_the_same_cache_calls() -> None:
+    """The sweep takes its figures without the model: the same hits, nothing sampled."""
+    cfg = small(host_kv_slots=0, offline_bound=True)
+    checked, _ = sv.replay(MIXED[:60], cfg)
+    fast, _ = sv.replay(MIXED[:60], dataclasses.replace(cfg, oracle=False))
+    ok(checked)
+    assert fast["samples_checked"] == fast["mismatches"] == 0
+    assert fast["audit"] == "pass"
+    assert fast["pools_full_at_end"]
+    for key in ("device_hit_tokens", "cow_copies", "evicted_mamba_states", "steps"):
+        assert fast[key] == checked[key], key
+    assert fast["offline_bound_hit_rate"] == checked["offline_bound_hit_rate"]
