@@ -3,9 +3,10 @@
 During a replay, `StateTrace` records, in order:
 
 * a **use** at each admission: the states the run had put in the tree (at any time
-  before) on the admitted tokens' path, in the request's namespace, deepest first, each
-  with the tokens it would give; none when no such state was ever made (the first
-  request of a group, or one admitted before its sharer's checkpoint landed);
+  before) on the admitted tokens' path, as deep as their KV was cached then (the
+  admission's ``branch_len``), in the request's namespace, deepest first, each with the
+  tokens it would give; none when no such state was ever made (the first request of a
+  group, or one admitted before its sharer's checkpoint landed);
 * an **offer** each time the scheduler puts a state in the tree (``checkpoint`` or
   ``finish`` at a page-aligned length): a chance to keep that state;
 * with each, the **capacity** the tree has then: the device state slots less those
@@ -29,9 +30,8 @@ over a shared system prompt) a use is a hit on the deepest one kept, and "needed
 on the path of a later use: the rule is then the natural extension, not a proof.
 
 Other limits: the sequence is the real run's (another policy changes when requests run,
-hence when states are offered and how many slots running requests hold); KV is assumed
-to be there (a state hit needs its KV; with the default KV pool it is); only the last
-admission of a request counts (one retracted is admitted again).
+hence when states are offered, how many slots running requests hold and which KV is
+cached); only the last admission of a request counts (one retracted is admitted again).
 """
 
 from __future__ import annotations
@@ -104,11 +104,14 @@ class StateTrace:
             self._digests[request] = got
         return got
 
-    def use(self, request: int, namespace: str | None, seq: Any, admitted: int, step: int) -> None:
-        """Record an admission of `request` whose tokens are ``seq[:admitted]``."""
+    def use(self, request: int, namespace: str | None, seq: Any, kv_len: int, step: int) -> None:
+        """Record an admission of `request` whose KV is cached for ``seq[:kv_len]``.
+
+        Only states up to `kv_len` count: a state is of use only with its prefix's KV.
+        """
         pages = self._pages(request, seq)
         states, tokens = [], []
-        for n in range(admitted // self.page, 0, -1):
+        for n in range(kv_len // self.page, 0, -1):
             found = self._states.get((namespace, pages[n - 1]))
             if found is not None:
                 states.append(found)

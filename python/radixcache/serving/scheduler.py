@@ -461,7 +461,7 @@ class Scheduler:
             self._run_batches()  # the state's copy-on-write, before any compute reads it
             live.fed = live.device_hit = req.prefix_len  # a failed copy-on-write drops it
             if self.trace is not None:
-                self.trace.use(index, job.namespace, seq, len(tokens), self.counters.steps)
+                self.trace.use(index, job.namespace, seq, req.branch_len, self.counters.steps)
             if req.host_len > 0:
                 self._load_back(live)
 
