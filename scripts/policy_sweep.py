@@ -213,8 +213,12 @@ def goals(
                 ratio, bound = _ratio(cells, w, m, p), _bound(cells, w, m, p)
                 if ratio < 0.9 * bound:
                     miss.append(f"{w}@{m} {ratio:.3f} < 0.9 of {bound:.3f}")
-                if "lru" in policies and ratio < 0.99 * _ratio(cells, w, m, "lru"):
-                    miss.append(f"{w}@{m} below LRU by more than 1%")
+                rate = cells[("cell", w, str(m), p)]["device_hit_rate"]
+                lru = (
+                    cells[("cell", w, str(m), "lru")]["device_hit_rate"] if "lru" in policies else 0
+                )
+                if rate < 0.99 * lru:  # hit rates: the policies' attention-only rates differ
+                    miss.append(f"{w}@{m} hit rate {rate:.3f} below LRU's {lru:.3f} by over 1%")
         for w, goal in (("gsp", 0.70), ("mixed", 0.85)):
             if w in workloads and 64 in states:
                 ratio, bound = _ratio(cells, w, 64, p), _bound(cells, w, 64, p)
