@@ -416,8 +416,8 @@ def test_a_chunk_stops_at_the_branch_point_and_the_state_there_is_reused(branch:
         def __getattr__(self, name: str) -> Any:
             return getattr(cache, name)
 
-        def admit(self, tokens: Any, *, namespace: str | None = None) -> Any:
-            req = real_admit(tokens, namespace=namespace)
+        def admit(self, tokens: Any, *, namespace: str | None = None, priority: int = 0) -> Any:
+            req = real_admit(tokens, namespace=namespace, priority=priority)
             if req is not None:
                 hits.append((req.prefix_len, req.branch_len))
             return req
