@@ -816,8 +816,7 @@ def _report_table(r: dict[str, Any]) -> Any:
     row(
         "compute saved",
         pct(r["compute_saved_ratio"]),
-        "of the prefill FLOPs"
-        + ("" if attn_saved is None else f"; attention-only {pct(attn_saved)}"),
+        "prefill FLOPs" + ("" if attn_saved is None else f"; attention-only {pct(attn_saved)}"),
     )
     bound = r["offline_bound_hit_rate"]
     if bound is not None:

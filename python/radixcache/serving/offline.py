@@ -68,7 +68,7 @@ class Event(NamedTuple):
     tokens: tuple[int, ...]
     capacity: int
     request: int
-    step: int = 0
+    step: int
 
 
 class StateTrace:
