@@ -420,6 +420,14 @@ def test_each_eviction_policy_runs_and_is_reported(
     assert json.loads(capsys.readouterr().out)["eviction_policy"] == r["eviction_policy"]
 
 
+def test_the_report_names_the_states_policy_and_kvs_where_they_differ() -> None:
+    assert cli._policy_text({"kv": "lfu", "mamba": "lfu"}) == ("lfu", "")
+    assert cli._policy_text({"kv": "lru", "mamba": "state-value"}) == (
+        "state-value",
+        "states; KV lru",
+    )
+
+
 def test_the_offline_bound_is_reported_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["replay", "--workload", "gsp", "--requests", "48", "--kv-slots", "65536", "--quiet"]
     assert cli.main([*argv, "--mamba-slots", "16", "--offline-bound", "--json"]) == 0

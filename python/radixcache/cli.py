@@ -726,7 +726,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     head.add_column(style="dim")
     head.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
     head.add_row("tokens passed as", r["tokens"])
-    head.add_row("eviction policy", _policy_text(r["eviction_policy"]))
+    head.add_row("eviction policy", *_policy_text(r["eviction_policy"]))
     head.add_row("hit rate", f"{100 * r['hit_rate']:.1f}%", "state-valid device hits")
     head.add_row(
         "cache time per request",
@@ -801,7 +801,7 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("requests", r["requests"], f"{r['retractions']} retractions, {r['rejected']} rejected")
     row("prompt tokens", r["prompt_tokens"])
     row("output tokens", r["output_tokens"])
-    row("eviction policy", _policy_text(r["eviction_policy"]))
+    row("eviction policy", *_policy_text(r["eviction_policy"]))
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
     attn, ratio = r["attention_only_hit_rate"], r["hit_rate_ratio"]
@@ -861,12 +861,10 @@ def _report_table(r: dict[str, Any]) -> Any:
     return t
 
 
-def _policy_text(policy: dict[str, str]) -> str:
-    """Return the eviction policy: one word when every component has it, else each."""
-    names = set(policy.values())
-    if len(names) == 1:
-        return names.pop()
-    return ", ".join(f"{k} {v}" for k, v in policy.items())
+def _policy_text(policy: dict[str, str]) -> tuple[str, str]:
+    """Return the eviction policy as a value (the states') and a note (KV's, if other)."""
+    kv, states = policy["kv"], policy["mamba"]
+    return (states, "") if kv == states else (states, f"states; KV {kv}")
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:
