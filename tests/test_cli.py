@@ -128,6 +128,11 @@ GOOD = '{"prompt": [1, 2, 3], "output_len": 2}'
             ["namespace: must be a string"],
             id="namespace-int",
         ),
+        pytest.param(
+            '{"prompt": [1, 2], "output_len": 1, "priority": "high"}',
+            ["priority: must be an integer", "got 'high'"],
+            id="priority-str",
+        ),
         pytest.param("[1, 2]", ["a job is an object with a 'prompt'"], id="not-an-object"),
         pytest.param("{nope", ["not JSON"], id="not-json"),
     ],
@@ -209,6 +214,11 @@ def test_a_device_pool_too_small_for_any_request_is_refused(
         (["--max-running", "0"], ["argument --max-running"]),
         (["--chunk-size", "0"], ["argument --chunk-size"]),
         (["--write-policy", "sometimes"], ["argument --write-policy", "invalid choice"]),
+        (
+            ["--eviction-policy", "fifo"],
+            ["argument --eviction-policy", "invalid choice: 'fifo'", "state-value"],
+        ),
+        (["--eviction-policy", ""], ["argument --eviction-policy", "invalid choice"]),
         (["--write-through-threshold", "3"], ["--write-through-threshold: 3 given with"]),
         (
             ["--write-policy", "write_back", "--write-through-threshold", "3"],
@@ -394,6 +404,44 @@ def test_without_the_attention_only_replay_its_figures_are_null(
     assert cli.main(argv) == 0
     row = next(x for x in capsys.readouterr().out.splitlines() if "attention-only" in x)
     assert row.split()[3:] == ["n/a", "not", "run"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "state-value"])
+def test_each_eviction_policy_runs_and_is_reported(
+    capsys: pytest.CaptureFixture[str], policy: str
+) -> None:
+    argv = ["replay", *SMALL, "--mamba-slots", "8", "--eviction-policy", policy]
+    assert cli.main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    kv = "lru" if policy == "state-value" else policy
+    assert r["eviction_policy"] == {"kv": kv, "mamba": policy}
+    assert 0.0 <= r["compute_saved_ratio"] <= 1.0
+    assert cli.main(["bench", *SMALL, "--eviction-policy", policy, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["eviction_policy"] == r["eviction_policy"]
+
+
+def test_the_report_names_the_states_policy_and_kvs_where_they_differ() -> None:
+    assert cli._policy_text({"kv": "lfu", "mamba": "lfu"}) == ("lfu", "")
+    assert cli._policy_text({"kv": "lru", "mamba": "state-value"}) == (
+        "state-value",
+        "states; KV lru",
+    )
+
+
+def test_the_offline_bound_is_reported_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--workload", "gsp", "--requests", "48", "--kv-slots", "65536", "--quiet"]
+    assert cli.main([*argv, "--mamba-slots", "16", "--offline-bound", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["offline_possible_hit_rate"] >= r["offline_bound_hit_rate"] >= r["device_hit_rate"]
+    assert r["offline_bound_ratio"] == pytest.approx(
+        r["offline_bound_hit_rate"] / r["attention_only_hit_rate"]
+    )
+    assert cli.main([*argv, "--mamba-slots", "16", "--offline-bound"]) == 0
+    text = capsys.readouterr().out
+    for row in ("eviction policy", "compute saved", "offline bound", "LRU model"):
+        assert row in text, row
+    assert cli.main([*argv, "--json"]) == 0  # not asked: null
+    assert json.loads(capsys.readouterr().out)["offline_bound_hit_rate"] is None
 
 
 def test_a_threshold_runs_under_the_selective_policy(capsys: pytest.CaptureFixture[str]) -> None:

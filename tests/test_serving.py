@@ -8,7 +8,9 @@ once the cache is cleared. Deliberately broken engines must be caught by the ora
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 import re
 from pathlib import Path
@@ -16,10 +18,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import radixcache as rc
 import radixcache.serving as sv
 from radixcache import cli
+from radixcache.serving.flops import ModelShape, compute_saved_ratio
+from radixcache.serving.offline import Event, bound, simulate
 from radixcache.serving.workloads import Job
 
 # ---------------------------------------------------------------------------- the model
@@ -199,6 +205,8 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
         assert (x.prompt == y.prompt).all()
         assert (x.output == y.output).all()
         assert x.namespace == y.namespace
+        assert x.priority == y.priority
+    assert {j.priority for j in back} == {0, 1, 2}
     assert len(sv.load(str(path), requests=7)) == 7
 
 
@@ -227,6 +235,12 @@ def test_a_job_without_output_decodes_the_models_own_samples(tmp_path: Path) -> 
         ),
         ('{"prompt": [1]}', "line 1: a job has an 'output_len' or an 'output'"),
         ('{"prompt": [1], "output_len": 1, "namespace": 3}', "line 1: namespace: must be a"),
+        ('{"prompt": [1], "output_len": 1, "priority": 1.5}', "line 1: priority: must be an"),
+        ('{"prompt": [1], "output_len": 1, "priority": true}', "line 1: priority: must be an"),
+        (
+            '{"prompt": [1], "output_len": 1, "priority": 9223372036854775808}',
+            "line 1: priority: must be an integer in [-2**63, 2**63), got 9223372036854775808",
+        ),
     ],
 )
 def test_a_bad_jsonl_line_is_named(tmp_path: Path, line: str, message: str) -> None:
@@ -234,6 +248,58 @@ def test_a_bad_jsonl_line_is_named(tmp_path: Path, line: str, message: str) -> N
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         sv.load_jsonl(path)
+
+
+def test_a_priority_in_a_file_is_read_and_defaults_to_0(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    lo = -(2**63)
+    path.write_text(
+        f'{{"prompt": [1], "output_len": 1, "priority": {lo}}}\n'
+        '{"prompt": [1], "output_len": 1}\n'
+    )
+    assert [j.priority for j in sv.load_jsonl(path)] == [lo, 0]
+
+
+def test_built_in_workloads_give_a_priority_per_tenant_or_kind_of_request() -> None:
+    gsp = sv.gsp()
+    by_group: dict[bytes, set[int]] = {}
+    for j in gsp:
+        by_group.setdefault(j.prompt[:2048].tobytes(), set()).add(j.priority)
+    assert all(len(p) == 1 for p in by_group.values())  # one tier per group
+    assert sorted(p for (p,) in by_group.values()) == [0] * 32 + [1] * 32
+    # The priorities draw nothing from the seeded streams: the tokens are as they were
+    # before requests had one (the first tokens of each workload, pinned).
+    assert gsp[0].prompt[:3].tolist() == [14934, 4869, 6912]
+    assert sv.multiturn()[0].prompt[:3].tolist() == [24822, 257, 9883]
+    assert sv.mixed(1)[0].prompt[:3].tolist() == [20382, 16356, 8633]
+    mt = sv.multiturn(512)
+    assert {j.priority for j in mt} == {0, 1}
+    first = {j.prompt[:512].tobytes(): j.priority for j in mt[:256]}
+    assert all(first[j.prompt[:512].tobytes()] == j.priority for j in mt[256:])
+    kinds = {j.priority for j in sv.mixed(300)}
+    assert kinds == {0, 1, 2}
+
+
+def test_the_scheduler_admits_each_request_with_its_priority() -> None:
+    seen: list[int] = []
+
+    class Spy:
+        def __init__(self, cache: rc.HybridCache) -> None:
+            self._cache = cache
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._cache, name)
+
+        def admit(self, tokens: Any, *, namespace: str | None, priority: int) -> Any:
+            seen.append(priority)
+            return self._cache.admit(tokens, namespace=namespace, priority=priority)
+
+    cache = Spy(rc.HybridCache(kv_slots=1024, mamba_slots=8))
+    sched = sv.Scheduler(cache, sv.InstantEngine(cache))  # type: ignore[arg-type]
+    jobs = [dataclasses.replace(j, priority=p) for j, p in zip(jobs_of([1, 2], [3, 4]), (5, -2))]
+    sched.add(jobs)
+    sched.run()
+    assert seen == [5, -2]
 
 
 def test_an_unknown_workload_is_named() -> None:
@@ -350,8 +416,8 @@ def test_a_chunk_stops_at_the_branch_point_and_the_state_there_is_reused(branch:
         def __getattr__(self, name: str) -> Any:
             return getattr(cache, name)
 
-        def admit(self, tokens: Any, *, namespace: str | None = None) -> Any:
-            req = real_admit(tokens, namespace=namespace)
+        def admit(self, tokens: Any, *, namespace: str | None = None, priority: int = 0) -> Any:
+            req = real_admit(tokens, namespace=namespace, priority=priority)
             if req is not None:
                 hits.append((req.prefix_len, req.branch_len))
             return req
@@ -735,3 +801,210 @@ def test_a_scheduler_that_cannot_progress_says_so() -> None:
     sched._admit = lambda: None  # type: ignore[method-assign]  # nothing is ever admitted
     with pytest.raises(RuntimeError, match=r"^no progress in 1000 steps: 1 waiting, 0 running"):
         sched.run()
+
+
+# ---------------------------------------------------------------- compute saved, bound
+
+
+#: A one-layer attention model of width 1: a token at position p costs 8 + 4 (p + 1)
+#: FLOPs (projections 2·1·3 + 2·1·1, scores and values 4 per position), so the first n
+#: tokens cost 8 n + 2 n (n + 1).
+TINY = ModelShape(
+    attention_layers=1, mamba_layers=0, mlp_layers=0, hidden=1, heads=1, kv_heads=1, head_dim=1
+)
+
+
+def test_the_cost_model_adds_up_each_positions_flops() -> None:
+    assert TINY.token_flops() == (8, 4)
+    assert TINY.prefill_flops(64) == 8 * 64 + 2 * 64 * 65 == 8832
+    shape = ModelShape()
+    a, b = shape.token_flops()
+    assert shape.prefill_flops(1000) == sum(a + b * (p + 1) for p in range(1000))
+    assert 13e9 < a < 15e9  # an 8B-parameter model: about 2 FLOPs per parameter
+    assert b == 4 * 4 * 32 * 128  # 4 attention layers, 32 heads of 128
+
+
+def test_compute_saved_is_the_share_of_the_prefill_flops_hits_skip() -> None:
+    assert compute_saved_ratio([], TINY) == 0.0
+    assert compute_saved_ratio([(80, 0), (80, 0)], TINY) == 0.0
+    assert compute_saved_ratio([(80, 80)], TINY) == 1.0
+    # Deep tokens cost more than shallow ones: the first half saves less than half.
+    assert compute_saved_ratio([(80, 40)], TINY) < 0.5
+    constant = ModelShape(attention_layers=0)  # Mamba and MLP only: tokens cost the same
+    assert compute_saved_ratio([(80, 40), (120, 0)], constant) == pytest.approx(40 / 200)
+
+
+def three_sharing_a_system_prompt() -> list[Job]:
+    """Three requests: a 64-token system prompt, a 16-token question, 3 output tokens."""
+    system = list(range(100, 164))
+    return jobs_of(*(system + list(range(200 + 16 * i, 216 + 16 * i)) for i in range(3)))
+
+
+def test_compute_saved_and_the_offline_bound_on_a_case_worked_by_hand() -> None:
+    """One request at a time: the first caches no state the second can use (it ends at
+    its prompt's last page, past the branch); the second stops at the branch point (64)
+    and checkpoints; the third reuses those 64 tokens. Every figure follows."""
+    cfg = sv.ReplayConfig(kv_slots=1024, mamba_slots=8, host_kv_slots=0, max_running=1, shape=TINY)
+    r, _ = sv.replay(three_sharing_a_system_prompt(), dataclasses.replace(cfg, offline_bound=True))
+    ok(r)
+    assert r["device_hit_tokens"] == 64
+    assert r["compute_saved_ratio"] == pytest.approx(8832 / (3 * 13600))
+    assert r["request_hit_rate"] == pytest.approx(1 / 3)
+    # Attention only: the second and third reuse the 64 tokens.
+    assert r["attention_only_compute_saved_ratio"] == pytest.approx(2 * 8832 / (3 * 13600))
+    for key in ("offline_bound", "offline_lru", "offline_possible"):
+        assert r[f"{key}_hit_rate"] == pytest.approx(64 / 240)
+        assert r[f"{key}_request_hit_rate"] == pytest.approx(1 / 3)
+    assert r["offline_bound_ratio"] == pytest.approx(0.5)
+    plain, _ = sv.replay(three_sharing_a_system_prompt(), cfg)
+    assert plain["offline_bound_hit_rate"] is None
+    assert plain["offline_bound_ratio"] is None
+
+
+def test_a_cold_cache_saves_no_compute() -> None:
+    jobs = jobs_of(*([i] * 40 for i in range(1, 6)))
+    r, _ = sv.replay(jobs, sv.ReplayConfig(kv_slots=1024, mamba_slots=8, host_kv_slots=0))
+    ok(r)
+    assert r["device_hit_tokens"] == 0
+    assert r["compute_saved_ratio"] == 0.0
+    assert r["attention_only_compute_saved_ratio"] == 0.0
+
+
+def served(*steps: tuple[int, int]) -> list[Event]:
+    """Each ``(state, capacity)``: a request (one per step) uses the state, then offers it
+    (a miss recomputes it and checkpoints there)."""
+    out = []
+    for i, (state, cap) in enumerate(steps):
+        out += [
+            Event("use", (state,), (16,), cap, i, i),
+            Event("offer", (state,), (16,), cap, i, i),
+        ]
+    return out
+
+
+def hit_uses(hits: list[int]) -> list[int]:
+    """The requests whose use hit, in `served` events."""
+    return [i // 2 for i, h in enumerate(hits) if h]
+
+
+def test_belady_keeps_what_is_needed_soonest_where_lru_keeps_nothing() -> None:
+    """a b c a b c a b c with room for two: LRU always evicts the next one needed (no
+    hit); Belady's rule keeps a and b and lets c go by (hits at 3, 4, 6, 7)."""
+    events = served(*((s, 2) for s in [0, 1, 2] * 3))
+    assert hit_uses(simulate(events, "belady")) == [3, 4, 6, 7]
+    assert hit_uses(simulate(events, "lru", hot_cap=1)) == []
+    b = bound(events, hot_cap=1)
+    assert (b.requests, b.possible_requests, b.belady_requests, b.lru_requests) == (9, 9, 4, 0)
+    assert b.belady_tokens == 4 * 16
+
+
+def test_belady_lets_the_latest_needed_go_when_the_capacity_drops() -> None:
+    # a, b kept; the room drops to one: b (needed later) goes, a is kept and hit.
+    events = served((0, 2), (1, 2), (2, 1), (0, 1), (1, 1))
+    assert hit_uses(simulate(events, "belady")) == [3]
+
+
+def test_a_miss_is_offered_again_only_with_the_requests_next_offer() -> None:
+    """A request that missed recomputes the state; until its prefill passes it (its next
+    offer) a second request cannot use it."""
+    events = [
+        Event("use", (0,), (16,), 4, 0, 0),  # the real run hit it: it offers no state 0
+        Event("use", (0,), (16,), 4, 1, 1),  # before request 0's prefill has passed it
+        Event("offer", (7,), (32,), 4, 0, 2),  # request 0 checkpoints deeper
+        Event("use", (0,), (16,), 4, 2, 3),
+    ]
+    for rule in ("belady", "lru"):
+        assert simulate(events, rule, hot_cap=3) == [0, 0, 0, 16], rule
+
+
+def test_lru_cannot_evict_a_state_offered_in_the_same_step() -> None:
+    """Its copy is in flight: a second checkpoint in the step displaces an older state."""
+    events = [
+        Event("offer", (0,), (16,), 2, 0, 0),
+        Event("use", (0,), (16,), 2, 1, 1),  # 0 is used: protected over unused states
+        Event("offer", (1,), (32,), 2, 2, 2),
+        Event("offer", (2,), (48,), 2, 3, 2),  # 1 is in flight: 0 goes
+        Event("use", (0,), (16,), 2, 4, 3),
+    ]
+    assert simulate(events, "lru", hot_cap=2) == [0, 16, 0, 0, 0]
+
+
+def test_a_use_hits_the_deepest_state_kept_on_its_path() -> None:
+    offers = [Event("offer", (s,), (16 * (s + 1),), 4, 0, s) for s in range(3)]
+    deep_first = Event("use", (2, 1, 0), (48, 32, 16), 4, 1, 3)
+    assert simulate([*offers, deep_first], "belady")[-1] == 48
+    assert simulate([*offers, deep_first], "lru", hot_cap=3)[-1] == 48
+    # With room for one, each offer displaces the last: LRU has the deepest.
+    one = [e._replace(capacity=1) for e in offers]
+    assert simulate([*one, deep_first._replace(capacity=1)], "lru")[-1] == 48
+    # Without the deepest, a shallower one serves.
+    assert simulate([*offers[:2], deep_first], "belady")[-1] == 32
+    with pytest.raises(ValueError, match=r"^rule: must be 'belady' or 'lru', got 'fifo'"):
+        simulate(offers, "fifo")
+
+
+def subsets(of: frozenset[int], most: int) -> list[frozenset[int]]:
+    return [
+        frozenset(c) for n in range(min(most, len(of)) + 1) for c in itertools.combinations(of, n)
+    ]
+
+
+def best_by_search(events: list[Event]) -> int:
+    """The most uses any choice of what to keep hits (exhaustive; one state per use)."""
+    best: dict[frozenset[int], int] = {frozenset(): 0}
+    for e in events:
+        nxt: dict[frozenset[int], int] = {}
+        for kept, hits in best.items():
+            for before in subsets(kept, e.capacity):  # evict anything, down to the room
+                got = hits + (e.kind == "use" and e.states[0] in before)
+                offered = before | {e.states[0]} if e.kind == "offer" else before
+                for after in subsets(offered, e.capacity):  # keep an offered state or not
+                    nxt[after] = max(nxt.get(after, -1), got)
+        best = nxt
+    return max(best.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["use", "offer"]), st.integers(0, 3), st.integers(0, 3)),
+        max_size=12,
+    )
+)
+def test_belady_is_optimal_and_at_least_lru_with_one_state_per_use(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    events = []
+    for i, (kind, state, cap) in enumerate(steps):
+        if kind == "use":  # a use, then its request's checkpoint there
+            events.append(Event("use", (state,), (16,), cap, i, i))
+        events.append(Event("offer", (state,), (16,), cap, i, i))
+    belady = sum(1 for h in simulate(events, "belady") if h)
+    assert belady == best_by_search(events)
+    for hot_cap in range(4):
+        assert belady >= sum(1 for h in simulate(events, "lru", hot_cap) if h)
+
+
+def test_on_gsp_the_bound_is_above_lru_and_its_lru_model_near_the_cache() -> None:
+    jobs = sv.gsp(256)
+    cfg = sv.ReplayConfig(kv_slots=65536, mamba_slots=24, host_kv_slots=0, max_running=8)
+    r, _ = sv.replay(jobs, dataclasses.replace(cfg, offline_bound=True, attention_only=False))
+    ok(r)
+    assert r["offline_possible_hit_rate"] >= r["offline_bound_hit_rate"]
+    assert r["offline_bound_hit_rate"] >= r["offline_lru_hit_rate"]
+    assert r["offline_bound_hit_rate"] >= r["device_hit_rate"]
+    assert r["offline_lru_hit_rate"] == pytest.approx(r["device_hit_rate"], abs=0.05)
+
+
+def test_a_replay_without_the_oracle_makes_the_same_cache_calls() -> None:
+    """The sweep takes its figures without the model: the same hits, nothing sampled."""
+    cfg = small(host_kv_slots=0, offline_bound=True)
+    checked, _ = sv.replay(MIXED[:60], cfg)
+    fast, _ = sv.replay(MIXED[:60], dataclasses.replace(cfg, oracle=False))
+    ok(checked)
+    assert fast["samples_checked"] == fast["mismatches"] == 0
+    assert fast["audit"] == "pass"
+    assert fast["pools_full_at_end"]
+    for key in ("device_hit_tokens", "cow_copies", "evicted_mamba_states", "steps"):
+        assert fast[key] == checked[key], key
+    assert fast["offline_bound_hit_rate"] == checked["offline_bound_hit_rate"]

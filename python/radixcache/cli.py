@@ -2,8 +2,9 @@
 
 radixcache replay [--workload mixed|gsp|multiturn|PATH] [--requests N] [--seed S]
 [--kv-slots N] [--mamba-slots N] [--host-kv-slots N] [--host-mamba-slots N]
-[--page-size P] [--write-policy ...] [--write-through-threshold T] [--max-running N]
-[--chunk-size N] [--no-branch-checkpoints] [--inject-failures RATE]
+[--page-size P] [--write-policy ...] [--write-through-threshold T]
+[--eviction-policy lru|lfu|priority|state-value] [--max-running N] [--chunk-size N]
+[--no-branch-checkpoints] [--inject-failures RATE] [--offline-bound]
 [--no-attention-only] [--json] [--plot PATH] [--quiet]
 radixcache bench [the workload, cache and scheduler flags] [--numpy] [--json] [--quiet]
 radixcache workload NAME --out PATH [--requests N] [--seed S]
@@ -42,6 +43,8 @@ from .serving import workloads as _workloads
 from .serving.scheduler import StepSample
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
+#: The ``--eviction-policy`` names (the cache's ``eviction_policy``).
+EVICTION_POLICIES = ("lru", "lfu", "priority", "state-value")
 
 #: The largest KV pool (device or host, in tokens) and page the CLI accepts. The
 #: replay's storage takes 32 bytes per slot and tier: 512 MiB per pool at this size.
@@ -201,6 +204,15 @@ POOL_FLAGS = (
         shown="2",
     ),
     Flag(
+        "--eviction-policy",
+        "which cached KV and states go first when memory is short: lru (least recently "
+        "used), lfu (least often matched), priority (lowest request priority, from the "
+        "workload), state-value (states: least compute saved per slot; KV: lru)",
+        kind="choice",
+        default=_D.eviction_policy,
+        choices=EVICTION_POLICIES,
+    ),
+    Flag(
         "--max-running",
         "requests served at once",
         default=_D.max_running,
@@ -227,6 +239,12 @@ REPLAY_FLAGS = (
         "refuse or fail this fraction of transfer batches, at random points",
         kind="rate",
         default=_D.inject_failures,
+    ),
+    Flag(
+        "--offline-bound",
+        "record the state uses and report the offline bound: the hit rate the best "
+        "eviction order would get from the tree's state slots (docs/serving.md)",
+        kind="switch",
     ),
     Flag(
         "--no-attention-only",
@@ -432,7 +450,7 @@ def _check_plot(path: str) -> None:
 
 _DESTS = re.compile(
     r"\b(kv_slots|mamba_slots|host_kv_slots|host_mamba_slots|page_size|write_policy"
-    r"|write_through_threshold|max_running|chunk_size|inject_failures)\b"
+    r"|write_through_threshold|eviction_policy|max_running|chunk_size|inject_failures)\b"
 )
 
 
@@ -460,6 +478,7 @@ def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
         page_size=_value(args, "--page-size"),
         write_policy=_value(args, "--write-policy"),
         write_through_threshold=args.write_through_threshold,
+        eviction_policy=_value(args, "--eviction-policy"),
         seed=_value(args, "--seed"),
         max_running=_value(args, "--max-running"),
         chunk_size=_value(args, "--chunk-size"),
@@ -664,6 +683,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         inject_failures=_value(args, "--inject-failures"),
         timeline=10 if args.plot else 0,
         attention_only=not args.no_attention_only,
+        offline_bound=args.offline_bound,
     )
     workload = _value(args, "--workload")
     with _Interrupts() as stop, _progress(err, args.quiet) as bar:
@@ -706,6 +726,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     head.add_column(style="dim")
     head.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
     head.add_row("tokens passed as", r["tokens"])
+    head.add_row("eviction policy", *_policy_text(r["eviction_policy"]))
     head.add_row("hit rate", f"{100 * r['hit_rate']:.1f}%", "state-valid device hits")
     head.add_row(
         "cache time per request",
@@ -780,6 +801,7 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("requests", r["requests"], f"{r['retractions']} retractions, {r['rejected']} rejected")
     row("prompt tokens", r["prompt_tokens"])
     row("output tokens", r["output_tokens"])
+    row("eviction policy", *_policy_text(r["eviction_policy"]))
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
     attn, ratio = r["attention_only_hit_rate"], r["hit_rate_ratio"]
@@ -790,6 +812,21 @@ def _report_table(r: dict[str, Any]) -> Any:
         if attn is None
         else "hybrid/attention " + ("n/a" if ratio is None else f"{ratio:.3f}"),
     )
+    attn_saved = r["attention_only_compute_saved_ratio"]
+    row(
+        "compute saved",
+        pct(r["compute_saved_ratio"]),
+        "prefill FLOPs" + ("" if attn_saved is None else f"; attention-only {pct(attn_saved)}"),
+    )
+    bound = r["offline_bound_hit_rate"]
+    if bound is not None:
+        b_ratio = r["offline_bound_ratio"]
+        row(
+            "offline bound",
+            pct(bound),
+            ("" if b_ratio is None else f"hybrid/attention {b_ratio:.3f}; ")
+            + f"LRU model {pct(r['offline_lru_hit_rate'])}",
+        )
     row("copy-on-write copies", r["cow_copies"], f"{r['checkpoints']} checkpoints")
     row("backups", r["backups"], f"{r['backups_failed']} failed")
     row("demotions", r["demotions"])
@@ -822,6 +859,12 @@ def _report_table(r: dict[str, Any]) -> Any:
     full = r["pools_full_at_end"]
     row("pools full at end", (good[0] if full else good[1]).format(full), "after clearing")
     return t
+
+
+def _policy_text(policy: dict[str, str]) -> tuple[str, str]:
+    """Return the eviction policy as a value (the states') and a note (KV's, if other)."""
+    kv, states = policy["kv"], policy["mamba"]
+    return (states, "") if kv == states else (states, f"states; KV {kv}")
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:

@@ -57,10 +57,12 @@ class TimedCache:
         if key is not None:
             self._open[key] += ns
 
-    def admit(self, tokens: Any, *, namespace: str | None = None) -> Request | None:
+    def admit(
+        self, tokens: Any, *, namespace: str | None = None, priority: int = 0
+    ) -> Request | None:
         """Time ``admit``."""
         t = _now()
-        req = self._cache.admit(tokens, namespace=namespace)
+        req = self._cache.admit(tokens, namespace=namespace, priority=priority)
         ns = _now() - t
         if req is None:
             self._charge("admit", ns, None)
@@ -262,7 +264,8 @@ def bench(
 
     Returns:
         ``ns_per_prompt_token``, ``us_per_request`` (median over finished requests),
-        ``p99_us``, ``mean_us_per_request``, ``hit_rate``, per-operation ``ops`` (calls,
+        ``p99_us``, ``mean_us_per_request``, ``hit_rate``, ``eviction_policy`` (the
+        cache's, per component), per-operation ``ops`` (calls,
         p50/p99 in µs, share of the total), ``peak_rss_mb`` and ``rss_growth_mb`` (the
         process, before and after the cache was built), ``pools_full_at_end`` (the cache,
         emptied after the replay, had every slot back: nothing leaked), ``retractions``,
@@ -305,6 +308,7 @@ def bench(
         "prompt_tokens": c.prompt_tokens,
         "output_tokens": c.output_tokens,
         "tokens": "numpy" if numpy_tokens else "list",
+        "eviction_policy": cache.eviction_policy,
         "hit_rate": c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         "cache_seconds": total / 1e9,

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Union
 
 from .._core import HybridCache, InvariantError
 from ..engine import TransferEngine
+from .flops import ModelShape, compute_saved_ratio
 from .model import ChecksumModel
+from .offline import Event, StateTrace, bound
 from .scheduler import Counters, FaultyEngine, InstantEngine, Scheduler, StepSample
 from .workloads import Job
 
-__all__ = ["ReplayConfig", "attention_only_hit_rate", "clear", "replay"]
+__all__ = [
+    "ReplayConfig",
+    "attention_only",
+    "attention_only_hit_rate",
+    "clear",
+    "compute_saved",
+    "replay",
+]
+
+#: An eviction policy name the cache takes (``"state_value"`` is ``"state-value"``).
+PolicyName = Literal["lru", "lfu", "priority", "state-value", "state_value"]
+#: ``eviction_policy``: one name, or one per component (``{"kv": ..., "mamba": ...}``).
+EvictionPolicy = Union[PolicyName, dict[str, PolicyName]]
 
 CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released")
 
@@ -27,7 +41,15 @@ class ReplayConfig:
     device gives both the same memory (256 states beside 262,144 KV tokens); the host
     tier is four times the device. `write_through_threshold` is given to the cache only
     when set (None: the cache's default, 2, under ``write_through_selective``; the cache
-    refuses a threshold with any other policy).
+    refuses a threshold with any other policy). `eviction_policy` is the cache's
+    (``"lru"``, ``"lfu"``, ``"priority"``, ``"state-value"`` or a dict per component);
+    the attention-only comparison uses it too. `shape` is the model whose prefill
+    compute ``compute_saved_ratio`` counts (`radixcache.serving.flops`);
+    `offline_bound` records the state uses and reports the offline bound
+    (`radixcache.serving.offline`). `oracle=False` replays without the checksum model
+    and its storage, every batch completing at once: the scheduler makes the same cache
+    calls, so the hit rates are the same, several times faster, but no sample is
+    checked (``samples_checked`` and ``mismatches`` are 0) and no failure is injected.
     """
 
     kv_slots: int = 262_144
@@ -48,6 +70,10 @@ class ReplayConfig:
     timeline: int = 0
     attention_only: bool = True
     branch_checkpoints: bool = True
+    eviction_policy: EvictionPolicy = "lru"
+    shape: ModelShape = field(default_factory=ModelShape)
+    offline_bound: bool = False
+    oracle: bool = True
 
     def cache(self, *, hybrid: bool = True) -> HybridCache:
         """Make a cache with these settings (`hybrid=False`: the same without states)."""
@@ -60,6 +86,7 @@ class ReplayConfig:
             host_mamba_slots=self.host_mamba_slots if (hybrid and host and self.mamba_slots) else 0,
             write_policy=self.write_policy,
             write_through_threshold=self.write_through_threshold,
+            eviction_policy=self.eviction_policy,
         )
 
     def scheduler(
@@ -112,13 +139,23 @@ def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
     )
 
 
-def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
-    """Replay `jobs` with states disabled (no model, no faults); its device hit rate."""
+def attention_only(jobs: Sequence[Job], config: ReplayConfig) -> Counters:
+    """Replay `jobs` with states disabled (no model, no faults); its counters."""
     cache = config.cache(hybrid=False)
     sched = config.scheduler(cache, InstantEngine(cache), None)
     sched.add(jobs)
-    c = sched.run()
+    return sched.run()
+
+
+def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
+    """Replay `jobs` with states disabled (no model, no faults); its device hit rate."""
+    c = attention_only(jobs, config)
     return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+
+
+def compute_saved(c: Counters, shape: ModelShape) -> float:
+    """`c`'s compute saved: the tokens reused from the device or loaded from the host."""
+    return compute_saved_ratio(((p, d + h) for p, d, h in c.served), shape)
 
 
 def replay(
@@ -126,20 +163,30 @@ def replay(
     config: ReplayConfig | None = None,
     *,
     progress: Callable[[int], None] | None = None,
+    events: list[Event] | None = None,
 ) -> tuple[dict[str, Any], list[StepSample]]:
     """Serve `jobs` through the scheduler, the checksum model and a `TransferEngine`.
+
+    `events`, when given with ``config.offline_bound``, receives the recorded state
+    uses and offers (to simulate other rules on them: `radixcache.serving.offline`).
 
     Returns:
         The report (the ``replay --json`` keys of docs/contract.md and more) and the timeline.
     """
     config = config or ReplayConfig()
     cache = config.cache()
-    storage = ChecksumModel.storage_for(
-        cache, layers=config.layers, mamba_layers=config.mamba_layers
-    )
-    engine = FaultyEngine(cache, storage, config.inject_failures, seed=config.seed + 1)
-    model = ChecksumModel(cache, storage, seed=config.seed)
-    sched = config.scheduler(cache, engine, model)
+    engine: FaultyEngine | InstantEngine
+    model: ChecksumModel | None = None
+    if config.oracle:
+        storage = ChecksumModel.storage_for(
+            cache, layers=config.layers, mamba_layers=config.mamba_layers
+        )
+        engine = FaultyEngine(cache, storage, config.inject_failures, seed=config.seed + 1)
+        model = ChecksumModel(cache, storage, seed=config.seed)
+    else:
+        engine = InstantEngine(cache)
+    trace = StateTrace(cache) if config.offline_bound and cache.mamba_slots else None
+    sched = config.scheduler(cache, engine, model, trace=trace)
     sched.add(jobs)
     start = time.perf_counter()
     c = sched.run(progress)
@@ -151,38 +198,93 @@ def replay(
         audit = str(e)
     s = cache.stats()
     leftover = len(cache.pending_batches())
-    engine.rate = 0.0  # clearing is not under test: no faults injected into its backups
+    if isinstance(engine, FaultyEngine):
+        engine.rate = 0.0  # clearing is not under test: no faults injected into its backups
     full = clear(cache, engine) and leftover == 0
     try:
         cache.audit()
     except InvariantError as e:
         audit = audit if audit != "pass" else f"after clearing: {e}"
-    attn: float | None = None
+    attn: Counters | None = None
     if not cache.mamba_slots:  # the replay is itself the attention-only one
-        attn = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+        attn = c
     elif config.attention_only:
-        attn = attention_only_hit_rate(jobs, config)
-    return report(c, s, engine, model, seconds, audit, full, attn), c.timeline
+        attn = attention_only(jobs, config)
+    out = report(c, s, engine, model, seconds, audit, full, attn, config.shape)
+    out["eviction_policy"] = cache.eviction_policy
+    out.update(offline_report(trace, c, out["attention_only_hit_rate"]))
+    if trace is not None and events is not None:
+        events.extend(trace.events)
+    return out, c.timeline
+
+
+def offline_report(
+    trace: StateTrace | None, c: Counters, attention_only: float | None
+) -> dict[str, Any]:
+    """Return the offline bound's keys of the report (None each without a trace).
+
+    Hit rates are in tokens over the prompt tokens, as ``device_hit_rate``; request hit
+    rates are the shares of requests that hit a state (``request_hit_rate`` is the
+    replay's own, measured).
+    """
+    keys = (
+        "offline_bound_hit_rate",
+        "offline_bound_ratio",
+        "offline_lru_hit_rate",
+        "offline_possible_hit_rate",
+        "offline_bound_request_hit_rate",
+        "offline_lru_request_hit_rate",
+        "offline_possible_request_hit_rate",
+    )
+    if trace is None:
+        return dict.fromkeys(keys)
+    return offline_keys(trace.events, trace.cache.mamba_slots, c.prompt_tokens, attention_only)
+
+
+def offline_keys(
+    events: Sequence[Event], mamba_slots: int, prompt_tokens: int, attention_only: float | None
+) -> dict[str, Any]:
+    """Return the offline bound's report keys from recorded `events` (see `offline_report`)."""
+    b = bound(events, mamba_slots * 3 // 4)
+    p, n = prompt_tokens, b.requests
+    rate = b.belady_tokens / p if p else 0.0
+    return {
+        "offline_bound_hit_rate": rate,
+        "offline_bound_ratio": rate / attention_only if attention_only else None,
+        "offline_lru_hit_rate": b.lru_tokens / p if p else 0.0,
+        "offline_possible_hit_rate": b.possible_tokens / p if p else 0.0,
+        "offline_bound_request_hit_rate": b.belady_requests / n if n else 0.0,
+        "offline_lru_request_hit_rate": b.lru_requests / n if n else 0.0,
+        "offline_possible_request_hit_rate": b.possible_requests / n if n else 0.0,
+    }
 
 
 def report(
     c: Counters,
     s: dict[str, int],
-    engine: FaultyEngine,
-    model: ChecksumModel,
+    engine: FaultyEngine | InstantEngine,
+    model: ChecksumModel | None,
     seconds: float,
     audit: str,
     full: bool,
-    attention_only: float | None,
+    attention_only: Counters | None,
+    shape: ModelShape,
 ) -> dict[str, Any]:
     """Gather the replay's report into a flat dict (the documented keys first).
 
-    `attention_only` is the attention-only replay's hit rate, or None when it was not
-    run: ``attention_only_hit_rate`` and ``hit_rate_ratio`` are then None, as is the
-    ratio when the attention-only rate is 0.
+    `attention_only` is the attention-only replay's counters, or None when it was not
+    run: ``attention_only_hit_rate``, ``attention_only_compute_saved_ratio`` and
+    ``hit_rate_ratio`` are then None, as is the ratio when the attention-only rate is 0.
     """
     rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
-    e = engine.stats()
+    attn = attn_saved = None
+    if attention_only is not None:
+        a = attention_only
+        attn = a.device_hit_tokens / a.prompt_tokens if a.prompt_tokens else 0.0
+        attn_saved = compute_saved(a, shape)
+    failed, injected = 0, {}
+    if isinstance(engine, FaultyEngine):
+        failed, injected = engine.stats()["batches_failed"], dict(engine.injected)
     out: dict[str, Any] = {
         "requests": c.finished,
         "prompt_tokens": c.prompt_tokens,
@@ -191,8 +293,13 @@ def report(
         "host_hit_tokens": c.host_hit_tokens,
         "device_hit_rate": rate,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-        "attention_only_hit_rate": attention_only,
-        "hit_rate_ratio": (rate / attention_only) if attention_only else None,
+        "attention_only_hit_rate": attn,
+        "hit_rate_ratio": (rate / attn) if attn else None,
+        "compute_saved_ratio": compute_saved(c, shape),
+        "attention_only_compute_saved_ratio": attn_saved,
+        "request_hit_rate": sum(1 for _, d, _ in c.served if d) / len(c.served)
+        if c.served
+        else 0.0,
         "cow_copies": s["cow_copies"],
         "checkpoints": s["checkpoints"],
         "backups": s["backups_done"],
@@ -210,12 +317,12 @@ def report(
         "retractions": c.retractions,
         "extend_second_rounds": c.extend_second_rounds,
         "rejected": c.rejected,
-        "batches_failed": e["batches_failed"],
+        "batches_failed": failed,
         "batches_refused": c.batches_refused,
         "load_backs_refused": c.load_backs_refused,
-        "injected_failures": dict(engine.injected),
-        "samples_checked": model.samples,
-        "mismatches": model.mismatches,
+        "injected_failures": injected,
+        "samples_checked": model.samples if model is not None else 0,
+        "mismatches": model.mismatches if model is not None else 0,
         "audit": audit,
         "pools_full_at_end": full,
         "steps": c.steps,

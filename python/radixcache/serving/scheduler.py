@@ -45,6 +45,7 @@ from .._core import HybridCache, Request, TransferBatch
 from ..engine import TransferEngine
 from ..storage import Storage
 from .model import ChecksumModel, ComputeEvent
+from .offline import StateTrace
 from .workloads import Job
 
 __all__ = ["FaultyEngine", "InstantEngine", "Refused", "Scheduler", "StepSample"]
@@ -229,6 +230,8 @@ class Counters:
     steps: int = 0
     forwards: int = 0
     timeline: list[StepSample] = field(default_factory=list)
+    #: ``(prompt_len, device_hit, host_hit)`` of each finished request, in order.
+    served: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -250,6 +253,8 @@ class Scheduler:
         branch_checkpoints: Cut prefill chunks at each request's ``branch_len`` and
             checkpoint its state there (False: only at chunk ends and the last whole
             page, to measure what branch-point checkpoints are worth).
+        trace: Records each admission's state use and each state put in the tree,
+            for the offline bound (`radixcache.serving.offline`); None: not recorded.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -268,6 +273,7 @@ class Scheduler:
         timeline: int = 0,
         token_lists: bool = False,
         branch_checkpoints: bool = True,
+        trace: StateTrace | None = None,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
@@ -294,6 +300,7 @@ class Scheduler:
         self._hold = False  # set by a retraction, cleared when a request finishes
         self.token_lists = token_lists
         self.branch_checkpoints = branch_checkpoints
+        self.trace = trace
         self._prepared: dict[int, tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ driving
@@ -379,6 +386,8 @@ class Scheduler:
         for live in checkpoints:
             if live in self.running:
                 self.cache.checkpoint(live.req)
+                if self.trace is not None:
+                    self.trace.offer(live.index, live.job.namespace, live.seq, live.fed, c.steps)
         for live in finished:
             if live in self.running:
                 self._finish(live)
@@ -429,11 +438,11 @@ class Scheduler:
             if self.running and need > room:
                 return
             tokens, seq = self._prepare(index, job)
-            req = cache.admit(tokens, namespace=job.namespace)
+            req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None and not self.running:
                 cache.evict(mamba_states=1)
                 self._run_batches()  # under write-back, evicted slots free once backed up
-                req = cache.admit(tokens, namespace=job.namespace)
+                req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None:
                 if not self.running:
                     self.waiting.popleft()
@@ -451,6 +460,8 @@ class Scheduler:
             self.running.append(live)
             self._run_batches()  # the state's copy-on-write, before any compute reads it
             live.fed = live.device_hit = req.prefix_len  # a failed copy-on-write drops it
+            if self.trace is not None:
+                self.trace.use(index, job.namespace, seq, req.branch_len, self.counters.steps)
             if req.host_len > 0:
                 self._load_back(live)
 
@@ -591,11 +602,15 @@ class Scheduler:
         self._hold = False
         self.running.remove(live)
         self.cache.finish(live.req)
+        if self.trace is not None:
+            self.trace.offer(live.index, live.job.namespace, live.seq, len(live.seq), c.steps)
+            self.trace.done(live.index)
         c.finished += 1
         c.prompt_tokens += len(live.job.prompt)
         c.output_tokens += len(live.job.output)
         c.device_hit_tokens += live.device_hit
         c.host_hit_tokens += live.host_hit
+        c.served.append((len(live.job.prompt), live.device_hit, live.host_hit))
 
     def _run_batches(self) -> int:
         """Run every batch the cache emitted; returns how many."""

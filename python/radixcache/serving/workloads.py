@@ -14,13 +14,21 @@ order. The built-in ones are seeded and repeatable:
   prompts; sized so that a default replay sees prefix hits, state copy-on-write,
   eviction, demotion to the host tier and load-backs.
 
+Each request carries a priority hint (`Job.priority`, passed to ``admit``; it matters
+under the ``"priority"`` eviction policy), set without drawing from the seeded streams,
+so the tokens are the same as without it: in ``gsp`` and ``multiturn`` a tenant tier,
+every other group or client 1 and the others 0 (`TIERS`); in ``mixed`` the kind of
+request: 2 for a chat turn (it comes back), 1 for a shared system prompt and its
+suffix, 0 for an unrelated prompt.
+
 Outputs are recorded token ids, as in a trace: the scheduler feeds them as the decoded
 tokens. JSONL files hold one job per line: ``{"prompt": [ids], "output_len": n,
-"output": [ids] (optional), "namespace": "..." (optional)}``; a job without ``output``
-gets the checksum model's own samples (what the model would generate). `parse_line`
-checks every field: a prompt and an output of at least one token id each (integers in
-``[0, 2**32)``), at most `MAX_OUTPUT_LEN` output tokens, a namespace that is a string of
-valid Unicode, no other field; a file with no job is refused.
+"output": [ids] (optional), "namespace": "..." (optional), "priority": n (optional)}``;
+a job without ``output`` gets the checksum model's own samples (what the model would
+generate). `parse_line` checks every field: a prompt and an output of at least one
+token id each (integers in ``[0, 2**32)``), at most `MAX_OUTPUT_LEN` output tokens, a
+namespace that is a string of valid Unicode, a priority that is a 64-bit integer, no
+other field; a file with no job is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from .model import VOCAB, Reference
 __all__ = [
     "FIELDS",
     "MAX_OUTPUT_LEN",
+    "PRIORITY_RANGE",
+    "TIERS",
     "TOKEN_LIMIT",
     "WORKLOADS",
     "Job",
@@ -54,18 +64,21 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Job:
-    """One request: its prompt, the tokens it decodes, and its namespace.
+    """One request: its prompt, the tokens it decodes, its namespace and priority.
 
     Attributes:
         prompt: Prompt token ids (uint32 array).
         output: Output token ids (fed as decoded tokens; ``len(output)`` samples).
         namespace: The cache namespace (a LoRA id, a tenant), or None.
+        priority: The request's priority hint (higher: its prefix is kept longer under
+            the ``"priority"`` eviction policy), passed to ``admit``; a 64-bit integer.
         line: The line of the JSONL file it was read from (None for a built-in one).
     """
 
     prompt: np.ndarray
     output: np.ndarray
     namespace: str | None = None
+    priority: int = 0
     line: int | None = field(default=None, compare=False)
 
     def to_json(self) -> str:
@@ -77,15 +90,29 @@ class Job:
         }
         if self.namespace is not None:
             d["namespace"] = self.namespace
+        if self.priority:
+            d["priority"] = self.priority
         return json.dumps(d, separators=(",", ":"))
+
+
+#: Tenant tiers of the built-in ``gsp`` and ``multiturn``: group or client ``i`` has
+#: priority ``i % TIERS``.
+TIERS = 2
 
 
 def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, VOCAB, size=n, dtype=np.uint32)
 
 
-def _job(prompt: np.ndarray, output: np.ndarray, namespace: str | None = None) -> Job:
-    return Job(np.ascontiguousarray(prompt, dtype=np.uint32), output.astype(np.uint32), namespace)
+def _job(
+    prompt: np.ndarray, output: np.ndarray, namespace: str | None = None, priority: int = 0
+) -> Job:
+    return Job(
+        np.ascontiguousarray(prompt, dtype=np.uint32),
+        output.astype(np.uint32),
+        namespace,
+        priority,
+    )
 
 
 def gsp(
@@ -114,11 +141,11 @@ def gsp(
     if requests is not None:
         groups = max(1, math.ceil(requests / prompts_per_group))
     jobs = []
-    for _ in range(groups):
+    for g in range(groups):
         system = _tokens(rng, system_len)
         for _ in range(prompts_per_group):
             prompt = np.concatenate([system, _tokens(rng, question_len)])
-            jobs.append(_job(prompt, _tokens(rng, output_len)))
+            jobs.append(_job(prompt, _tokens(rng, output_len), priority=g % TIERS))
     order = rng.permutation(len(jobs))
     jobs = [jobs[i] for i in order]
     return jobs[:requests] if requests is not None else jobs
@@ -153,7 +180,7 @@ def multiturn(
         for c in rng.permutation(clients):
             prompt = np.concatenate([history[c], _tokens(rng, request_len)])
             output = _tokens(rng, output_len)
-            jobs.append(_job(prompt, output))
+            jobs.append(_job(prompt, output, priority=int(c) % TIERS))
             history[c] = np.concatenate([prompt, output])
     return jobs[:requests] if requests is not None else jobs
 
@@ -187,14 +214,14 @@ def mixed(requests: int | None = None, seed: int = 0) -> list[Job]:
         if r < 0.5:
             suffix = pick.randint(2000, 6000) if pick.random() < 1 / 6 else pick.randint(32, 512)
             prompt = np.concatenate([pick.choice(systems), _tokens(rng, suffix)])
-            jobs.append(_job(prompt, out, ns))
+            jobs.append(_job(prompt, out, ns, priority=1))
         elif r < 0.85:
             if len(chats) < 48 and (not chats or pick.random() < 0.3):
                 chats.append((pick.choice(systems), ns, 0))
             i = pick.randrange(len(chats))
             history, cns, turns = chats[i]
             prompt = np.concatenate([history, _tokens(rng, pick.randint(64, 384))])
-            jobs.append(_job(prompt, out, cns))
+            jobs.append(_job(prompt, out, cns, priority=2))
             grown = np.concatenate([prompt, out])
             if turns + 1 >= 8 or len(grown) > 6000:
                 chats.pop(i)
@@ -225,7 +252,9 @@ MAX_OUTPUT_LEN = 1 << 16
 #: Token ids are unsigned 32-bit integers: ``0 <= id < TOKEN_LIMIT``.
 TOKEN_LIMIT = 1 << 32
 #: The fields of a JSONL line; any other is refused (a misspelt one would be ignored).
-FIELDS = ("prompt", "output_len", "output", "namespace")
+FIELDS = ("prompt", "output_len", "output", "namespace", "priority")
+#: A priority is a 64-bit signed integer (the cache's ``priority``): ``lo <= p < hi``.
+PRIORITY_RANGE = (-(1 << 63), 1 << 63)
 
 
 def _short(value: object) -> str:
@@ -296,6 +325,12 @@ def parse_line(text: str, line: int, ref: Reference | None = None) -> Job:
             raise ValueError(
                 f"line {line}: namespace: {_short(ns)} is not valid Unicode (a lone surrogate)"
             ) from None
+    priority = d.get("priority", 0)
+    lo, hi = PRIORITY_RANGE
+    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority < hi:
+        raise ValueError(
+            f"line {line}: priority: must be an integer in [-2**63, 2**63), got {_short(priority)}"
+        )
     if "output" in d:
         output = _ids(d["output"], "output", line)
         if len(output) > MAX_OUTPUT_LEN:
@@ -311,7 +346,7 @@ def parse_line(text: str, line: int, ref: Reference | None = None) -> Job:
             raise ValueError(f"line {line}: a job has an 'output_len' or an 'output'")
         n = _count(d["output_len"], line)
         output = np.array((ref or Reference()).samples(prompt, n), dtype=np.uint32)
-    return Job(prompt, output, ns, line=line)
+    return Job(prompt, output, ns, priority, line=line)
 
 
 def load_jsonl(path: str | Path, requests: int | None = None) -> list[Job]:
