@@ -45,6 +45,9 @@ pub(crate) struct Stats {
     pub swa_evicted_pages: u64,
     /// SWA: page allocations refused for want of SWA pages even after eviction.
     pub swa_alloc_failures: u64,
+    /// SWA: request pages whose SWA pages were given back as their tokens left the
+    /// window.
+    pub swa_window_freed_pages: u64,
     /// SWA: tombstone pages given back their SWA KV by an insert of the same tokens.
     pub swa_revived_pages: u64,
     /// State allocations that failed even after eviction.
@@ -143,6 +146,7 @@ impl Stats {
             ("swa_evicted_pages", self.swa_evicted_pages),
             ("swa_alloc_failures", self.swa_alloc_failures),
             ("swa_revived_pages", self.swa_revived_pages),
+            ("swa_window_freed_pages", self.swa_window_freed_pages),
             ("mamba_alloc_failures", self.mamba_alloc_failures),
             ("admits", self.admits),
             ("admits_refused", self.admits_refused),

@@ -258,9 +258,9 @@ impl Cache {
         }
     }
 
-    /// Checks the SWA component: the window locks each node holds are exactly those of
-    /// the live receipts, every candidate is queued, and no unlocked leaf ends in a dead
-    /// page (a tombstone is never a leaf).
+    /// Checks the SWA component: every request's window has its SWA pages, the window
+    /// locks each node holds are exactly those of the live receipts, every candidate is
+    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf).
     pub(crate) fn audit_swa(&self) -> Result<()> {
         if !self.has_swa() {
             return Ok(());
@@ -274,6 +274,16 @@ impl Cache {
                 want[cur as usize].push(crate::pool::index_u32(left));
                 left = left.saturating_sub(nodes[cur as usize].key.len());
                 cur = nodes[cur as usize].parent;
+            }
+        }
+        for r in self.requests.iter() {
+            let (start, pages) = self.window_of(r);
+            if let Some(k) = pages.iter().position(Option::is_none) {
+                return Err(Error::Invariant(format!(
+                    "request at node {}: page {k} of its window (from token {start}) has no \
+                     SWA KV",
+                    self.tree.id(r.node)
+                )));
             }
         }
         for (i, n) in nodes.iter().enumerate() {

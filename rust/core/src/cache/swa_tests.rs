@@ -264,3 +264,102 @@ fn swa_arguments_are_validated_by_name() {
     assert!(Cache::new(with(8, 4)).unwrap().has_swa());
     assert!(!Cache::new(base).unwrap().has_swa());
 }
+
+fn request_swa_slots(c: &Cache) -> u64 {
+    stat(c, "swa_request_slots")
+}
+
+#[test]
+fn a_request_gives_back_the_swa_pages_that_leave_its_window() {
+    let mut c = swa(64, 2, 64, 4);
+    let r = c.admit(None, &[]).unwrap().unwrap();
+    c.extend(r, &seq(6)).unwrap().unwrap();
+    assert_eq!(request_swa_slots(&c), 6);
+    // At 6 tokens the window is tokens 2..6: page 0 goes before the next pages come.
+    c.extend(r, &seq(4)).unwrap().unwrap();
+    assert_eq!(stat(&c, "swa_window_freed_pages"), 1);
+    assert_eq!(request_swa_slots(&c), 8);
+    let (start, slots) = c.request_swa_indices(r).unwrap();
+    assert_eq!((start, slots.len()), (2, 8));
+    assert!(slots.iter().all(|&s| s >= 0));
+    c.audit().unwrap();
+    c.abort(r).unwrap();
+    assert_eq!(stat(&c, "swa_free_slots"), 64);
+    c.audit().unwrap();
+}
+
+#[test]
+fn the_freed_window_survives_chunks_and_checkpoints() {
+    // Failure class: the evicted-window length lost between chunks (a page freed twice,
+    // or kept). Prefill in chunks of 8 with a checkpoint after each.
+    let mut c = swa(128, 2, 64, 4);
+    let r = c.admit(None, &[]).unwrap().unwrap();
+    let toks = seq(24);
+    for (k, chunk) in toks.chunks(8).enumerate() {
+        c.extend(r, chunk).unwrap().unwrap();
+        c.checkpoint(r).unwrap();
+        c.audit().unwrap();
+        // The chunk's own pages ending at or before len - 4 gave their SWA pages back,
+        // once: 2 pages a chunk (what an earlier checkpoint cached is the tree's now).
+        let len = 8 * (k + 1);
+        assert_eq!(
+            stat(&c, "swa_window_freed_pages"),
+            2 * (k as u64 + 1),
+            "after chunk {k}"
+        );
+        let (start, slots) = c.request_swa_indices(r).unwrap();
+        assert!(start <= len - 4 && slots.iter().all(|&s| s >= 0));
+    }
+    c.finish(r).unwrap();
+    assert_eq!(c.fault(), None);
+    c.audit().unwrap();
+    // Each chunk's last window is live, its first half a tombstone: cuts at the chunk
+    // ends match, one inside a tombstone falls back to the chunk end before it.
+    assert_eq!(stat(&c, "swa_cached_tokens"), 12);
+    assert_eq!(c.match_prefix(None, &toks).device_len, 24);
+    assert_eq!(c.match_prefix(None, &toks[..16]).device_len, 16);
+    assert_eq!(c.match_prefix(None, &toks[..12]).device_len, 8);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_second_request_reuses_the_window_and_revives_what_it_recomputes() {
+    let mut c = swa(128, 1, 64, 4);
+    let toks = seq(12);
+    let a = c.admit(None, &[]).unwrap().unwrap();
+    c.extend(a, &toks).unwrap().unwrap();
+    c.finish(a).unwrap();
+    // The finished request's window (the last 4 tokens, and one page more) is cached.
+    let b = c.admit(None, &toks).unwrap().unwrap();
+    assert_eq!(c.request(b).unwrap().prefix_len, 12);
+    let (start, slots) = c.request_swa_indices(b).unwrap();
+    assert_eq!((start, slots.len()), (8, 4));
+    c.abort(b).unwrap();
+    // A shorter prompt cannot be cut inside the tombstones: it recomputes, and its
+    // finish gives the tombstoned pages their SWA back.
+    let d = c.admit(None, &toks[..8]).unwrap().unwrap();
+    assert_eq!(c.request(d).unwrap().prefix_len, 0);
+    c.extend(d, &toks[..8]).unwrap().unwrap();
+    c.finish(d).unwrap();
+    assert_eq!(c.match_prefix(None, &toks[..8]).device_len, 8);
+    assert!(stat(&c, "swa_revived_pages") > 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_window_lock_moves_with_checkpoints_and_is_released_once() {
+    let mut c = swa(128, 1, 64, 3);
+    let r = c.admit(None, &[]).unwrap().unwrap();
+    for chunk in seq(12).chunks(5) {
+        c.extend(r, chunk).unwrap().unwrap();
+        c.checkpoint(r).unwrap();
+        c.audit().unwrap();
+    }
+    c.finish(r).unwrap();
+    c.audit().unwrap();
+    assert_eq!(stat(&c, "live_locks"), 0);
+    // Nothing locked: SWA eviction can take every window.
+    c.evict_swa(usize::MAX);
+    assert_eq!(stat(&c, "nodes"), 0);
+    c.audit().unwrap();
+}
