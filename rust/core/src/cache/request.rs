@@ -571,17 +571,22 @@ impl Cache {
 
     /// SWA: gives back the SWA pages of the request's own pages whose tokens all left
     /// the window (every page ending at or before `len - W`, `len` the request's
-    /// tokens): the next token attends to the last W tokens only.
+    /// tokens): the next token attends to the last W tokens only. The window before the
+    /// request's last whole page stays too (one page more when pages are larger than
+    /// the window), so that what `checkpoint` and `finish` cache ends in a live window
+    /// and can be matched (no tombstone leaf).
     fn slide_window(&mut self, id: RequestId) {
         let w = self.config.swa_window;
         if w == 0 {
             return;
         }
         let ps = self.config.page_size;
+        let need = self.swa.need();
         let Ok(r) = self.request_ref(id) else {
             return;
         };
-        let cut = r.tokens.len().saturating_sub(w) / ps * ps;
+        let len = r.tokens.len();
+        let cut = (len.saturating_sub(w) / ps * ps).min((len / ps * ps).saturating_sub(need));
         let from = r.swa_freed_to.max(r.prefix_len);
         if cut <= from {
             return;
@@ -838,6 +843,8 @@ impl Cache {
         r.admitted_tail = admitted;
         r.admitted_from = 0;
         r.prefix_len = 0;
+        // Its pages are retired: its window starts over with the tokens it recomputes.
+        r.swa_freed_to = 0;
         r.branch_len = 0;
         r.host_len = 0;
         r.host_node = None;
