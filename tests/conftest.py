@@ -6,10 +6,12 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Sized
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import radixcache as rc
 
@@ -163,6 +165,26 @@ def cuda() -> tuple[Any, str]:
 #: Tests that run one end-to-end scenario over a grid of configurations (page sizes,
 #: write policies, failure rates, broken engines). They drive the same compiled core and
 #: the same pure-Python scheduler on every interpreter.
+#: The eviction policies a property machine runs under, one drawn per run: each name for
+#: every component, and mixes per component.
+EVICTION_POLICIES = st.sampled_from(
+    [
+        "lru",
+        "lfu",
+        "priority",
+        "state-value",
+        {"kv": "lfu", "mamba": "state-value"},
+        {"kv": "priority", "mamba": "lfu"},
+    ]
+)
+
+
+def priority_of(tokens: Sized) -> int:
+    """A priority hint from -1 to 1, varied with the tokens (the machines' requests and
+    inserts carry one, so that the "priority" policy sees ties and differences)."""
+    return len(tokens) % 3 - 1
+
+
 def examples(n: int) -> int:
     """Hypothesis examples for a property test that asks for ``n``.
 

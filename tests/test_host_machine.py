@@ -50,7 +50,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, examples, fingerprint
+from conftest import EVICTION_POLICIES, assert_pool_sums, examples, fingerprint, priority_of
 
 SYSTEM = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12]]
 NAMESPACES = st.sampled_from([None, None, None, "a"])
@@ -187,8 +187,16 @@ class HostMachine(RuleBasedStateMachine):
         host_kv_slots=st.sampled_from([16, 16, 20, 24, 32, 48]),
         states=st.integers(2, 5),
         host_states=st.integers(2, 5),
+        policy=EVICTION_POLICIES,
     )
-    def build(self, kv_slots: int, host_kv_slots: int, states: int, host_states: int) -> None:
+    def build(
+        self,
+        kv_slots: int,
+        host_kv_slots: int,
+        states: int,
+        host_states: int,
+        policy: str | dict[str, str],
+    ) -> None:
         """Small pools (multiples of both page sizes), so that everything overflows."""
         ps = self.ps
         self.kv_slots = kv_slots
@@ -202,6 +210,7 @@ class HostMachine(RuleBasedStateMachine):
             host_kv_slots=self.host_kv_slots,
             host_mamba_slots=self.host_states,
             write_policy=self.policy,
+            eviction_policy=policy,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -825,7 +834,7 @@ class HostMachine(RuleBasedStateMachine):
         ns, tokens = self.sequence(data)
         c = self.cache
         s = c.stats()
-        h = c.admit(tokens, namespace=ns)
+        h = c.admit(tokens, namespace=ns, priority=priority_of(tokens))
         if h is None:
             # No state slot even after eviction (under write-back, the eviction may have
             # started backups: they hold no lock, the nodes are being evicted; but a

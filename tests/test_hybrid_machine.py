@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, examples, fingerprint
+from conftest import EVICTION_POLICIES, assert_pool_sums, examples, fingerprint, priority_of
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 NAMESPACES = st.sampled_from([None, "a"])
@@ -95,12 +95,15 @@ class HybridMachine(RuleBasedStateMachine):
         page_size=st.sampled_from([1, 2, 4]),
         pages=st.integers(12, 40),
         states=st.integers(2, 6),
+        policy=EVICTION_POLICIES,
     )
-    def build(self, page_size: int, pages: int, states: int) -> None:
+    def build(self, page_size: int, pages: int, states: int, policy: str | dict[str, str]) -> None:
         self.ps = page_size
         self.kv_slots = page_size * pages
         self.states = states
-        self.cache = rc.HybridCache(kv_slots=self.kv_slots, page_size=page_size, mamba_slots=states)
+        self.cache = rc.HybridCache(
+            kv_slots=self.kv_slots, page_size=page_size, mamba_slots=states, eviction_policy=policy
+        )
         self.kv_mem = np.full(self.kv_slots, GARBAGE, dtype=np.int64)
         self.mamba_mem = np.full(states, GARBAGE, dtype=np.int64)
 
@@ -165,7 +168,7 @@ class HybridMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ actions
 
     def do_admit(self, ns: str | None, tokens: list[int]) -> Req | None:
-        handle = self.cache.admit(tokens, namespace=ns)
+        handle = self.cache.admit(tokens, namespace=ns, priority=priority_of(tokens))
         if handle is None:
             # Refused only when no state slot could be had even after eviction: every
             # unlocked state left is pinned by a copy in flight, but for the matched one,
@@ -543,7 +546,14 @@ class HybridMachine(RuleBasedStateMachine):
             return
         states_before = self.tree_states()
         free_before = self.cache.available_mamba()
-        ins = self.cache.insert(tokens, kv, namespace=ns, owned_from=owned_from, mamba_slot=slot)
+        ins = self.cache.insert(
+            tokens,
+            kv,
+            namespace=ns,
+            owned_from=owned_from,
+            mamba_slot=slot,
+            priority=priority_of(tokens),
+        )
         if slot is None:
             assert not ins.mamba_existed
             return

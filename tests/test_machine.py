@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import assert_pool_sums, examples, fingerprint
+from conftest import EVICTION_POLICIES, assert_pool_sums, examples, fingerprint, priority_of
 from model import Key, Model
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
@@ -40,9 +40,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.released_locks: list[rc.Lock] = []
         self.next_receipt = 0
 
-    @initialize(page_size=st.sampled_from([1, 2, 4]), pages=st.integers(4, 16))
-    def build(self, page_size: int, pages: int) -> None:
-        self.cache = rc.HybridCache(kv_slots=page_size * pages, page_size=page_size)
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]), pages=st.integers(4, 16), policy=EVICTION_POLICIES
+    )
+    def build(self, page_size: int, pages: int, policy: str | dict[str, str]) -> None:
+        self.cache = rc.HybridCache(
+            kv_slots=page_size * pages, page_size=page_size, eviction_policy=policy
+        )
         self.model = Model(kv_slots=page_size * pages, page_size=page_size)
 
     # ------------------------------------------------------------------ helpers
@@ -106,7 +110,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.model.caller -= handed_unused
         available = self.model.available()
         prefix_len, freed = self.model.insert(ns, tokens, kv, owned_from)
-        ins = self.cache.insert(tokens, kv, namespace=ns, owned_from=owned_from)
+        ins = self.cache.insert(
+            tokens, kv, namespace=ns, owned_from=owned_from, priority=priority_of(tokens)
+        )
         assert ins.prefix_len == prefix_len
         assert self.cache.available_kv() == available + len(freed) * ps
 

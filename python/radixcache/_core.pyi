@@ -60,6 +60,10 @@ _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 #: Slot indices: the same forms as ``_Tokens``, values in the 64-bit range (``int64``
 #: arrays are copied as is).
 _Indices: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
+#: Eviction policy names, as ``HybridCache.eviction_policy`` reports them, and the
+#: spellings the constructor accepts.
+_EvictionPolicyName: TypeAlias = Literal["lru", "lfu", "priority", "state-value"]
+_EvictionPolicy: TypeAlias = Literal["lru", "lfu", "priority", "state-value", "state_value"]
 
 class CacheError(Exception):
     """Root of the errors radixcache raises (argument errors stay ValueError/TypeError).
@@ -428,6 +432,22 @@ class HybridCache:
             ``alloc_kv``, ``free_kv``, ``alloc_mamba``, ``free_mamba``, ``admit``,
             ``extend``, ``extend_batch``, ``checkpoint``, ``finish``, ``abort``,
             ``load_back``, ``evict_host``.
+        eviction_policy: the order in which eviction takes its candidates
+            (docs/design.md, "Eviction policies"). ``"lru"`` (the default): least
+            recently used first (states: those no match used before those one did).
+            ``"lfu"``: least often matched first (a node counts the matches that use
+            it, up to the cut; a state, the matches that use that state; inserts do
+            not count), ties least recent first. ``"priority"``: lowest priority first
+            (a node has the highest ``priority=`` of the ``insert`` and ``admit`` calls
+            through it; a request's ``checkpoint`` and ``finish`` carry its own), ties
+            least recent first. ``"state-value"`` (``"state_value"`` too; states only):
+            the state that saves the least compute first, weighted by depth, by its
+            matches, and aged so that states nobody uses go in time. A name applies to
+            every component it applies to (``"state-value"``: KV keeps ``"lru"``); a
+            dict sets each, ``{"kv": ..., "mamba": ...}``, missing ones ``"lru"``. The
+            host tier follows the KV policy. An unknown name or component, or
+            ``"state-value"`` for ``"kv"``, raises ``ValueError`` naming
+            ``eviction_policy``.
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -456,6 +476,7 @@ class HybridCache:
         write_policy: str = "write_through",
         write_through_threshold: int | None = None,
         pools: Literal["cache", "engine"] = "cache",
+        eviction_policy: _EvictionPolicy | dict[str, _EvictionPolicy] = "lru",
     ) -> HybridCache: ...
     @property
     def page_size(self) -> int:
@@ -478,6 +499,9 @@ class HybridCache:
     @property
     def write_through_threshold(self) -> int | None:
         """Inserts before a selective backup (None unless the policy is selective)."""
+    @property
+    def eviction_policy(self) -> dict[str, _EvictionPolicyName]:
+        """The eviction policy of each component: ``{"kv": name, "mamba": name}``."""
     @property
     def pools(self) -> Literal["cache", "engine"]:
         """Who owns the device slots: ``"cache"`` (its own pools) or ``"engine"``."""
@@ -527,6 +551,7 @@ class HybridCache:
         namespace: str | None = None,
         owned_from: int = 0,
         mamba_slot: int | None = None,
+        priority: int = 0,
     ) -> Insert:
         """Cache ``tokens`` whose KV lives in ``kv_indices`` (one slot per token).
 
@@ -545,6 +570,10 @@ class HybridCache:
         slot in the tree, queued for ``take_freed``, out of range or listed twice
         raises ``ValueError`` naming the argument. What the cache does not keep is
         queued for ``take_freed()`` instead of freed.
+
+        ``priority`` (an integer, default 0; higher is kept longer): under
+        ``eviction_policy="priority"`` every node the insert passes or adds keeps the
+        highest priority that went through it.
         """
     def lock(self, node: Node) -> Lock:
         """Protect the path from ``node`` to the root from eviction; returns the receipt.
@@ -622,13 +651,18 @@ class HybridCache:
         Raises:
             ValueError: the slot is free, owned by the cache, or out of range.
         """
-    def admit(self, tokens: _Tokens, *, namespace: str | None = None) -> Request | None:
+    def admit(
+        self, tokens: _Tokens, *, namespace: str | None = None, priority: int = 0
+    ) -> Request | None:
         """Admit a request: match, lock the reused prefix, copy-on-write its state.
 
         With Mamba layers and a cached state, the request gets its own state slot and a
         ``"cow"`` batch copies the node's state into it. Returns None, having taken
         nothing, when no state slot can be had even after eviction. The request holds
-        only the reused prefix; ``extend`` adds the rest.
+        only the reused prefix; ``extend`` adds the rest. ``priority`` (an integer,
+        default 0; higher is kept longer under ``eviction_policy="priority"``) raises
+        the nodes the match uses to it, and what the request's ``checkpoint`` and
+        ``finish`` cache takes it too.
         """
     def extend(self, request: Request, tokens: _Tokens) -> npt.NDArray[np.int64] | None:
         """One KV slot per token about to be fed (plus a state slot if it has none).

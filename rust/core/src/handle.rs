@@ -170,7 +170,18 @@ impl HybridCache {
     /// Admits a request (see [`Cache::admit`]); the returned handle aborts the request if
     /// it is dropped while the request is live. `None`: no state slot for its copy.
     pub fn admit(&self, namespace: Option<&str>, tokens: &[u32]) -> Result<Option<Request>> {
-        let id = self.call(|c| c.admit(namespace, tokens))?;
+        self.admit_with_priority(namespace, tokens, 0)
+    }
+
+    /// [`HybridCache::admit`] for a request of `priority` (see
+    /// [`Cache::admit_with_priority`]).
+    pub fn admit_with_priority(
+        &self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        priority: i64,
+    ) -> Result<Option<Request>> {
+        let id = self.call(|c| c.admit_with_priority(namespace, tokens, priority))?;
         id.map(|id| self.own_request(id)).transpose()
     }
 

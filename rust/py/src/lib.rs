@@ -83,6 +83,39 @@ fn pools_arg(v: &Bound<'_, PyAny>) -> PyResult<core::PoolOwner> {
     s.parse().map_err(err)
 }
 
+/// `eviction_policy=`: one policy name for every component it applies to, or a dict
+/// per component (`{"kv": ..., "mamba": ...}`); the core checks the names.
+fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies> {
+    let type_name = |v: &Bound<'_, PyAny>| {
+        v.get_type()
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string())
+    };
+    if let Ok(name) = v.extract::<String>() {
+        return name.parse().map_err(err);
+    }
+    let Ok(dict) = v.cast::<PyDict>() else {
+        return Err(PyTypeError::new_err(format!(
+            "eviction_policy: expected a policy name or a dict per component, got {}",
+            type_name(v)
+        )));
+    };
+    let mut pairs = Vec::with_capacity(dict.len());
+    for (component, name) in dict.iter() {
+        let (Ok(component), Ok(name)) = (component.extract::<String>(), name.extract::<String>())
+        else {
+            return Err(PyTypeError::new_err(format!(
+                "eviction_policy: expected str keys and str policy names, got {}: {}",
+                type_name(&component),
+                type_name(&name)
+            )));
+        };
+        pairs.push((component, name));
+    }
+    core::EvictionPolicies::from_components(pairs.iter().map(|(c, n)| (c.as_str(), n.as_str())))
+        .map_err(err)
+}
+
 fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     PyArray1::from_vec(py, v).unbind()
 }
@@ -102,6 +135,12 @@ fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
 ///     write_through_threshold times) or "write_back" (only a node being evicted).
 ///   write_through_threshold: inserts before a selective backup (>= 1; None: 2). Only
 ///     with "write_through_selective": the other policies refuse it.
+///   eviction_policy: the order in which eviction takes candidates: "lru" (the
+///     default), "lfu" (least often matched first), "priority" (lowest request
+///     priority first, see insert and admit) or "state-value" (states only: the
+///     state that saves the least compute first, aged; KV keeps "lru"). A name
+///     applies to every component; a dict sets each: {"kv": ..., "mamba": ...}
+///     (missing: "lru"). The host tier follows the KV policy.
 ///   pools: who owns the device slots. "cache" (the default): the cache's own pools
 ///     (alloc_kv, alloc_mamba, requests). "engine": the engine's allocators own every
 ///     slot; insert claims the slots it is passed, what the tree gives up is queued
@@ -122,8 +161,10 @@ impl PyHybridCache {
     #[pyo3(signature = (kv_slots=Int::Value(8192), page_size=Int::Value(1),
                         mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
-                        write_through_threshold=None, pools=core::PoolOwner::Cache),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache')")]
+                        write_through_threshold=None, pools=core::PoolOwner::Cache,
+                        eviction_policy=core::EvictionPolicies::default(),
+                        swa_slots=Int::Value(0), swa_window=Int::Value(0)),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -133,6 +174,9 @@ impl PyHybridCache {
         write_policy: &str,
         write_through_threshold: Option<Int>,
         #[pyo3(from_py_with = pools_arg)] pools: core::PoolOwner,
+        #[pyo3(from_py_with = eviction_policy_arg)] eviction_policy: core::EvictionPolicies,
+        swa_slots: Int,
+        swa_window: Int,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -153,6 +197,9 @@ impl PyHybridCache {
             write_policy: write_policy.parse().map_err(err)?,
             write_through_threshold: threshold,
             pools,
+            eviction_policy,
+            swa_slots: swa_slots.count("swa_slots")?,
+            swa_window: swa_window.count("swa_window")?,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -178,6 +225,18 @@ impl PyHybridCache {
         self.config.mamba_slots
     }
 
+    /// Device slots of the sliding-window attention KV pool (0: no SWA layers).
+    #[getter]
+    fn swa_slots(&self) -> usize {
+        self.config.swa_slots
+    }
+
+    /// The SWA layers' window in tokens (0: no SWA layers).
+    #[getter]
+    fn swa_window(&self) -> usize {
+        self.config.swa_window
+    }
+
     /// Host-tier KV token slots (0: no host tier).
     #[getter]
     fn host_kv_slots(&self) -> usize {
@@ -194,6 +253,16 @@ impl PyHybridCache {
     #[getter]
     fn write_policy(&self) -> &'static str {
         self.config.write_policy.as_str()
+    }
+
+    /// The eviction policy of each component: {"kv": name, "mamba": name}.
+    #[getter]
+    fn eviction_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let p = self.config.eviction_policy;
+        d.set_item("kv", p.kv.as_str())?;
+        d.set_item("mamba", p.mamba.as_str())?;
+        Ok(d)
     }
 
     /// Who owns the device slots: "cache" (its own pools) or "engine".
@@ -277,8 +346,9 @@ impl PyHybridCache {
 
     /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
     #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=Int::Value(0),
-                        mamba_slot=None),
-           text_signature = "($self, tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None)")]
+                        mamba_slot=None, priority=Int::Value(0)),
+           text_signature = "($self, tokens, kv_indices, *, namespace=None, owned_from=0, mamba_slot=None, priority=0)")]
+    #[allow(clippy::too_many_arguments)] // one per argument of the Python method
     fn insert(
         &self,
         py: Python<'_>,
@@ -287,13 +357,15 @@ impl PyHybridCache {
         namespace: Option<&str>,
         owned_from: Int,
         mamba_slot: Option<Int>,
+        priority: Int,
     ) -> PyResult<PyInsert> {
         let tokens = tokens_arg(tokens, "tokens")?;
         let kv = indices_arg(kv_indices, "kv_indices")?;
         let owned_from = owned_from.count("owned_from")?;
         let mamba_slot = mamba_slot.map(|s| s.get("mamba_slot")).transpose()?;
+        let priority = priority.get("priority")?;
         let r = run(py, &self.inner, tokens.len(), |c| {
-            c.insert_with_state(namespace, &tokens, &kv, owned_from, mamba_slot)
+            c.insert_with_priority(namespace, &tokens, &kv, owned_from, mamba_slot, priority)
         })?;
         Ok(PyInsert {
             prefix_len: r.prefix_len,
@@ -330,6 +402,15 @@ impl PyHybridCache {
         let mamba_states = mamba_states.count("mamba_states")?;
         let e = run(py, &self.inner, 0, |c| Ok(c.evict(kv_tokens, mamba_states)))?;
         Ok(PyEvicted::new(py, e))
+    }
+
+    /// SWA: free at least `pages` SWA pages (or all that can go), least recently used
+    /// node first: an internal node keeps its full KV as an SWA tombstone, a leaf goes
+    /// whole. Returns the SWA pages freed (0 without SWA layers).
+    #[pyo3(signature = (*, pages=Int::Value(0)), text_signature = "($self, *, pages=0)")]
+    fn evict_swa(&self, py: Python<'_>, pages: Int) -> PyResult<usize> {
+        let pages = pages.count("pages")?;
+        run(py, &self.inner, 0, |c| Ok(c.evict_swa(pages)))
     }
 
     /// pools="engine": hand every slot queued to go back to the engine to it, as
@@ -382,16 +463,19 @@ impl PyHybridCache {
     }
 
     /// Admit a request: match, lock the reused prefix, copy-on-write its state.
-    #[pyo3(signature = (tokens, *, namespace=None))]
+    #[pyo3(signature = (tokens, *, namespace=None, priority=Int::Value(0)),
+           text_signature = "($self, tokens, *, namespace=None, priority=0)")]
     fn admit(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         namespace: Option<&str>,
+        priority: Int,
     ) -> PyResult<Option<PyRequest>> {
         let tokens = tokens_arg(tokens, "tokens")?;
+        let priority = priority.get("priority")?;
         let id = run(py, &self.inner, tokens.len(), |c| {
-            let id = c.admit(namespace, &tokens)?;
+            let id = c.admit_with_priority(namespace, &tokens, priority)?;
             if let Some(id) = id {
                 c.own_request(id)?;
             }
@@ -851,6 +935,26 @@ impl PyRequest {
         self.grown(py, &self.kv_indices, |c, epoch, from| {
             c.request_slots_from(id, epoch, from)
         })
+    }
+
+    /// SWA: the SWA KV slot of each token from `swa_start` to the end (int64, aligned
+    /// with `tokens[swa_start:]`): what the SWA layers read and write. Empty without
+    /// SWA layers.
+    #[getter]
+    fn swa_indices(&self, py: Python<'_>) -> PyResult<Slots> {
+        let id = self.inner.id();
+        let (_, slots) = run(py, self.inner.cache(), 0, |c| c.request_swa_indices(id))?;
+        Ok(array(py, slots))
+    }
+
+    /// SWA: the first token `swa_indices` covers: at most the last `swa_window` tokens
+    /// before the last `extend` (what its forward pass reads). The request's length
+    /// without SWA layers.
+    #[getter]
+    fn swa_start(&self, py: Python<'_>) -> PyResult<usize> {
+        let id = self.inner.id();
+        let (start, _) = run(py, self.inner.cache(), 0, |c| c.request_swa_indices(id))?;
+        Ok(start)
     }
 
     /// The request's own state slot, or None.

@@ -20,8 +20,8 @@
 //!
 //! Under "lru" the keys are the access times alone, so the order is exactly the
 //! recency order. The state-value policy is GreedyDual-Size-Frequency: a state's value
-//! is the compute it saves ([`state_cost`]) times its matches plus one, per slot (every
-//! state takes one); the key adds the aging level `L` at the state's last use, and `L`
+//! is the compute it saves ([`state_cost`]) times `HIT_WEIGHT` × its matches + 1, per
+//! slot (every state takes one); the key adds the aging level `L` at the state's last use, and `L`
 //! rises to the key of each state the policy evicts, so states nobody uses age out
 //! behind the ones in use (docs/design.md, "Eviction policies").
 
@@ -47,8 +47,17 @@ pub(crate) type LruSet = BTreeSet<(u64, u64, u32)>;
 pub(crate) const HOT: u64 = 1 << 62;
 
 /// Depth (tokens) at which a token's attention costs as much again as the rest of its
-/// layers' work: the weight of a token at depth `d` is `1 + d / DEPTH_SCALE`.
-pub(crate) const DEPTH_SCALE: u64 = 4096;
+/// layers' work: the weight of a token at depth `d` is `1 + d / DEPTH_SCALE`. With a
+/// model width `w`, attention at depth `d` costs about `4 d w` FLOPs a layer and the
+/// projections and MLP `24 w^2`, so the two are equal at `d = 6 w` per attention
+/// layer; hybrids have one attention layer in two to eight, and `w` is 2,048 to 8,192:
+/// 2^16 is in that range, and measured best on the replay's workloads (docs/design.md).
+pub(crate) const DEPTH_SCALE: u64 = 1 << 16;
+
+/// How much a match that used a state counts in its reuse likelihood, against the 1
+/// every state starts with: a state a match used is worth five times what it was
+/// before (states no match has used, most of them a finished request's end, go first).
+pub(crate) const HIT_WEIGHT: u64 = 4;
 
 /// The eviction candidates of each component, in each component's policy order.
 #[derive(Default)]
@@ -107,7 +116,8 @@ impl Lru {
             EvictionPolicy::Lfu => (m.hits, m.last_access),
             EvictionPolicy::Priority => (ordered(n.priority), m.last_access),
             EvictionPolicy::StateValue => {
-                let value = state_cost(tree, i).saturating_mul(m.hits.saturating_add(1));
+                let reuse = m.hits.saturating_mul(HIT_WEIGHT).saturating_add(1);
+                let value = state_cost(tree, i).saturating_mul(reuse);
                 (m.aged.saturating_add(value), m.last_access)
             }
         }
