@@ -98,7 +98,9 @@ impl Cache {
                     0
                 };
             }
-            if on_device && (!hybrid || has_state) && swa_run >= swa_need {
+            // A prefix shorter than the window needs all its tokens live.
+            let window_live = swa_run >= swa_need || swa_run == depth;
+            if on_device && (!hybrid || has_state) && window_live {
                 valid = (node, depth);
                 used = k + 1;
             }

@@ -11,7 +11,8 @@
 //!
 //! - **Match**: the cut must end `need` live SWA tokens (W rounded up to whole pages:
 //!   with pages larger than the window, the last page must be live), counted back over
-//!   node boundaries; the empty prefix is always usable.
+//!   node boundaries; a prefix shorter than that needs all its tokens live; the empty
+//!   prefix is always usable.
 //! - **Eviction**: its own queue, least recently used node first, of the nodes with live
 //!   SWA that no window lock covers. An internal node loses its SWA pages and stays as a
 //!   tombstone; a leaf goes whole (with its KV: a tombstone is never a leaf). A leaf

@@ -363,3 +363,18 @@ fn a_window_lock_moves_with_checkpoints_and_is_released_once() {
     assert_eq!(stat(&c, "nodes"), 0);
     c.audit().unwrap();
 }
+
+#[test]
+fn a_prefix_shorter_than_the_window_matches_when_all_of_it_is_live() {
+    let mut c = swa(64, 2, 64, 16);
+    cached(&mut c, &seq(6));
+    cached(&mut c, &seq(10));
+    assert_eq!(c.match_prefix(None, &seq(6)).device_len, 6);
+    assert_eq!(c.match_prefix(None, &seq(10)).device_len, 10);
+    // One dead node on the way (the least recently used, the parent): the window, longer
+    // than the path, is not all live.
+    assert_eq!(c.evict_swa(1), 3);
+    assert_eq!(stat(&c, "swa_tombstones"), 1);
+    assert_eq!(c.match_prefix(None, &seq(10)).device_len, 0);
+    c.audit().unwrap();
+}
