@@ -117,6 +117,9 @@ CONSTRUCTOR = [
     ("write_policy", "write_through"),
     ("write_through_threshold", None),
     ("pools", "cache"),
+    ("eviction_policy", "lru"),
+    ("swa_slots", 0),
+    ("swa_window", 0),
 ]
 
 

@@ -141,6 +141,13 @@ fn array(py: Python<'_>, v: Vec<i64>) -> Py<PyArray1<i64>> {
 ///     state that saves the least compute first, aged; KV keeps "lru"). A name
 ///     applies to every component; a dict sets each: {"kv": ..., "mamba": ...}
 ///     (missing: "lru"). The host tier follows the KV policy.
+///   swa_slots: device slots of the sliding-window attention KV pool (a multiple of
+///     page_size; 0, the default: no SWA layers). Every KV page handed out comes with
+///     an SWA page that follows it; a request gives back those whose tokens left the
+///     window (Request.swa_indices); a match is cut where the last swa_window tokens
+///     still have their SWA KV; evict_swa() makes SWA tombstones. Not with a host tier
+///     or pools="engine" yet.
+///   swa_window: the tokens each SWA layer attends to (>= 1 with swa_slots, else 0).
 ///   pools: who owns the device slots. "cache" (the default): the cache's own pools
 ///     (alloc_kv, alloc_mamba, requests). "engine": the engine's allocators own every
 ///     slot; insert claims the slots it is passed, what the tree gives up is queued
