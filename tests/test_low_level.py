@@ -135,9 +135,11 @@ def test_the_constructor_signature_is_known_at_runtime() -> None:
     assert f"HybridCache({signature})" in re.sub(r"[\s|]", "", text)
     for name, _ in CONSTRUCTOR:
         assert f"  {name}: " in text, f"help() does not explain {name}"
-    # The defaults it shows are the constructor's.
+    # The defaults it shows are the constructor's ("lru" applies to every component).
     c = rc.HybridCache()
-    assert [(name, getattr(c, name)) for name, _ in CONSTRUCTOR] == CONSTRUCTOR
+    plain = [(name, default) for name, default in CONSTRUCTOR if name != "eviction_policy"]
+    assert [(name, getattr(c, name)) for name, _ in plain] == plain
+    assert c.eviction_policy == {"kv": "lru", "mamba": "lru"}
 
 
 def test_exception_hierarchy() -> None:

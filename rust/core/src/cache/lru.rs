@@ -16,14 +16,16 @@
 //! | lru | (last access, 0) | (last use, [`HOT`] once used; 0) |
 //! | lfu | (matches, last access) | (matches of the state, last use) |
 //! | priority | (priority, last access) | (the node's priority, last use) |
-//! | state-value | (not for KV) | (aging level at last use + value, last use) |
+//! | state-value | (not for KV) | (used?, aging level at last use + value; last use) |
 //!
 //! Under "lru" the keys are the access times alone, so the order is exactly the
-//! recency order. The state-value policy is GreedyDual-Size-Frequency: a state's value
-//! is the compute it saves ([`state_cost`]) times `HIT_WEIGHT` × its matches + 1, per
-//! slot (every state takes one); the key adds the aging level `L` at the state's last use, and `L`
-//! rises to the key of each state the policy evicts, so states nobody uses age out
-//! behind the ones in use (docs/design.md, "Eviction policies").
+//! recency order. The state-value policy is GreedyDual-Size-Frequency in two segments:
+//! a state's value is the compute it saves ([`state_cost`]) times `HIT_WEIGHT` × its
+//! matches + 1, per slot (every state takes one); the key adds the aging level `L` of
+//! its segment (states no match has used, then used ones) at the state's last use, and
+//! each segment's `L` rises to the key of each of its states the policy evicts, so
+//! states nobody uses age out behind the ones in use (docs/design.md, "Eviction
+//! policies").
 
 use std::collections::BTreeSet;
 
@@ -46,6 +48,10 @@ pub(crate) type LruSet = BTreeSet<(u64, u64, u32)>;
 /// unused ones.
 pub(crate) const HOT: u64 = 1 << 62;
 
+/// Set in a state-value key once a match has used the state: used states go after
+/// unused ones, each segment in value order with its own aging level.
+const USED: u64 = 1 << 63;
+
 /// Depth (tokens) at which a token's attention costs as much again as the rest of its
 /// layers' work: the weight of a token at depth `d` is `1 + d / DEPTH_SCALE`. With a
 /// model width `w`, attention at depth `d` costs about `4 d w` FLOPs a layer and the
@@ -55,8 +61,8 @@ pub(crate) const HOT: u64 = 1 << 62;
 pub(crate) const DEPTH_SCALE: u64 = 1 << 16;
 
 /// How much a match that used a state counts in its reuse likelihood, against the 1
-/// every state starts with: a state a match used is worth five times what it was
-/// before (states no match has used, most of them a finished request's end, go first).
+/// every state starts with: a state a match used once is worth five times what it was
+/// before.
 pub(crate) const HIT_WEIGHT: u64 = 4;
 
 /// The eviction candidates of each component, in each component's policy order.
@@ -77,8 +83,9 @@ pub(crate) struct Lru {
     /// How many used states are protected (see [`HOT`]).
     hot_cap: usize,
     policy: EvictionPolicies,
-    /// The state-value aging level `L`: the highest key of a state the policy evicted.
-    level: u64,
+    /// The state-value aging levels `L` of unused and used states: the highest key of a
+    /// state of each segment the policy evicted.
+    level: [u64; 2],
 }
 
 impl Lru {
@@ -118,7 +125,8 @@ impl Lru {
             EvictionPolicy::StateValue => {
                 let reuse = m.hits.saturating_mul(HIT_WEIGHT).saturating_add(1);
                 let value = state_cost(tree, i).saturating_mul(reuse);
-                (m.aged.saturating_add(value), m.last_access)
+                let aged = m.aged.saturating_add(value).min(USED - 1);
+                (aged | if m.hits > 0 { USED } else { 0 }, m.last_access)
             }
         }
     }
@@ -141,10 +149,10 @@ impl Lru {
         let now = self.tick() | if hit { HOT } else { 0 };
         let m = &mut tree.node_mut(i).mamba;
         m.last_access = now;
-        m.aged = self.level;
         if hit {
             m.hits += 1;
         }
+        m.aged = self.level[usize::from(m.hits > 0)];
         self.rekey_state(tree, i);
     }
 
@@ -347,7 +355,8 @@ impl Lru {
         let entry = self.state_victim()?;
         self.remove_state(entry);
         if self.policy.mamba == EvictionPolicy::StateValue {
-            self.level = self.level.max(entry.0);
+            let segment = usize::from(entry.0 & USED != 0);
+            self.level[segment] = self.level[segment].max(entry.0 & !USED);
         }
         tree.node_mut(entry.2).mamba.mark = StateMark::Idle;
         Some(entry.2)

@@ -240,3 +240,17 @@ fn per_component_policies_order_each_set_by_its_own() {
     c.audit().unwrap();
     assert_eq!(c.config().eviction_policy.kv, EvictionPolicy::Priority);
 }
+
+#[test]
+fn state_value_evicts_states_no_match_used_before_used_ones() {
+    let long: Vec<u32> = vec![1; 48];
+    let mut c = cache("state-value", 128, 2);
+    cached(&mut c, &[2, 2], 0);
+    assert_eq!(c.match_prefix(None, &[2, 2, 9]).device_len, 2);
+    // Saves far more, but no match has used it yet (like a finished request's end).
+    cached(&mut c, &long, 0);
+    cached(&mut c, &[3, 3], 0);
+    c.audit().unwrap();
+    assert!(kept(&c, &[2, 2]));
+    assert!(!kept(&c, &long));
+}
