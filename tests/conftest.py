@@ -43,6 +43,7 @@ POOLS = (
     ("mamba", "cached_states"),
     ("host_kv", "cached_tokens"),
     ("host_mamba", "cached_states"),
+    ("swa", "cached_tokens"),
 )
 
 

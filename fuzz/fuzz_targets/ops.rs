@@ -85,6 +85,8 @@ struct Cfg {
     threshold: u8,
     /// The eviction policy of each component (KV: lru, lfu, priority; states: any).
     eviction: u8,
+    /// Odd without a host tier: SWA layers (pool size and window drawn from the rest).
+    swa: u8,
     /// 0: batches run only when the ops say so; 1: an engine runs (completes) every batch
     /// after every op, as a scheduler would; 2: the same, failing some; 3: it starts every
     /// batch after every op and completes them after every fourth.
@@ -493,6 +495,17 @@ fn config_of(c: &Cfg) -> Config {
     let write_through_threshold = (write_policy == WritePolicy::WriteThroughSelective
         && c.threshold % 2 == 1)
         .then_some(u32::from((c.threshold / 2) % 4));
+    // SWA layers half the time without a host tier: windows of 1 to 4 tokens against
+    // pages of 1 to 4 (a page larger than the window included), pools of up to 32 slots
+    // (0 is refused by `Config::validate`: that path runs too).
+    let (swa_slots, swa_window) = if host_kv_slots == 0 && c.swa % 2 == 1 {
+        (
+            usize::from(c.swa / 2 % 33) / ps * ps,
+            1 + usize::from(c.swa / 66 % 4),
+        )
+    } else {
+        (0, 0)
+    };
     Config {
         kv_slots,
         page_size: ps,
@@ -509,6 +522,8 @@ fn config_of(c: &Cfg) -> Config {
             ][usize::from(c.eviction % 3)],
             mamba: EvictionPolicy::ALL[usize::from(c.eviction / 3 % 4)],
         },
+        swa_slots,
+        swa_window,
         ..Config::default()
     }
 }
@@ -1370,6 +1385,15 @@ impl H {
                 }
             }
             Op::Evict { kv, mamba } => {
+                // With SWA layers, SWA eviction too (tombstones, whole leaves).
+                if self.c.has_swa() {
+                    let pages = if *kv == 255 {
+                        usize::MAX
+                    } else {
+                        usize::from(kv % 9)
+                    };
+                    self.c.evict_swa(pages);
+                }
                 let kv = if *kv == 255 {
                     usize::MAX
                 } else {
@@ -1596,6 +1620,18 @@ impl H {
     }
 
     fn check_leaks(&self) {
+        let stat = |name| {
+            self.c
+                .stats()
+                .into_iter()
+                .find(|&(k, _)| k == name)
+                .map_or(0, |s| s.1)
+        };
+        assert_eq!(
+            stat("swa_free_slots") + stat("swa_cached_tokens"),
+            stat("swa_capacity_slots"),
+            "SWA slots left held outside the tree"
+        );
         check_empty("kv", self.c.kv_pool());
         check_empty("mamba", self.c.mamba_pool());
         check_empty("host_kv", self.c.host_kv_pool());

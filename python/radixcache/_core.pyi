@@ -205,6 +205,21 @@ class Request:
     def branch_len(self) -> int:
         """``Match.kv_len`` at admission: checkpoint here during prefill."""
     @property
+    def swa_indices(self) -> npt.NDArray[np.int64]:
+        """SWA layers: the SWA KV slot of each token from ``swa_start`` on.
+
+        An int64 array aligned with ``tokens[swa_start:]``: what the SWA layers read and
+        write. Empty without SWA layers. Re-read it after every ``extend``: the pages
+        whose tokens left the window are given back.
+        """
+    @property
+    def swa_start(self) -> int:
+        """SWA layers: the first token ``swa_indices`` covers.
+
+        At most the last ``swa_window`` tokens before the last ``extend`` (what its
+        forward pass reads). The request's length without SWA layers.
+        """
+    @property
     def kv_indices(self) -> npt.NDArray[np.int64]:
         """Device KV slots of every token the request holds, in order.
 
@@ -448,6 +463,19 @@ class HybridCache:
             host tier follows the KV policy. An unknown name or component, or
             ``"state-value"`` for ``"kv"``, raises ``ValueError`` naming
             ``eviction_policy``.
+        swa_slots: device slots of the sliding-window attention (SWA) KV pool, a
+            multiple of ``page_size``; 0 (the default) for a model without SWA layers.
+            Every KV page the cache hands out (``alloc_kv``, ``extend``) comes with an
+            SWA page, which follows it (a request, the tree, the caller) and is freed
+            with it at the latest; a request gives back the SWA pages of its tokens
+            that left the window early (``Request.swa_indices``). A match is cut where
+            the last ``swa_window`` tokens (rounded up to whole pages) still have their
+            SWA KV; ``evict_swa`` and allocations short of SWA pages turn the least
+            recently used nodes into SWA tombstones (their full KV stays) or delete
+            leaves whole. Not with a host tier or ``pools="engine"`` yet
+            (``ValueError`` naming ``swa_slots``).
+        swa_window: the tokens each SWA layer attends to (at least 1 with
+            ``swa_slots``; 0 without: ``ValueError`` naming ``swa_window``).
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -477,6 +505,8 @@ class HybridCache:
         write_through_threshold: int | None = None,
         pools: Literal["cache", "engine"] = "cache",
         eviction_policy: _EvictionPolicy | dict[str, _EvictionPolicy] = "lru",
+        swa_slots: int = 0,
+        swa_window: int = 0,
     ) -> HybridCache: ...
     @property
     def page_size(self) -> int:
@@ -487,6 +517,12 @@ class HybridCache:
     @property
     def mamba_slots(self) -> int:
         """Device Mamba state slots."""
+    @property
+    def swa_slots(self) -> int:
+        """Device slots of the sliding-window attention KV pool (0: no SWA layers)."""
+    @property
+    def swa_window(self) -> int:
+        """The SWA layers' window in tokens (0: no SWA layers)."""
     @property
     def host_kv_slots(self) -> int:
         """Host-tier KV token slots (0: no host tier)."""
@@ -588,6 +624,14 @@ class HybridCache:
 
         Raises:
             LockError: released already, or the receipt belongs to another cache.
+        """
+    def evict_swa(self, *, pages: int = 0) -> int:
+        """SWA layers: free at least ``pages`` SWA pages (or all that can go).
+
+        Least recently used node first. An internal node keeps its full KV as an SWA
+        tombstone; a leaf goes whole (a tombstone is never a leaf). Nodes whose window a
+        lock or a request holds stay. Returns the SWA pages freed (0 without SWA
+        layers).
         """
     def evict(self, *, kv_tokens: int = 0, mamba_states: int = 0) -> Evicted:
         """Evict at least that much (or all that is evictable), least recently used first.

@@ -255,6 +255,12 @@ pub struct Config {
     pub pools: PoolOwner,
     /// The eviction order of each component.
     pub eviction_policy: EvictionPolicies,
+    /// Device slots of the sliding-window attention (SWA) KV pool, in pages of
+    /// `page_size` like the KV pool; 0 for a model without SWA layers.
+    pub swa_slots: usize,
+    /// The SWA layers' window: each token attends to the last `swa_window` tokens (0
+    /// exactly when `swa_slots` is 0).
+    pub swa_window: usize,
 }
 
 impl Default for Config {
@@ -269,6 +275,8 @@ impl Default for Config {
             write_through_threshold: None,
             pools: PoolOwner::Cache,
             eviction_policy: EvictionPolicies::default(),
+            swa_slots: 0,
+            swa_window: 0,
         }
     }
 }
@@ -371,6 +379,7 @@ impl Config {
                 ),
             ));
         }
+        self.validate_swa()?;
         if self.host_mamba_slots > 0 && self.host_kv_slots == 0 {
             return Err(Error::arg(
                 "host_mamba_slots",
@@ -382,6 +391,69 @@ impl Config {
             ));
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// The SWA arguments: both given or neither, whole pages, and (for now) neither a
+    /// host tier nor engine-owned pools beside them.
+    fn validate_swa(&self) -> Result<()> {
+        if self.swa_slots == 0 {
+            if self.swa_window > 0 {
+                return Err(Error::arg(
+                    "swa_window",
+                    format!(
+                        "{} given without an SWA pool (swa_slots=0); pass both or neither",
+                        self.swa_window
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        if self.swa_window == 0 {
+            return Err(Error::arg(
+                "swa_window",
+                format!(
+                    "must be at least 1 with swa_slots={} (the tokens each SWA layer attends to)",
+                    self.swa_slots
+                ),
+            ));
+        }
+        if !self.swa_slots.is_multiple_of(self.page_size) {
+            return Err(Error::arg(
+                "swa_slots",
+                format!(
+                    "{} is not a multiple of page_size {}",
+                    self.swa_slots, self.page_size
+                ),
+            ));
+        }
+        if self.host_kv_slots > 0 {
+            return Err(Error::arg(
+                "swa_slots",
+                format!(
+                    "{} requested with a host tier (host_kv_slots={}): SWA pages are not \
+                     backed up yet; pass host_kv_slots=0",
+                    self.swa_slots, self.host_kv_slots
+                ),
+            ));
+        }
+        if self.pools == PoolOwner::Engine {
+            return Err(Error::arg(
+                "swa_slots",
+                format!(
+                    "{} requested with pools=\"engine\": the SWA pool is the cache's only; \
+                     pass pools=\"cache\"",
+                    self.swa_slots
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the model has SWA layers.
+    pub fn has_swa(&self) -> bool {
+        self.swa_slots > 0
     }
 }
 

@@ -129,9 +129,56 @@ struct PoolInner {
     /// reaches the free list: freeing it only marks it `Draining`.
     pins: Vec<u32>,
     counts: PoolCounts,
+    /// The SWA pages paired with this pool's pages (a KV pool of a model with SWA
+    /// layers), or `None`.
+    companion: Option<Companion>,
+}
+
+/// A second pool whose pages are paired with the first's: the sliding-window attention
+/// KV of a model with SWA layers. A KV page holds at most one SWA page (its tokens' SWA
+/// KV); the SWA page follows its KV page wherever it goes (a request, the tree, a
+/// caller) and is freed at the latest with it, or earlier by [`Pool::detach_companion`]
+/// (its tokens left every window). So every SWA page is free or paired with exactly one
+/// KV page that is not free: nothing else can be written down.
+struct Companion {
+    /// Free SWA pages (a stack).
+    free: Vec<u32>,
+    /// Per KV page, its SWA page or [`NO_PAGE`].
+    of: Vec<u32>,
+    /// SWA pages in all.
+    pages: usize,
+}
+
+/// No companion page.
+const NO_PAGE: u32 = u32::MAX;
+
+impl Companion {
+    /// Frees KV page `p`'s SWA page, if it has one; true when it had.
+    fn detach(&mut self, p: u32) -> bool {
+        match self.of.get_mut(p as usize) {
+            Some(c) if *c != NO_PAGE => {
+                self.free.push(std::mem::replace(c, NO_PAGE));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether KV page `p` has an SWA page.
+    fn attached(&self, p: u32) -> bool {
+        self.of.get(p as usize).is_some_and(|&c| c != NO_PAGE)
+    }
 }
 
 impl PoolInner {
+    /// Page `p` reached the free list: its SWA page goes too.
+    fn freed(&mut self, p: u32) {
+        self.free.push(p);
+        if let Some(c) = self.companion.as_mut() {
+            c.detach(p);
+        }
+    }
+
     /// Pages handed out at least once (the first never-used page).
     fn used(&self) -> usize {
         self.state.len()
@@ -228,7 +275,7 @@ impl PoolInner {
             self.set(p, from, PageState::Draining);
         } else {
             self.set(p, from, PageState::Free);
-            self.free.push(p);
+            self.freed(p);
         }
     }
 }
@@ -366,6 +413,7 @@ impl Pool {
             state: Vec::new(),
             pins: Vec::new(),
             counts,
+            companion: None,
         };
         Ok(Pool {
             shared: Arc::new(PoolShared {
@@ -377,6 +425,154 @@ impl Pool {
                 fault,
             }),
         })
+    }
+
+    /// Pairs this pool's pages with an SWA pool of `slots` slots (a multiple of the page
+    /// size, checked by the configuration), every SWA page free.
+    pub(crate) fn with_companion(self, slots: usize) -> Pool {
+        let pages = slots / self.shared.page_size;
+        self.shared.inner.lock().companion = Some(Companion {
+            free: (0..index_u32(pages)).rev().collect(),
+            of: vec![NO_PAGE; self.shared.pages],
+            pages,
+        });
+        self
+    }
+
+    /// Gives every page of `pages` that has none an SWA page; all or nothing: false (and
+    /// nothing given) when there are not enough free SWA pages, or no SWA pool.
+    pub(crate) fn attach_companion(&self, pages: &[u32]) -> bool {
+        let mut inner = self.shared.inner.lock();
+        let Some(c) = inner.companion.as_mut() else {
+            return false;
+        };
+        let missing = pages.iter().filter(|&&p| !c.attached(p)).count();
+        if missing > c.free.len() {
+            return false;
+        }
+        for &p in pages {
+            if let (Some(slot), true) = (c.of.get(p as usize).copied(), !c.attached(p)) {
+                debug_assert_eq!(slot, NO_PAGE);
+                if let Some(s) = c.free.pop() {
+                    c.of[p as usize] = s;
+                }
+            }
+        }
+        true
+    }
+
+    /// Frees the SWA pages of `pages` (their tokens left every window); returns how many
+    /// there were.
+    pub(crate) fn detach_companion(&self, pages: &[u32]) -> usize {
+        let mut inner = self.shared.inner.lock();
+        let Some(c) = inner.companion.as_mut() else {
+            return 0;
+        };
+        pages.iter().filter(|&&p| c.detach(p)).count()
+    }
+
+    /// How many of the last pages of `pages` have an SWA page, stopping at the first
+    /// (from the end) without one.
+    pub(crate) fn companion_tail(&self, pages: &[u32]) -> usize {
+        let inner = self.shared.inner.lock();
+        let Some(c) = inner.companion.as_ref() else {
+            return 0;
+        };
+        pages.iter().rev().take_while(|&&p| c.attached(p)).count()
+    }
+
+    /// The SWA page of each of `pages` (`None` where it has none).
+    pub(crate) fn companions(&self, pages: &[u32]) -> Vec<Option<u32>> {
+        let inner = self.shared.inner.lock();
+        pages
+            .iter()
+            .map(|&p| {
+                inner
+                    .companion
+                    .as_ref()
+                    .and_then(|c| c.of.get(p as usize).copied())
+                    .filter(|&s| s != NO_PAGE)
+            })
+            .collect()
+    }
+
+    /// Free SWA pages (0 without an SWA pool).
+    pub(crate) fn companion_free(&self) -> usize {
+        self.shared
+            .inner
+            .lock()
+            .companion
+            .as_ref()
+            .map_or(0, |c| c.free.len())
+    }
+
+    /// SWA pages paired with a page in each state: `[owned, caller, tree, draining]`
+    /// (audit and stats).
+    pub(crate) fn companion_counts(&self) -> [usize; 4] {
+        let inner = self.shared.inner.lock();
+        let mut out = [0; 4];
+        let Some(c) = inner.companion.as_ref() else {
+            return out;
+        };
+        for (p, &s) in c.of.iter().enumerate() {
+            if s == NO_PAGE {
+                continue;
+            }
+            let k = match inner.state.get(p).copied().unwrap_or(inner.untouched) {
+                PageState::Owned => 0,
+                PageState::Caller => 1,
+                PageState::Tree => 2,
+                PageState::Draining => 3,
+                PageState::Free => continue,
+            };
+            out[k] += 1;
+        }
+        out
+    }
+
+    /// Checks the SWA pairing: every SWA page is free (once) or paired with exactly one
+    /// page that is not free, and a free page has no SWA page.
+    fn audit_companion(inner: &PoolInner) -> Result<()> {
+        let Some(c) = inner.companion.as_ref() else {
+            return Ok(());
+        };
+        let name = "swa_slots";
+        let mut seen = vec![false; c.pages];
+        for (p, &s) in c.of.iter().enumerate() {
+            if s == NO_PAGE {
+                continue;
+            }
+            let state = inner.state.get(p).copied().unwrap_or(inner.untouched);
+            if state == PageState::Free {
+                return Err(Error::Invariant(format!(
+                    "{name}: SWA page {s} is paired with free KV page {p}"
+                )));
+            }
+            match seen.get_mut(s as usize) {
+                Some(k) if !*k => *k = true,
+                _ => {
+                    return Err(Error::Invariant(format!(
+                        "{name}: SWA page {s} (of KV page {p}) is out of range or paired twice"
+                    )))
+                }
+            }
+        }
+        for &s in &c.free {
+            match seen.get_mut(s as usize) {
+                Some(k) if !*k => *k = true,
+                _ => {
+                    return Err(Error::Invariant(format!(
+                        "{name}: free SWA page {s} is out of range, paired or listed twice"
+                    )))
+                }
+            }
+        }
+        if let Some(lost) = seen.iter().position(|&k| !k) {
+            return Err(Error::Invariant(format!(
+                "{name}: SWA page {lost} is neither free nor paired with a KV page"
+            )));
+        }
+        Ok(())
     }
 
     /// Slots per page.
@@ -618,7 +814,7 @@ impl Pool {
             *pins -= 1;
             if *pins == 0 && inner.state.get(p as usize) == Some(&PageState::Draining) {
                 inner.set(p, PageState::Draining, PageState::Free);
-                inner.free.push(p);
+                inner.freed(p);
             }
         }
         drop(inner);
@@ -733,6 +929,7 @@ impl Pool {
             }
             seen[i] = true;
         }
+        Pool::audit_companion(&inner)?;
         Ok(counts)
     }
 

@@ -39,6 +39,17 @@ pub(crate) struct Stats {
     pub evicted_used_states: u64,
     /// States evicted from nodes that stayed in the tree (tombstones).
     pub tombstones: u64,
+    /// SWA: nodes whose SWA pages eviction freed, keeping them as tombstones.
+    pub swa_tombstones: u64,
+    /// SWA: pages eviction freed (tombstones and deleted leaves).
+    pub swa_evicted_pages: u64,
+    /// SWA: page allocations refused for want of SWA pages even after eviction.
+    pub swa_alloc_failures: u64,
+    /// SWA: request pages whose SWA pages were given back as their tokens left the
+    /// window.
+    pub swa_window_freed_pages: u64,
+    /// SWA: tombstone pages given back their SWA KV by an insert of the same tokens.
+    pub swa_revived_pages: u64,
     /// State allocations that failed even after eviction.
     pub mamba_alloc_failures: u64,
     pub admits: u64,
@@ -131,6 +142,11 @@ impl Stats {
             ("mamba_slots_returned", self.mamba_slots_returned),
             ("evicted_used_states", self.evicted_used_states),
             ("tombstones", self.tombstones),
+            ("swa_tombstones", self.swa_tombstones),
+            ("swa_evicted_pages", self.swa_evicted_pages),
+            ("swa_alloc_failures", self.swa_alloc_failures),
+            ("swa_revived_pages", self.swa_revived_pages),
+            ("swa_window_freed_pages", self.swa_window_freed_pages),
             ("mamba_alloc_failures", self.mamba_alloc_failures),
             ("admits", self.admits),
             ("admits_refused", self.admits_refused),

@@ -208,6 +208,21 @@ pub(crate) struct MambaNode {
     pub lru_key: (u64, u64),
 }
 
+/// Per-node data of the sliding-window attention (SWA) component. The SWA pages
+/// themselves are paired with the node's KV pages by the KV pool (a page's SWA KV goes
+/// where its KV goes): a node's SWA is live on a suffix of its pages, and a node none of
+/// whose pages has one is a tombstone for this component (its full KV stays).
+#[derive(Debug, Default)]
+pub(crate) struct SwaNode {
+    /// One entry per live lock receipt whose window covers part of this node: how many
+    /// tokens of that window lie in this node and above it (`> 0`). A split hands the
+    /// upper part the entries that reach above the lower part, less the lower part's
+    /// length, so a receipt's window stays exactly the nodes it covers.
+    pub locks: Vec<u32>,
+    /// In the SWA eviction queue (`cache::swa`).
+    pub queued: bool,
+}
+
 /// One node of the tree.
 pub(crate) struct Node {
     pub generation: u64,
@@ -225,6 +240,7 @@ pub(crate) struct Node {
     pub evicting_children: u32,
     pub kv: KvNode,
     pub mamba: MambaNode,
+    pub swa: SwaNode,
     /// Logical time of the last access (larger is more recent).
     pub last_access: u64,
     /// Inserts through this node (write-through-selective backs a node up after enough).
@@ -249,6 +265,7 @@ impl Node {
             evicting_children: 0,
             kv: KvNode::default(),
             mamba: MambaNode::default(),
+            swa: SwaNode::default(),
             last_access: 0,
             hits: 0,
             matches: 0,

@@ -89,6 +89,13 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///     state that saves the least compute first, aged; KV keeps "lru"). A name
 ///     applies to every component; a dict sets each: {"kv": ..., "mamba": ...}
 ///     (missing: "lru"). The host tier follows the KV policy.
+///   swa_slots: device slots of the sliding-window attention KV pool (a multiple of
+///     page_size; 0, the default: no SWA layers). Every KV page handed out comes with
+///     an SWA page that follows it; a request gives back those whose tokens left the
+///     window (Request.swa_indices); a match is cut where the last swa_window tokens
+///     still have their SWA KV; evict_swa() makes SWA tombstones. Not with a host tier
+///     or pools="engine" yet.
+///   swa_window: the tokens each SWA layer attends to (>= 1 with swa_slots, else 0).
 ///   pools: who owns the device slots. "cache" (the default): the cache's own pools
 ///     (alloc_kv, alloc_mamba, requests). "engine": the engine's allocators own every
 ///     slot; insert claims the slots it is passed, what the tree gives up is queued
@@ -110,8 +117,9 @@ impl PyHybridCache {
                         mamba_slots=Int::Value(0), host_kv_slots=Int::Value(0),
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
                         write_through_threshold=None, pools=core::PoolOwner::Cache,
-                        eviction_policy=core::EvictionPolicies::default()),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru')")]
+                        eviction_policy=core::EvictionPolicies::default(),
+                        swa_slots=Int::Value(0), swa_window=Int::Value(0)),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -122,6 +130,8 @@ impl PyHybridCache {
         write_through_threshold: Option<Int>,
         #[pyo3(from_py_with = pools_arg)] pools: core::PoolOwner,
         #[pyo3(from_py_with = eviction_policy_arg)] eviction_policy: core::EvictionPolicies,
+        swa_slots: Int,
+        swa_window: Int,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -143,6 +153,8 @@ impl PyHybridCache {
             write_through_threshold: threshold,
             pools,
             eviction_policy,
+            swa_slots: swa_slots.count("swa_slots")?,
+            swa_window: swa_window.count("swa_window")?,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -166,6 +178,18 @@ impl PyHybridCache {
     #[getter]
     fn mamba_slots(&self) -> usize {
         self.config.mamba_slots
+    }
+
+    /// Device slots of the sliding-window attention KV pool (0: no SWA layers).
+    #[getter]
+    fn swa_slots(&self) -> usize {
+        self.config.swa_slots
+    }
+
+    /// The SWA layers' window in tokens (0: no SWA layers).
+    #[getter]
+    fn swa_window(&self) -> usize {
+        self.config.swa_window
     }
 
     /// Host-tier KV token slots (0: no host tier).
@@ -333,6 +357,15 @@ impl PyHybridCache {
         let mamba_states = mamba_states.count("mamba_states")?;
         let e = run(py, &self.inner, 0, |c| Ok(c.evict(kv_tokens, mamba_states)))?;
         Ok(PyEvicted::new(py, e))
+    }
+
+    /// SWA: free at least `pages` SWA pages (or all that can go), least recently used
+    /// node first: an internal node keeps its full KV as an SWA tombstone, a leaf goes
+    /// whole. Returns the SWA pages freed (0 without SWA layers).
+    #[pyo3(signature = (*, pages=Int::Value(0)), text_signature = "($self, *, pages=0)")]
+    fn evict_swa(&self, py: Python<'_>, pages: Int) -> PyResult<usize> {
+        let pages = pages.count("pages")?;
+        run(py, &self.inner, 0, |c| Ok(c.evict_swa(pages)))
     }
 
     /// pools="engine": hand every slot queued to go back to the engine to it, as
@@ -616,7 +649,7 @@ impl PyHybridCache {
 const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
-    eviction_policy='lru'";
+    eviction_policy='lru', swa_slots=0, swa_window=0";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -10,6 +10,7 @@ use radixcache_core as core;
 use crate::gil::{run, settle, warn_from_finalizer};
 use crate::grown::{self, GrownArray};
 use crate::node::PyNode;
+use crate::results::array;
 
 /// A request admitted by `HybridCache.admit`: it owns its slots until finished or
 /// aborted; one collected while live is aborted and warns.
@@ -86,6 +87,26 @@ impl PyRequest {
         self.grown(py, &self.kv_indices, |c, epoch, from| {
             c.request_slots_from(id, epoch, from)
         })
+    }
+
+    /// SWA: the SWA KV slot of each token from `swa_start` to the end (int64, aligned
+    /// with `tokens[swa_start:]`): what the SWA layers read and write. Empty without
+    /// SWA layers.
+    #[getter]
+    fn swa_indices(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        let id = self.inner.id();
+        let (_, slots) = run(py, self.inner.cache(), 0, |c| c.request_swa_indices(id))?;
+        Ok(array(py, slots))
+    }
+
+    /// SWA: the first token `swa_indices` covers: at most the last `swa_window` tokens
+    /// before the last `extend` (what its forward pass reads). The request's length
+    /// without SWA layers.
+    #[getter]
+    fn swa_start(&self, py: Python<'_>) -> PyResult<usize> {
+        let id = self.inner.id();
+        let (start, _) = run(py, self.inner.cache(), 0, |c| c.request_swa_indices(id))?;
+        Ok(start)
     }
 
     /// The request's own state slot, or None.

@@ -73,7 +73,9 @@ impl Cache {
         if got.is_none() {
             self.stats.alloc_failures += 1;
         }
-        got
+        // With SWA layers every new page comes with its SWA page (freed early once its
+        // tokens leave the window); without one the pages go back.
+        got.filter(|p| !self.has_swa() || self.swa_attach(p.pages()))
     }
 
     /// One device state slot the caller now holds, evicting the least recently used

@@ -152,7 +152,9 @@ impl Cache {
             }
             let parent = self.delete_subtree(i, out);
             let p = self.tree.node(parent);
-            if hybrid && p.kv.state.in_lru() && p.mamba.device.is_none() && p.children.is_empty() {
+            // A leaf no match can end at: stateless (hybrid), or a dead SWA end.
+            let dead = (hybrid && p.mamba.device.is_none()) || self.swa_dead_end(parent);
+            if dead && p.kv.state.in_lru() && p.children.is_empty() {
                 self.lru.unlist_kv(&mut self.tree, parent);
                 i = parent;
             } else {
@@ -160,6 +162,19 @@ impl Cache {
                 return;
             }
         }
+    }
+
+    /// Deletes node `i` when it is an unlocked leaf in the KV eviction set (one left
+    /// ending in a dead SWA page when its last lock went: no match can end there).
+    pub(crate) fn drop_dead_leaf(&mut self, i: u32) {
+        let n = self.tree.node(i);
+        if n.is_root() || !n.children.is_empty() || !n.kv.state.in_lru() {
+            return;
+        }
+        self.lru.unlist_kv(&mut self.tree, i);
+        let mut out = Evicted::default();
+        self.remove_leaf(i, &mut out);
+        self.count_evicted(&out);
     }
 
     /// Whether node `i` is worth keeping as host-only: it has a host KV copy and, in a

@@ -207,6 +207,9 @@ impl Cache {
                     self.revive(node, here);
                 } else {
                     duplicates += next - owned_pos;
+                    if self.has_swa() {
+                        self.swa_revive(node, here.pages());
+                    }
                     drop(here);
                 }
                 owned_pos = next;
@@ -277,6 +280,7 @@ impl Cache {
         self.tree.node_mut(parent).device_children += 1;
         self.refresh(parent);
         self.refresh(i);
+        self.swa_enqueue(i);
     }
 
     /// Publishes a state slot on node `i` (which has device KV and no state). Anything
@@ -427,6 +431,7 @@ impl Cache {
         self.touch(leaf, false);
         self.refresh(parent);
         self.refresh(leaf);
+        self.swa_enqueue(leaf);
         leaf
     }
 }

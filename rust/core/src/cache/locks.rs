@@ -110,6 +110,9 @@ impl Cache {
             self.edit(i, |n| n.mamba.lock += 1);
             self.refresh(i);
         }
+        if self.has_swa() {
+            self.swa_lock(i);
+        }
         let slot = self.locks.table.insert(Held { node: i, mamba });
         self.stats.locks += 1;
         LockReceipt {
@@ -146,6 +149,9 @@ impl Cache {
                 ))
             })?;
         let node = held.node;
+        if self.has_swa() {
+            self.swa_unlock(node);
+        }
         if held.mamba {
             // A locked state is never evicted: it is still there.
             self.edit(node, |n| n.mamba.lock -= 1);
@@ -164,6 +170,9 @@ impl Cache {
                 self.drop_root_if_empty(cur);
             }
             cur = parent;
+        }
+        if self.swa_dead_end(node) {
+            self.drop_dead_leaf(node);
         }
         self.stats.unlocks += 1;
         Ok(())

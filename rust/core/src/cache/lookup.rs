@@ -59,6 +59,8 @@ impl Cache {
         let mut probe = std::mem::take(&mut self.probe);
         self.tree.probe(root, key, &mut probe);
         let hybrid = self.is_hybrid();
+        // SWA: the live SWA tokens ending at the current node, and how many a cut needs.
+        let (swa_need, mut swa_run) = (self.swa.need(), 0);
         if let Some(out) = slots.as_deref_mut() {
             out.clear();
             out.reserve(probe.matched);
@@ -88,7 +90,17 @@ impl Cache {
             {
                 self.expand_into(pages, out);
             }
-            if on_device && (!hybrid || nd.mamba.device.is_some()) {
+            let has_state = nd.mamba.device.is_some();
+            if swa_need > 0 {
+                swa_run = if on_device {
+                    self.swa_run(node, swa_run)
+                } else {
+                    0
+                };
+            }
+            // A prefix shorter than the window needs all its tokens live.
+            let window_live = swa_run >= swa_need || swa_run == depth;
+            if on_device && (!hybrid || has_state) && window_live {
                 valid = (node, depth);
                 used = k + 1;
             }
@@ -193,6 +205,7 @@ impl Cache {
         let u = self.tree.split(i, at);
         self.sizes += Sizes::of(self.tree.node(u));
         self.sizes += Sizes::of(self.tree.node(i));
+        self.swa_split(u, i);
         u
     }
 }

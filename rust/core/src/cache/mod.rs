@@ -12,6 +12,7 @@
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
 //! | `lru.rs` | the eviction sets, the clock | which nodes eviction may take, in each policy's order |
+//! | `swa.rs` | the window, the SWA eviction queue | the sliding-window component: match cut, tombstones, window locks |
 //! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
@@ -47,6 +48,9 @@ pub(crate) mod request;
 mod results;
 pub(crate) mod returns;
 pub(crate) mod sizes;
+pub(crate) mod swa;
+#[cfg(test)]
+mod swa_tests;
 #[cfg(test)]
 mod tests;
 
@@ -100,6 +104,7 @@ pub struct Cache {
     roots: namespaces::Namespaces,
     sizes: sizes::Sizes,
     lru: lru::Lru,
+    swa: swa::Swa,
     locks: locks::Locks,
     returns: Arc<returns::Returns>,
     requests: request::Requests,
@@ -132,7 +137,14 @@ impl Cache {
         let pool =
             |name, slots, page_size| Pool::with_fault(name, slots, page_size, fault.clone(), owner);
         let pools = Pools {
-            kv: pool("kv_slots", config.kv_slots, config.page_size)?,
+            kv: {
+                let kv = pool("kv_slots", config.kv_slots, config.page_size)?;
+                if config.has_swa() {
+                    kv.with_companion(config.swa_slots)
+                } else {
+                    kv
+                }
+            },
             mamba: pool("mamba_slots", config.mamba_slots, 1)?,
             host_kv: pool("host_kv_slots", config.host_kv_slots, config.page_size)?,
             host_mamba: pool("host_mamba_slots", config.host_mamba_slots, 1)?,
@@ -140,6 +152,7 @@ impl Cache {
         // Up to three quarters of the state slots keep states that matches used.
         let hot_cap = config.mamba_slots * 3 / 4;
         let policy = config.eviction_policy;
+        let swa = swa::Swa::new(config.swa_window, config.page_size);
         let mut tree = Tree::new(config.page_size);
         let roots = namespaces::Namespaces::new(&mut tree);
         Ok(Cache {
@@ -149,6 +162,7 @@ impl Cache {
             roots,
             sizes: sizes::Sizes::default(),
             lru: lru::Lru::new(hot_cap, policy),
+            swa,
             locks: locks::Locks::default(),
             returns: Arc::default(),
             requests: request::Requests::default(),

@@ -152,6 +152,10 @@ impl Cache {
         // to go back to it (0 when the cache owns its pools).
         let engine_owned = self.engine_owned();
         let engine = |slots: u64| if engine_owned { slots } else { 0 };
+        let ps = self.config.page_size;
+        let swa = self.pools.kv.companion_counts();
+        let swa_slots = |pages: usize| (pages * ps) as u64;
+        let swa_free = swa_slots(self.pools.kv.companion_free());
         let mut out = self.stats.entries();
         out.extend([
             (
@@ -191,6 +195,14 @@ impl Cache {
             ("mamba_capacity_slots", self.config.mamba_slots as u64),
             ("mamba_evictable_states", self.sizes.evictable_states as u64),
             ("mamba_protected_states", self.sizes.protected_states as u64),
+            // SWA pages, each free or with the KV page it belongs to:
+            // free + cached + caller + request + draining = capacity.
+            ("swa_free_slots", swa_free),
+            ("swa_cached_tokens", swa_slots(swa[2])),
+            ("swa_caller_slots", swa_slots(swa[1])),
+            ("swa_request_slots", swa_slots(swa[0])),
+            ("swa_draining_slots", swa_slots(swa[3])),
+            ("swa_capacity_slots", self.config.swa_slots as u64),
             ("host_kv_free_slots", host_kv[0]),
             ("host_kv_cached_tokens", host_kv[1]),
             ("host_kv_draining_slots", host_kv[4]),

@@ -103,6 +103,10 @@ pub(crate) struct RequestState {
     pub retired: Retired,
     /// The request's priority: what it caches takes it.
     pub priority: i64,
+    /// SWA: the token position up to which the request's own pages gave back their SWA
+    /// pages (their tokens left the window). Absolute, so that it survives a checkpoint
+    /// moving `prefix_len` (chunked prefill): a page is never freed twice, nor kept.
+    pub swa_freed_to: usize,
 }
 
 /// KV pages and state slots a request holds but no longer uses ([`RequestState::retired`]).
@@ -260,6 +264,7 @@ impl Cache {
             epoch: 0,
             retired: Retired::default(),
             priority,
+            swa_freed_to: 0,
         };
         let id = RequestId {
             cache: self.id(),
@@ -284,6 +289,8 @@ impl Cache {
     pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
         self.cache_owned("extend")?;
         let ps = self.page_size();
+        self.request_ref(id)?;
+        self.slide_window(id);
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
@@ -364,6 +371,10 @@ impl Cache {
         let mut needs = Vec::with_capacity(ids.len());
         let mut states = 0;
         for id in ids {
+            self.request_ref(*id)?;
+        }
+        for id in ids {
+            self.slide_window(*id);
             let r = self.request_ref(*id)?;
             let own = r.tokens.len() - r.prefix_len;
             needs.push((own + 1).div_ceil(ps) - r.kv.len());
@@ -558,6 +569,82 @@ impl Cache {
         Ok(())
     }
 
+    /// SWA: gives back the SWA pages of the request's own pages whose tokens all left
+    /// the window (every page ending at or before `len - W`, `len` the request's
+    /// tokens): the next token attends to the last W tokens only. The window before the
+    /// request's last whole page stays too (one page more when pages are larger than
+    /// the window), so that what `checkpoint` and `finish` cache ends in a live window
+    /// and can be matched (no tombstone leaf).
+    fn slide_window(&mut self, id: RequestId) {
+        let w = self.config.swa_window;
+        if w == 0 {
+            return;
+        }
+        let ps = self.config.page_size;
+        let need = self.swa.need();
+        let Ok(r) = self.request_ref(id) else {
+            return;
+        };
+        let len = r.tokens.len();
+        let cut = (len.saturating_sub(w) / ps * ps).min((len / ps * ps).saturating_sub(need));
+        let from = r.swa_freed_to.max(r.prefix_len);
+        if cut <= from {
+            return;
+        }
+        let pages = &r.kv.pages()[(from - r.prefix_len) / ps..(cut - r.prefix_len) / ps];
+        let freed = self.pools.kv.detach_companion(pages);
+        self.stats.swa_window_freed_pages += freed as u64;
+        if let Ok(r) = self.request_mut(id) {
+            r.swa_freed_to = cut;
+        }
+    }
+
+    /// SWA: the window of request `id`: `(start, slots)`, the SWA slot of each of its
+    /// tokens from `start` to its end. `start` is the first token whose SWA KV the
+    /// request still holds (its own pages, or the locked prefix's window): at most the
+    /// last `swa_window` tokens before its last `extend` (what the forward pass of the
+    /// tokens that extend added reads), aligned to `tokens[start:]`. Without SWA layers
+    /// `(len, [])`.
+    pub fn request_swa_indices(&self, id: RequestId) -> Result<(usize, Vec<i64>)> {
+        let r = self.request_ref(id)?;
+        let (start, pages) = self.window_of(r);
+        let ps = self.config.page_size;
+        let slots = (start..r.tokens.len())
+            .map(|q| {
+                // Every token of the window has its SWA page (`audit()` checks it).
+                let page = pages.get(q / ps - start / ps).copied().flatten();
+                page.map_or(-1, |p| {
+                    i64::from(p) * crate::pool::as_i64(ps) + crate::pool::as_i64(q % ps)
+                })
+            })
+            .collect();
+        Ok((start, slots))
+    }
+
+    /// SWA: where request `r`'s window starts, and the SWA page of each page from there
+    /// to its end (`None`: none, a bug).
+    pub(crate) fn window_of(&self, r: &RequestState) -> (usize, Vec<Option<u32>>) {
+        let w = self.config.swa_window;
+        let len = r.tokens.len();
+        if w == 0 {
+            return (len, Vec::new());
+        }
+        let ps = self.config.page_size;
+        let start = r.swa_freed_to.max(r.prefix_len.saturating_sub(w));
+        // Pages of the path to the request's node, then its own.
+        let mut pages: Vec<u32> = Vec::new();
+        for i in self.path_to(r.node) {
+            if let Some(p) = &self.tree.node(i).kv.device {
+                pages.extend_from_slice(p);
+            }
+        }
+        pages.truncate(r.prefix_len / ps);
+        pages.extend_from_slice(r.kv.pages());
+        let last = len.div_ceil(ps).min(pages.len());
+        let first = (start / ps).min(last);
+        (start, self.pools.kv.companions(&pages[first..last]))
+    }
+
     fn root_of(&self, r: &RequestState) -> Option<u32> {
         self.roots.get(r.namespace.as_deref())
     }
@@ -568,6 +655,9 @@ impl Cache {
     /// it stay the request's).
     fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
         let ps = self.page_size();
+        // Pages out of the window are published as SWA tombstones.
+        self.request_ref(id)?;
+        self.slide_window(id);
         let r = self.request_mut(id)?;
         let tokens = std::mem::take(&mut r.tokens);
         let aligned = tokens.len() / ps * ps;
@@ -753,6 +843,8 @@ impl Cache {
         r.admitted_tail = admitted;
         r.admitted_from = 0;
         r.prefix_len = 0;
+        // Its pages are retired: its window starts over with the tokens it recomputes.
+        r.swa_freed_to = 0;
         r.branch_len = 0;
         r.host_len = 0;
         r.host_node = None;

@@ -1,0 +1,321 @@
+//! The sliding-window attention (SWA) component: what it keeps per node, how it cuts a
+//! match, how it is evicted and locked, and what `audit()` checks for it.
+//!
+//! An SWA layer attends to the last `swa_window` tokens only, so a cached prefix is
+//! usable for it when the SWA KV of the last W tokens before the cut is still there.
+//! The SWA pages are paired with the KV pages by the KV pool (`pool.rs`: a KV page holds
+//! at most one SWA page, which goes wherever the KV page goes and is freed with it at the
+//! latest), so the tree stores no SWA slot: a node's SWA is live on the pages that have
+//! their pair. A node none of whose pages has one is a *tombstone* for this component:
+//! its full KV stays, usable by deeper matches that have their own window.
+//!
+//! - **Match**: the cut must end `need` live SWA tokens (W rounded up to whole pages:
+//!   with pages larger than the window, the last page must be live), counted back over
+//!   node boundaries; a prefix shorter than that needs all its tokens live; the empty
+//!   prefix is always usable.
+//! - **Eviction**: its own queue, least recently used node first, of the nodes with live
+//!   SWA that no window lock covers. An internal node loses its SWA pages and stays as a
+//!   tombstone; a leaf goes whole (with its KV: a tombstone is never a leaf). A leaf
+//!   deleted by any eviction takes its parent along when that leaves the parent an
+//!   unlocked leaf whose last page is not live (`evict.rs`).
+//! - **Locks**: a receipt's window covers only the last W tokens of its path: each node
+//!   it touches holds one entry (the window tokens in and above it), so a split hands
+//!   the upper part exactly the entries that reach into it, and the release removes
+//!   exactly what the lock added, once.
+//! - **Audit**: the pairing (pool), the lock entries against the live receipts, the
+//!   eviction queue's membership, and that no unlocked leaf ends in a dead page.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::error::{Error, Result};
+use crate::tree::NONE;
+
+use super::{Cache, Evicted};
+
+/// The SWA component's own state: the window and the eviction queue.
+#[derive(Default)]
+pub(crate) struct Swa {
+    /// Tokens a match must end with live SWA KV: the window rounded up to whole pages
+    /// (0: no SWA layers).
+    need: usize,
+    /// Eviction candidates, least recently used first: `(last access, node, generation)`.
+    /// An entry whose node was touched since is pushed again with the newer time when
+    /// it comes up; one whose node is gone, locked or dead is dropped.
+    queue: BinaryHeap<Reverse<(u64, u32, u64)>>,
+}
+
+impl Swa {
+    /// The component for a window of `window` tokens in pages of `page_size` (`window`
+    /// 0: none).
+    pub fn new(window: usize, page_size: usize) -> Swa {
+        Swa {
+            need: window.div_ceil(page_size) * page_size,
+            queue: BinaryHeap::new(),
+        }
+    }
+
+    /// Tokens a match must end with live SWA KV (0: no SWA layers).
+    #[inline]
+    pub fn need(&self) -> usize {
+        self.need
+    }
+}
+
+impl Cache {
+    /// True when the model has SWA layers.
+    #[inline]
+    pub fn has_swa(&self) -> bool {
+        self.swa.need > 0
+    }
+
+    /// Tokens at the end of node `i` whose SWA KV is live (its trailing pages that have
+    /// their SWA page).
+    pub(crate) fn swa_tail(&self, i: u32) -> usize {
+        self.tree.node(i).kv.device.as_deref().map_or(0, |pages| {
+            self.pools.kv.companion_tail(pages) * self.config.page_size
+        })
+    }
+
+    /// Whether node `i` ends in a dead SWA page (a tombstone, or a node whose tail went):
+    /// no match can be cut at its end.
+    pub(crate) fn swa_dead_end(&self, i: u32) -> bool {
+        self.has_swa() && !self.tree.node(i).is_root() && self.swa_tail(i) == 0
+    }
+
+    /// The live SWA tokens ending at node `i`'s end, given `run` ending at its start.
+    #[inline]
+    pub(crate) fn swa_run(&self, i: u32, run: usize) -> usize {
+        let len = self.tree.node(i).key.len();
+        let tail = self.swa_tail(i);
+        if tail == len {
+            run + len
+        } else {
+            tail
+        }
+    }
+
+    /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
+    /// and not queued yet.
+    pub(crate) fn swa_enqueue(&mut self, i: u32) {
+        if !self.has_swa() {
+            return;
+        }
+        let n = self.tree.node(i);
+        if !n.live || n.is_root() || n.swa.queued || !n.swa.locks.is_empty() {
+            return;
+        }
+        if self.swa_tail(i) == 0 {
+            return;
+        }
+        let entry = (n.last_access, i, n.generation);
+        self.tree.node_mut(i).swa.queued = true;
+        self.swa.queue.push(Reverse(entry));
+    }
+
+    /// Gives each of `pages` (device KV pages, held) its SWA page, evicting SWA first
+    /// when short; false (nothing given) when that cannot make room.
+    pub(crate) fn swa_attach(&mut self, pages: &[u32]) -> bool {
+        loop {
+            if self.pools.kv.attach_companion(pages) {
+                return true;
+            }
+            let short = pages.len().saturating_sub(self.pools.kv.companion_free());
+            if self.evict_swa(short.max(1)) == 0 {
+                self.stats.swa_alloc_failures += 1;
+                return false;
+            }
+        }
+    }
+
+    /// Frees at least `pages` SWA pages (or all it can), least recently used node
+    /// first: an internal node becomes a tombstone, a leaf is deleted whole. Returns the
+    /// SWA pages freed.
+    pub fn evict_swa(&mut self, pages: usize) -> usize {
+        let before = self.pools.kv.companion_free();
+        let mut out = Evicted::default();
+        while self.pools.kv.companion_free() < before.saturating_add(pages) {
+            let Some(Reverse((time, i, generation))) = self.swa.queue.pop() else {
+                break;
+            };
+            let n = self.tree.node(i);
+            if !n.live || n.generation != generation || !n.swa.queued {
+                continue;
+            }
+            self.tree.node_mut(i).swa.queued = false;
+            let n = self.tree.node(i);
+            if !n.swa.locks.is_empty() || self.swa_tail(i) == 0 {
+                // Locked (its release queues it again) or dead: no candidate.
+                continue;
+            }
+            if n.last_access > time {
+                // Used since it was queued: back in line at its newer place.
+                self.swa_enqueue(i);
+                continue;
+            }
+            if n.children.is_empty() {
+                // A leaf loses its KV with its SWA (a tombstone is never a leaf). It has
+                // no window lock, so no KV lock either (a lock's window covers its node).
+                if n.kv.state.in_lru() {
+                    self.lru.unlist_kv(&mut self.tree, i);
+                    self.remove_leaf(i, &mut out);
+                }
+            } else if let Some(pages) = self.tree.node(i).kv.device.clone() {
+                self.pools.kv.detach_companion(&pages);
+                self.stats.swa_tombstones += 1;
+            }
+        }
+        self.count_evicted(&out);
+        let freed = self.pools.kv.companion_free().saturating_sub(before);
+        self.stats.swa_evicted_pages += freed as u64;
+        freed
+    }
+
+    /// Adds a window lock ending at node `i`: an entry on every node the last `need`
+    /// tokens of its path touch.
+    pub(crate) fn swa_lock(&mut self, i: u32) {
+        let mut left = self.swa.need;
+        let mut cur = i;
+        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
+            let n = self.tree.node_mut(cur);
+            n.swa.locks.push(crate::pool::index_u32(left));
+            left = left.saturating_sub(n.key.len());
+            cur = n.parent;
+        }
+    }
+
+    /// Removes the window lock ending at node `i` (exactly the entries
+    /// [`Cache::swa_lock`] added, splits since included); a node left without a window
+    /// lock becomes an eviction candidate again. An entry that is not there is a bug,
+    /// which breaks the cache (see [`Cache::fault`]).
+    pub(crate) fn swa_unlock(&mut self, i: u32) {
+        let mut left = self.swa.need;
+        let mut cur = i;
+        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
+            let want = crate::pool::index_u32(left);
+            let n = self.tree.node_mut(cur);
+            if let Some(k) = n.swa.locks.iter().position(|&e| e == want) {
+                n.swa.locks.swap_remove(k);
+            } else {
+                let id = self.tree.id(cur);
+                self.pools.kv.record_fault(format!(
+                    "illegal SWA unlock: node {id} holds no window lock of {want} tokens"
+                ));
+                return;
+            }
+            let (len, parent) = (n.key.len(), n.parent);
+            self.swa_enqueue(cur);
+            left = left.saturating_sub(len);
+            cur = parent;
+        }
+    }
+
+    /// After node `lower` was split, its new upper part `upper` takes the window locks
+    /// that reach above `lower` (less `lower`'s length), and is queued if it can be
+    /// evicted.
+    pub(crate) fn swa_split(&mut self, upper: u32, lower: u32) {
+        if !self.has_swa() {
+            return;
+        }
+        let l = self.tree.node(lower);
+        let len = crate::pool::index_u32(l.key.len());
+        let reach: Vec<u32> = l
+            .swa
+            .locks
+            .iter()
+            .filter(|&&e| e > len)
+            .map(|&e| e - len)
+            .collect();
+        self.tree.node_mut(upper).swa.locks = reach;
+        self.swa_enqueue(upper);
+    }
+
+    /// Moves the SWA pages of a caller's duplicate pages `dup` onto node `i`'s last
+    /// pages that have none (a tombstone revived by an insert of the same tokens).
+    pub(crate) fn swa_revive(&mut self, i: u32, dup: &[u32]) {
+        let Some(pages) = self.tree.node(i).kv.device.as_deref() else {
+            return;
+        };
+        let tail = &pages[pages.len() - dup.len().min(pages.len())..];
+        let (has, wants) = (
+            self.pools.kv.companions(dup),
+            self.pools.kv.companions(tail),
+        );
+        let mut moved = Vec::new();
+        for ((&t, h), w) in tail.iter().zip(&has).zip(&wants) {
+            if h.is_some() && w.is_none() {
+                moved.push(t);
+            }
+        }
+        if moved.is_empty() {
+            return;
+        }
+        // The caller's pages are freed right after; theirs go back first, so that the
+        // attach below cannot fail.
+        self.pools.kv.detach_companion(dup);
+        if self.pools.kv.attach_companion(&moved) {
+            self.stats.swa_revived_pages += moved.len() as u64;
+            self.swa_enqueue(i);
+        }
+    }
+
+    /// Checks the SWA component: every request's window has its SWA pages, the window
+    /// locks each node holds are exactly those of the live receipts, every candidate is
+    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf).
+    pub(crate) fn audit_swa(&self) -> Result<()> {
+        if !self.has_swa() {
+            return Ok(());
+        }
+        let nodes = &self.tree.nodes;
+        let mut want: Vec<Vec<u32>> = vec![Vec::new(); nodes.len()];
+        for held in self.locks.held() {
+            let mut left = self.swa.need;
+            let mut cur = held.node;
+            while left > 0 && cur != NONE && !nodes[cur as usize].is_root() {
+                want[cur as usize].push(crate::pool::index_u32(left));
+                left = left.saturating_sub(nodes[cur as usize].key.len());
+                cur = nodes[cur as usize].parent;
+            }
+        }
+        for r in self.requests.iter() {
+            let (start, pages) = self.window_of(r);
+            if let Some(k) = pages.iter().position(Option::is_none) {
+                return Err(Error::Invariant(format!(
+                    "request at node {}: page {k} of its window (from token {start}) has no \
+                     SWA KV",
+                    self.tree.id(r.node)
+                )));
+            }
+        }
+        for (i, n) in nodes.iter().enumerate() {
+            let index = crate::pool::index_u32(i);
+            let mut have = n.swa.locks.clone();
+            have.sort_unstable();
+            want[i].sort_unstable();
+            if have != want[i] {
+                return Err(Error::Invariant(format!(
+                    "node {i}: window locks {have:?}, the live receipts make {:?}",
+                    want[i]
+                )));
+            }
+            if !n.live || n.is_root() {
+                continue;
+            }
+            let live = self.swa_tail(index) > 0;
+            if live && n.swa.locks.is_empty() && !n.swa.queued {
+                return Err(Error::Invariant(format!(
+                    "node {}: live SWA, no window lock, not in the SWA eviction queue",
+                    self.tree.id(index)
+                )));
+            }
+            if n.kv.device.is_some() && n.children.is_empty() && n.kv.lock == 0 && !live {
+                return Err(Error::Invariant(format!(
+                    "node {}: an unlocked leaf whose last page has no SWA KV (a tombstone \
+                     leaf)",
+                    self.tree.id(index)
+                )));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,380 @@
+//! Unit tests of the sliding-window attention component: the match cut, tombstones,
+//! window locks, the SWA pool's accounting, and the failure classes of other systems.
+
+use super::*;
+use crate::error::Error;
+use crate::ids::NodeId;
+
+fn swa(kv: usize, ps: usize, swa_slots: usize, window: usize) -> Cache {
+    Cache::new(Config {
+        swa_slots,
+        swa_window: window,
+        ..Config::kv(kv, ps)
+    })
+    .unwrap()
+}
+
+/// Caches `toks` through the low-level API (the reusable prefix from a match, fresh
+/// pages for the rest, each with its SWA page).
+fn cached(c: &mut Cache, toks: &[u32]) -> Insert {
+    let m = c.match_prefix(None, toks);
+    let rest = toks.len() - m.device_len;
+    let ps = c.page_size();
+    let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
+    let mut kv = m.kv_indices.clone();
+    kv.extend_from_slice(&got[..rest]);
+    c.insert(None, toks, &kv, m.device_len).unwrap()
+}
+
+fn seq(n: u32) -> Vec<u32> {
+    (1..=n).collect()
+}
+
+fn stat(c: &Cache, name: &str) -> u64 {
+    c.stats()
+        .into_iter()
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+        .unwrap()
+}
+
+/// Turns every internal node with live SWA into a tombstone, deleting no leaf: the
+/// leaves are locked meanwhile.
+fn tombstone_internal(c: &mut Cache, leaves: &[NodeId]) {
+    let locks: Vec<_> = leaves.iter().map(|&n| c.lock(n).unwrap()).collect();
+    c.evict_swa(usize::MAX);
+    for l in locks {
+        c.unlock(l).unwrap();
+    }
+}
+
+#[test]
+fn a_match_needs_the_window_live_at_the_cut() {
+    // Window 3 in pages of 2: the last 4 tokens (2 pages) before the cut must be live.
+    let mut c = swa(64, 2, 32, 3);
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    tombstone_internal(&mut c, &[leaf]);
+    assert_eq!(stat(&c, "swa_tombstones"), 1);
+    c.audit().unwrap();
+    // The leaf's 4 live tokens make the window: the whole path is usable.
+    let m = c.match_prefix(None, &seq(12));
+    assert_eq!((m.device_len, m.kv_len), (12, 12));
+    assert_eq!(m.kv_indices.len(), 12);
+    // Cut at the tombstone, or 2 tokens into the leaf: the window is not live there.
+    assert_eq!(c.match_prefix(None, &seq(8)).device_len, 0);
+    let m = c.match_prefix(None, &seq(10));
+    assert_eq!((m.device_len, m.kv_len), (0, 10));
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_tombstone_inside_a_branch_does_not_make_the_branch_unmatchable() {
+    // Failure class: one tombstone on a branch's path, outside the window, must not make
+    // the whole branch unmatchable: only the window at the cut counts.
+    let mut c = swa(64, 1, 64, 4);
+    cached(&mut c, &seq(4));
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    // Only the middle node loses its SWA (the first is locked by a lock ending at it).
+    let first = c.match_prefix(None, &seq(4)).node;
+    let keep = c.lock(first).unwrap();
+    tombstone_internal(&mut c, &[leaf]);
+    assert_eq!(stat(&c, "swa_tombstones"), 1);
+    assert_eq!(c.match_prefix(None, &seq(12)).device_len, 12);
+    assert_eq!(c.match_prefix(None, &seq(4)).device_len, 4);
+    assert_eq!(
+        c.match_prefix(None, &seq(8)).device_len,
+        4,
+        "cut back past the tombstone"
+    );
+    c.unlock(keep).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn pages_larger_than_the_window_need_the_last_page_live_and_leave_no_tombstone_leaf() {
+    // Failure class: with pages larger than the window, a leaf whose only page lost its
+    // SWA would be an all-tombstone leaf nothing can match; it goes with its KV.
+    let mut c = swa(64, 4, 32, 2);
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    tombstone_internal(&mut c, &[leaf]);
+    assert_eq!(c.match_prefix(None, &seq(12)).device_len, 12);
+    assert_eq!(c.match_prefix(None, &seq(8)).device_len, 0);
+    // Evicting the leaf's SWA deletes it, and its tombstone parent (left a dead leaf).
+    c.evict_swa(usize::MAX);
+    c.audit().unwrap();
+    assert_eq!(stat(&c, "nodes"), 0);
+    assert_eq!(c.kv_counts().free, c.kv_pool().capacity_pages());
+    assert_eq!(stat(&c, "swa_free_slots"), 32);
+}
+
+#[test]
+fn kv_eviction_of_a_leaf_takes_a_tombstone_parent_along() {
+    let mut c = swa(64, 1, 64, 2);
+    cached(&mut c, &seq(4));
+    let leaf = cached(&mut c, &seq(6)).node;
+    tombstone_internal(&mut c, &[leaf]);
+    let out = c.evict(2, 0);
+    assert_eq!(out.kv_tokens, 6, "the tombstone parent went with the leaf");
+    assert_eq!(stat(&c, "nodes"), 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_window_lock_covers_only_the_window() {
+    let mut c = swa(64, 1, 64, 4);
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    let lock = c.lock(leaf).unwrap();
+    // The first node is locked for its KV, not its SWA: it becomes a tombstone.
+    assert_eq!(c.evict_swa(usize::MAX), 8);
+    c.audit().unwrap();
+    assert_eq!(c.match_prefix(None, &seq(12)).device_len, 12);
+    c.unlock(lock).unwrap();
+    // Unlocked, the leaf goes whole and its tombstone parent with it.
+    assert_eq!(c.evict_swa(usize::MAX), 4);
+    assert_eq!(stat(&c, "nodes"), 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_window_reaching_above_its_node_locks_the_ancestors_in_it() {
+    let mut c = swa(64, 1, 64, 6);
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    let lock = c.lock(leaf).unwrap();
+    // The window (6 tokens) covers the leaf and 2 tokens of its parent: nothing goes.
+    assert_eq!(c.evict_swa(usize::MAX), 0);
+    c.unlock(lock).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_window_lock_is_released_exactly_once_across_splits() {
+    // Failure class: a window lock released twice (or not at all) after the locked
+    // path was split under it.
+    let mut c = swa(64, 1, 64, 4);
+    let node = cached(&mut c, &seq(12)).node;
+    let lock = c.lock(node).unwrap();
+    let id = lock.id();
+    // Splits inside the window and above it: the upper parts take what reaches them.
+    assert_eq!(c.match_prefix(None, &seq(10)).device_len, 10);
+    assert_eq!(c.match_prefix(None, &seq(5)).device_len, 5);
+    c.audit().unwrap();
+    c.unlock(lock).unwrap();
+    c.audit().unwrap();
+    assert!(matches!(c.release(id), Err(Error::Lock(_))));
+    c.audit().unwrap();
+    assert_eq!(c.fault(), None);
+    // Nothing is left locked: everything can go.
+    assert_eq!(c.evict_swa(usize::MAX), 12);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_short_swa_pool_evicts_swa_first_and_refuses_when_nothing_can_go() {
+    let mut c = swa(64, 1, 8, 2);
+    cached(&mut c, &seq(4));
+    let leaf = cached(&mut c, &seq(8)).node;
+    assert_eq!(stat(&c, "swa_free_slots"), 0);
+    let lock = c.lock(leaf).unwrap();
+    // The KV pool has room; the SWA pages come from the unlocked first node.
+    let got = c.alloc_kv(4).unwrap().unwrap();
+    assert_eq!(stat(&c, "swa_tombstones"), 1);
+    assert_eq!(stat(&c, "swa_caller_slots"), 4);
+    c.audit().unwrap();
+    // Nothing left to evict: refused, having taken nothing.
+    assert_eq!(c.alloc_kv(4).unwrap(), None);
+    assert_eq!(stat(&c, "swa_alloc_failures"), 1);
+    assert_eq!(c.kv_counts().caller, 4);
+    c.free_kv(&got).unwrap();
+    assert_eq!(
+        stat(&c, "swa_free_slots"),
+        4,
+        "freed KV takes its SWA pages along"
+    );
+    c.unlock(lock).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn an_insert_of_the_same_tokens_revives_a_tombstone() {
+    let mut c = swa(64, 1, 64, 4);
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    tombstone_internal(&mut c, &[leaf]);
+    assert_eq!(c.match_prefix(None, &seq(8)).device_len, 0);
+    // The match gives nothing for the tombstone; the insert's fresh pages revive it.
+    cached(&mut c, &seq(8));
+    assert_eq!(stat(&c, "swa_revived_pages"), 8);
+    assert_eq!(c.match_prefix(None, &seq(8)).device_len, 8);
+    c.audit().unwrap();
+}
+
+#[test]
+fn the_swa_pool_adds_up() {
+    let mut c = swa(64, 2, 16, 3);
+    cached(&mut c, &seq(6));
+    let held = c.alloc_kv(4).unwrap().unwrap();
+    let sum = stat(&c, "swa_free_slots")
+        + stat(&c, "swa_cached_tokens")
+        + stat(&c, "swa_caller_slots")
+        + stat(&c, "swa_request_slots")
+        + stat(&c, "swa_draining_slots");
+    assert_eq!(sum, stat(&c, "swa_capacity_slots"));
+    assert_eq!(
+        (stat(&c, "swa_cached_tokens"), stat(&c, "swa_caller_slots")),
+        (6, 4)
+    );
+    c.free_kv(&held).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn swa_arguments_are_validated_by_name() {
+    let arg_of = |c: Config| match Cache::new(c) {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected an argument error, got {other:?}"),
+    };
+    let base = Config::kv(64, 2);
+    let with = |swa_slots, swa_window| Config {
+        swa_slots,
+        swa_window,
+        ..base.clone()
+    };
+    assert_eq!(arg_of(with(0, 4)), "swa_window");
+    assert_eq!(arg_of(with(8, 0)), "swa_window");
+    assert_eq!(arg_of(with(7, 4)), "swa_slots");
+    assert_eq!(
+        arg_of(Config {
+            host_kv_slots: 64,
+            ..with(8, 4)
+        }),
+        "swa_slots"
+    );
+    assert_eq!(
+        arg_of(Config {
+            pools: crate::config::PoolOwner::Engine,
+            ..with(8, 4)
+        }),
+        "swa_slots"
+    );
+    assert!(Cache::new(with(8, 4)).unwrap().has_swa());
+    assert!(!Cache::new(base).unwrap().has_swa());
+}
+
+fn request_swa_slots(c: &Cache) -> u64 {
+    stat(c, "swa_request_slots")
+}
+
+#[test]
+fn a_request_gives_back_the_swa_pages_that_leave_its_window() {
+    let mut c = swa(64, 2, 64, 4);
+    let r = c.admit(None, &[]).unwrap().unwrap();
+    c.extend(r, &seq(6)).unwrap().unwrap();
+    assert_eq!(request_swa_slots(&c), 6);
+    // At 6 tokens the window is tokens 2..6: page 0 goes before the next pages come.
+    c.extend(r, &seq(4)).unwrap().unwrap();
+    assert_eq!(stat(&c, "swa_window_freed_pages"), 1);
+    assert_eq!(request_swa_slots(&c), 8);
+    let (start, slots) = c.request_swa_indices(r).unwrap();
+    assert_eq!((start, slots.len()), (2, 8));
+    assert!(slots.iter().all(|&s| s >= 0));
+    c.audit().unwrap();
+    c.abort(r).unwrap();
+    assert_eq!(stat(&c, "swa_free_slots"), 64);
+    c.audit().unwrap();
+}
+
+#[test]
+fn the_freed_window_survives_chunks_and_checkpoints() {
+    // Failure class: the evicted-window length lost between chunks (a page freed twice,
+    // or kept). Prefill in chunks of 8 with a checkpoint after each.
+    let mut c = swa(128, 2, 64, 4);
+    let r = c.admit(None, &[]).unwrap().unwrap();
+    let toks = seq(24);
+    for (k, chunk) in toks.chunks(8).enumerate() {
+        c.extend(r, chunk).unwrap().unwrap();
+        c.checkpoint(r).unwrap();
+        c.audit().unwrap();
+        // The chunk's own pages ending at or before len - 4 gave their SWA pages back,
+        // once: 2 pages a chunk (what an earlier checkpoint cached is the tree's now).
+        let len = 8 * (k + 1);
+        assert_eq!(
+            stat(&c, "swa_window_freed_pages"),
+            2 * (k as u64 + 1),
+            "after chunk {k}"
+        );
+        let (start, slots) = c.request_swa_indices(r).unwrap();
+        assert!(start <= len - 4 && slots.iter().all(|&s| s >= 0));
+    }
+    c.finish(r).unwrap();
+    assert_eq!(c.fault(), None);
+    c.audit().unwrap();
+    // Each chunk's last window is live, its first half a tombstone: cuts at the chunk
+    // ends match, one inside a tombstone falls back to the chunk end before it.
+    assert_eq!(stat(&c, "swa_cached_tokens"), 12);
+    assert_eq!(c.match_prefix(None, &toks).device_len, 24);
+    assert_eq!(c.match_prefix(None, &toks[..16]).device_len, 16);
+    assert_eq!(c.match_prefix(None, &toks[..12]).device_len, 8);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_second_request_reuses_the_window_and_revives_what_it_recomputes() {
+    let mut c = swa(128, 1, 64, 4);
+    let toks = seq(12);
+    let a = c.admit(None, &[]).unwrap().unwrap();
+    c.extend(a, &toks).unwrap().unwrap();
+    c.finish(a).unwrap();
+    // The finished request's window (the last 4 tokens, and one page more) is cached.
+    let b = c.admit(None, &toks).unwrap().unwrap();
+    assert_eq!(c.request(b).unwrap().prefix_len, 12);
+    let (start, slots) = c.request_swa_indices(b).unwrap();
+    assert_eq!((start, slots.len()), (8, 4));
+    c.abort(b).unwrap();
+    // A shorter prompt cannot be cut inside the tombstones: it recomputes, and its
+    // finish gives the tombstoned pages their SWA back.
+    let d = c.admit(None, &toks[..8]).unwrap().unwrap();
+    assert_eq!(c.request(d).unwrap().prefix_len, 0);
+    c.extend(d, &toks[..8]).unwrap().unwrap();
+    c.finish(d).unwrap();
+    assert_eq!(c.match_prefix(None, &toks[..8]).device_len, 8);
+    assert!(stat(&c, "swa_revived_pages") > 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_window_lock_moves_with_checkpoints_and_is_released_once() {
+    let mut c = swa(128, 1, 64, 3);
+    let r = c.admit(None, &[]).unwrap().unwrap();
+    for chunk in seq(12).chunks(5) {
+        c.extend(r, chunk).unwrap().unwrap();
+        c.checkpoint(r).unwrap();
+        c.audit().unwrap();
+    }
+    c.finish(r).unwrap();
+    c.audit().unwrap();
+    assert_eq!(stat(&c, "live_locks"), 0);
+    // Nothing locked: SWA eviction can take every window.
+    c.evict_swa(usize::MAX);
+    assert_eq!(stat(&c, "nodes"), 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_prefix_shorter_than_the_window_matches_when_all_of_it_is_live() {
+    let mut c = swa(64, 2, 64, 16);
+    cached(&mut c, &seq(6));
+    cached(&mut c, &seq(10));
+    assert_eq!(c.match_prefix(None, &seq(6)).device_len, 6);
+    assert_eq!(c.match_prefix(None, &seq(10)).device_len, 10);
+    // One dead node on the way (the least recently used, the parent): the window, longer
+    // than the path, is not all live.
+    assert_eq!(c.evict_swa(1), 3);
+    assert_eq!(stat(&c, "swa_tombstones"), 1);
+    assert_eq!(c.match_prefix(None, &seq(10)).device_len, 0);
+    c.audit().unwrap();
+}
