@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 import warnings
 from collections.abc import Sized
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -232,3 +235,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+
+
+def load_bench_script(name: str) -> ModuleType:
+    """Import ``benches/<name>.py`` (not a package) as module ``name``."""
+    path = Path(__file__).resolve().parent.parent / "benches" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while being made
+    spec.loader.exec_module(module)
+    return module

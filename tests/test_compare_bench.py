@@ -6,29 +6,19 @@ The builds and the benches themselves take minutes: docs/benchmarks.md has the c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from conftest import load_bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benches" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being made
-    spec.loader.exec_module(module)
-    return module
-
-
-compare = load_script("compare")
+compare = load_bench_script("compare")
 
 
 def write_criterion(home: Path, full_id: str, median_ns: float) -> None:

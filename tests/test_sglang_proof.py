@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import load_bench_script
 
 pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:  # imported below, behind the shim
@@ -32,17 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BACKEND_CLASS = "radixcache.sglang.backend.RadixCacheBackend"
 
 
-def load_script(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benches" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-proof = load_script("sglang_backend")
+proof = load_bench_script("sglang_backend")
 with warnings.catch_warnings():  # SGLang's import chain warns about this CPU
     warnings.simplefilter("ignore")
     assert proof.vs_sglang.import_sglang() is None

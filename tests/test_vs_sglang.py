@@ -14,26 +14,17 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from conftest import load_bench_script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benches" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being made
-    spec.loader.exec_module(module)
-    return module
-
-
-vs = load_script("vs_sglang")
-meter = load_script("_sglang_meter")
+vs = load_bench_script("vs_sglang")
+meter = load_bench_script("_sglang_meter")
 
 
 def row(system: str, config: str, hit: float, us: float, clean: bool = True) -> dict[str, Any]:
