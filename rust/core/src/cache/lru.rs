@@ -268,20 +268,43 @@ impl Lru {
         let mamba =
             n.mamba.device.is_some() && n.mamba.lock == 0 && n.mamba.mark != StateMark::Pinned;
         let host_state = host && n.mamba.host.is_some();
-        // Entries leave under the key they were listed with, and join under the key
-        // the policy gives now (the same while the node stays listed).
-        let (old, new) = ((n.lru_key.0, n.lru_key.1, i), self.kv_key(n));
-        let new = (new.0, new.1, i);
-        let state_was = n.mamba.mark == StateMark::Listed;
-        let state_key = (mamba && !state_was).then(|| self.state_key(tree, i));
-        let old_state = (n.mamba.lru_key.0, n.mamba.lru_key.1, i);
-        let host_state_was = n.kv.state.in_host_lru() && self.host_states.contains(&old);
         let (kv_was, host_was) = (n.kv.state.in_lru(), n.kv.state.in_host_lru());
-        set_membership(&mut self.kv, old, new, kv_was, kv);
-        set_membership(&mut self.host, old, new, host_was, host);
-        set_membership(&mut self.host_states, old, new, host_state_was, host_state);
+        let state_was = n.mamba.mark == StateMark::Listed;
+        // Nothing changes (the usual case on a path: an inner node locked or unlocked).
+        // A host-listed node is looked at in full: its host state may have come or gone.
+        if kv == kv_was && host == host_was && mamba == state_was && !host_was {
+            return;
+        }
+        // Entries leave under the key they were listed with, and join under the key
+        // the policy gives now (the same while the node stays listed, so the key is
+        // computed only for a node that joins a set).
+        let old = (n.lru_key.0, n.lru_key.1, i);
+        let joins = (kv && !kv_was) || (host && !host_was);
+        let new = if joins {
+            let key = self.kv_key(n);
+            (key.0, key.1, i)
+        } else {
+            old
+        };
+        let state_joins = mamba && !state_was;
+        let state_key = if state_joins {
+            self.state_key(tree, i)
+        } else {
+            (0, 0)
+        };
+        let old_state = (n.mamba.lru_key.0, n.mamba.lru_key.1, i);
+        let host_state_was = host_was && self.host_states.contains(&old);
+        set_membership(&mut self.kv, &old, &new, kv_was, kv);
+        set_membership(&mut self.host, &old, &new, host_was, host);
+        set_membership(
+            &mut self.host_states,
+            &old,
+            &new,
+            host_state_was,
+            host_state,
+        );
         let n = tree.node_mut(i);
-        if (kv && !kv_was) || (host && !host_was) {
+        if joins {
             n.lru_key = (new.0, new.1);
         }
         // A node in flight is neither a KV nor a host candidate (see `KvState`): only
@@ -303,9 +326,9 @@ impl Lru {
                 StateMark::Idle
             };
         }
-        if let Some(key) = state_key {
-            n.mamba.lru_key = key;
-            self.add_state((key.0, key.1, i));
+        if state_joins {
+            n.mamba.lru_key = state_key;
+            self.add_state((state_key.0, state_key.1, i));
         } else if state_was && !mamba {
             self.remove_state(old_state);
         }
@@ -444,14 +467,14 @@ pub(crate) fn state_cost(tree: &Tree, i: u32) -> u64 {
 /// `now` (listed as `new`).
 fn set_membership(
     set: &mut LruSet,
-    old: (u64, u64, u32),
-    new: (u64, u64, u32),
+    old: &(u64, u64, u32),
+    new: &(u64, u64, u32),
     was: bool,
     now: bool,
 ) {
     if now && !was {
-        set.insert(new);
+        set.insert(*new);
     } else if was && !now {
-        set.remove(&old);
+        set.remove(old);
     }
 }
