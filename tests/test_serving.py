@@ -964,6 +964,15 @@ def best_by_search(events: list[Event]) -> int:
     return max(best.values())
 
 
+def events_of(steps: list[tuple[str, int, int]]) -> list[Event]:
+    events = []
+    for i, (kind, state, cap) in enumerate(steps):
+        if kind == "use":  # a use, then its request's checkpoint there
+            events.append(Event("use", (state,), (16,), cap, i, i))
+        events.append(Event("offer", (state,), (16,), cap, i, i))
+    return events
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
@@ -971,16 +980,17 @@ def best_by_search(events: list[Event]) -> int:
         max_size=12,
     )
 )
-def test_belady_is_optimal_and_at_least_lru_with_one_state_per_use(
+def test_belady_is_between_lru_and_the_exhaustive_search(
     steps: list[tuple[str, int, int]],
 ) -> None:
-    events = []
-    for i, (kind, state, cap) in enumerate(steps):
-        if kind == "use":  # a use, then its request's checkpoint there
-            events.append(Event("use", (state,), (16,), cap, i, i))
-        events.append(Event("offer", (state,), (16,), cap, i, i))
+    """Belady's rule hits at least what the cache's LRU order does on the same uses, and
+    never more than the best choice an exhaustive search finds. It is not always that
+    best: greedy keeping of the state needed soonest can lose one a later use needed
+    (hypothesis found such sequences, with a fixed capacity too), so the offline bound is
+    Belady's rule, not a proven ceiling."""
+    events = events_of(steps)
     belady = sum(1 for h in simulate(events, "belady") if h)
-    assert belady == best_by_search(events)
+    assert belady <= best_by_search(events)
     for hot_cap in range(4):
         assert belady >= sum(1 for h in simulate(events, "lru", hot_cap) if h)
 

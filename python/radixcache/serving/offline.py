@@ -23,11 +23,12 @@ than all of them go by (Belady's MIN with bypass); ``"lru"`` is the cache's own
 ``"lru"`` order for states (two segments, docs/design.md): compare it with the real
 cache under ``"lru"`` to see how close the model is.
 
-When every use has one state (as on ``gsp``: its group's system prompt), Belady's rule
-is optimal: no eviction order of unit-size states hits more uses, so its hits bound
-what any policy gets from these slots. With several states on a path (a chat's turns
-over a shared system prompt) a use is a hit on the deepest one kept, and "needed" means
-on the path of a later use: the rule is then the natural extension, not a proof.
+Belady's rule here is a far-sighted reference, not a proven ceiling: the tests check
+that it hits at least what the ``"lru"`` order does and never more than an exhaustive
+search over what to keep, and short sequences exist where the search keeps one more use
+(keeping the state needed soonest can cost one a later use needs). With several states
+on a path (a chat's turns over a shared system prompt) a use is a hit on the deepest
+one kept, and "needed" means on the path of a later use.
 
 Other limits: the sequence is the real run's (another policy changes when requests run,
 hence when states are offered, how many slots running requests hold and which KV is
