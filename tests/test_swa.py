@@ -28,6 +28,21 @@ def test_the_arguments_are_properties_and_default_to_no_swa() -> None:
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "components"),
+    [
+        ({}, ("full",)),
+        ({"mamba_slots": 4}, ("full", "mamba")),
+        ({"swa_slots": 8, "swa_window": 4}, ("full", "swa")),
+        ({"mamba_slots": 4, "swa_slots": 8, "swa_window": 4}, ("full", "mamba", "swa")),
+    ],
+)
+def test_components_name_the_layers_the_configuration_gives_the_model(
+    kwargs: dict[str, int], components: tuple[str, ...]
+) -> None:
+    assert rc.HybridCache(kv_slots=64, **kwargs).components == components
+
+
+@pytest.mark.parametrize(
     ("kwargs", "arg"),
     [
         ({"swa_window": 4}, "swa_window"),

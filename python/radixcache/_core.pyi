@@ -524,6 +524,13 @@ class HybridCache:
     def swa_window(self) -> int:
         """The SWA layers' window in tokens (0: no SWA layers)."""
     @property
+    def components(self) -> tuple[Literal["full", "mamba", "swa"], ...]:
+        """The components of the model, full attention first.
+
+        ``("full",)`` for attention only; ``"mamba"`` with ``mamba_slots``, ``"swa"`` with
+        ``swa_slots``, in that order (docs/contract.md, rule 15).
+        """
+    @property
     def host_kv_slots(self) -> int:
         """Host-tier KV token slots (0: no host tier)."""
     @property

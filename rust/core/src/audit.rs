@@ -57,7 +57,7 @@ fn audit(c: &Cache) -> Result<()> {
     let mut seen: Vec<Vec<bool>> = states.iter().map(|s| vec![false; s.len()]).collect();
     let mut in_tree = [0usize; 4];
     let (expected_lock, expected_mamba_lock) = expected_locks(c)?;
-    c.audit_swa()?;
+    c.audit_components()?;
 
     let mut sums = Sums::default();
     let mut states_placed = 0;

@@ -24,8 +24,9 @@ mod stats;
 mod tree;
 
 pub use cache::{
-    Abandoned, BatchKind, Cache, CallOff, Evicted, Grown, Insert, LoadRecord, LoadTarget,
-    LockReceipt, Match, NodeInfo, PoolKind, RequestView, SlotCopy, Tier, TransferBatch,
+    Abandoned, BatchKind, Cache, CallOff, ComponentKind, Evicted, Grown, Insert, LoadRecord,
+    LoadTarget, LockReceipt, Match, Model, NodeInfo, PoolKind, RequestView, SlotCopy, Tier,
+    TransferBatch,
 };
 pub use config::{Config, EvictionPolicies, EvictionPolicy, PoolOwner, WritePolicy};
 pub use error::{Error, Result};

@@ -192,6 +192,17 @@ impl PyHybridCache {
         self.config.swa_window
     }
 
+    /// The components of the model, full attention first: ("full",), ("full", "mamba"),
+    /// ("full", "swa") or ("full", "mamba", "swa").
+    #[getter]
+    fn components<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>> {
+        let names = core::Model::of(&self.config)
+            .components()
+            .into_iter()
+            .map(core::ComponentKind::name);
+        pyo3::types::PyTuple::new(py, names)
+    }
+
     /// Host-tier KV token slots (0: no host tier).
     #[getter]
     fn host_kv_slots(&self) -> usize {

@@ -105,14 +105,7 @@ impl Cache {
             }
             cur = parent;
         }
-        let mamba = self.tree.node(i).mamba.device.is_some();
-        if mamba {
-            self.edit(i, |n| n.mamba.lock += 1);
-            self.refresh(i);
-        }
-        if self.has_swa() {
-            self.swa_lock(i);
-        }
+        let mamba = self.lock_components(i);
         let slot = self.locks.table.insert(Held { node: i, mamba });
         self.stats.locks += 1;
         LockReceipt {
@@ -149,13 +142,7 @@ impl Cache {
                 ))
             })?;
         let node = held.node;
-        if self.has_swa() {
-            self.swa_unlock(node);
-        }
-        if held.mamba {
-            // A locked state is never evicted: it is still there.
-            self.edit(node, |n| n.mamba.lock -= 1);
-        }
+        self.release_components(node, held.mamba);
         let mut cur = node;
         while cur != NONE {
             let last = self.edit(cur, |n| {

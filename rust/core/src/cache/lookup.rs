@@ -3,6 +3,7 @@
 
 use crate::tree::NONE;
 
+use super::component::Cut;
 use super::sizes::Sizes;
 use super::{Cache, Match};
 
@@ -58,9 +59,8 @@ impl Cache {
         let key = &tokens[..self.aligned(tokens.len())];
         let mut probe = std::mem::take(&mut self.probe);
         self.tree.probe(root, key, &mut probe);
-        let hybrid = self.is_hybrid();
-        // SWA: the live SWA tokens ending at the current node, and how many a cut needs.
-        let (swa_need, mut swa_run) = (self.swa.need(), 0);
+        // Every component of the model says where a match may end.
+        let mut cut = Cut::new(self.model());
         if let Some(out) = slots.as_deref_mut() {
             out.clear();
             out.reserve(probe.matched);
@@ -90,22 +90,11 @@ impl Cache {
             {
                 self.expand_into(pages, out);
             }
-            let has_state = nd.mamba.device.is_some();
-            if swa_need > 0 {
-                swa_run = if on_device {
-                    self.swa_run(node, swa_run)
-                } else {
-                    0
-                };
-            }
-            // A prefix shorter than the window needs all its tokens live.
-            let window_live = swa_run >= swa_need || swa_run == depth;
-            if on_device && (!hybrid || has_state) && window_live {
+            if cut.step(self, node, depth, on_device) {
                 valid = (node, depth);
                 used = k + 1;
             }
-            let state_somewhere = nd.mamba.device.is_some() || nd.mamba.host.is_some();
-            if !hybrid || state_somewhere {
+            if cut.anywhere(self, node) {
                 any = (node, depth);
             }
         }
@@ -205,7 +194,7 @@ impl Cache {
         let u = self.tree.split(i, at);
         self.sizes += Sizes::of(self.tree.node(u));
         self.sizes += Sizes::of(self.tree.node(i));
-        self.swa_split(u, i);
+        self.split_components(u, i);
         u
     }
 }

@@ -8,6 +8,7 @@
 //!
 //! | file | owns | does |
 //! |---|---|---|
+//! | `component.rs` | the model | the components (full attention, Mamba, SWA) and their hooks: match cut, locks, splits, audit |
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it) |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
@@ -27,6 +28,7 @@
 
 mod alloc;
 pub(crate) mod batch;
+pub(crate) mod component;
 #[cfg(test)]
 mod engine_tests;
 mod evict;
@@ -57,6 +59,7 @@ mod tests;
 use std::sync::Arc;
 
 pub use batch::{Abandoned, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
+pub use component::{ComponentKind, Model};
 pub use load::{CallOff, LoadRecord, LoadTarget};
 pub use locks::LockReceipt;
 pub use request::{Grown, RequestView};
@@ -99,6 +102,8 @@ impl Pools {
 /// read-only views below.
 pub struct Cache {
     config: Config,
+    /// The components the model is made of.
+    model: component::Model,
     tree: Tree,
     pools: Pools,
     roots: namespaces::Namespaces,
@@ -156,6 +161,7 @@ impl Cache {
         let mut tree = Tree::new(config.page_size);
         let roots = namespaces::Namespaces::new(&mut tree);
         Ok(Cache {
+            model: component::Model::of(&config),
             config,
             tree,
             pools,
