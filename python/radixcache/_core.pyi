@@ -575,9 +575,12 @@ class HybridCache:
         load took, or None, having taken nothing, when there is nothing to load, part
         of the path is being loaded already, the KV tokens exceed ``mem_quota`` plus
         the tokens the load's own lock newly protected, or the device has no room for
-        the KV or the state slots even after eviction (``stats()`` counts each reason).
-        For a hybrid model with a request it takes two state slots: one restores the
-        node's state in the tree, one is the request's own copy.
+        the KV or the state slots even after eviction, or (SWA layers) the target's
+        window is not live on the host or the device has no SWA pages for it even after
+        SWA eviction (``stats()`` counts each reason). For a hybrid model with a request
+        it takes two state slots: one restores the node's state in the tree, one is the
+        request's own copy. With SWA layers the pages of the target's window get device
+        SWA pages and the batch copies their SWA KV too (``Copy.pool == "swa"``).
 
         Raises:
             StaleNodeError: the node no longer exists.
@@ -853,6 +856,11 @@ class HybridCache:
         free. ``kv_evicting_tokens``: device tokens an eviction chose under write-back,
         free once their backups land. ``kv_retired_slots`` / ``mamba_retired_slots``:
         request slots a failed copy took from live requests, free when they end.
+        With SWA layers the ``swa_*`` gauges add up the same way, and with a host tier
+        ``host_swa_free_slots`` + ``host_swa_cached_tokens`` +
+        ``host_swa_draining_slots`` = ``host_swa_capacity_slots``; ``swa_backed_up_pages``,
+        ``swa_backup_skipped_pages`` and ``swa_loaded_pages`` count the SWA pages backups
+        copy, leave behind for want of host SWA pages, and load-backs copy back.
 
         With ``pools="engine"`` the free slots are those queued for ``take_freed`` and
         the caller slots are the engine's; ``kv_engine_slots``, ``kv_queued_slots``,

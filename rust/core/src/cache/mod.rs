@@ -12,7 +12,7 @@
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
 //! | `lru.rs` | the eviction sets, the clock | which nodes eviction may take, in each policy's order |
-//! | `swa.rs` | the window, the SWA eviction queue | the sliding-window component: match cut, tombstones, window locks |
+//! | `swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), tombstones, window locks, SWA backup copies |
 //! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
