@@ -688,7 +688,10 @@ class HybridCache:
         Takes unlocked host-only leaves (a parent left as one joins the candidates) and
         returns what left the host tier. Nodes with device data keep their host copies:
         ``evict`` them from the device first (which demotes them). ``evict`` then
-        ``evict_host`` with each pool's size clears the cache.
+        ``evict_host`` with each pool's size clears the cache. With SWA layers a
+        host-only parent left a leaf without its host window goes too, and so does a
+        device parent left a leaf ending in a page without SWA KV (an SWA tombstone,
+        deleted from the device as ``evict`` would).
 
         Raises:
             CacheError: ``pools="engine"`` (no host tier).

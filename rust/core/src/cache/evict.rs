@@ -348,8 +348,10 @@ impl Cache {
     /// everything evictable there): unlocked host-only leaves, least recently used
     /// first; a parent left as a host-only leaf joins the candidates. Nodes with device
     /// data keep their host copies (evict them from the device first, which demotes
-    /// them). Returns what was taken from the host tier. Refused when the engine owns the
-    /// slots ([`crate::Error::EngineOwned`]: there is no host tier).
+    /// them). Returns what was taken from the host tier. With SWA layers a device parent
+    /// left a leaf ending in a dead SWA page is deleted too (docs/contract.md rule 15).
+    /// Refused when the engine owns the slots ([`crate::Error::EngineOwned`]: there is
+    /// no host tier).
     pub fn evict_host(&mut self, kv_tokens: usize, mamba_states: usize) -> Result<Evicted> {
         self.cache_owned("evict_host")?;
         self.reap();
