@@ -127,11 +127,12 @@ impl Cache {
                         self.stats.backups_skipped += skipped as u64;
                         break;
                     };
-                    let device = self.tree.node(i).kv.device.clone().unwrap_or_default();
-                    self.expand_into(&device, &mut kv_src);
+                    if let Some(pages) = &self.tree.node(i).kv.device {
+                        self.expand_into(pages, &mut kv_src);
+                    }
                     self.expand_into(h.pages(), &mut kv_dst);
                     // Short of host SWA pages: the KV goes without its SWA KV.
-                    self.swa_backup(&device, h.pages(), &mut swa_copy);
+                    self.swa_backup(i, h.pages(), &mut swa_copy);
                     offsets.extend(offset..offset + np);
                     host_kv.append(h);
                     in_batch = true;
@@ -266,17 +267,18 @@ impl Cache {
         let mut offsets = Vec::new();
         let mut kv_pages = self.pools.host_kv.empty();
         if let Some(h) = host_kv {
-            let device = self.tree.node(i).kv.device.clone().unwrap_or_default();
             // A leaf backed up without its SWA KV could never be matched on the host
             // (a host tombstone leaf): it is not backed up. An internal node (an SWA
             // tombstone included) keeps its full KV for the deeper matches below it.
-            if !self.swa_backup(&device, h.pages(), &mut swa_copy)
+            if !self.swa_backup(i, h.pages(), &mut swa_copy)
                 && self.tree.node(i).children.is_empty()
             {
                 self.stats.backups_skipped += 1;
                 return false;
             }
-            self.expand_into(&device, &mut kv_copy.0);
+            if let Some(pages) = &self.tree.node(i).kv.device {
+                self.expand_into(pages, &mut kv_copy.0);
+            }
             self.expand_into(h.pages(), &mut kv_copy.1);
             // Offsets along the path: this node's pages come after all its ancestors'.
             let mut before = 0;

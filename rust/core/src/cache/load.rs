@@ -198,7 +198,7 @@ struct Plan {
     /// Page offset of the first host-only node, and the host slots to read.
     start: usize,
     host_slots: Vec<i64>,
-    /// The host pages read, in path order.
+    /// The host pages read, in path order (with SWA layers only).
     host_pages: Vec<u32>,
     /// SWA: the target's window is live (counting host-only nodes by their host SWA
     /// pages); always without SWA layers.
@@ -520,6 +520,7 @@ impl Cache {
         };
         let mut offset = 0;
         let mut first = None;
+        let swa = self.has_swa();
         for i in self.path_to(j) {
             let n = self.tree.node(i);
             plan.busy |= n.kv.state.loading();
@@ -527,7 +528,9 @@ impl Cache {
                 first.get_or_insert(offset);
                 if let Some(host) = &n.kv.host {
                     self.expand_into(host, &mut plan.host_slots);
-                    plan.host_pages.extend_from_slice(host);
+                    if swa {
+                        plan.host_pages.extend_from_slice(host);
+                    }
                     plan.pages += host.len();
                 }
             }

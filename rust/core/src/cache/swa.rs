@@ -149,19 +149,21 @@ impl Cache {
         self.has_swa() && !n.is_root() && n.kv.device.is_none() && self.swa_tail_any(i) == 0
     }
 
-    /// Backup: gives host pages `host` (new, one per device page of `device`) the host
-    /// SWA pages of the device pages that have an SWA page, and appends the SWA copies
-    /// (device slots to host slots) to `copy`. All or nothing: false, having given none,
-    /// when the host SWA pages are short (the KV is then backed up without its SWA KV).
+    /// Backup of node `i`: gives host pages `host` (new, one per device page of the
+    /// node) the host SWA pages of the device pages that have an SWA page, and appends
+    /// the SWA copies (device slots to host slots) to `copy`. All or nothing: false,
+    /// having given none, when the host SWA pages are short (the KV is then backed up
+    /// without its SWA KV).
     pub(crate) fn swa_backup(
         &mut self,
-        device: &[u32],
+        i: u32,
         host: &[u32],
         copy: &mut (Vec<i64>, Vec<i64>),
     ) -> bool {
         if !self.has_swa() || !self.has_host_tier() {
             return true;
         }
+        let device = self.tree.node(i).kv.device.as_deref().unwrap_or_default();
         let (src, dst): (Vec<u32>, Vec<u32>) = self
             .pools
             .kv
