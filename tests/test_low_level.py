@@ -120,6 +120,7 @@ CONSTRUCTOR = [
     ("eviction_policy", "lru"),
     ("swa_slots", 0),
     ("swa_window", 0),
+    ("host_swa_slots", 0),
 ]
 
 

@@ -320,8 +320,14 @@ class Copy:
     """One copy of a batch: ``src[i]`` of ``src_tier`` to ``dst[i]`` of ``dst_tier``."""
 
     @property
-    def pool(self) -> Literal["kv", "mamba"]:
-        """The pool whose slots move."""
+    def pool(self) -> Literal["kv", "mamba", "swa"]:
+        """The pool whose slots move.
+
+        ``"kv"`` and ``"swa"`` (sliding-window attention KV) index token slots,
+        ``"mamba"`` state slots. An ``"swa"`` copy moves the SWA KV of pages whose full
+        KV the same batch copies (``"kv"``), slot by slot: device SWA slots are
+        ``0..swa_slots``, host SWA slots ``0..host_swa_slots``.
+        """
     @property
     def src_tier(self) -> Literal["device", "host"]:
         """Where the data is read."""
@@ -472,10 +478,19 @@ class HybridCache:
             the last ``swa_window`` tokens (rounded up to whole pages) still have their
             SWA KV; ``evict_swa`` and allocations short of SWA pages turn the least
             recently used nodes into SWA tombstones (their full KV stays) or delete
-            leaves whole. Not with a host tier or ``pools="engine"`` yet
-            (``ValueError`` naming ``swa_slots``).
+            leaves whole. Not with ``pools="engine"`` yet (``ValueError`` naming
+            ``swa_slots``).
         swa_window: the tokens each SWA layer attends to (at least 1 with
             ``swa_slots``; 0 without: ``ValueError`` naming ``swa_window``).
+        host_swa_slots: host-tier SWA slots, a multiple of ``page_size``: at least one
+            page and at most ``host_kv_slots`` with ``swa_slots`` and a host tier, 0
+            otherwise (``ValueError`` naming ``host_swa_slots``). A host KV page holds at
+            most one host SWA page, as a device KV page does: a backup copies the SWA
+            pages of the device pages that have one (``Copy.pool == "swa"``, device to
+            host; a page without one is backed up without it), a load-back copies them
+            back (host to device). A match through host-only nodes is cut by the same
+            window rule, a host-only page counting as live when it has its host SWA
+            page.
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -507,6 +522,7 @@ class HybridCache:
         eviction_policy: _EvictionPolicy | dict[str, _EvictionPolicy] = "lru",
         swa_slots: int = 0,
         swa_window: int = 0,
+        host_swa_slots: int = 0,
     ) -> HybridCache: ...
     @property
     def page_size(self) -> int:
@@ -530,6 +546,9 @@ class HybridCache:
         ``("full",)`` for attention only; ``"mamba"`` with ``mamba_slots``, ``"swa"`` with
         ``swa_slots``, in that order (docs/contract.md, rule 15).
         """
+    @property
+    def host_swa_slots(self) -> int:
+        """Host-tier SWA slots (0: no SWA layers or no host tier)."""
     @property
     def host_kv_slots(self) -> int:
         """Host-tier KV token slots (0: no host tier)."""
@@ -563,9 +582,12 @@ class HybridCache:
         load took, or None, having taken nothing, when there is nothing to load, part
         of the path is being loaded already, the KV tokens exceed ``mem_quota`` plus
         the tokens the load's own lock newly protected, or the device has no room for
-        the KV or the state slots even after eviction (``stats()`` counts each reason).
-        For a hybrid model with a request it takes two state slots: one restores the
-        node's state in the tree, one is the request's own copy.
+        the KV or the state slots even after eviction, or (SWA layers) the target's
+        window is not live on the host or the device has no SWA pages for it even after
+        SWA eviction (``stats()`` counts each reason). For a hybrid model with a request
+        it takes two state slots: one restores the node's state in the tree, one is the
+        request's own copy. With SWA layers the pages of the target's window get device
+        SWA pages and the batch copies their SWA KV too (``Copy.pool == "swa"``).
 
         Raises:
             StaleNodeError: the node no longer exists.
@@ -673,7 +695,10 @@ class HybridCache:
         Takes unlocked host-only leaves (a parent left as one joins the candidates) and
         returns what left the host tier. Nodes with device data keep their host copies:
         ``evict`` them from the device first (which demotes them). ``evict`` then
-        ``evict_host`` with each pool's size clears the cache.
+        ``evict_host`` with each pool's size clears the cache. With SWA layers a
+        host-only parent left a leaf without its host window goes too, and so does a
+        device parent left a leaf ending in a page without SWA KV (an SWA tombstone,
+        deleted from the device as ``evict`` would).
 
         Raises:
             CacheError: ``pools="engine"`` (no host tier).
@@ -841,6 +866,11 @@ class HybridCache:
         free. ``kv_evicting_tokens``: device tokens an eviction chose under write-back,
         free once their backups land. ``kv_retired_slots`` / ``mamba_retired_slots``:
         request slots a failed copy took from live requests, free when they end.
+        With SWA layers the ``swa_*`` gauges add up the same way, and with a host tier
+        ``host_swa_free_slots`` + ``host_swa_cached_tokens`` +
+        ``host_swa_draining_slots`` = ``host_swa_capacity_slots``; ``swa_backed_up_pages``,
+        ``swa_backup_skipped_pages`` and ``swa_loaded_pages`` count the SWA pages backups
+        copy, leave behind for want of host SWA pages, and load-backs copy back.
 
         With ``pools="engine"`` the free slots are those queued for ``take_freed`` and
         the caller slots are the engine's; ``kv_engine_slots``, ``kv_queued_slots``,

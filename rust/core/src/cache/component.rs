@@ -100,8 +100,9 @@ pub(crate) trait Component {
     /// device and landed) and says whether a match may end at its end.
     fn cut(c: &Cache, walk: &mut Self::Walk, i: u32, depth: usize, on_device: bool) -> bool;
 
-    /// Whether a load-back could make a match end at node `i` (its data is on some tier).
-    fn anywhere(c: &Cache, i: u32) -> bool;
+    /// Whether a load-back could make a match end at node `i` (its data is on some
+    /// tier); called once per node after [`Component::cut`], with the same walk.
+    fn anywhere(c: &Cache, walk: &mut Self::Walk, i: u32, depth: usize) -> bool;
 
     /// A lock of the path ending at node `i` was taken: takes this component's share.
     /// Returns whether it took something the receipt must give back.
@@ -130,7 +131,7 @@ impl Component for FullAttention {
     }
 
     #[inline]
-    fn anywhere(_: &Cache, _: u32) -> bool {
+    fn anywhere(_: &Cache, (): &mut (), _: u32, _: usize) -> bool {
         true
     }
 
@@ -166,7 +167,7 @@ impl Component for MambaStates {
     }
 
     #[inline]
-    fn anywhere(c: &Cache, i: u32) -> bool {
+    fn anywhere(c: &Cache, (): &mut (), i: u32, _: usize) -> bool {
         let m = &c.tree.node(i).mamba;
         m.device.is_some() || m.host.is_some()
     }
@@ -203,19 +204,21 @@ pub(crate) struct SlidingWindow;
 
 impl Component for SlidingWindow {
     const KIND: ComponentKind = ComponentKind::Swa;
-    /// The live SWA tokens ending at the current node.
-    type Walk = usize;
+    /// The live SWA tokens ending at the current node: on the device, and counting
+    /// host-only nodes by their host SWA pages.
+    type Walk = (usize, usize);
 
     #[inline]
-    fn cut(c: &Cache, run: &mut usize, i: u32, depth: usize, on_device: bool) -> bool {
-        *run = if on_device { c.swa_run(i, *run) } else { 0 };
+    fn cut(c: &Cache, walk: &mut (usize, usize), i: u32, depth: usize, on_device: bool) -> bool {
+        walk.0 = if on_device { c.swa_run(i, walk.0) } else { 0 };
         // A prefix shorter than the window needs all its tokens live.
-        *run >= c.swa.need() || *run == depth
+        walk.0 >= c.swa.need() || walk.0 == depth
     }
 
     #[inline]
-    fn anywhere(_: &Cache, _: u32) -> bool {
-        true
+    fn anywhere(c: &Cache, walk: &mut (usize, usize), i: u32, depth: usize) -> bool {
+        walk.1 = c.swa_run_any(i, walk.1);
+        walk.1 >= c.swa.need() || walk.1 == depth
     }
 
     fn lock(c: &mut Cache, i: u32) -> bool {
@@ -266,12 +269,16 @@ impl Cut {
         full && mamba && swa
     }
 
-    /// Whether a load-back could end a match at node `i` for every component.
+    /// Whether a load-back could end a match at node `i` for every component (called
+    /// once per node, after [`Cut::step`]).
     #[inline]
-    pub fn anywhere(&self, c: &Cache, i: u32) -> bool {
-        FullAttention::anywhere(c, i)
-            && (!self.model.with::<MambaStates>() || MambaStates::anywhere(c, i))
-            && (!self.model.with::<SlidingWindow>() || SlidingWindow::anywhere(c, i))
+    pub fn anywhere(&mut self, c: &Cache, i: u32, depth: usize) -> bool {
+        let swa = !self.model.with::<SlidingWindow>()
+            || SlidingWindow::anywhere(c, &mut self.swa, i, depth);
+        let full = FullAttention::anywhere(c, &mut (), i, depth);
+        let mamba =
+            !self.model.with::<MambaStates>() || MambaStates::anywhere(c, &mut (), i, depth);
+        full && mamba && swa
     }
 }
 

@@ -133,7 +133,18 @@ impl Cache {
     /// with what is below it. Ancestors left as childless stateless unlocked leaves of a
     /// hybrid tree (unmatchable dead weight) go too. What is marked evicting counts as
     /// evicted now.
-    pub(crate) fn remove_leaf(&mut self, mut i: u32, out: &mut Evicted) {
+    pub(crate) fn remove_leaf(&mut self, i: u32, out: &mut Evicted) {
+        // Host room made meanwhile (a write-back backup) may leave device leaves ending
+        // in a dead SWA page: they go once this removal is done.
+        let outer = self.swa_hold_dead_leaves();
+        self.remove_leaf_now(i, out);
+        if outer {
+            self.swa_drop_held_dead_leaves();
+        }
+    }
+
+    /// [`Cache::remove_leaf`] itself.
+    fn remove_leaf_now(&mut self, mut i: u32, out: &mut Evicted) {
         let hybrid = self.is_hybrid();
         loop {
             let n = self.tree.node(i);
@@ -178,11 +189,21 @@ impl Cache {
     }
 
     /// Whether node `i` is worth keeping as host-only: it has a host KV copy and, in a
-    /// hybrid tree, a host state or children (a match needs a state on its path).
+    /// hybrid tree, a host state or children (a match needs a state on its path); with
+    /// SWA layers, its last host page has its host SWA page or it has children (a
+    /// match needs a live window at its end).
     fn useful_on_host(&self, i: u32) -> bool {
         let n = self.tree.node(i);
+        let has_children = !n.children.is_empty();
+        let window = match &n.kv.host {
+            Some(host) if self.has_swa() => {
+                has_children || self.pools.host_kv.companion_tail(host) > 0
+            }
+            _ => true,
+        };
         n.kv.host.is_some()
-            && (!self.is_hybrid() || n.mamba.host.is_some() || !n.children.is_empty())
+            && window
+            && (!self.is_hybrid() || n.mamba.host.is_some() || has_children)
     }
 
     /// Marks node `i` as being evicted or not, keeping its parent's count of evicting
@@ -237,6 +258,13 @@ impl Cache {
                 self.demote(i, &mut uncounted);
             } else {
                 self.delete_subtree(i, &mut uncounted);
+                // A parent left a leaf ending in a dead SWA page goes too.
+                if self.swa_dead_end(parent) {
+                    self.drop_dead_leaf(parent);
+                    if !self.tree.node(parent).live {
+                        return;
+                    }
+                }
                 self.drop_root_if_empty(parent);
             }
             i = parent;
@@ -320,8 +348,10 @@ impl Cache {
     /// everything evictable there): unlocked host-only leaves, least recently used
     /// first; a parent left as a host-only leaf joins the candidates. Nodes with device
     /// data keep their host copies (evict them from the device first, which demotes
-    /// them). Returns what was taken from the host tier. Refused when the engine owns the
-    /// slots ([`crate::Error::EngineOwned`]: there is no host tier).
+    /// them). Returns what was taken from the host tier. With SWA layers a device parent
+    /// left a leaf ending in a dead SWA page is deleted too (docs/contract.md rule 15).
+    /// Refused when the engine owns the slots ([`crate::Error::EngineOwned`]: there is
+    /// no host tier).
     pub fn evict_host(&mut self, kv_tokens: usize, mamba_states: usize) -> Result<Evicted> {
         self.cache_owned("evict_host")?;
         self.reap();
@@ -330,9 +360,9 @@ impl Cache {
             let Some(i) = self.lru.first_host() else {
                 break;
             };
-            let (len, state) = self.delete_host_leaf(i);
+            let (len, states) = self.delete_host_leaf(i);
             out.kv_tokens += len;
-            out.mamba_states += usize::from(state);
+            out.mamba_states += states;
         }
         Ok(out)
     }
@@ -351,19 +381,38 @@ impl Cache {
         }
     }
 
-    /// Deletes an unlocked host-only leaf; returns its tokens and whether it had a
-    /// host state.
-    pub(crate) fn delete_host_leaf(&mut self, i: u32) -> (usize, bool) {
-        let len = self.tree.node(i).key.len();
-        let state = self.tree.node(i).mamba.host.is_some();
-        self.drop_host(i);
-        let parent = self.tree.node(i).parent;
-        self.tree.unlink_child(parent, i);
-        self.tree.free_node(i);
-        self.refresh(parent);
-        self.drop_root_if_empty(parent);
-        self.stats.host_evictions += 1;
-        self.stats.host_evicted_tokens += len as u64;
-        (len, state)
+    /// Deletes an unlocked host-only leaf, and the parent that leaves an unlocked
+    /// host-only leaf ending in a host page without its host SWA page (no match could
+    /// end there), or an unlocked device leaf ending in a dead SWA page (evicted as
+    /// such); returns the host tokens and host states deleted.
+    pub(crate) fn delete_host_leaf(&mut self, mut i: u32) -> (usize, usize) {
+        let (mut tokens, mut states) = (0, 0);
+        loop {
+            let len = self.tree.node(i).key.len();
+            states += usize::from(self.tree.node(i).mamba.host.is_some());
+            self.drop_host(i);
+            let parent = self.tree.node(i).parent;
+            self.tree.unlink_child(parent, i);
+            self.tree.free_node(i);
+            self.refresh(parent);
+            self.stats.host_evictions += 1;
+            self.stats.host_evicted_tokens += len as u64;
+            tokens += len;
+            let p = self.tree.node(parent);
+            if p.children.is_empty() && p.kv.lock == 0 && self.swa_host_dead_end(parent) {
+                i = parent;
+            } else {
+                // A device parent left a leaf ending in a dead SWA page goes too (after
+                // the device eviction that made this host room, if one did).
+                if self.swa_dead_end(parent) {
+                    self.swa_dead_leaf(parent);
+                    if !self.tree.node(parent).live {
+                        return (tokens, states);
+                    }
+                }
+                self.drop_root_if_empty(parent);
+                return (tokens, states);
+            }
+        }
     }
 }

@@ -94,7 +94,7 @@ impl Cache {
                 valid = (node, depth);
                 used = k + 1;
             }
-            if cut.anywhere(self, node) {
+            if cut.anywhere(self, node, depth) {
                 any = (node, depth);
             }
         }

@@ -29,6 +29,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use crate::error::{Error, Result};
+use crate::ids::NodeId;
 use crate::tree::NONE;
 
 use super::{Cache, Evicted};
@@ -39,6 +40,11 @@ pub(crate) struct Swa {
     /// Tokens a match must end with live SWA KV: the window rounded up to whole pages
     /// (0: no SWA layers).
     need: usize,
+    /// Set while a device eviction removes a leaf: device leaves that host eviction
+    /// leaves ending in a dead SWA page meanwhile wait in `dead` until it is done.
+    holding: bool,
+    /// Those leaves.
+    dead: Vec<NodeId>,
     /// Eviction candidates, least recently used first: `(last access, node, generation)`.
     /// An entry whose node was touched since is pushed again with the newer time when
     /// it comes up; one whose node is gone, locked or dead is dropped.
@@ -51,6 +57,8 @@ impl Swa {
     pub fn new(window: usize, page_size: usize) -> Swa {
         Swa {
             need: window.div_ceil(page_size) * page_size,
+            holding: false,
+            dead: Vec::new(),
             queue: BinaryHeap::new(),
         }
     }
@@ -95,6 +103,123 @@ impl Cache {
         }
     }
 
+    /// Tokens at the end of node `i` whose SWA KV is there where the node's KV is read
+    /// from: on the device when it has device KV, else on the host (its host pages that
+    /// have their host SWA page). What a match through host-only nodes counts.
+    pub(crate) fn swa_tail_any(&self, i: u32) -> usize {
+        let n = self.tree.node(i);
+        let ps = self.config.page_size;
+        match (&n.kv.device, &n.kv.host) {
+            (Some(_), _) => self.swa_tail(i),
+            (None, Some(host)) => self.pools.host_kv.companion_tail(host) * ps,
+            (None, None) => 0,
+        }
+    }
+
+    /// [`Cache::swa_run`] counting host-only nodes by their host SWA pages
+    /// ([`Cache::swa_tail_any`]).
+    pub(crate) fn swa_run_any(&self, i: u32, run: usize) -> usize {
+        let len = self.tree.node(i).key.len();
+        let tail = self.swa_tail_any(i);
+        if tail == len {
+            run + len
+        } else {
+            tail
+        }
+    }
+
+    /// Whether the path to node `i` ends in a live window counting host-only nodes by
+    /// their host SWA pages: what a load-back to `i` needs (always, without SWA layers).
+    pub(crate) fn swa_window_live_any(&self, i: u32) -> bool {
+        if !self.has_swa() {
+            return true;
+        }
+        let (mut run, mut depth) = (0, 0);
+        for j in self.path_to(i) {
+            run = self.swa_run_any(j, run);
+            depth += self.tree.node(j).key.len();
+        }
+        run >= self.swa.need || run == depth
+    }
+
+    /// Whether host-only node `i` ends in a host page without its host SWA page: as a
+    /// leaf no match could end there (a host tombstone leaf), so it is not kept.
+    pub(crate) fn swa_host_dead_end(&self, i: u32) -> bool {
+        let n = self.tree.node(i);
+        self.has_swa() && !n.is_root() && n.kv.device.is_none() && self.swa_tail_any(i) == 0
+    }
+
+    /// Backup of node `i`: gives host pages `host` (new, one per device page of the
+    /// node) the host SWA pages of the device pages that have an SWA page, and appends
+    /// the SWA copies (device slots to host slots) to `copy`. All or nothing: false,
+    /// having given none, when the host SWA pages are short (the KV is then backed up
+    /// without its SWA KV).
+    pub(crate) fn swa_backup(
+        &mut self,
+        i: u32,
+        host: &[u32],
+        copy: &mut (Vec<i64>, Vec<i64>),
+    ) -> bool {
+        if !self.has_swa() || !self.has_host_tier() {
+            return true;
+        }
+        let device = self.tree.node(i).kv.device.as_deref().unwrap_or_default();
+        let (src, dst): (Vec<u32>, Vec<u32>) = self
+            .pools
+            .kv
+            .companions(device)
+            .iter()
+            .zip(host)
+            .filter_map(|(s, &h)| s.map(|s| (s, h)))
+            .unzip();
+        if dst.is_empty() {
+            return true;
+        }
+        if !self.pools.host_kv.attach_companion(&dst) {
+            self.stats.swa_backup_skipped_pages += dst.len() as u64;
+            return false;
+        }
+        let dst: Vec<u32> = self
+            .pools
+            .host_kv
+            .companions(&dst)
+            .into_iter()
+            .flatten()
+            .collect();
+        self.expand_into(&src, &mut copy.0);
+        self.expand_into(&dst, &mut copy.1);
+        self.stats.swa_backed_up_pages += dst.len() as u64;
+        true
+    }
+
+    /// Device node `i` was left a leaf ending in a dead SWA page: deleted now, or held
+    /// until the device eviction in progress is done (it may be that very node's).
+    pub(crate) fn swa_dead_leaf(&mut self, i: u32) {
+        if self.swa.holding {
+            self.swa.dead.push(self.tree.id(i));
+        } else {
+            self.drop_dead_leaf(i);
+        }
+    }
+
+    /// Starts holding dead leaves back; true when this call started it (and must drop
+    /// them with [`Cache::swa_drop_held_dead_leaves`]).
+    pub(crate) fn swa_hold_dead_leaves(&mut self) -> bool {
+        !std::mem::replace(&mut self.swa.holding, true)
+    }
+
+    /// Stops holding dead leaves back and deletes those that still are.
+    pub(crate) fn swa_drop_held_dead_leaves(&mut self) {
+        self.swa.holding = false;
+        for id in std::mem::take(&mut self.swa.dead) {
+            if let Ok(i) = self.tree.resolve(id) {
+                if self.swa_dead_end(i) {
+                    self.drop_dead_leaf(i);
+                }
+            }
+        }
+    }
+
     /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
     /// and not queued yet.
     pub(crate) fn swa_enqueue(&mut self, i: u32) {
@@ -134,12 +259,20 @@ impl Cache {
     pub fn evict_swa(&mut self, pages: usize) -> usize {
         let before = self.pools.kv.companion_free();
         let mut out = Evicted::default();
+        // Nodes whose pages a transfer reads or writes now (a backup, a load): their SWA
+        // pages stay until it ends, and they stay queued.
+        let mut in_flight = Vec::new();
         while self.pools.kv.companion_free() < before.saturating_add(pages) {
-            let Some(Reverse((time, i, generation))) = self.swa.queue.pop() else {
+            let Some(Reverse(entry)) = self.swa.queue.pop() else {
                 break;
             };
+            let (time, i, generation) = entry;
             let n = self.tree.node(i);
             if !n.live || n.generation != generation || !n.swa.queued {
+                continue;
+            }
+            if n.kv.state.backup_pending() || n.kv.state.loading() {
+                in_flight.push(Reverse(entry));
                 continue;
             }
             self.tree.node_mut(i).swa.queued = false;
@@ -159,12 +292,23 @@ impl Cache {
                 if n.kv.state.in_lru() {
                     self.lru.unlist_kv(&mut self.tree, i);
                     self.remove_leaf(i, &mut out);
+                    // Under write-back it stays until its backup lands (its SWA pages
+                    // with it): a candidate still, in flight.
+                    if self.tree.node(i).live && self.tree.node(i).generation == generation {
+                        self.swa_enqueue(i);
+                    }
+                } else {
+                    // Out of the KV eviction set for now (its state locked or being
+                    // backed up): it stays queued.
+                    self.tree.node_mut(i).swa.queued = true;
+                    in_flight.push(Reverse((time, i, generation)));
                 }
             } else if let Some(pages) = self.tree.node(i).kv.device.clone() {
                 self.pools.kv.detach_companion(&pages);
                 self.stats.swa_tombstones += 1;
             }
         }
+        self.swa.queue.extend(in_flight);
         self.count_evicted(&out);
         let freed = self.pools.kv.companion_free().saturating_sub(before);
         self.stats.swa_evicted_pages += freed as u64;
@@ -261,7 +405,10 @@ impl Cache {
 
     /// Checks the SWA component: every request's window has its SWA pages, the window
     /// locks each node holds are exactly those of the live receipts, every candidate is
-    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf).
+    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf, on
+    /// the device or, by its host SWA pages, on the host). The pairings themselves (every
+    /// SWA page free or with exactly one KV page that is not free, device and host) are
+    /// the pools' audit.
     pub(crate) fn audit_swa(&self) -> Result<()> {
         if !self.has_swa() {
             return Ok(());
@@ -308,7 +455,20 @@ impl Cache {
                     self.tree.id(index)
                 )));
             }
-            if n.kv.device.is_some() && n.children.is_empty() && n.kv.lock == 0 && !live {
+            if n.children.is_empty() && n.kv.lock == 0 && self.swa_host_dead_end(index) {
+                return Err(Error::Invariant(format!(
+                    "node {}: an unlocked host-only leaf whose last host page has no host \
+                     SWA page (a host tombstone leaf)",
+                    self.tree.id(index)
+                )));
+            }
+            // A leaf being evicted is exempt: it goes when its backup ends.
+            if n.kv.device.is_some()
+                && n.children.is_empty()
+                && n.kv.lock == 0
+                && !live
+                && !n.kv.state.evicting()
+            {
                 return Err(Error::Invariant(format!(
                     "node {}: an unlocked leaf whose last page has no SWA KV (a tombstone \
                      leaf)",
