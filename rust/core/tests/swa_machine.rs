@@ -59,7 +59,7 @@ enum Op {
     Evict { tokens: u8 },
     EvictSwa { pages: u8 },
     EvictHost { tokens: u8 },
-    LoadBack { system: u8, tail: Vec<u8>, how: u8 },
+    LoadBack { pick: u8, how: u8 },
     Batches { how: u8 },
 }
 
@@ -80,11 +80,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<u8>(), tail()).prop_map(|(system, tail)| Op::Lock { system, tail }),
         1 => any::<u8>().prop_map(|k| Op::Unlock { k }),
         1 => any::<u8>().prop_map(|k| Op::DropReceipt { k }),
-        1 => any::<u8>().prop_map(|tokens| Op::Evict { tokens }),
+        2 => any::<u8>().prop_map(|tokens| Op::Evict { tokens }),
         2 => any::<u8>().prop_map(|pages| Op::EvictSwa { pages }),
         1 => any::<u8>().prop_map(|tokens| Op::EvictHost { tokens }),
-        2 => (any::<u8>(), tail(), any::<u8>())
-            .prop_map(|(system, tail, how)| Op::LoadBack { system, tail, how }),
+        3 => (any::<u8>(), any::<u8>()).prop_map(|(pick, how)| Op::LoadBack { pick, how }),
         3 => any::<u8>().prop_map(|how| Op::Batches { how }),
     ]
 }
@@ -153,6 +152,8 @@ struct Machine {
     /// Live requests, each with the prompt it still has to extend by.
     reqs: Vec<(RequestId, Vec<u32>)>,
     receipts: Vec<LockReceipt>,
+    /// Sequences cached (inserted, finished), for load-backs to find on the host.
+    cached: Vec<Vec<u32>>,
 }
 
 impl Machine {
@@ -165,6 +166,7 @@ impl Machine {
             flight: Vec::new(),
             reqs: Vec::new(),
             receipts: Vec::new(),
+            cached: Vec::new(),
         }
     }
 
@@ -199,8 +201,11 @@ impl Machine {
             }
             Op::Finish { req } => {
                 if let Some(k) = self.pick(*req) {
-                    if self.c.finish(self.reqs[k].0).is_ok() {
+                    let id = self.reqs[k].0;
+                    let tokens = self.c.request_tokens(id).unwrap();
+                    if self.c.finish(id).is_ok() {
                         self.reqs.swap_remove(k);
+                        self.cached.push(tokens);
                     }
                 }
             }
@@ -240,7 +245,7 @@ impl Machine {
             }
             Op::Evict { tokens } => {
                 self.c
-                    .evict(usize::from(*tokens % 16), usize::from(*tokens / 16));
+                    .evict(usize::from(*tokens % 32), usize::from(*tokens / 32));
             }
             Op::EvictSwa { pages } => {
                 let n = if *pages == 255 {
@@ -255,17 +260,31 @@ impl Machine {
                     self.c.evict_host(usize::from(*tokens % 16), 0).unwrap();
                 }
             }
-            Op::LoadBack { system, tail, how } => self.load_back(&tokens(*system, tail), *how),
+            Op::LoadBack { pick, how } => {
+                if !self.cached.is_empty() {
+                    let t = self.cached[usize::from(*pick) % self.cached.len()].clone();
+                    self.load_back(&t, *how);
+                }
+            }
             Op::Batches { how } => self.settle_batches(*how),
         }
     }
 
-    /// Loads back what a match of `t` found on the host, then (by `how`) releases the
+    /// Loads back what a match of `t` (a sequence cached earlier) found on the host
+    /// (with `how`'s top bit, after evicting what it can, backups landed), then (by
+    /// `how`) releases the
     /// guard, commits it (its batch started or not, acknowledged by a later step),
     /// drops it, or starts its batch and releases it (draining until acknowledged).
     fn load_back(&mut self, t: &[u32], how: u8) {
         if self.c.config().host_kv_slots == 0 {
             return;
+        }
+        if how & 0x80 != 0 {
+            // Half the time everything evictable goes to the host first (backups
+            // landed), so that there is something to load.
+            self.settle_batches(0);
+            self.c.evict(usize::MAX, 0);
+            self.settle_batches(0);
         }
         let m = self.c.match_prefix(None, t);
         if m.host_len == 0 {
@@ -356,6 +375,7 @@ impl Machine {
     /// Caches `t` through the low-level API, the match locked while allocating (so
     /// that eviction cannot take it).
     fn insert(&mut self, t: &[u32]) {
+        self.cached.push(t.to_vec());
         let m = self.c.match_prefix(None, t);
         let ps = self.c.page_size();
         let rest = t.len() - m.device_len;
@@ -368,20 +388,20 @@ impl Machine {
         self.c.unlock(guard).unwrap();
     }
 
-    /// Acknowledges the batches in flight and those emitted since: `how` % 4 is 0
-    /// complete, 1 fail, 2 abandon (a started one is then acknowledged, and fails), 3
-    /// start them and leave them in flight (acknowledged by a later step).
+    /// Acknowledges the batches in flight and those emitted since: `how` % 8 is 0 to 3
+    /// complete, 4 fail, 5 abandon (a started one is then acknowledged, and fails), 6
+    /// and 7 start them and leave them in flight (acknowledged by a later step).
     fn settle_batches(&mut self, how: u8) {
         for b in self.c.take_batches() {
             self.check_copies(&b);
             self.flight.push((b.id, false));
         }
-        let how = how % 4;
+        let how = how % 8;
         for (id, started) in std::mem::take(&mut self.flight) {
             match how {
-                0 => self.c.complete(id).unwrap(),
-                1 => self.c.fail(id).unwrap(),
-                2 => {
+                0..=3 => self.c.complete(id).unwrap(),
+                4 => self.c.fail(id).unwrap(),
+                5 => {
                     if !started {
                         self.c.start(id).unwrap();
                     }
