@@ -462,8 +462,9 @@ class HybridCache:
             (a node has the highest ``priority=`` of the ``insert`` and ``admit`` calls
             through it; a request's ``checkpoint`` and ``finish`` carry its own), ties
             least recent first. ``"state-value"`` (``"state_value"`` too; states only):
-            the state that saves the least compute first, weighted by depth, by its
-            matches, and aged so that states nobody uses go in time. A name applies to
+            states no match has used before used ones, each the state that saves the
+            least compute first, weighted by depth, and aged so that states nobody uses
+            go in time. A name applies to
             every component it applies to (``"state-value"``: KV keeps ``"lru"``); a
             dict sets each, ``{"kv": ..., "mamba": ...}``, missing ones ``"lru"``. The
             host tier follows the KV policy. An unknown name or component, or

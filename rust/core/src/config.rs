@@ -109,7 +109,8 @@ pub enum EvictionPolicy {
     Lfu,
     /// Lowest request priority first, ties least recently used.
     Priority,
-    /// States only: least compute saved per byte first, aged (GreedyDual-Size-Frequency).
+    /// States only: unused before used, each least compute saved per byte first, aged
+    /// (GreedyDual-Size).
     StateValue,
 }
 

@@ -18,9 +18,9 @@
 //! | state-value | (not for KV) | (used?, aging level at last use + value; last use) |
 //!
 //! Under "lru" the keys are the access times alone, so the order is exactly the
-//! recency order. The state-value policy is GreedyDual-Size-Frequency in two segments:
-//! a state's value is the compute it saves ([`state_cost`]) times `HIT_WEIGHT` × its
-//! matches + 1, per slot (every state takes one); the key adds the aging level `L` of
+//! recency order. The state-value policy is GreedyDual-Size in two segments: a state's
+//! value is the compute it saves ([`state_cost`]) per slot (every state takes one); its
+//! matches count only in its segment (used or not); the key adds the aging level `L` of
 //! its segment (states no match has used, then used ones) at the state's last use, and
 //! each segment's `L` rises to the key of each of its states the policy evicts, so
 //! states nobody uses age out behind the ones in use (docs/design.md, "Eviction
@@ -58,11 +58,6 @@ const USED: u64 = 1 << 63;
 /// layer; hybrids have one attention layer in two to eight, and `w` is 2,048 to 8,192:
 /// 2^16 is in that range, and measured best on the replay's workloads (docs/design.md).
 pub(crate) const DEPTH_SCALE: u64 = 1 << 16;
-
-/// How much a match that used a state counts in its reuse likelihood, against the 1
-/// every state starts with: a state a match used once is worth five times what it was
-/// before.
-pub(crate) const HIT_WEIGHT: u64 = 4;
 
 /// The eviction candidates of each component, in each component's policy order.
 #[derive(Default)]
@@ -122,9 +117,7 @@ impl Lru {
             EvictionPolicy::Lfu => (m.hits, m.last_access),
             EvictionPolicy::Priority => (ordered(n.priority), m.last_access),
             EvictionPolicy::StateValue => {
-                let reuse = m.hits.saturating_mul(HIT_WEIGHT).saturating_add(1);
-                let value = state_cost(tree, i).saturating_mul(reuse);
-                let aged = m.aged.saturating_add(value).min(USED - 1);
+                let aged = m.aged.saturating_add(state_cost(tree, i)).min(USED - 1);
                 (aged | if m.hits > 0 { USED } else { 0 }, m.last_access)
             }
         }

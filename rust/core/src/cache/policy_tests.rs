@@ -254,3 +254,21 @@ fn state_value_evicts_states_no_match_used_before_used_ones() {
     assert!(kept(&c, &[2, 2]));
     assert!(!kept(&c, &long));
 }
+
+#[test]
+fn state_value_orders_used_states_by_recency_and_compute_not_by_their_match_count() {
+    let mut c = cache("state-value", 64, 2);
+    cached(&mut c, &[1, 1], 0);
+    cached(&mut c, &[2, 2], 0);
+    // [1, 1] saves as much as [2, 2] and was used five times, but before [2, 2]'s one
+    // use: past matches do not keep a state (on `gsp` a group's many past requests
+    // mean fewer to come).
+    for _ in 0..5 {
+        assert_eq!(c.match_prefix(None, &[1, 1, 9]).device_len, 2);
+    }
+    assert_eq!(c.match_prefix(None, &[2, 2, 9]).device_len, 2);
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    c.audit().unwrap();
+    assert!(!kept(&c, &[1, 1]));
+    assert!(kept(&c, &[2, 2]));
+}
