@@ -173,7 +173,9 @@ impl Companion {
 }
 
 impl PoolInner {
-    /// Page `p` reached the free list: its SWA page goes too.
+    /// Page `p` reached the free list: its SWA page goes too. Inlined, like
+    /// [`PoolInner::free_one`]: it runs once per page freed.
+    #[inline]
     fn freed(&mut self, p: u32) {
         self.free.push(p);
         if let Some(c) = self.companion.as_mut() {
@@ -272,6 +274,7 @@ impl PoolInner {
 
     /// Frees page `p` (in state `from`), or marks it draining while a transfer still pins
     /// it.
+    #[inline]
     fn free_one(&mut self, p: u32, from: PageState) {
         if self.pins.get(p as usize).is_some_and(|&pins| pins > 0) {
             self.set(p, from, PageState::Draining);
