@@ -801,6 +801,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     head.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
     head.add_row("tokens passed as", r["tokens"])
     head.add_row("eviction policy", *_policy_text(r["eviction_policy"]))
+    head.add_row("model", r["model"])
     head.add_row("hit rate", f"{100 * r['hit_rate']:.1f}%", "state-valid device hits")
     head.add_row(
         "cache time per request",
