@@ -47,6 +47,7 @@ POOLS = (
     ("host_kv", "cached_tokens"),
     ("host_mamba", "cached_states"),
     ("swa", "cached_tokens"),
+    ("host_swa", "cached_tokens"),
 )
 
 

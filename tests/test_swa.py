@@ -33,7 +33,7 @@ def test_the_arguments_are_properties_and_default_to_no_swa() -> None:
         ({"swa_window": 4}, "swa_window"),
         ({"swa_slots": 8}, "swa_window"),
         ({"swa_slots": 7, "swa_window": 4, "page_size": 2}, "swa_slots"),
-        ({"swa_slots": 8, "swa_window": 4, "host_kv_slots": 16}, "swa_slots"),
+        ({"swa_slots": 8, "swa_window": 4, "host_kv_slots": 16}, "host_swa_slots"),
         ({"swa_slots": 8, "swa_window": 4, "pools": "engine"}, "swa_slots"),
         ({"swa_slots": -1, "swa_window": 4}, "swa_slots"),
         ({"swa_slots": 8, "swa_window": -4}, "swa_window"),

@@ -320,8 +320,14 @@ class Copy:
     """One copy of a batch: ``src[i]`` of ``src_tier`` to ``dst[i]`` of ``dst_tier``."""
 
     @property
-    def pool(self) -> Literal["kv", "mamba"]:
-        """The pool whose slots move."""
+    def pool(self) -> Literal["kv", "mamba", "swa"]:
+        """The pool whose slots move.
+
+        ``"kv"`` and ``"swa"`` (sliding-window attention KV) index token slots,
+        ``"mamba"`` state slots. An ``"swa"`` copy moves the SWA KV of pages whose full
+        KV the same batch copies (``"kv"``), slot by slot: device SWA slots are
+        ``0..swa_slots``, host SWA slots ``0..host_swa_slots``.
+        """
     @property
     def src_tier(self) -> Literal["device", "host"]:
         """Where the data is read."""
@@ -472,10 +478,19 @@ class HybridCache:
             the last ``swa_window`` tokens (rounded up to whole pages) still have their
             SWA KV; ``evict_swa`` and allocations short of SWA pages turn the least
             recently used nodes into SWA tombstones (their full KV stays) or delete
-            leaves whole. Not with a host tier or ``pools="engine"`` yet
-            (``ValueError`` naming ``swa_slots``).
+            leaves whole. Not with ``pools="engine"`` yet (``ValueError`` naming
+            ``swa_slots``).
         swa_window: the tokens each SWA layer attends to (at least 1 with
             ``swa_slots``; 0 without: ``ValueError`` naming ``swa_window``).
+        host_swa_slots: host-tier SWA slots, a multiple of ``page_size``: at least one
+            page and at most ``host_kv_slots`` with ``swa_slots`` and a host tier, 0
+            otherwise (``ValueError`` naming ``host_swa_slots``). A host KV page holds at
+            most one host SWA page, as a device KV page does: a backup copies the SWA
+            pages of the device pages that have one (``Copy.pool == "swa"``, device to
+            host; a page without one is backed up without it), a load-back copies them
+            back (host to device). A match through host-only nodes is cut by the same
+            window rule, a host-only page counting as live when it has its host SWA
+            page.
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -507,6 +522,7 @@ class HybridCache:
         eviction_policy: _EvictionPolicy | dict[str, _EvictionPolicy] = "lru",
         swa_slots: int = 0,
         swa_window: int = 0,
+        host_swa_slots: int = 0,
     ) -> HybridCache: ...
     @property
     def page_size(self) -> int:
@@ -523,6 +539,9 @@ class HybridCache:
     @property
     def swa_window(self) -> int:
         """The SWA layers' window in tokens (0: no SWA layers)."""
+    @property
+    def host_swa_slots(self) -> int:
+        """Host-tier SWA slots (0: no SWA layers or no host tier)."""
     @property
     def host_kv_slots(self) -> int:
         """Host-tier KV token slots (0: no host tier)."""

@@ -261,6 +261,10 @@ pub struct Config {
     /// The SWA layers' window: each token attends to the last `swa_window` tokens (0
     /// exactly when `swa_slots` is 0).
     pub swa_window: usize,
+    /// Host-tier SWA slots, in pages of `page_size`, paired with the host KV pages as
+    /// the device SWA pages are with the device KV pages: required (at least one page,
+    /// at most `host_kv_slots`) with SWA layers and a host tier, 0 otherwise.
+    pub host_swa_slots: usize,
 }
 
 impl Default for Config {
@@ -277,6 +281,7 @@ impl Default for Config {
             eviction_policy: EvictionPolicies::default(),
             swa_slots: 0,
             swa_window: 0,
+            host_swa_slots: 0,
         }
     }
 }
@@ -395,9 +400,10 @@ impl Config {
 }
 
 impl Config {
-    /// The SWA arguments: both given or neither, whole pages, and (for now) neither a
-    /// host tier nor engine-owned pools beside them.
+    /// The SWA arguments: both given or neither, whole pages, not with engine-owned
+    /// pools, and a host SWA pool exactly when there is a host tier.
     fn validate_swa(&self) -> Result<()> {
+        self.validate_host_swa()?;
         if self.swa_slots == 0 {
             if self.swa_window > 0 {
                 return Err(Error::arg(
@@ -428,16 +434,6 @@ impl Config {
                 ),
             ));
         }
-        if self.host_kv_slots > 0 {
-            return Err(Error::arg(
-                "swa_slots",
-                format!(
-                    "{} requested with a host tier (host_kv_slots={}): SWA pages are not \
-                     backed up yet; pass host_kv_slots=0",
-                    self.swa_slots, self.host_kv_slots
-                ),
-            ));
-        }
         if self.pools == PoolOwner::Engine {
             return Err(Error::arg(
                 "swa_slots",
@@ -445,6 +441,50 @@ impl Config {
                     "{} requested with pools=\"engine\": the SWA pool is the cache's only; \
                      pass pools=\"cache\"",
                     self.swa_slots
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `host_swa_slots`: whole pages, at least one and at most `host_kv_slots` with SWA
+    /// layers and a host tier, 0 otherwise.
+    fn validate_host_swa(&self) -> Result<()> {
+        let n = self.host_swa_slots;
+        let name = "host_swa_slots";
+        if self.swa_slots == 0 || self.host_kv_slots == 0 {
+            if n > 0 {
+                let why = if self.swa_slots == 0 {
+                    "for a model without SWA layers (swa_slots=0)"
+                } else {
+                    "without a host KV tier (host_kv_slots=0)"
+                };
+                return Err(Error::arg(name, format!("{n} requested {why}; pass 0")));
+            }
+            return Ok(());
+        }
+        if n == 0 {
+            return Err(Error::arg(
+                name,
+                format!(
+                    "must be at least one page with swa_slots={} and host_kv_slots={} (the \
+                     host tier backs up SWA pages too)",
+                    self.swa_slots, self.host_kv_slots
+                ),
+            ));
+        }
+        if !n.is_multiple_of(self.page_size) {
+            return Err(Error::arg(
+                name,
+                format!("{n} is not a multiple of page_size {}", self.page_size),
+            ));
+        }
+        if n > self.host_kv_slots {
+            return Err(Error::arg(
+                name,
+                format!(
+                    "{n} exceeds host_kv_slots={} (a host SWA page pairs with a host KV page)",
+                    self.host_kv_slots
                 ),
             ));
         }

@@ -141,6 +141,8 @@ struct PoolInner {
 /// (its tokens left every window). So every SWA page is free or paired with exactly one
 /// KV page that is not free: nothing else can be written down.
 struct Companion {
+    /// The argument that configured it (`"swa_slots"`, `"host_swa_slots"`), for audit.
+    name: &'static str,
     /// Free SWA pages (a stack).
     free: Vec<u32>,
     /// Per KV page, its SWA page or [`NO_PAGE`].
@@ -428,10 +430,12 @@ impl Pool {
     }
 
     /// Pairs this pool's pages with an SWA pool of `slots` slots (a multiple of the page
-    /// size, checked by the configuration), every SWA page free.
-    pub(crate) fn with_companion(self, slots: usize) -> Pool {
+    /// size, checked by the configuration, and configured by argument `name`), every SWA
+    /// page free.
+    pub(crate) fn with_companion(self, name: &'static str, slots: usize) -> Pool {
         let pages = slots / self.shared.page_size;
         self.shared.inner.lock().companion = Some(Companion {
+            name,
             free: (0..index_u32(pages)).rev().collect(),
             of: vec![NO_PAGE; self.shared.pages],
             pages,
@@ -555,7 +559,7 @@ impl Pool {
         let Some(c) = inner.companion.as_ref() else {
             return Ok(());
         };
-        let name = "swa_slots";
+        let name = c.name;
         let mut seen = vec![false; c.pages];
         for (p, &s) in c.of.iter().enumerate() {
             if s == NO_PAGE {

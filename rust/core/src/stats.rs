@@ -50,6 +50,12 @@ pub(crate) struct Stats {
     pub swa_window_freed_pages: u64,
     /// SWA: tombstone pages given back their SWA KV by an insert of the same tokens.
     pub swa_revived_pages: u64,
+    /// SWA pages whose SWA KV a backup copies to the host (with their KV pages).
+    pub swa_backed_up_pages: u64,
+    /// SWA pages a backup left behind for want of host SWA pages (their KV went alone).
+    pub swa_backup_skipped_pages: u64,
+    /// SWA pages a load-back copies from the host to the device.
+    pub swa_loaded_pages: u64,
     /// State allocations that failed even after eviction.
     pub mamba_alloc_failures: u64,
     pub admits: u64,
@@ -110,6 +116,9 @@ pub(crate) struct Stats {
     pub load_backs_called_off_room: u64,
     /// ... because no state slot could be had even after eviction.
     pub load_backs_called_off_state: u64,
+    /// ... because the target's window was not live on any tier, or the device had no
+    /// room for its SWA pages even after SWA eviction.
+    pub load_backs_called_off_swa: u64,
     /// ... because the guard was released without commit.
     pub load_backs_called_off_released: u64,
     /// Load-back batches that failed (before or after commit).
@@ -146,6 +155,9 @@ impl Stats {
             ("swa_evicted_pages", self.swa_evicted_pages),
             ("swa_alloc_failures", self.swa_alloc_failures),
             ("swa_revived_pages", self.swa_revived_pages),
+            ("swa_backed_up_pages", self.swa_backed_up_pages),
+            ("swa_backup_skipped_pages", self.swa_backup_skipped_pages),
+            ("swa_loaded_pages", self.swa_loaded_pages),
             ("swa_window_freed_pages", self.swa_window_freed_pages),
             ("mamba_alloc_failures", self.mamba_alloc_failures),
             ("admits", self.admits),
@@ -195,6 +207,7 @@ impl Stats {
                 "load_backs_called_off_state",
                 self.load_backs_called_off_state,
             ),
+            ("load_backs_called_off_swa", self.load_backs_called_off_swa),
             (
                 "load_backs_called_off_released",
                 self.load_backs_called_off_released,

@@ -134,6 +134,7 @@ impl Store {
             (PoolKind::Kv, Tier::Host) => &self.host_kv,
             (PoolKind::Mamba, Tier::Device) => &self.dev_state,
             (PoolKind::Mamba, Tier::Host) => &self.host_state,
+            (PoolKind::Swa, _) => panic!("this machine draws no SWA layers"),
         }
     }
 
@@ -143,6 +144,7 @@ impl Store {
             (PoolKind::Kv, Tier::Host) => &mut self.host_kv,
             (PoolKind::Mamba, Tier::Device) => &mut self.dev_state,
             (PoolKind::Mamba, Tier::Host) => &mut self.host_state,
+            (PoolKind::Swa, _) => panic!("this machine draws no SWA layers"),
         }
     }
 
@@ -1744,6 +1746,7 @@ impl Machine {
             match c.pool {
                 PoolKind::Kv => kv_tokens += c.src.len(),
                 PoolKind::Mamba => states += c.src.len(),
+                PoolKind::Swa => panic!("this machine draws no SWA layers: {batch:?}"),
             }
         }
         assert_eq!(record.kv_tokens(), kv_tokens);

@@ -93,9 +93,13 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///     page_size; 0, the default: no SWA layers). Every KV page handed out comes with
 ///     an SWA page that follows it; a request gives back those whose tokens left the
 ///     window (Request.swa_indices); a match is cut where the last swa_window tokens
-///     still have their SWA KV; evict_swa() makes SWA tombstones. Not with a host tier
-///     or pools="engine" yet.
+///     still have their SWA KV; evict_swa() makes SWA tombstones. Not with
+///     pools="engine" yet.
 ///   swa_window: the tokens each SWA layer attends to (>= 1 with swa_slots, else 0).
+///   host_swa_slots: host-tier SWA slots (a multiple of page_size, at least one page
+///     and at most host_kv_slots), required with swa_slots and a host tier, else 0.
+///     A host KV page holds at most one host SWA page: backups copy the SWA pages of
+///     the device pages that have one, load-backs copy them back.
 ///   pools: who owns the device slots. "cache" (the default): the cache's own pools
 ///     (alloc_kv, alloc_mamba, requests). "engine": the engine's allocators own every
 ///     slot; insert claims the slots it is passed, what the tree gives up is queued
@@ -118,8 +122,9 @@ impl PyHybridCache {
                         host_mamba_slots=Int::Value(0), write_policy="write_through",
                         write_through_threshold=None, pools=core::PoolOwner::Cache,
                         eviction_policy=core::EvictionPolicies::default(),
-                        swa_slots=Int::Value(0), swa_window=Int::Value(0)),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0)")]
+                        swa_slots=Int::Value(0), swa_window=Int::Value(0),
+                        host_swa_slots=Int::Value(0)),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -132,6 +137,7 @@ impl PyHybridCache {
         #[pyo3(from_py_with = eviction_policy_arg)] eviction_policy: core::EvictionPolicies,
         swa_slots: Int,
         swa_window: Int,
+        host_swa_slots: Int,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -155,6 +161,7 @@ impl PyHybridCache {
             eviction_policy,
             swa_slots: swa_slots.count("swa_slots")?,
             swa_window: swa_window.count("swa_window")?,
+            host_swa_slots: host_swa_slots.count("host_swa_slots")?,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -190,6 +197,12 @@ impl PyHybridCache {
     #[getter]
     fn swa_window(&self) -> usize {
         self.config.swa_window
+    }
+
+    /// Host-tier SWA slots (0: no SWA layers or no host tier).
+    #[getter]
+    fn host_swa_slots(&self) -> usize {
+        self.config.host_swa_slots
     }
 
     /// Host-tier KV token slots (0: no host tier).
@@ -649,7 +662,7 @@ impl PyHybridCache {
 const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
-    eviction_policy='lru', swa_slots=0, swa_window=0";
+    eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -48,6 +48,9 @@ pub enum PoolKind {
     Kv,
     /// The Mamba state pool (one slot per state).
     Mamba,
+    /// The sliding-window attention KV pool (token slots, paired page by page with the
+    /// KV pool's: a copy of SWA slots comes with the copy of their KV pages' slots).
+    Swa,
 }
 
 impl PoolKind {
@@ -56,6 +59,7 @@ impl PoolKind {
         match self {
             PoolKind::Kv => "kv",
             PoolKind::Mamba => "mamba",
+            PoolKind::Swa => "swa",
         }
     }
 }
@@ -229,13 +233,16 @@ impl Cache {
         let mut pins: Vec<Pins> = Vec::new();
         for c in &copies {
             for (tier, slots) in [(c.src_tier, &c.src), (c.dst_tier, &c.dst)] {
+                let Some(pool) = self.pools.of(c.pool, tier) else {
+                    continue;
+                };
                 let page_size = if c.pool == PoolKind::Kv { ps } else { 1 };
                 let mut pages: Vec<u32> = slots
                     .iter()
                     .map(|&s| crate::pool::page_of_slot(s, page_size))
                     .collect();
                 pages.dedup();
-                self.pools.of(c.pool, tier).pin(&pages);
+                pool.pin(&pages);
                 if (c.pool, tier) == (PoolKind::Mamba, Tier::Device) {
                     self.refresh_pinned(&pages);
                 }
@@ -275,7 +282,9 @@ impl Cache {
     /// Drops a finished batch's pins: a page given back meanwhile becomes free now.
     fn unpin_all(&mut self, pins: &[Pins]) {
         for p in pins {
-            self.pools.of(p.pool, p.tier).unpin(&p.pages);
+            if let Some(pool) = self.pools.of(p.pool, p.tier) {
+                pool.unpin(&p.pages);
+            }
             if (p.pool, p.tier) == (PoolKind::Mamba, Tier::Device) {
                 self.refresh_pinned(&p.pages);
             }

@@ -178,11 +178,21 @@ impl Cache {
     }
 
     /// Whether node `i` is worth keeping as host-only: it has a host KV copy and, in a
-    /// hybrid tree, a host state or children (a match needs a state on its path).
+    /// hybrid tree, a host state or children (a match needs a state on its path); with
+    /// SWA layers, its last host page has its host SWA page or it has children (a
+    /// match needs a live window at its end).
     fn useful_on_host(&self, i: u32) -> bool {
         let n = self.tree.node(i);
+        let has_children = !n.children.is_empty();
+        let window = match &n.kv.host {
+            Some(host) if self.has_swa() => {
+                has_children || self.pools.host_kv.companion_tail(host) > 0
+            }
+            _ => true,
+        };
         n.kv.host.is_some()
-            && (!self.is_hybrid() || n.mamba.host.is_some() || !n.children.is_empty())
+            && window
+            && (!self.is_hybrid() || n.mamba.host.is_some() || has_children)
     }
 
     /// Marks node `i` as being evicted or not, keeping its parent's count of evicting
@@ -330,9 +340,9 @@ impl Cache {
             let Some(i) = self.lru.first_host() else {
                 break;
             };
-            let (len, state) = self.delete_host_leaf(i);
+            let (len, states) = self.delete_host_leaf(i);
             out.kv_tokens += len;
-            out.mamba_states += usize::from(state);
+            out.mamba_states += states;
         }
         Ok(out)
     }
@@ -351,19 +361,29 @@ impl Cache {
         }
     }
 
-    /// Deletes an unlocked host-only leaf; returns its tokens and whether it had a
-    /// host state.
-    pub(crate) fn delete_host_leaf(&mut self, i: u32) -> (usize, bool) {
-        let len = self.tree.node(i).key.len();
-        let state = self.tree.node(i).mamba.host.is_some();
-        self.drop_host(i);
-        let parent = self.tree.node(i).parent;
-        self.tree.unlink_child(parent, i);
-        self.tree.free_node(i);
-        self.refresh(parent);
-        self.drop_root_if_empty(parent);
-        self.stats.host_evictions += 1;
-        self.stats.host_evicted_tokens += len as u64;
-        (len, state)
+    /// Deletes an unlocked host-only leaf, and the parent that leaves an unlocked
+    /// host-only leaf ending in a host page without its host SWA page (no match could
+    /// end there); returns the tokens and host states deleted.
+    pub(crate) fn delete_host_leaf(&mut self, mut i: u32) -> (usize, usize) {
+        let (mut tokens, mut states) = (0, 0);
+        loop {
+            let len = self.tree.node(i).key.len();
+            states += usize::from(self.tree.node(i).mamba.host.is_some());
+            self.drop_host(i);
+            let parent = self.tree.node(i).parent;
+            self.tree.unlink_child(parent, i);
+            self.tree.free_node(i);
+            self.refresh(parent);
+            self.stats.host_evictions += 1;
+            self.stats.host_evicted_tokens += len as u64;
+            tokens += len;
+            let p = self.tree.node(parent);
+            if p.children.is_empty() && p.kv.lock == 0 && self.swa_host_dead_end(parent) {
+                i = parent;
+            } else {
+                self.drop_root_if_empty(parent);
+                return (tokens, states);
+            }
+        }
     }
 }

@@ -109,6 +109,7 @@ impl Cache {
         let mut offsets = Vec::new();
         let (mut kv_src, mut kv_dst) = (Vec::new(), Vec::new());
         let (mut st_src, mut st_dst) = (Vec::new(), Vec::new());
+        let mut swa_copy = (Vec::new(), Vec::new());
         let mut states = Vec::new();
         let mut marked = Vec::new();
         let mut offset = 0;
@@ -126,10 +127,11 @@ impl Cache {
                         self.stats.backups_skipped += skipped as u64;
                         break;
                     };
-                    if let Some(pages) = &self.tree.node(i).kv.device {
-                        self.expand_into(pages, &mut kv_src);
-                    }
+                    let device = self.tree.node(i).kv.device.clone().unwrap_or_default();
+                    self.expand_into(&device, &mut kv_src);
                     self.expand_into(h.pages(), &mut kv_dst);
+                    // Short of host SWA pages: the KV goes without its SWA KV.
+                    self.swa_backup(&device, h.pages(), &mut swa_copy);
                     offsets.extend(offset..offset + np);
                     host_kv.append(h);
                     in_batch = true;
@@ -164,22 +166,20 @@ impl Cache {
             &marked,
             kv,
             states,
-            (kv_src, kv_dst),
-            (st_src, st_dst),
+            [(kv_src, kv_dst), (st_src, st_dst), swa_copy],
             None,
         );
     }
 
-    /// Emits a backup batch for `marked` nodes (the deepest is `end`).
-    #[allow(clippy::too_many_arguments)]
+    /// Emits a backup batch for `marked` nodes (the deepest is `end`); `copies` are the
+    /// `(source, destination)` slots of the KV, state and SWA copies.
     fn emit_backup(
         &mut self,
         end: u32,
         marked: &[u32],
         kv: PathPages,
         states: Vec<(NodeId, Pages)>,
-        kv_copy: (Vec<i64>, Vec<i64>),
-        state_copy: (Vec<i64>, Vec<i64>),
+        copies: [(Vec<i64>, Vec<i64>); 3],
         demote: Option<NodeId>,
     ) {
         for &i in marked {
@@ -194,8 +194,13 @@ impl Cache {
             }
         }
         let lock = demote.is_none().then(|| self.lock_index(end));
+        let [kv_copy, state_copy, swa_copy] = copies;
         let mut copies = Vec::new();
-        for (pool, (src, dst)) in [(PoolKind::Kv, kv_copy), (PoolKind::Mamba, state_copy)] {
+        for (pool, (src, dst)) in [
+            (PoolKind::Kv, kv_copy),
+            (PoolKind::Mamba, state_copy),
+            (PoolKind::Swa, swa_copy),
+        ] {
             if !src.is_empty() {
                 copies.push(SlotCopy {
                     pool,
@@ -253,12 +258,21 @@ impl Cache {
             return false;
         }
         let mut kv_copy = (Vec::new(), Vec::new());
+        let mut swa_copy = (Vec::new(), Vec::new());
         let mut offsets = Vec::new();
         let mut kv_pages = self.pools.host_kv.empty();
         if let Some(h) = host_kv {
-            if let Some(pages) = &self.tree.node(i).kv.device {
-                self.expand_into(pages, &mut kv_copy.0);
+            let device = self.tree.node(i).kv.device.clone().unwrap_or_default();
+            // A leaf backed up without its SWA KV could never be matched on the host
+            // (a host tombstone leaf): it is not backed up. An internal node (an SWA
+            // tombstone included) keeps its full KV for the deeper matches below it.
+            if !self.swa_backup(&device, h.pages(), &mut swa_copy)
+                && self.tree.node(i).children.is_empty()
+            {
+                self.stats.backups_skipped += 1;
+                return false;
             }
+            self.expand_into(&device, &mut kv_copy.0);
             self.expand_into(h.pages(), &mut kv_copy.1);
             // Offsets along the path: this node's pages come after all its ancestors'.
             let mut before = 0;
@@ -280,7 +294,14 @@ impl Cache {
         self.stats.backup_tokens += kv_copy.0.len() as u64;
         let kv = PathPages::new(kv_pages, offsets);
         let id = self.tree.id(i);
-        self.emit_backup(i, &[i], kv, states, kv_copy, state_copy, Some(id));
+        self.emit_backup(
+            i,
+            &[i],
+            kv,
+            states,
+            [kv_copy, state_copy, swa_copy],
+            Some(id),
+        );
         true
     }
 

@@ -56,6 +56,9 @@ pub enum CallOff {
     Room,
     /// No state slot even after eviction.
     State,
+    /// SWA: the target's window is not live (counting host-only nodes by their host SWA
+    /// pages), or no device SWA pages for it even after SWA eviction.
+    Swa,
     /// The guard was released (or dropped) without `commit`.
     Released,
 }
@@ -69,6 +72,7 @@ impl CallOff {
             CallOff::Quota => "quota",
             CallOff::Room => "room",
             CallOff::State => "state",
+            CallOff::Swa => "swa",
             CallOff::Released => "released",
         }
     }
@@ -97,6 +101,8 @@ pub(crate) struct Load {
     /// The request's fresh state slot (moved into the request at commit).
     pub req_slot: Option<Pages>,
     kv_tokens: usize,
+    /// SWA pages it copies back (on `kv`'s last pages, which own them).
+    swa_pages: usize,
     pub copies: CopyOutcome,
     /// Set at commit.
     pub committed: bool,
@@ -192,9 +198,30 @@ struct Plan {
     /// Page offset of the first host-only node, and the host slots to read.
     start: usize,
     host_slots: Vec<i64>,
+    /// The host pages read, in path order.
+    host_pages: Vec<u32>,
+    /// SWA: the target's window is live (counting host-only nodes by their host SWA
+    /// pages); always without SWA layers.
+    window_live: bool,
     pages: usize,
     restore: Option<u32>,
     busy: bool,
+}
+
+impl Plan {
+    /// Why the load is called off before anything is taken, if it is: part of the path
+    /// is being loaded, there is nothing to load, or (SWA) no live window at the target.
+    fn refused(&self) -> Option<CallOff> {
+        if self.busy {
+            Some(CallOff::Busy)
+        } else if self.pages == 0 && self.restore.is_none() {
+            Some(CallOff::Nothing)
+        } else if !self.window_live {
+            Some(CallOff::Swa)
+        } else {
+            None
+        }
+    }
 }
 
 impl Cache {
@@ -244,11 +271,8 @@ impl Cache {
             }
         }
         let plan = self.load_plan(j, request.is_some())?;
-        if plan.busy {
-            return Ok(self.called_off(CallOff::Busy));
-        }
-        if plan.pages == 0 && plan.restore.is_none() {
-            return Ok(self.called_off(CallOff::Nothing));
+        if let Some(why) = plan.refused() {
+            return Ok(self.called_off(why));
         }
         let ps = self.page_size();
         let protected = self.sizes.protected_tokens;
@@ -274,17 +298,19 @@ impl Cache {
             let _ = self.unlock(lock);
             return Ok(self.called_off(CallOff::Room));
         }
-        let (kv, mut slots) = match self.take_load_slots(plan.pages, want_states) {
-            Ok(taken) => taken,
-            Err(why) => {
-                let _ = self.unlock(lock);
-                return Ok(self.called_off(why));
-            }
-        };
+        let (kv, mut slots, swa_copy) =
+            match self.take_load_slots(plan.pages, want_states, &plan.host_pages) {
+                Ok(taken) => taken,
+                Err(why) => {
+                    let _ = self.unlock(lock);
+                    return Ok(self.called_off(why));
+                }
+            };
+        let swa_pages = swa_copy.0.len() / ps;
         let req_slot = if want_states == 2 { slots.pop() } else { None };
         let restore = slots.pop();
         let start = plan.start;
-        let copies = self.load_copies(plan, &kv, restore.as_ref(), req_slot.as_ref());
+        let copies = self.load_copies(plan, &kv, swa_copy, restore.as_ref(), req_slot.as_ref());
         let batch = self.emit_held(copies, Payload::LoadBack);
         let id = batch.id;
         if let Some(r) = request {
@@ -301,6 +327,7 @@ impl Cache {
                 restore,
                 req_slot,
                 kv_tokens,
+                swa_pages,
                 copies: CopyOutcome::Pending,
                 committed: false,
                 saved: None,
@@ -315,12 +342,14 @@ impl Cache {
         }))
     }
 
-    /// The copies of a load: host KV to the new device pages, the host state to the
-    /// restoring slot and to the request's.
+    /// The copies of a load: host KV to the new device pages, host SWA to their device
+    /// SWA pages (`swa`: host slots, device slots), the host state to the restoring slot
+    /// and to the request's.
     fn load_copies(
         &self,
         plan: Plan,
         kv: &Pages,
+        swa: (Vec<i64>, Vec<i64>),
         restore: Option<&Pages>,
         req_slot: Option<&Pages>,
     ) -> Vec<SlotCopy> {
@@ -334,6 +363,15 @@ impl Cache {
                 dst_tier: Tier::Device,
                 src: plan.host_slots,
                 dst,
+            });
+        }
+        if !swa.0.is_empty() {
+            copies.push(SlotCopy {
+                pool: PoolKind::Swa,
+                src_tier: Tier::Host,
+                dst_tier: Tier::Device,
+                src: swa.0,
+                dst: swa.1,
             });
         }
         if let Some(h) = plan.restore {
@@ -350,22 +388,67 @@ impl Cache {
         copies
     }
 
-    /// State slots, then KV pages (evicting; checked feasible before).
+    /// SWA: gives the loaded device pages `kv` (one per host page of `host`, in path
+    /// order) that fall in the target's window the device SWA pages of their host SWA
+    /// pages, evicting device SWA when short, and returns the copies' `(host slots,
+    /// device slots)`. The pages hold them: dropping `kv` (a release, a failure) frees
+    /// them, a commit publishes them with the KV. `None`, having given none, when the
+    /// device cannot make room. Pages older than the window load without their SWA KV
+    /// (SWA tombstones on the device; their host copy keeps it).
+    fn load_swa(&mut self, host: &[u32], kv: &Pages) -> Option<(Vec<i64>, Vec<i64>)> {
+        let mut copy = (Vec::new(), Vec::new());
+        if !self.has_swa() || host.is_empty() {
+            return Some(copy);
+        }
+        let window = self.swa.need() / self.page_size();
+        let from = host.len().saturating_sub(window);
+        let (src, dst): (Vec<u32>, Vec<u32>) = self
+            .pools
+            .host_kv
+            .companions(&host[from..])
+            .iter()
+            .zip(&kv.pages()[from..])
+            .filter_map(|(s, &d)| s.map(|s| (s, d)))
+            .unzip();
+        if dst.is_empty() {
+            return Some(copy);
+        }
+        if !self.swa_attach(&dst) {
+            return None;
+        }
+        let dst: Vec<u32> = self
+            .pools
+            .kv
+            .companions(&dst)
+            .into_iter()
+            .flatten()
+            .collect();
+        self.expand_into(&src, &mut copy.0);
+        self.expand_into(&dst, &mut copy.1);
+        Some(copy)
+    }
+
+    /// State slots, then KV pages (evicting; checked feasible before), then the SWA
+    /// pages of the window's (for host pages `host`, see [`Cache::load_swa`]) with the
+    /// slots of their copies. What was taken goes back when a later step fails.
+    #[allow(clippy::type_complexity)] // the three parts of a load, taken together
     fn take_load_slots(
         &mut self,
         pages: usize,
         states: usize,
-    ) -> std::result::Result<(Pages, Vec<Pages>), CallOff> {
+        host: &[u32],
+    ) -> std::result::Result<(Pages, Vec<Pages>, (Vec<i64>, Vec<i64>)), CallOff> {
         let mut slots = Vec::new();
         for _ in 0..states {
             slots.push(self.alloc_state().ok_or(CallOff::State)?);
         }
         let kv = if pages > 0 {
-            self.alloc_pages(pages).ok_or(CallOff::Room)?
+            self.alloc_bare_pages(pages).ok_or(CallOff::Room)?
         } else {
             self.pools.kv.empty()
         };
-        Ok((kv, slots))
+        let swa = self.load_swa(host, &kv).ok_or(CallOff::Swa)?;
+        Ok((kv, slots, swa))
     }
 
     fn called_off(&mut self, why: CallOff) -> Option<LoadRecord> {
@@ -376,6 +459,7 @@ impl Cache {
             CallOff::Quota => self.stats.load_backs_called_off_quota += 1,
             CallOff::Room => self.stats.load_backs_called_off_room += 1,
             CallOff::State => self.stats.load_backs_called_off_state += 1,
+            CallOff::Swa => self.stats.load_backs_called_off_swa += 1,
             CallOff::Released => self.stats.load_backs_called_off_released += 1,
         }
         None
@@ -428,6 +512,8 @@ impl Cache {
         let mut plan = Plan {
             start: 0,
             host_slots: Vec::new(),
+            host_pages: Vec::new(),
+            window_live: self.swa_window_live_any(j),
             pages: 0,
             restore: None,
             busy: false,
@@ -441,6 +527,7 @@ impl Cache {
                 first.get_or_insert(offset);
                 if let Some(host) = &n.kv.host {
                     self.expand_into(host, &mut plan.host_slots);
+                    plan.host_pages.extend_from_slice(host);
                     plan.pages += host.len();
                 }
             }
@@ -555,6 +642,7 @@ impl Cache {
         };
         self.stats.load_backs_committed += 1;
         self.stats.loaded_tokens += load.kv_tokens as u64;
+        self.stats.swa_loaded_pages += load.swa_pages as u64;
         if done {
             self.settle_load(id, load, j, saved, true);
         } else {

@@ -60,7 +60,8 @@ impl Cache {
         self.tree.probe(root, key, &mut probe);
         let hybrid = self.is_hybrid();
         // SWA: the live SWA tokens ending at the current node, and how many a cut needs.
-        let (swa_need, mut swa_run) = (self.swa.need(), 0);
+        // `swa_any`: the same, counting host-only nodes by their host SWA pages.
+        let (swa_need, mut swa_run, mut swa_any) = (self.swa.need(), 0, 0);
         if let Some(out) = slots.as_deref_mut() {
             out.clear();
             out.reserve(probe.matched);
@@ -97,6 +98,7 @@ impl Cache {
                 } else {
                     0
                 };
+                swa_any = self.swa_run_any(node, swa_any);
             }
             // A prefix shorter than the window needs all its tokens live.
             let window_live = swa_run >= swa_need || swa_run == depth;
@@ -105,7 +107,8 @@ impl Cache {
                 used = k + 1;
             }
             let state_somewhere = nd.mamba.device.is_some() || nd.mamba.host.is_some();
-            if !hybrid || state_somewhere {
+            let window_any = swa_any >= swa_need || swa_any == depth;
+            if (!hybrid || state_somewhere) && window_any {
                 any = (node, depth);
             }
         }

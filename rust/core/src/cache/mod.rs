@@ -50,6 +50,8 @@ pub(crate) mod returns;
 pub(crate) mod sizes;
 pub(crate) mod swa;
 #[cfg(test)]
+mod swa_host_tests;
+#[cfg(test)]
 mod swa_tests;
 #[cfg(test)]
 mod tests;
@@ -70,24 +72,28 @@ use crate::tree::{KvState, Node, Probe, StateMark, Tree, NONE};
 
 /// The four pools: device and host, KV and states.
 pub(crate) struct Pools {
-    /// Device KV pool.
+    /// Device KV pool (its pages paired with the device SWA pages, with SWA layers).
     pub kv: Pool,
     /// Device state pool (`page_size` 1; no pages for an attention-only model).
     pub mamba: Pool,
-    /// Host-tier KV pool (no pages without a host tier).
+    /// Host-tier KV pool (no pages without a host tier; its pages paired with the host
+    /// SWA pages, with SWA layers).
     pub host_kv: Pool,
     /// Host-tier state pool.
     pub host_mamba: Pool,
 }
 
 impl Pools {
-    /// The pool a copy's slots index.
-    pub fn of(&self, pool: PoolKind, tier: Tier) -> &Pool {
+    /// The pool a copy's slots index; `None` for the SWA pages, which are no pool of
+    /// their own but the companions of a KV pool's pages (held by those pages' pins: a
+    /// batch copying SWA pages copies their KV pages too).
+    pub fn of(&self, pool: PoolKind, tier: Tier) -> Option<&Pool> {
         match (pool, tier) {
-            (PoolKind::Kv, Tier::Device) => &self.kv,
-            (PoolKind::Kv, Tier::Host) => &self.host_kv,
-            (PoolKind::Mamba, Tier::Device) => &self.mamba,
-            (PoolKind::Mamba, Tier::Host) => &self.host_mamba,
+            (PoolKind::Kv, Tier::Device) => Some(&self.kv),
+            (PoolKind::Kv, Tier::Host) => Some(&self.host_kv),
+            (PoolKind::Mamba, Tier::Device) => Some(&self.mamba),
+            (PoolKind::Mamba, Tier::Host) => Some(&self.host_mamba),
+            (PoolKind::Swa, _) => None,
         }
     }
 }
@@ -140,13 +146,20 @@ impl Cache {
             kv: {
                 let kv = pool("kv_slots", config.kv_slots, config.page_size)?;
                 if config.has_swa() {
-                    kv.with_companion(config.swa_slots)
+                    kv.with_companion("swa_slots", config.swa_slots)
                 } else {
                     kv
                 }
             },
             mamba: pool("mamba_slots", config.mamba_slots, 1)?,
-            host_kv: pool("host_kv_slots", config.host_kv_slots, config.page_size)?,
+            host_kv: {
+                let host = pool("host_kv_slots", config.host_kv_slots, config.page_size)?;
+                if config.host_swa_slots > 0 {
+                    host.with_companion("host_swa_slots", config.host_swa_slots)
+                } else {
+                    host
+                }
+            },
             host_mamba: pool("host_mamba_slots", config.host_mamba_slots, 1)?,
         };
         // Up to three quarters of the state slots keep states that matches used.

@@ -156,6 +156,8 @@ impl Cache {
         let swa = self.pools.kv.companion_counts();
         let swa_slots = |pages: usize| (pages * ps) as u64;
         let swa_free = swa_slots(self.pools.kv.companion_free());
+        let host_swa = self.pools.host_kv.companion_counts();
+        let host_swa_free = swa_slots(self.pools.host_kv.companion_free());
         let mut out = self.stats.entries();
         out.extend([
             (
@@ -208,6 +210,16 @@ impl Cache {
             ("host_kv_draining_slots", host_kv[4]),
             ("host_kv_capacity_slots", self.config.host_kv_slots as u64),
             ("host_kv_evictable_tokens", self.sizes.host_evictable as u64),
+            // Host SWA pages, each free or with the host KV page it belongs to (the
+            // tree's, or a transfer's: a backup's in flight counts as draining, as for
+            // host KV): free + cached + draining = capacity.
+            ("host_swa_free_slots", host_swa_free),
+            ("host_swa_cached_tokens", swa_slots(host_swa[2])),
+            (
+                "host_swa_draining_slots",
+                swa_slots(host_swa[0] + host_swa[3]),
+            ),
+            ("host_swa_capacity_slots", self.config.host_swa_slots as u64),
             ("host_mamba_free_slots", host_mamba[0]),
             ("host_mamba_cached_states", host_mamba[1]),
             ("host_mamba_draining_slots", host_mamba[4]),

@@ -95,6 +95,93 @@ impl Cache {
         }
     }
 
+    /// Tokens at the end of node `i` whose SWA KV is there where the node's KV is read
+    /// from: on the device when it has device KV, else on the host (its host pages that
+    /// have their host SWA page). What a match through host-only nodes counts.
+    pub(crate) fn swa_tail_any(&self, i: u32) -> usize {
+        let n = self.tree.node(i);
+        let ps = self.config.page_size;
+        match (&n.kv.device, &n.kv.host) {
+            (Some(_), _) => self.swa_tail(i),
+            (None, Some(host)) => self.pools.host_kv.companion_tail(host) * ps,
+            (None, None) => 0,
+        }
+    }
+
+    /// [`Cache::swa_run`] counting host-only nodes by their host SWA pages
+    /// ([`Cache::swa_tail_any`]).
+    pub(crate) fn swa_run_any(&self, i: u32, run: usize) -> usize {
+        let len = self.tree.node(i).key.len();
+        let tail = self.swa_tail_any(i);
+        if tail == len {
+            run + len
+        } else {
+            tail
+        }
+    }
+
+    /// Whether the path to node `i` ends in a live window counting host-only nodes by
+    /// their host SWA pages: what a load-back to `i` needs (always, without SWA layers).
+    pub(crate) fn swa_window_live_any(&self, i: u32) -> bool {
+        if !self.has_swa() {
+            return true;
+        }
+        let (mut run, mut depth) = (0, 0);
+        for j in self.path_to(i) {
+            run = self.swa_run_any(j, run);
+            depth += self.tree.node(j).key.len();
+        }
+        run >= self.swa.need || run == depth
+    }
+
+    /// Whether host-only node `i` ends in a host page without its host SWA page: as a
+    /// leaf no match could end there (a host tombstone leaf), so it is not kept.
+    pub(crate) fn swa_host_dead_end(&self, i: u32) -> bool {
+        let n = self.tree.node(i);
+        self.has_swa() && !n.is_root() && n.kv.device.is_none() && self.swa_tail_any(i) == 0
+    }
+
+    /// Backup: gives host pages `host` (new, one per device page of `device`) the host
+    /// SWA pages of the device pages that have an SWA page, and appends the SWA copies
+    /// (device slots to host slots) to `copy`. All or nothing: false, having given none,
+    /// when the host SWA pages are short (the KV is then backed up without its SWA KV).
+    pub(crate) fn swa_backup(
+        &mut self,
+        device: &[u32],
+        host: &[u32],
+        copy: &mut (Vec<i64>, Vec<i64>),
+    ) -> bool {
+        if !self.has_swa() || !self.has_host_tier() {
+            return true;
+        }
+        let (src, dst): (Vec<u32>, Vec<u32>) = self
+            .pools
+            .kv
+            .companions(device)
+            .iter()
+            .zip(host)
+            .filter_map(|(s, &h)| s.map(|s| (s, h)))
+            .unzip();
+        if dst.is_empty() {
+            return true;
+        }
+        if !self.pools.host_kv.attach_companion(&dst) {
+            self.stats.swa_backup_skipped_pages += dst.len() as u64;
+            return false;
+        }
+        let dst: Vec<u32> = self
+            .pools
+            .host_kv
+            .companions(&dst)
+            .into_iter()
+            .flatten()
+            .collect();
+        self.expand_into(&src, &mut copy.0);
+        self.expand_into(&dst, &mut copy.1);
+        self.stats.swa_backed_up_pages += dst.len() as u64;
+        true
+    }
+
     /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
     /// and not queued yet.
     pub(crate) fn swa_enqueue(&mut self, i: u32) {
@@ -134,12 +221,20 @@ impl Cache {
     pub fn evict_swa(&mut self, pages: usize) -> usize {
         let before = self.pools.kv.companion_free();
         let mut out = Evicted::default();
+        // Nodes whose pages a transfer reads or writes now (a backup, a load): their SWA
+        // pages stay until it ends, and they stay queued.
+        let mut in_flight = Vec::new();
         while self.pools.kv.companion_free() < before.saturating_add(pages) {
-            let Some(Reverse((time, i, generation))) = self.swa.queue.pop() else {
+            let Some(Reverse(entry)) = self.swa.queue.pop() else {
                 break;
             };
+            let (time, i, generation) = entry;
             let n = self.tree.node(i);
             if !n.live || n.generation != generation || !n.swa.queued {
+                continue;
+            }
+            if n.kv.state.backup_pending() || n.kv.state.loading() {
+                in_flight.push(Reverse(entry));
                 continue;
             }
             self.tree.node_mut(i).swa.queued = false;
@@ -165,6 +260,7 @@ impl Cache {
                 self.stats.swa_tombstones += 1;
             }
         }
+        self.swa.queue.extend(in_flight);
         self.count_evicted(&out);
         let freed = self.pools.kv.companion_free().saturating_sub(before);
         self.stats.swa_evicted_pages += freed as u64;
@@ -252,7 +348,10 @@ impl Cache {
 
     /// Checks the SWA component: every request's window has its SWA pages, the window
     /// locks each node holds are exactly those of the live receipts, every candidate is
-    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf).
+    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf, on
+    /// the device or, by its host SWA pages, on the host). The pairings themselves (every
+    /// SWA page free or with exactly one KV page that is not free, device and host) are
+    /// the pools' audit.
     pub(crate) fn audit_swa(&self) -> Result<()> {
         if !self.has_swa() {
             return Ok(());
@@ -296,6 +395,13 @@ impl Cache {
             if live && n.swa.locks.is_empty() && !n.swa.queued {
                 return Err(Error::Invariant(format!(
                     "node {}: live SWA, no window lock, not in the SWA eviction queue",
+                    self.tree.id(index)
+                )));
+            }
+            if n.children.is_empty() && n.kv.lock == 0 && self.swa_host_dead_end(index) {
+                return Err(Error::Invariant(format!(
+                    "node {}: an unlocked host-only leaf whose last host page has no host \
+                     SWA page (a host tombstone leaf)",
                     self.tree.id(index)
                 )));
             }

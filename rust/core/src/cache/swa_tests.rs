@@ -277,12 +277,32 @@ fn swa_arguments_are_validated_by_name() {
     assert_eq!(arg_of(with(0, 4)), "swa_window");
     assert_eq!(arg_of(with(8, 0)), "swa_window");
     assert_eq!(arg_of(with(7, 4)), "swa_slots");
+    // A host tier needs a host SWA pool: at least one page, whole pages, at most the
+    // host KV pool; without SWA layers or a host tier it must be 0.
+    let host = |host_swa_slots| Config {
+        host_kv_slots: 64,
+        host_swa_slots,
+        ..with(8, 4)
+    };
+    for bad in [0, 3, 66] {
+        assert_eq!(arg_of(host(bad)), "host_swa_slots", "host_swa_slots={bad}");
+    }
+    assert!(Cache::new(host(64)).is_ok());
+    assert!(Cache::new(host(2)).is_ok());
+    assert_eq!(
+        arg_of(Config {
+            host_swa_slots: 8,
+            ..with(8, 4)
+        }),
+        "host_swa_slots"
+    );
     assert_eq!(
         arg_of(Config {
             host_kv_slots: 64,
-            ..with(8, 4)
+            host_swa_slots: 8,
+            ..base.clone()
         }),
-        "swa_slots"
+        "host_swa_slots"
     );
     assert_eq!(
         arg_of(Config {
