@@ -7,6 +7,7 @@ give the reference's samples (0 mismatches) on every workload, with injected fai
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -109,6 +110,30 @@ def test_the_cpu_engine_copies_swa_rows_between_tiers() -> None:
     assert e.stats()["slots_copied"] == 4
     with pytest.raises(IndexError, match=r"^dst: slot out of range for the swa pool on the host"):
         e.copy_batch(SimpleNamespace(copies=[copy("device", "host", [0], [8])]))  # type: ignore[arg-type]
+
+
+def test_the_cpu_engine_runs_the_swa_copies_of_a_backup() -> None:
+    cache = swa_cache(host_kv_slots=64, host_swa_slots=32)
+    s = rc.Storage.for_cache(cache, layers=2, head_dim=1, dtype="int64")
+    assert s.pool("swa", "host").slots == 32
+    e = rc.TransferEngine(cache, s)
+    (dk, dv), (hk, hv) = s.swa["device"], s.swa["host"]
+    dk[...] = np.arange(dk.size).reshape(dk.shape) + 1
+    dv[...] = -dk
+    slots = cache.alloc_kv(8)
+    assert slots is not None
+    cache.insert(list(range(1, 9)), slots)  # write-through: a backup, SWA pages with it
+    batches = cache.take_batches()
+    swa = [c for b in batches for c in b.copies if c.pool == "swa"]
+    assert swa
+    assert sum(e.run(b) for b in batches) == len(batches)
+    for c in swa:
+        assert (c.src_tier, c.dst_tier) == ("device", "host")
+        assert (hk[:, c.dst] == dk[:, c.src]).all()
+        assert (hv[:, c.dst] == dv[:, c.src]).all()
+    missing = rc.Storage.for_model(kv_slots=64, swa_slots=16, host_kv_slots=64, layers=1)
+    with pytest.raises(ValueError, match=r"^host_swa_slots: the cache has 32, the storage has"):
+        rc.TransferEngine(cache, missing)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -223,11 +248,7 @@ WORKLOADS = {
 }
 
 
-@pytest.mark.parametrize("workload", sorted(WORKLOADS))
-@pytest.mark.parametrize("model", ["swa", "swa-hybrid"])
-@pytest.mark.parametrize("inject", [0.0, 0.2])
-def test_swa_replays_give_the_reference_samples(workload: str, model: str, inject: float) -> None:
-    r, _ = sv.replay(WORKLOADS[workload], swa_config(model, inject_failures=inject))
+def check_swa_report(r: dict[str, Any], model: str) -> None:
     ok(r)
     assert r["model"] == model
     assert r["swa_window"] == 256
@@ -238,6 +259,50 @@ def test_swa_replays_give_the_reference_samples(workload: str, model: str, injec
     )
     if model == "swa":  # its full-attention model is the attention-only one
         assert r["full_attention_hit_rate"] == r["attention_only_hit_rate"]
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("model", ["swa", "swa-hybrid"])
+def test_swa_replays_without_a_host_tier_give_the_reference_samples(
+    workload: str, model: str
+) -> None:
+    r, _ = sv.replay(WORKLOADS[workload], swa_config(model, inject_failures=0.2))
+    check_swa_report(r, model)
+    if model == "swa-hybrid":  # copy-on-write batches (an swa model has none to fail)
+        assert sum(r["injected_failures"].values()) > 0
+
+
+#: A write-back replay of ``swa`` on ``gsp`` leaves a tombstone leaf (the core's write-back
+#: eviction with SWA pages; audit: "an unlocked leaf whose last page has no SWA KV"). Strict:
+#: once the core is mended this fails, and the mark goes.
+KNOWN = {("swa", "gsp", "write_back")}
+HOST_CELLS = [
+    pytest.param(*cell, marks=[pytest.mark.xfail(strict=True)] if cell in KNOWN else [])
+    for cell in itertools.product(
+        ["swa", "swa-hybrid"],
+        sorted(WORKLOADS),
+        ["write_through", "write_through_selective", "write_back"],
+    )
+]
+
+
+@pytest.mark.parametrize(("model", "workload", "policy"), HOST_CELLS)
+def test_swa_replays_with_a_host_tier_give_the_reference_samples(
+    model: str, workload: str, policy: str
+) -> None:
+    cfg = swa_config(
+        model,
+        host_kv_slots=16384,
+        host_swa_slots=4096,
+        host_mamba_slots=48 if model == "swa-hybrid" else 0,
+        write_policy=policy,
+        inject_failures=0.2,
+    )
+    r, _ = sv.replay(WORKLOADS[workload], cfg)
+    check_swa_report(r, model)
+    assert r["swa_backed_up_pages"] > 0  # SWA KV went to the host ...
+    if workload == "mixed":
+        assert r["swa_loaded_pages"] > 0  # ... and came back
 
 
 def test_the_swa_comparison_is_the_same_model_with_full_attention() -> None:

@@ -1,7 +1,7 @@
 """The ``radixcache`` command: ``replay`` or ``bench`` a workload, write a ``workload``.
 
 radixcache replay [--workload mixed|gsp|multiturn|PATH] [--requests N] [--seed S]
-[--model hybrid|attention|swa|swa-hybrid] [--window W] [--swa-slots N]
+[--model hybrid|attention|swa|swa-hybrid] [--window W] [--swa-slots N] [--host-swa-slots N]
 [--kv-slots N] [--mamba-slots N] [--host-kv-slots N] [--host-mamba-slots N]
 [--page-size P] [--write-policy ...] [--write-through-threshold T]
 [--eviction-policy lru|lfu|priority|state-value] [--max-running N] [--chunk-size N]
@@ -218,6 +218,14 @@ POOL_FLAGS = (
         "host-tier state slots",
         hi=MAX_MAMBA_SLOTS,
         shown=f"{_D.host_mamba_slots}; 0 with --mamba-slots 0 or --host-kv-slots 0",
+    ),
+    Flag(
+        "--host-swa-slots",
+        "host-tier SWA KV pool, in tokens: a multiple of --page-size, at most "
+        "--host-kv-slots; only with --model swa or swa-hybrid and a host tier",
+        hi=MAX_KV_SLOTS,
+        shown="--swa-slots scaled as --host-kv-slots is to --kv-slots, in whole pages; 0 "
+        "without a host tier",
     ),
     Flag("--page-size", "tokens per page", default=_D.page_size, lo=1, hi=MAX_KV_SLOTS),
     Flag(
@@ -484,7 +492,7 @@ def _check_plot(path: str) -> None:
 _DESTS = re.compile(
     r"\b(kv_slots|mamba_slots|host_kv_slots|host_mamba_slots|page_size|write_policy"
     r"|write_through_threshold|eviction_policy|max_running|chunk_size|inject_failures"
-    r"|swa_slots|swa_window)\b"
+    r"|swa_slots|swa_window|host_swa_slots)\b"
 )
 #: The cache's arguments whose flag is not their name.
 _RENAMED = {"swa_window": "window"}
@@ -542,6 +550,14 @@ def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
         # The replay would drop them (as the default does): given, they are refused.
         why = "--mamba-slots 0 (no states)" if not mamba else "--host-kv-slots 0 (no host tier)"
         raise InputError(f"--host-mamba-slots: {host_mamba} given with {why}; pass 0")
+    host_swa = args.host_swa_slots
+    if host_swa is None:  # the device's share of SWA, on the host tier too
+        page = _value(args, "--page-size")
+        kv = _value(args, "--kv-slots")
+        host_swa = min(host_kv, swa_slots * host_kv // kv // page * page) if kv else 0
+    elif host_swa and not (swa_slots and host_kv):
+        why = "--host-kv-slots 0 (no host tier)" if swa_slots else "no sliding-window layers"
+        raise InputError(f"--host-swa-slots: {host_swa} given with {why}; pass 0")
     config = _replay.ReplayConfig(
         kv_slots=_value(args, "--kv-slots"),
         mamba_slots=mamba,
@@ -557,6 +573,7 @@ def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
         branch_checkpoints=not args.no_branch_checkpoints,
         swa_slots=swa_slots,
         swa_window=window,
+        host_swa_slots=host_swa,
         **extra,
     )
     try:

@@ -441,7 +441,8 @@ class Storage:
 
         Args:
             cache: The cache whose ``kv_slots``, ``mamba_slots``, ``swa_slots``,
-                ``host_kv_slots`` and ``host_mamba_slots`` size the pools.
+                ``host_kv_slots``, ``host_mamba_slots`` and ``host_swa_slots`` size the
+                pools.
             **model: The model's shapes, dtypes and device, as for `for_model`.
 
         Raises:
@@ -449,7 +450,14 @@ class Storage:
             TypeError: `cache` is not a `HybridCache`.
         """
         _check_cache(cache)
-        counts = ("kv_slots", "mamba_slots", "swa_slots", "host_kv_slots", "host_mamba_slots")
+        counts = (
+            "kv_slots",
+            "mamba_slots",
+            "swa_slots",
+            "host_kv_slots",
+            "host_mamba_slots",
+            "host_swa_slots",
+        )
         given = sorted(set(counts) & set(model))
         if given:
             raise ValueError(f"{given[0]}: taken from the cache, not given")
@@ -459,6 +467,7 @@ class Storage:
             host_kv_slots=cache.host_kv_slots,
             host_mamba_slots=cache.host_mamba_slots,
             swa_slots=cache.swa_slots,
+            host_swa_slots=cache.host_swa_slots,
             **model,
         )
 
@@ -521,6 +530,7 @@ class Storage:
             ("mamba", "device", cache.mamba_slots, "mamba_slots"),
             ("mamba", "host", cache.host_mamba_slots, "host_mamba_slots"),
             ("swa", "device", cache.swa_slots, "swa_slots"),
+            ("swa", "host", cache.host_swa_slots, "host_swa_slots"),
         )
         for pool, tier, n, arg in wants:
             if n == 0:

@@ -31,7 +31,7 @@ PolicyName = Literal["lru", "lfu", "priority", "state-value", "state_value"]
 #: ``eviction_policy``: one name, or one per component (``{"kv": ..., "mamba": ...}``).
 EvictionPolicy = Union[PolicyName, dict[str, PolicyName]]
 
-CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released")
+CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released", "swa")
 
 
 @dataclass
@@ -55,7 +55,8 @@ class ReplayConfig:
 
     The model's layers follow the pools (`radixcache.serving.model.MODELS`): Mamba layers
     with ``mamba_slots > 0``, sliding-window attention (SWA) layers of window
-    `swa_window` tokens with ``swa_slots > 0`` (both or neither; `swa_layers` of them).
+    `swa_window` tokens with ``swa_slots > 0`` (both or neither; `swa_layers` of them),
+    whose host tier is `host_swa_slots` (with a host tier; dropped without one).
     """
 
     kv_slots: int = 262_144
@@ -82,6 +83,7 @@ class ReplayConfig:
     oracle: bool = True
     swa_slots: int = 0
     swa_window: int = 0
+    host_swa_slots: int = 0
     swa_layers: int = 2
 
     def cache(self, *, hybrid: bool = True, swa: bool = True) -> HybridCache:
@@ -102,6 +104,7 @@ class ReplayConfig:
             eviction_policy=self.eviction_policy,
             swa_slots=self.swa_slots if swa else 0,
             swa_window=self.swa_window if swa else 0,
+            host_swa_slots=self.host_swa_slots if (swa and host and self.swa_slots) else 0,
         )
 
     def scheduler(
@@ -152,6 +155,7 @@ def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
         and s["host_kv_free_slots"] == cache.host_kv_slots
         and s["host_mamba_free_slots"] == cache.host_mamba_slots
         and s["swa_free_slots"] == cache.swa_slots
+        and s["host_swa_free_slots"] == cache.host_swa_slots
     )
 
 
@@ -269,6 +273,9 @@ SWA_COUNTERS = (
     "swa_window_freed_pages",
     "swa_revived_pages",
     "swa_alloc_failures",
+    "swa_backed_up_pages",
+    "swa_backup_skipped_pages",
+    "swa_loaded_pages",
 )
 
 
