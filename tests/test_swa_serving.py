@@ -136,6 +136,46 @@ def test_the_cpu_engine_runs_the_swa_copies_of_a_backup() -> None:
         rc.TransferEngine(cache, missing)
 
 
+def test_swa_kv_survives_a_backup_and_a_load_back_through_the_cpu_engine() -> None:
+    cache = swa_cache(host_kv_slots=64, host_swa_slots=32)
+    s = rc.Storage.for_cache(cache, layers=2, swa_layers=3, kv_heads=2, head_dim=4, dtype="int64")
+    e = rc.TransferEngine(cache, s)
+    dk, dv = s.swa["device"]
+    dk[...] = np.arange(dk.size).reshape(dk.shape) + 1
+    dv[...] = -dk
+    original = dk.copy(), dv.copy()
+    slots = cache.alloc_kv(8)
+    assert slots is not None
+    cache.insert(list(range(1, 9)), slots)
+    backed_up: dict[int, int] = {}  # host SWA slot -> the device slot it came from
+    for b in cache.take_batches():
+        backed_up.update(
+            (int(h), int(d)) for c in b.copies if c.pool == "swa" for d, h in zip(c.src, c.dst)
+        )
+        assert e.run(b)
+    assert backed_up
+    cache.evict(kv_tokens=64)
+    assert e.run_pending() == 0
+    dk[...], dv[...] = 0, 0  # the device slots are reused meanwhile
+    r = cache.admit(list(range(1, 11)))
+    assert r is not None
+    assert r.host_len == 8
+    lb = cache.load_back(r)
+    assert lb is not None
+    with lb:
+        swa = [c for c in lb.batch.copies if c.pool == "swa"]
+        assert swa
+        assert e.run(lb.batch)
+        lb.commit()
+    for c in swa:
+        assert (c.src_tier, c.dst_tier) == ("host", "device")
+        for h, d in zip(c.src, c.dst):
+            assert (dk[:, d] == original[0][:, backed_up[int(h)]]).all()
+            assert (dv[:, d] == original[1][:, backed_up[int(h)]]).all()
+    cache.abort(r)
+    cache.audit()
+
+
 # ---------------------------------------------------------------------------- the model
 
 
