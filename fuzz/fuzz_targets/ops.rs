@@ -495,16 +495,25 @@ fn config_of(c: &Cfg) -> Config {
     let write_through_threshold = (write_policy == WritePolicy::WriteThroughSelective
         && c.threshold % 2 == 1)
         .then_some(u32::from((c.threshold / 2) % 4));
-    // SWA layers half the time without a host tier: windows of 1 to 4 tokens against
-    // pages of 1 to 4 (a page larger than the window included), pools of up to 32 slots
-    // (0 is refused by `Config::validate`: that path runs too).
-    let (swa_slots, swa_window) = if host_kv_slots == 0 && c.swa % 2 == 1 {
+    // SWA layers half the time: windows of 1 to 4 tokens against pages of 1 to 4 (a
+    // page larger than the window included), pools of up to 32 slots (0 is refused by
+    // `Config::validate`: that path runs too); with a host tier, a host SWA pool of one
+    // page up to the host KV pool (more, one time in eight: refused too).
+    let (swa_slots, swa_window) = if c.swa % 2 == 1 {
         (
             usize::from(c.swa / 2 % 33) / ps * ps,
             1 + usize::from(c.swa / 66 % 4),
         )
     } else {
         (0, 0)
+    };
+    let host_swa_slots = if swa_slots > 0 && host_kv_slots > 0 {
+        let pages = host_kv_slots / ps;
+        let drawn =
+            1 + usize::from(c.host_mamba / 8) % (pages + usize::from(c.host_mamba % 8 == 0));
+        drawn * ps
+    } else {
+        0
     };
     Config {
         kv_slots,
@@ -524,6 +533,7 @@ fn config_of(c: &Cfg) -> Config {
         },
         swa_slots,
         swa_window,
+        host_swa_slots,
         ..Config::default()
     }
 }
@@ -1631,6 +1641,11 @@ impl H {
             stat("swa_free_slots") + stat("swa_cached_tokens"),
             stat("swa_capacity_slots"),
             "SWA slots left held outside the tree"
+        );
+        assert_eq!(
+            stat("host_swa_free_slots") + stat("host_swa_cached_tokens"),
+            stat("host_swa_capacity_slots"),
+            "host SWA slots left held outside the tree"
         );
         check_empty("kv", self.c.kv_pool());
         check_empty("mamba", self.c.mamba_pool());

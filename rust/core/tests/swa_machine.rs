@@ -4,10 +4,14 @@
 //! Proptest generates random sequences of `admit` (shared "system prompts" plus a tail
 //! over a small alphabet), `extend` and `extend_batch` (prefill chunks and decode
 //! steps), `checkpoint`, `finish`, `abort`, `match_prefix`, low-level inserts (`alloc_kv`
-//! then `insert`), `lock` / `unlock` / dropped receipts, `evict`, `evict_swa` and the
-//! transfer batches a Mamba model emits (completed or failed), over page sizes 1, 2 and
-//! 4, windows of 1 to 6 tokens (pages larger than the window included) and SWA pools
-//! small enough that SWA eviction runs all the time.
+//! then `insert`), `lock` / `unlock` / dropped receipts, `evict`, `evict_swa`, and the
+//! transfer batches a Mamba model or a host tier emits (completed, failed, abandoned,
+//! or left in flight across steps), over page sizes 1, 2 and 4, windows of 1 to 6
+//! tokens (pages larger than the window included) and SWA pools small enough that SWA
+//! eviction runs all the time. Half the cases draw a host tier (`host_kv_slots`,
+//! `host_swa_slots` at most that, each write policy): backups, demotion, `evict_host`
+//! and load-backs of what a match found on the host (released, committed, dropped, or
+//! started and released).
 //!
 //! No reference model of the tree: the SWA component's invariants are checked after
 //! every step, by `audit()` (every SWA page free or paired with exactly one KV page that
@@ -20,9 +24,13 @@
 //! * each live request's `request_swa_indices` covers at least its last W tokens, one
 //!   slot per token, none missing, no slot twice;
 //! * a match never reports more than its KV match, its slots are one per token;
+//! * the host SWA pool's gauges add up to its capacity; every `"swa"` copy runs
+//!   beside a `"kv"` copy in the same batch, device to host in a backup and host to
+//!   device in a load-back, one destination per source, no destination twice, each
+//!   slot inside its tier's SWA pool;
 //! * no fault is ever recorded (a window lock released twice would be one);
 //! * the teardown (batches completed, requests finished, receipts released, everything
-//!   evicted) leaves every KV and SWA slot free.
+//!   evicted, on both tiers) leaves every KV and SWA slot free.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -30,7 +38,10 @@ mod common;
 
 use common::proptest_config;
 use proptest::prelude::*;
-use radixcache_core::{Cache, Config, LockReceipt, RequestId};
+use radixcache_core::{
+    BatchId, Cache, Config, LoadTarget, LockReceipt, PoolKind, RequestId, Tier, TransferBatch,
+    WritePolicy,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -47,7 +58,9 @@ enum Op {
     DropReceipt { k: u8 },
     Evict { tokens: u8 },
     EvictSwa { pages: u8 },
-    Batches { fail: bool },
+    EvictHost { tokens: u8 },
+    LoadBack { system: u8, tail: Vec<u8>, how: u8 },
+    Batches { how: u8 },
 }
 
 fn tail() -> impl Strategy<Value = Vec<u8>> {
@@ -69,21 +82,51 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(|k| Op::DropReceipt { k }),
         1 => any::<u8>().prop_map(|tokens| Op::Evict { tokens }),
         2 => any::<u8>().prop_map(|pages| Op::EvictSwa { pages }),
-        2 => any::<bool>().prop_map(|fail| Op::Batches { fail }),
+        1 => any::<u8>().prop_map(|tokens| Op::EvictHost { tokens }),
+        2 => (any::<u8>(), tail(), any::<u8>())
+            .prop_map(|(system, tail, how)| Op::LoadBack { system, tail, how }),
+        3 => any::<u8>().prop_map(|how| Op::Batches { how }),
     ]
 }
 
-/// `(page_size, kv_slots, swa_slots, window, mamba_slots)`.
-fn config() -> impl Strategy<Value = (usize, usize, usize, usize, usize)> {
+/// The host tier: `(host_kv_slots, host_swa_slots, write_policy)`, in pages (scaled by
+/// the page size); no host tier half the time.
+fn host() -> impl Strategy<Value = (usize, usize, WritePolicy)> {
+    prop_oneof![
+        Just((0, 0, WritePolicy::WriteThrough)),
+        (1usize..16, any::<u8>(), 0u8..3).prop_map(|(kv, swa, policy)| {
+            let policy = match policy {
+                0 => WritePolicy::WriteThrough,
+                1 => WritePolicy::WriteThroughSelective,
+                _ => WritePolicy::WriteBack,
+            };
+            (kv, 1 + usize::from(swa) % kv, policy)
+        }),
+    ]
+}
+
+/// The configuration drawn: page size, KV, SWA and Mamba pools, window, host tier.
+fn config() -> impl Strategy<Value = Config> {
     (
         prop::sample::select(vec![1usize, 2, 4]),
         4usize..24,
         2usize..10,
         1usize..=6,
         prop::sample::select(vec![0usize, 0, 3, 6]),
+        host(),
     )
-        .prop_map(|(ps, kv_pages, swa_pages, window, mamba)| {
-            (ps, kv_pages * ps, swa_pages * ps, window, mamba)
+        .prop_map(|(ps, kv_pages, swa_pages, window, mamba, host)| {
+            let (host_kv, host_swa, write_policy) = host;
+            Config {
+                swa_slots: swa_pages * ps,
+                swa_window: window,
+                mamba_slots: mamba,
+                host_kv_slots: host_kv * ps,
+                host_swa_slots: host_swa * ps,
+                host_mamba_slots: if host_kv > 0 { mamba } else { 0 },
+                write_policy,
+                ..Config::kv(kv_pages * ps, ps)
+            }
         })
 }
 
@@ -105,23 +148,21 @@ fn stat(c: &Cache, name: &str) -> u64 {
 struct Machine {
     c: Cache,
     window: usize,
+    /// Batches taken (started or not) and not acknowledged yet, with whether started.
+    flight: Vec<(BatchId, bool)>,
     /// Live requests, each with the prompt it still has to extend by.
     reqs: Vec<(RequestId, Vec<u32>)>,
     receipts: Vec<LockReceipt>,
 }
 
 impl Machine {
-    fn new(ps: usize, kv_slots: usize, swa_slots: usize, window: usize, mamba: usize) -> Self {
-        let c = Cache::new(Config {
-            swa_slots,
-            swa_window: window,
-            mamba_slots: mamba,
-            ..Config::kv(kv_slots, ps)
-        })
-        .unwrap();
+    fn new(config: Config) -> Self {
+        let window = config.swa_window;
+        let c = Cache::new(config).unwrap();
         Machine {
             c,
             window,
+            flight: Vec::new(),
             reqs: Vec::new(),
             receipts: Vec::new(),
         }
@@ -209,7 +250,89 @@ impl Machine {
                 };
                 self.c.evict_swa(n);
             }
-            Op::Batches { fail } => self.settle_batches(*fail),
+            Op::EvictHost { tokens } => {
+                if self.c.config().host_kv_slots > 0 {
+                    self.c.evict_host(usize::from(*tokens % 16), 0).unwrap();
+                }
+            }
+            Op::LoadBack { system, tail, how } => self.load_back(&tokens(*system, tail), *how),
+            Op::Batches { how } => self.settle_batches(*how),
+        }
+    }
+
+    /// Loads back what a match of `t` found on the host, then (by `how`) releases the
+    /// guard, commits it (its batch started or not, acknowledged by a later step),
+    /// drops it, or starts its batch and releases it (draining until acknowledged).
+    fn load_back(&mut self, t: &[u32], how: u8) {
+        if self.c.config().host_kv_slots == 0 {
+            return;
+        }
+        let m = self.c.match_prefix(None, t);
+        if m.host_len == 0 {
+            return;
+        }
+        let Some(rec) = self
+            .c
+            .load_back(LoadTarget::Node(m.host_node), None, None)
+            .unwrap()
+        else {
+            return;
+        };
+        let id = rec.id();
+        self.check_copies(rec.batch());
+        match how % 5 {
+            0 => self.c.cancel_load(rec),
+            1 | 2 => {
+                let started = how % 5 == 2;
+                if started {
+                    self.c.start(id).unwrap();
+                }
+                // Refused when another load landing on the path was committed first.
+                if self.c.commit_load(rec).is_ok() || started {
+                    self.flight.push((id, started));
+                }
+            }
+            3 => {
+                // Called off by the cache's next call (here, at once: the check after
+                // the step counts the SWA pages requests hold).
+                drop(rec);
+                self.c.reap();
+            }
+            _ => {
+                self.c.start(id).unwrap();
+                self.c.cancel_load(rec);
+                self.flight.push((id, true));
+            }
+        }
+    }
+
+    /// A batch's copies: every `"swa"` copy beside a `"kv"` copy, in the direction its
+    /// kind moves, one destination per source, none twice, inside the tier's SWA pool.
+    fn check_copies(&self, b: &TransferBatch) {
+        let config = self.c.config();
+        for copy in b.copies.iter().filter(|c| c.pool == PoolKind::Swa) {
+            assert!(
+                b.copies.iter().any(|c| c.pool == PoolKind::Kv),
+                "an SWA copy without its KV: {b:?}"
+            );
+            assert_eq!(copy.src.len(), copy.dst.len(), "{b:?}");
+            let mut dst = copy.dst.clone();
+            dst.sort_unstable();
+            dst.dedup();
+            assert_eq!(
+                dst.len(),
+                copy.dst.len(),
+                "an SWA slot written twice: {b:?}"
+            );
+            for (tier, slots) in [(copy.src_tier, &copy.src), (copy.dst_tier, &copy.dst)] {
+                let cap = match tier {
+                    Tier::Device => config.swa_slots,
+                    Tier::Host => config.host_swa_slots,
+                };
+                let cap = i64::try_from(cap).unwrap();
+                assert!(slots.iter().all(|s| (0..cap).contains(s)), "{b:?}");
+            }
+            assert_ne!(copy.src_tier, copy.dst_tier, "{b:?}");
         }
     }
 
@@ -245,12 +368,33 @@ impl Machine {
         self.c.unlock(guard).unwrap();
     }
 
-    fn settle_batches(&mut self, fail: bool) {
+    /// Acknowledges the batches in flight and those emitted since: `how` % 4 is 0
+    /// complete, 1 fail, 2 abandon (a started one is then acknowledged, and fails), 3
+    /// start them and leave them in flight (acknowledged by a later step).
+    fn settle_batches(&mut self, how: u8) {
         for b in self.c.take_batches() {
-            if fail {
-                self.c.fail(b.id).unwrap();
-            } else {
-                self.c.complete(b.id).unwrap();
+            self.check_copies(&b);
+            self.flight.push((b.id, false));
+        }
+        let how = how % 4;
+        for (id, started) in std::mem::take(&mut self.flight) {
+            match how {
+                0 => self.c.complete(id).unwrap(),
+                1 => self.c.fail(id).unwrap(),
+                2 => {
+                    if !started {
+                        self.c.start(id).unwrap();
+                    }
+                    let _ = self.c.abandon(id);
+                    // A started batch drains until acknowledged.
+                    let _ = self.c.complete(id);
+                }
+                _ => {
+                    if !started {
+                        self.c.start(id).unwrap();
+                    }
+                    self.flight.push((id, true));
+                }
             }
         }
     }
@@ -265,6 +409,10 @@ impl Machine {
             + stat(c, "swa_request_slots")
             + stat(c, "swa_draining_slots");
         assert_eq!(sum, stat(c, "swa_capacity_slots"));
+        let host_sum = stat(c, "host_swa_free_slots")
+            + stat(c, "host_swa_cached_tokens")
+            + stat(c, "host_swa_draining_slots");
+        assert_eq!(host_sum, stat(c, "host_swa_capacity_slots"));
         let ps = c.page_size();
         // What the requests hold: their windows, and at most a page more each.
         let mut held_bound: u64 = 0;
@@ -292,7 +440,7 @@ impl Machine {
     }
 
     fn teardown(mut self) {
-        self.settle_batches(false);
+        self.settle_batches(0);
         for (id, _) in std::mem::take(&mut self.reqs) {
             if self.c.finish(id).is_err() {
                 self.c.abort(id).unwrap();
@@ -301,14 +449,27 @@ impl Machine {
         for r in std::mem::take(&mut self.receipts) {
             self.c.unlock(r).unwrap();
         }
-        self.settle_batches(false);
+        self.settle_batches(0);
+        // Write-back: the eviction's backups land, then what they demoted goes too.
         self.c.evict(usize::MAX, usize::MAX);
+        self.settle_batches(0);
+        self.c.evict(usize::MAX, usize::MAX);
+        if self.c.config().host_kv_slots > 0 {
+            self.c.evict_host(usize::MAX, usize::MAX).unwrap();
+        }
         self.c.audit().unwrap();
-        assert_eq!(
-            stat(&self.c, "swa_free_slots"),
-            stat(&self.c, "swa_capacity_slots")
-        );
+        for pool in ["swa", "host_swa"] {
+            assert_eq!(
+                stat(&self.c, &format!("{pool}_free_slots")),
+                stat(&self.c, &format!("{pool}_capacity_slots")),
+                "{pool}"
+            );
+        }
         assert_eq!(self.c.kv_counts().free, self.c.kv_pool().capacity_pages());
+        assert_eq!(
+            self.c.host_kv_pool().counts().free,
+            self.c.host_kv_pool().capacity_pages()
+        );
     }
 }
 
@@ -317,10 +478,10 @@ proptest! {
 
     #[test]
     fn swa_cache_keeps_its_invariants(
-        (ps, kv_slots, swa_slots, window, mamba) in config(),
+        config in config(),
         ops in prop::collection::vec(op(), 1..=120),
     ) {
-        let mut m = Machine::new(ps, kv_slots, swa_slots, window, mamba);
+        let mut m = Machine::new(config);
         m.check();
         for op in &ops {
             m.step(op);

@@ -133,7 +133,18 @@ impl Cache {
     /// with what is below it. Ancestors left as childless stateless unlocked leaves of a
     /// hybrid tree (unmatchable dead weight) go too. What is marked evicting counts as
     /// evicted now.
-    pub(crate) fn remove_leaf(&mut self, mut i: u32, out: &mut Evicted) {
+    pub(crate) fn remove_leaf(&mut self, i: u32, out: &mut Evicted) {
+        // Host room made meanwhile (a write-back backup) may leave device leaves ending
+        // in a dead SWA page: they go once this removal is done.
+        let outer = self.swa_hold_dead_leaves();
+        self.remove_leaf_now(i, out);
+        if outer {
+            self.swa_drop_held_dead_leaves();
+        }
+    }
+
+    /// [`Cache::remove_leaf`] itself.
+    fn remove_leaf_now(&mut self, mut i: u32, out: &mut Evicted) {
         let hybrid = self.is_hybrid();
         loop {
             let n = self.tree.node(i);
@@ -247,6 +258,13 @@ impl Cache {
                 self.demote(i, &mut uncounted);
             } else {
                 self.delete_subtree(i, &mut uncounted);
+                // A parent left a leaf ending in a dead SWA page goes too.
+                if self.swa_dead_end(parent) {
+                    self.drop_dead_leaf(parent);
+                    if !self.tree.node(parent).live {
+                        return;
+                    }
+                }
                 self.drop_root_if_empty(parent);
             }
             i = parent;
@@ -363,7 +381,8 @@ impl Cache {
 
     /// Deletes an unlocked host-only leaf, and the parent that leaves an unlocked
     /// host-only leaf ending in a host page without its host SWA page (no match could
-    /// end there); returns the tokens and host states deleted.
+    /// end there), or an unlocked device leaf ending in a dead SWA page (evicted as
+    /// such); returns the host tokens and host states deleted.
     pub(crate) fn delete_host_leaf(&mut self, mut i: u32) -> (usize, usize) {
         let (mut tokens, mut states) = (0, 0);
         loop {
@@ -381,6 +400,14 @@ impl Cache {
             if p.children.is_empty() && p.kv.lock == 0 && self.swa_host_dead_end(parent) {
                 i = parent;
             } else {
+                // A device parent left a leaf ending in a dead SWA page goes too (after
+                // the device eviction that made this host room, if one did).
+                if self.swa_dead_end(parent) {
+                    self.swa_dead_leaf(parent);
+                    if !self.tree.node(parent).live {
+                        return (tokens, states);
+                    }
+                }
                 self.drop_root_if_empty(parent);
                 return (tokens, states);
             }

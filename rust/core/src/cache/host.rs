@@ -236,6 +236,10 @@ impl Cache {
         if needs_state && n.mamba.device.is_none() {
             return false;
         }
+        // A leaf ending in a dead SWA page would be a host tombstone leaf: useless.
+        if n.children.is_empty() && self.swa_dead_end(i) {
+            return false;
+        }
         let host_kv = if n.kv.host.is_none() {
             let Some(h) = self.alloc_host_pages(np) else {
                 self.stats.backups_skipped += 1;

@@ -29,6 +29,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use crate::error::{Error, Result};
+use crate::ids::NodeId;
 use crate::tree::NONE;
 
 use super::{Cache, Evicted};
@@ -39,6 +40,11 @@ pub(crate) struct Swa {
     /// Tokens a match must end with live SWA KV: the window rounded up to whole pages
     /// (0: no SWA layers).
     need: usize,
+    /// Set while a device eviction removes a leaf: device leaves that host eviction
+    /// leaves ending in a dead SWA page meanwhile wait in `dead` until it is done.
+    holding: bool,
+    /// Those leaves.
+    dead: Vec<NodeId>,
     /// Eviction candidates, least recently used first: `(last access, node, generation)`.
     /// An entry whose node was touched since is pushed again with the newer time when
     /// it comes up; one whose node is gone, locked or dead is dropped.
@@ -51,6 +57,8 @@ impl Swa {
     pub fn new(window: usize, page_size: usize) -> Swa {
         Swa {
             need: window.div_ceil(page_size) * page_size,
+            holding: false,
+            dead: Vec::new(),
             queue: BinaryHeap::new(),
         }
     }
@@ -182,6 +190,34 @@ impl Cache {
         true
     }
 
+    /// Device node `i` was left a leaf ending in a dead SWA page: deleted now, or held
+    /// until the device eviction in progress is done (it may be that very node's).
+    pub(crate) fn swa_dead_leaf(&mut self, i: u32) {
+        if self.swa.holding {
+            self.swa.dead.push(self.tree.id(i));
+        } else {
+            self.drop_dead_leaf(i);
+        }
+    }
+
+    /// Starts holding dead leaves back; true when this call started it (and must drop
+    /// them with [`Cache::swa_drop_held_dead_leaves`]).
+    pub(crate) fn swa_hold_dead_leaves(&mut self) -> bool {
+        !std::mem::replace(&mut self.swa.holding, true)
+    }
+
+    /// Stops holding dead leaves back and deletes those that still are.
+    pub(crate) fn swa_drop_held_dead_leaves(&mut self) {
+        self.swa.holding = false;
+        for id in std::mem::take(&mut self.swa.dead) {
+            if let Ok(i) = self.tree.resolve(id) {
+                if self.swa_dead_end(i) {
+                    self.drop_dead_leaf(i);
+                }
+            }
+        }
+    }
+
     /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
     /// and not queued yet.
     pub(crate) fn swa_enqueue(&mut self, i: u32) {
@@ -254,6 +290,16 @@ impl Cache {
                 if n.kv.state.in_lru() {
                     self.lru.unlist_kv(&mut self.tree, i);
                     self.remove_leaf(i, &mut out);
+                    // Under write-back it stays until its backup lands (its SWA pages
+                    // with it): a candidate still, in flight.
+                    if self.tree.node(i).live && self.tree.node(i).generation == generation {
+                        self.swa_enqueue(i);
+                    }
+                } else {
+                    // Out of the KV eviction set for now (its state locked or being
+                    // backed up): it stays queued.
+                    self.tree.node_mut(i).swa.queued = true;
+                    in_flight.push(Reverse((time, i, generation)));
                 }
             } else if let Some(pages) = self.tree.node(i).kv.device.clone() {
                 self.pools.kv.detach_companion(&pages);
@@ -405,7 +451,13 @@ impl Cache {
                     self.tree.id(index)
                 )));
             }
-            if n.kv.device.is_some() && n.children.is_empty() && n.kv.lock == 0 && !live {
+            // A leaf being evicted is exempt: it goes when its backup ends.
+            if n.kv.device.is_some()
+                && n.children.is_empty()
+                && n.kv.lock == 0
+                && !live
+                && !n.kv.state.evicting()
+            {
                 return Err(Error::Invariant(format!(
                     "node {}: an unlocked leaf whose last page has no SWA KV (a tombstone \
                      leaf)",
