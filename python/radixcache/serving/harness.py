@@ -159,6 +159,11 @@ def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
     )
 
 
+def _rate(c: Counters) -> float:
+    """`c`'s device hit rate: device hit tokens over prompt tokens."""
+    return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+
+
 def without(jobs: Sequence[Job], config: ReplayConfig, *, states: bool, swa: bool) -> Counters:
     """Replay `jobs` on `config`'s pools without some layers (no model, no faults).
 
@@ -184,8 +189,7 @@ def full_attention(jobs: Sequence[Job], config: ReplayConfig) -> Counters:
 
 def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
     """Replay `jobs` with full attention only (no model, no faults); its device hit rate."""
-    c = attention_only(jobs, config)
-    return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    return _rate(attention_only(jobs, config))
 
 
 def compute_saved(c: Counters, shape: ModelShape) -> float:
@@ -259,11 +263,6 @@ def replay(
     if trace is not None and events is not None:
         events.extend(trace.events)
     return out, c.timeline
-
-
-def _rate(c: Counters) -> float:
-    """`c`'s device hit rate: device hit tokens over prompt tokens."""
-    return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
 
 
 #: The SWA counters of ``cache.stats()`` the report carries (0 without SWA layers).
@@ -358,12 +357,11 @@ def report(
     run: ``attention_only_hit_rate``, ``attention_only_compute_saved_ratio`` and
     ``hit_rate_ratio`` are then None, as is the ratio when the attention-only rate is 0.
     """
-    rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    rate = _rate(c)
     attn = attn_saved = None
     if attention_only is not None:
-        a = attention_only
-        attn = a.device_hit_tokens / a.prompt_tokens if a.prompt_tokens else 0.0
-        attn_saved = compute_saved(a, shape)
+        attn = _rate(attention_only)
+        attn_saved = compute_saved(attention_only, shape)
     failed, injected = 0, {}
     if isinstance(engine, FaultyEngine):
         failed, injected = engine.stats()["batches_failed"], dict(engine.injected)

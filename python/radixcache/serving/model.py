@@ -280,7 +280,7 @@ class ChecksumModel:
         self, start: int, n: int, sample: bool, swa: tuple[Sequence[int] | np.ndarray, int] | None
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Return the SWA slots a forward writes (its tokens') and reads (its window)."""
-        if (swa is None) != (not self.window):
+        if (swa is not None) != bool(self.window):
             raise ValueError("swa: (swa_indices, swa_start) is given exactly with SWA layers")
         if swa is None:
             return None
