@@ -233,6 +233,23 @@ def test_a_device_pool_too_small_for_any_request_is_refused(
         (["--host-kv-slots", "0", "--host-mamba-slots", "4"], ["--host-mamba-slots", "host"]),
         (["--workload", ""], ["argument --workload", "must not be empty"]),
         (["--bogus"], ["unrecognized arguments: --bogus"]),
+        (["--model", "gpt"], ["argument --model", "invalid choice: 'gpt'", "swa-hybrid"]),
+        (["--window", "64"], ["--window: 64 given with --model hybrid"]),
+        (["--model", "attention", "--swa-slots", "64"], ["--swa-slots: 64 given with --model"]),
+        (["--model", "swa", "--window", "0"], ["argument --window"]),
+        (["--model", "swa", "--swa-slots", "100"], ["--swa-slots: 100 is not a multiple of"]),
+        (["--model", "attention", "--mamba-slots", "8"], ["--mamba-slots: 8 given with --model"]),
+        (["--model", "swa", "--mamba-slots", "8"], ["--mamba-slots: 8 given with --model swa"]),
+        (["--model", "swa-hybrid", "--mamba-slots", "0"], ["--mamba-slots: 0 with --model swa-"]),
+        (["--host-swa-slots", "64"], ["--host-swa-slots: 64 given with no sliding-window"]),
+        (
+            ["--model", "swa", "--host-kv-slots", "0", "--host-swa-slots", "64"],
+            ["--host-swa-slots: 64 given with --host-kv-slots 0"],
+        ),
+        (
+            ["--model", "swa", "--host-kv-slots", "1024", "--host-swa-slots", "2048"],
+            ["--host-swa-slots"],
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["replay", "bench"])
@@ -418,6 +435,38 @@ def test_each_eviction_policy_runs_and_is_reported(
     assert 0.0 <= r["compute_saved_ratio"] <= 1.0
     assert cli.main(["bench", *SMALL, "--eviction-policy", policy, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["eviction_policy"] == r["eviction_policy"]
+
+
+@pytest.mark.parametrize("model", ["swa", "swa-hybrid"])
+def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
+    capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    argv = ["replay", "--workload", "gsp", "--requests", "24", "--kv-slots", "16384", "--quiet"]
+    argv += ["--model", model, "--window", "512", "--swa-slots", "4096", "--mamba-slots"]
+    argv += ["16" if model == "swa-hybrid" else "0"]
+    assert cli.main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["model"], r["swa_window"], r["mismatches"]) == (model, 512, 0)
+    assert r["swa_vs_full_hit_ratio"] == pytest.approx(
+        r["device_hit_rate"] / r["full_attention_hit_rate"]
+    )
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    for row in ("window 512 tokens", "full-attention hit rate", "swa/full", "SWA pages freed"):
+        assert row in text, row
+    assert cli.main(["bench", *argv[1:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == model
+
+
+def test_the_swa_defaults_scale_with_the_kv_pools() -> None:
+    args = cli._parser().parse_args(["replay", "--model", "swa", "--kv-slots", "1600"])
+    config = cli._config(args)
+    assert (config.swa_window, config.swa_slots) == (cli.DEFAULT_WINDOW, 400)
+    assert config.host_swa_slots == 400 * cli._D.host_kv_slots // 1600
+    assert config.mamba_slots == 0
+    plain = cli._config(cli._parser().parse_args(["replay"]))
+    assert (plain.swa_slots, plain.swa_window, plain.host_swa_slots) == (0, 0, 0)
+    assert plain.mamba_slots == cli._D.mamba_slots
 
 
 def test_the_report_names_the_states_policy_and_kvs_where_they_differ() -> None:

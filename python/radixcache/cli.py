@@ -1,6 +1,7 @@
 """The ``radixcache`` command: ``replay`` or ``bench`` a workload, write a ``workload``.
 
 radixcache replay [--workload mixed|gsp|multiturn|PATH] [--requests N] [--seed S]
+[--model hybrid|attention|swa|swa-hybrid] [--window W] [--swa-slots N] [--host-swa-slots N]
 [--kv-slots N] [--mamba-slots N] [--host-kv-slots N] [--host-mamba-slots N]
 [--page-size P] [--write-policy ...] [--write-through-threshold T]
 [--eviction-policy lru|lfu|priority|state-value] [--max-running N] [--chunk-size N]
@@ -40,6 +41,7 @@ from typing import Any, Callable, NoReturn
 from . import __version__
 from .serving import harness as _replay
 from .serving import workloads as _workloads
+from .serving.model import MODELS
 from .serving.scheduler import StepSample
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -57,6 +59,12 @@ MAX_REQUESTS = 100_000
 MAX_RUNNING = 4096
 #: Seeds are in ``[0, MAX_SEED]``.
 MAX_SEED = (1 << 63) - 1
+#: ``--window`` of the SWA models: smaller than the built-in workloads' shared prefixes
+#: (``gsp``'s 2,048-token system prompts, ``mixed``'s of 512-2,048, ``multiturn``'s
+#: histories of 576-2,880 tokens), so that the window matters there; Gemma 3's window.
+DEFAULT_WINDOW = 1024
+#: ``--swa-slots`` by default: this share of ``--kv-slots``, in whole pages.
+SWA_SHARE = 4
 
 
 class InputError(Exception):
@@ -162,6 +170,30 @@ POOL_FLAGS = (
         hi=MAX_SEED,
     ),
     Flag(
+        "--model",
+        "the model's layers: hybrid (full attention + Mamba), attention (full attention "
+        "only), swa (sliding-window + full attention), swa-hybrid (sliding-window + full "
+        "attention + Mamba)",
+        kind="choice",
+        default="hybrid",
+        choices=MODELS,
+    ),
+    Flag(
+        "--window",
+        "the sliding window of the SWA layers, in tokens; only with --model swa or swa-hybrid",
+        lo=1,
+        hi=MAX_KV_SLOTS,
+        shown=f"{DEFAULT_WINDOW} with an SWA model",
+    ),
+    Flag(
+        "--swa-slots",
+        "device SWA KV pool, in tokens: a multiple of --page-size; only with --model swa "
+        "or swa-hybrid",
+        lo=1,
+        hi=MAX_KV_SLOTS,
+        shown=f"1/{SWA_SHARE} of --kv-slots in whole pages, with an SWA model",
+    ),
+    Flag(
         "--kv-slots",
         f"device KV pool, in tokens: a multiple of --page-size (at most {MAX_KV_SLOTS})",
         default=_D.kv_slots,
@@ -170,9 +202,10 @@ POOL_FLAGS = (
     ),
     Flag(
         "--mamba-slots",
-        "device Mamba state slots (0: an attention-only model)",
-        default=_D.mamba_slots,
+        "device Mamba state slots (0 with --model hybrid: an attention-only model); only "
+        "with --model hybrid or swa-hybrid",
         hi=MAX_MAMBA_SLOTS,
+        shown=f"{_D.mamba_slots}; 0 with --model attention or swa",
     ),
     Flag(
         "--host-kv-slots",
@@ -185,6 +218,14 @@ POOL_FLAGS = (
         "host-tier state slots",
         hi=MAX_MAMBA_SLOTS,
         shown=f"{_D.host_mamba_slots}; 0 with --mamba-slots 0 or --host-kv-slots 0",
+    ),
+    Flag(
+        "--host-swa-slots",
+        "host-tier SWA KV pool, in tokens: a multiple of --page-size, at most "
+        "--host-kv-slots; only with --model swa or swa-hybrid and a host tier",
+        hi=MAX_KV_SLOTS,
+        shown="--swa-slots scaled as --host-kv-slots is to --kv-slots, in whole pages; 0 "
+        "without a host tier",
     ),
     Flag("--page-size", "tokens per page", default=_D.page_size, lo=1, hi=MAX_KV_SLOTS),
     Flag(
@@ -450,18 +491,57 @@ def _check_plot(path: str) -> None:
 
 _DESTS = re.compile(
     r"\b(kv_slots|mamba_slots|host_kv_slots|host_mamba_slots|page_size|write_policy"
-    r"|write_through_threshold|eviction_policy|max_running|chunk_size|inject_failures)\b"
+    r"|write_through_threshold|eviction_policy|max_running|chunk_size|inject_failures"
+    r"|swa_slots|swa_window|host_swa_slots)\b"
 )
+#: The cache's arguments whose flag is not their name.
+_RENAMED = {"swa_window": "window"}
 
 
 def _flag_names(message: str) -> str:
     """`message` with the cache's argument names written as the CLI's flags."""
-    return _DESTS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+    return _DESTS.sub(
+        lambda m: "--" + _RENAMED.get(m.group(1), m.group(1)).replace("_", "-"), message
+    )
+
+
+def _layers(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Return the state slots, SWA window and SWA slots of ``--model`` and its flags.
+
+    Raises:
+        InputError: A flag of layers the model does not have (``--window``,
+            ``--swa-slots``, ``--mamba-slots`` but 0), or ``--mamba-slots 0`` with
+            ``--model swa-hybrid``.
+    """
+    model = _value(args, "--model")
+    states = model in ("hybrid", "swa-hybrid")
+    swa = model in ("swa", "swa-hybrid")
+    mamba = args.mamba_slots
+    if mamba is None:
+        mamba = _D.mamba_slots if states else 0
+    elif mamba and not states:
+        raise InputError(f"--mamba-slots: {mamba} given with --model {model} (no Mamba layers)")
+    elif not mamba and model == "swa-hybrid":
+        raise InputError("--mamba-slots: 0 with --model swa-hybrid (no states): use --model swa")
+    for flag in ("--window", "--swa-slots"):
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given is not None and not swa:
+            raise InputError(
+                f"{flag}: {given} given with --model {model} (no sliding-window layers)"
+            )
+    if not swa:
+        return mamba, 0, 0
+    window = DEFAULT_WINDOW if args.window is None else args.window
+    swa_slots = args.swa_slots
+    if swa_slots is None:
+        page = _value(args, "--page-size")
+        swa_slots = max(page, _value(args, "--kv-slots") // SWA_SHARE // page * page)
+    return mamba, window, swa_slots
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
     """Build the replay's settings from the flags; the cache checks them together."""
-    mamba = _value(args, "--mamba-slots")
+    mamba, window, swa_slots = _layers(args)
     host_kv = _value(args, "--host-kv-slots")
     host_mamba = args.host_mamba_slots
     if host_mamba is None:  # no states, or no host tier: no host states either
@@ -470,6 +550,14 @@ def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
         # The replay would drop them (as the default does): given, they are refused.
         why = "--mamba-slots 0 (no states)" if not mamba else "--host-kv-slots 0 (no host tier)"
         raise InputError(f"--host-mamba-slots: {host_mamba} given with {why}; pass 0")
+    host_swa = args.host_swa_slots
+    if host_swa is None:  # the device's share of SWA, on the host tier too
+        page = _value(args, "--page-size")
+        kv = _value(args, "--kv-slots")
+        host_swa = min(host_kv, swa_slots * host_kv // kv // page * page) if kv else 0
+    elif host_swa and not (swa_slots and host_kv):
+        why = "--host-kv-slots 0 (no host tier)" if swa_slots else "no sliding-window layers"
+        raise InputError(f"--host-swa-slots: {host_swa} given with {why}; pass 0")
     config = _replay.ReplayConfig(
         kv_slots=_value(args, "--kv-slots"),
         mamba_slots=mamba,
@@ -483,6 +571,9 @@ def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
         max_running=_value(args, "--max-running"),
         chunk_size=_value(args, "--chunk-size"),
         branch_checkpoints=not args.no_branch_checkpoints,
+        swa_slots=swa_slots,
+        swa_window=window,
+        host_swa_slots=host_swa,
         **extra,
     )
     try:
@@ -727,6 +818,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     head.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
     head.add_row("tokens passed as", r["tokens"])
     head.add_row("eviction policy", *_policy_text(r["eviction_policy"]))
+    head.add_row("model", r["model"])
     head.add_row("hit rate", f"{100 * r['hit_rate']:.1f}%", "state-valid device hits")
     head.add_row(
         "cache time per request",
@@ -802,6 +894,8 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("prompt tokens", r["prompt_tokens"])
     row("output tokens", r["output_tokens"])
     row("eviction policy", *_policy_text(r["eviction_policy"]))
+    model, swa = r["model"], r["swa_window"] > 0
+    row("model", model, f"window {r['swa_window']} tokens" if swa else "")
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
     attn, ratio = r["attention_only_hit_rate"], r["hit_rate_ratio"]
@@ -810,8 +904,18 @@ def _report_table(r: dict[str, Any]) -> Any:
         "n/a" if attn is None else pct(attn),
         "not run"
         if attn is None
-        else "hybrid/attention " + ("n/a" if ratio is None else f"{ratio:.3f}"),
+        else f"{model}/attention " + ("n/a" if ratio is None else f"{ratio:.3f}"),
     )
+    if swa:
+        full, full_ratio = r["full_attention_hit_rate"], r["swa_vs_full_hit_ratio"]
+        row(
+            "full-attention hit rate",
+            "n/a" if full is None else pct(full),
+            "not run"
+            if full is None
+            else "SWA layers as full attention; swa/full "
+            + ("n/a" if full_ratio is None else f"{full_ratio:.3f}"),
+        )
     attn_saved = r["attention_only_compute_saved_ratio"]
     row(
         "compute saved",
@@ -840,6 +944,13 @@ def _report_table(r: dict[str, Any]) -> Any:
         f"{r['evicted_mamba_states']} states ({r['evicted_used_states']} used by a match)",
     )
     row("host evicted", f"{r['host_evicted_tokens']} KV")
+    if swa:
+        row(
+            "SWA pages freed",
+            f"{r['swa_window_freed_pages']} by windows",
+            f"{r['swa_evicted_pages']} evicted, {r['swa_tombstones']} tombstones,"
+            f" {r['swa_revived_pages']} revived",
+        )
     inj = r["injected_failures"]
     if any(inj.values()):
         row("injected failures", sum(inj.values()), ", ".join(f"{k} {v}" for k, v in inj.items()))

@@ -1,8 +1,11 @@
-"""Storage: the arrays that hold KV entries and Mamba states, per tier and pool.
+"""Storage: the arrays that hold KV entries, SWA KV and Mamba states, per tier and pool.
 
 The core hands out slot indices; a `Storage` owns (or wraps) the memory they index:
 
 * KV, per tier: ``k`` and ``v`` of shape ``[layers, slots, heads, head_dim]``.
+* Sliding-window attention (SWA) KV, per tier: ``k`` and ``v`` of the SWA layers,
+  ``[swa_layers, swa_slots, heads, head_dim]``, indexed by SWA slot (the cache's
+  ``Request.swa_indices``; copies of pool ``"swa"``).
 * Mamba, per tier: ``conv`` of shape ``[layers, slots, *conv_shape]`` and ``ssm`` of shape
   ``[layers, slots, *ssm_shape]``, each with its own dtype (SSM in float32, conv in
   bfloat16 by default, as real models keep them).
@@ -43,6 +46,8 @@ from ._kernels import _cupy
 __all__ = ["Pool", "Storage"]
 
 TIERS: tuple[Literal["device", "host"], ...] = ("device", "host")
+#: The pools a `Storage` may hold (a `Copy`'s ``pool``).
+POOLS = ("kv", "mamba", "swa")
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,8 @@ class Storage:
             ``[layers, slots, heads, head_dim]``.
         mamba: Per tier, ``(conv, ssm)``: ``[layers, slots, *conv_shape]`` and
             ``[layers, slots, *ssm_shape]``.
+        swa: Per tier, the SWA layers' ``(k, v)``, each
+            ``[swa_layers, swa_slots, heads, head_dim]`` (checked as `kv` is).
         pinned_host: The NumPy host arrays are in pinned memory (torch tensors say so
             themselves). On a GPU the copy kernels then read and write them directly;
             otherwise host copies take the DMA path.
@@ -260,7 +267,7 @@ class Storage:
 
     Raises:
         ValueError: A bad tier, shape, layout, tier mismatch or overlap (the message
-            names the argument, e.g. ``kv['host'][1]``).
+            names the argument, e.g. ``kv['host'][1]`` or ``swa['device'][0]``).
         TypeError: An argument or array of an unsupported type or dtype.
     """
 
@@ -269,12 +276,13 @@ class Storage:
         *,
         kv: Mapping[str, tuple[Any, Any]] | None = None,
         mamba: Mapping[str, tuple[Any, Any]] | None = None,
+        swa: Mapping[str, tuple[Any, Any]] | None = None,
         pinned_host: bool = False,
     ) -> None:
         if not isinstance(pinned_host, bool):
             raise TypeError(f"pinned_host: expected a bool, got {pinned_host!r}")
         self._pools: dict[tuple[str, str], Pool] = {}
-        for pool_name, per_tier in (("kv", kv), ("mamba", mamba)):
+        for pool_name, per_tier in (("kv", kv), ("mamba", mamba), ("swa", swa)):
             if per_tier is None:
                 continue
             if not isinstance(per_tier, Mapping):
@@ -295,7 +303,7 @@ class Storage:
 
     def _check_tiers_agree(self) -> None:
         """Each host array has its device twin's dtype, layer count and row shape."""
-        for pool_name in ("kv", "mamba"):
+        for pool_name in POOLS:
             if not (self.has(pool_name, "device") and self.has(pool_name, "host")):
                 continue
             device = self._pools[pool_name, "device"].arrays
@@ -335,10 +343,13 @@ class Storage:
         mamba_slots: int = 0,
         host_kv_slots: int = 0,
         host_mamba_slots: int = 0,
+        swa_slots: int = 0,
+        host_swa_slots: int = 0,
         layers: int,
         kv_heads: int = 8,
         head_dim: int = 128,
         mamba_layers: int | None = None,
+        swa_layers: int | None = None,
         conv_shape: tuple[int, ...] = (),
         ssm_shape: tuple[int, ...] = (),
         dtype: str = "float16",
@@ -353,10 +364,14 @@ class Storage:
             mamba_slots: Device state slots (0: no Mamba pool).
             host_kv_slots: Host KV token slots (0: no host tier for KV).
             host_mamba_slots: Host state slots.
+            swa_slots: Device SWA KV slots (0: no SWA pool).
+            host_swa_slots: Host SWA KV slots.
             layers: Attention layers.
             kv_heads: KV heads per attention layer.
             head_dim: Dimension of one head.
             mamba_layers: Mamba layers (default: ``layers``).
+            swa_layers: SWA layers (default: ``layers``), with the KV's heads, head
+                size and dtype.
             conv_shape: One layer's conv state for one sequence.
             ssm_shape: One layer's SSM state for one sequence.
             dtype: The KV dtype (``"bfloat16"`` is stored as ``uint16``).
@@ -375,12 +390,16 @@ class Storage:
             "mamba_slots": mamba_slots,
             "host_kv_slots": host_kv_slots,
             "host_mamba_slots": host_mamba_slots,
+            "swa_slots": swa_slots,
+            "host_swa_slots": host_swa_slots,
         }
         for name, n in slot_counts.items():
             _count(n, name, 0)
         sizes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
         if mamba_layers is not None:
             sizes["mamba_layers"] = mamba_layers
+        if swa_layers is not None:
+            sizes["swa_layers"] = swa_layers
         for name, n in sizes.items():
             _count(n, name, 1)
         for name, shape in (("conv_shape", conv_shape), ("ssm_shape", ssm_shape)):
@@ -391,33 +410,39 @@ class Storage:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         m_layers = layers if mamba_layers is None else mamba_layers
+        s_layers = layers if swa_layers is None else swa_layers
         alloc = _allocator(device)
         kv_dt = _dtype(dtype, "dtype")
         conv_dt = _dtype(conv_dtype or dtype, "conv_dtype")
         ssm_dt = _dtype(ssm_dtype, "ssm_dtype")
         kv: dict[str, tuple[Any, Any]] = {}
         mamba: dict[str, tuple[Any, Any]] = {}
-        for tier, n_kv, n_state in (
-            ("device", kv_slots, mamba_slots),
-            ("host", host_kv_slots, host_mamba_slots),
+        swa: dict[str, tuple[Any, Any]] = {}
+        for tier, n_kv, n_state, n_swa in (
+            ("device", kv_slots, mamba_slots, swa_slots),
+            ("host", host_kv_slots, host_mamba_slots, host_swa_slots),
         ):
             if n_kv:
                 shape = (layers, n_kv, kv_heads, head_dim)
                 kv[tier] = (alloc(tier, shape, kv_dt), alloc(tier, shape, kv_dt))
+            if n_swa:
+                shape = (s_layers, n_swa, kv_heads, head_dim)
+                swa[tier] = (alloc(tier, shape, kv_dt), alloc(tier, shape, kv_dt))
             if n_state:
                 mamba[tier] = (
                     alloc(tier, (m_layers, n_state, *conv_shape), conv_dt),
                     alloc(tier, (m_layers, n_state, *ssm_shape), ssm_dt),
                 )
-        return cls(kv=kv, mamba=mamba, pinned_host=device == "cuda")
+        return cls(kv=kv, mamba=mamba, swa=swa, pinned_host=device == "cuda")
 
     @classmethod
     def for_cache(cls, cache: HybridCache, **model: Any) -> Storage:
         """Allocate storage with `cache`'s slot counts (every pool it uses, both tiers).
 
         Args:
-            cache: The cache whose ``kv_slots``, ``mamba_slots``, ``host_kv_slots`` and
-                ``host_mamba_slots`` size the pools.
+            cache: The cache whose ``kv_slots``, ``mamba_slots``, ``swa_slots``,
+                ``host_kv_slots``, ``host_mamba_slots`` and ``host_swa_slots`` size the
+                pools.
             **model: The model's shapes, dtypes and device, as for `for_model`.
 
         Raises:
@@ -425,7 +450,14 @@ class Storage:
             TypeError: `cache` is not a `HybridCache`.
         """
         _check_cache(cache)
-        counts = ("kv_slots", "mamba_slots", "host_kv_slots", "host_mamba_slots")
+        counts = (
+            "kv_slots",
+            "mamba_slots",
+            "swa_slots",
+            "host_kv_slots",
+            "host_mamba_slots",
+            "host_swa_slots",
+        )
         given = sorted(set(counts) & set(model))
         if given:
             raise ValueError(f"{given[0]}: taken from the cache, not given")
@@ -434,11 +466,13 @@ class Storage:
             mamba_slots=cache.mamba_slots,
             host_kv_slots=cache.host_kv_slots,
             host_mamba_slots=cache.host_mamba_slots,
+            swa_slots=cache.swa_slots,
+            host_swa_slots=cache.host_swa_slots,
             **model,
         )
 
     def pool(self, pool: str, tier: str) -> Pool:
-        """Return the arrays of `pool` (``"kv"``, ``"mamba"``) on `tier`.
+        """Return the arrays of `pool` (``"kv"``, ``"mamba"``, ``"swa"``) on `tier`.
 
         Raises:
             ValueError: The storage has no such pool on that tier.
@@ -461,6 +495,11 @@ class Storage:
     def mamba(self) -> dict[str, tuple[Any, Any]]:
         """``(conv, ssm)`` per tier."""
         return {t: self._pools["mamba", t].arrays for t in TIERS if ("mamba", t) in self._pools}
+
+    @property
+    def swa(self) -> dict[str, tuple[Any, Any]]:
+        """The SWA layers' ``(k, v)`` per tier."""
+        return {t: self._pools["swa", t].arrays for t in TIERS if ("swa", t) in self._pools}
 
     @property
     def on_gpu(self) -> bool:
@@ -490,6 +529,8 @@ class Storage:
             ("kv", "host", cache.host_kv_slots, "host_kv_slots"),
             ("mamba", "device", cache.mamba_slots, "mamba_slots"),
             ("mamba", "host", cache.host_mamba_slots, "host_mamba_slots"),
+            ("swa", "device", cache.swa_slots, "swa_slots"),
+            ("swa", "host", cache.host_swa_slots, "host_swa_slots"),
         )
         for pool, tier, n, arg in wants:
             if n == 0:

@@ -49,7 +49,7 @@ def setup(shape: str) -> tuple[rc.HybridCache, rc.Storage, rc.TransferEngine]:
 
 def arrays(s: rc.Storage) -> dict[tuple[str, str, int], Any]:
     out = {}
-    for pool, per_tier in (("kv", s.kv), ("mamba", s.mamba)):
+    for pool, per_tier in (("kv", s.kv), ("mamba", s.mamba), ("swa", s.swa)):
         for tier, arrs in per_tier.items():
             for i, a in enumerate(arrs):
                 out[pool, tier, i] = a
@@ -129,6 +129,42 @@ def test_every_batch_kind_matches_the_numpy_reference_on_cuda_storage(shape: str
     c.audit()
     assert c.pending_batches() == []
     assert e.stats()["kernel_launches"] + e.stats()["dma_copies"] > 0
+
+
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+def test_swa_backups_and_load_backs_match_the_numpy_reference_on_cuda_storage(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SWA pool's copies (pool "swa"), device to pinned host and back, on each path."""
+    monkeypatch.setattr(_kernels, "choose_path", lambda *_: path)
+    c = rc.HybridCache(
+        kv_slots=64, page_size=2, swa_slots=32, swa_window=4, host_kv_slots=64, host_swa_slots=32
+    )
+    s = rc.Storage.for_cache(
+        c, layers=2, swa_layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", device="cuda"
+    )
+    e = rc.TransferEngine(c, s)
+    stamp(s)
+    slots = c.alloc_kv(8)
+    assert slots is not None
+    c.insert(list(range(1, 9)), slots)
+    batches = c.take_batches()  # the backup, its SWA pages with it
+    assert any(cp_.pool == "swa" for b in batches for cp_ in b.copies)
+    for b in batches:
+        run_checked(e, b)
+    c.evict(kv_tokens=64)
+    r = c.admit(list(range(1, 11)))
+    assert r is not None
+    lb = c.load_back(r)
+    assert lb is not None
+    with lb:
+        assert any(cp_.pool == "swa" for cp_ in lb.batch.copies)
+        run_checked(e, lb.batch)
+        lb.commit()
+    c.abort(r)
+    c.audit()
+    used = "kernel_launches" if path == "kernel" else "dma_copies"
+    assert e.stats()[used] > 0
 
 
 @pytest.mark.parametrize("path", ["kernel", "dma"])

@@ -4,8 +4,9 @@ This is how radixcache is driven in a serving engine, end to end, with a stand-i
 that makes any cache mistake visible:
 
 * `ChecksumModel` — a deterministic hybrid "model" that writes and reads real `Storage`
-  (every layer of K, V, conv and SSM); its samples depend on every KV entry a request
-  reads and on its state, and `Reference` gives the samples computed without a cache.
+  (every layer of K, V, conv and SSM, and of SWA K and V: `MODELS`); its samples depend
+  on every KV entry a request reads and on its state, and `Reference` gives the samples
+  computed without a cache.
 * `Scheduler` — continuous batching over the request API: admission with copy-on-write
   and load-back, chunked prefill cut and checkpointed at the branch point, batched
   decode, retraction under memory pressure, a compute event per step for the engine.
@@ -14,11 +15,12 @@ that makes any cache mistake visible:
 """
 
 from .harness import ReplayConfig, attention_only_hit_rate, clear, replay
-from .model import ChecksumModel, ComputeEvent, ComputeStream, Reference
+from .model import MODELS, ChecksumModel, ComputeEvent, ComputeStream, Reference, model_name
 from .scheduler import CopyFailed, FaultyEngine, InstantEngine, Refused, Scheduler, StepSample
 from .workloads import WORKLOADS, Job, gsp, load, load_jsonl, mixed, multiturn, save_jsonl
 
 __all__ = [
+    "MODELS",
     "WORKLOADS",
     "ChecksumModel",
     "ComputeEvent",
@@ -38,6 +40,7 @@ __all__ = [
     "load",
     "load_jsonl",
     "mixed",
+    "model_name",
     "multiturn",
     "replay",
     "save_jsonl",

@@ -22,6 +22,7 @@ import numpy as np
 
 from .._core import HybridCache, Request, TransferBatch
 from .harness import ReplayConfig, clear
+from .model import model_name
 from .scheduler import InstantEngine, Scheduler
 from .workloads import Job
 
@@ -264,7 +265,8 @@ def bench(
 
     Returns:
         ``ns_per_prompt_token``, ``us_per_request`` (median over finished requests),
-        ``p99_us``, ``mean_us_per_request``, ``hit_rate``, ``eviction_policy`` (the
+        ``p99_us``, ``mean_us_per_request``, ``hit_rate``, ``model`` (the layers the
+        pools serve: `radixcache.serving.model.MODELS`), ``eviction_policy`` (the
         cache's, per component), per-operation ``ops`` (calls,
         p50/p99 in µs, share of the total), ``peak_rss_mb`` and ``rss_growth_mb`` (the
         process, before and after the cache was built), ``pools_full_at_end`` (the cache,
@@ -308,6 +310,7 @@ def bench(
         "prompt_tokens": c.prompt_tokens,
         "output_tokens": c.output_tokens,
         "tokens": "numpy" if numpy_tokens else "list",
+        "model": model_name(cache),
         "eviction_policy": cache.eviction_policy,
         "hit_rate": c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,

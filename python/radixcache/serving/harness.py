@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal, Union
 from .._core import HybridCache, InvariantError
 from ..engine import TransferEngine
 from .flops import ModelShape, compute_saved_ratio
-from .model import ChecksumModel
+from .model import ChecksumModel, model_name
 from .offline import Event, StateTrace, bound
 from .scheduler import Counters, FaultyEngine, InstantEngine, Scheduler, StepSample
 from .workloads import Job
@@ -21,7 +21,9 @@ __all__ = [
     "attention_only_hit_rate",
     "clear",
     "compute_saved",
+    "full_attention",
     "replay",
+    "without",
 ]
 
 #: An eviction policy name the cache takes (``"state_value"`` is ``"state-value"``).
@@ -29,7 +31,7 @@ PolicyName = Literal["lru", "lfu", "priority", "state-value", "state_value"]
 #: ``eviction_policy``: one name, or one per component (``{"kv": ..., "mamba": ...}``).
 EvictionPolicy = Union[PolicyName, dict[str, PolicyName]]
 
-CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released")
+CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released", "swa")
 
 
 @dataclass
@@ -50,6 +52,11 @@ class ReplayConfig:
     and its storage, every batch completing at once: the scheduler makes the same cache
     calls, so the hit rates are the same, several times faster, but no sample is
     checked (``samples_checked`` and ``mismatches`` are 0) and no failure is injected.
+
+    The model's layers follow the pools (`radixcache.serving.model.MODELS`): Mamba layers
+    with ``mamba_slots > 0``, sliding-window attention (SWA) layers of window
+    `swa_window` tokens with ``swa_slots > 0`` (both or neither; `swa_layers` of them),
+    whose host tier is `host_swa_slots` (with a host tier; dropped without one).
     """
 
     kv_slots: int = 262_144
@@ -74,9 +81,17 @@ class ReplayConfig:
     shape: ModelShape = field(default_factory=ModelShape)
     offline_bound: bool = False
     oracle: bool = True
+    swa_slots: int = 0
+    swa_window: int = 0
+    host_swa_slots: int = 0
+    swa_layers: int = 2
 
-    def cache(self, *, hybrid: bool = True) -> HybridCache:
-        """Make a cache with these settings (`hybrid=False`: the same without states)."""
+    def cache(self, *, hybrid: bool = True, swa: bool = True) -> HybridCache:
+        """Make a cache with these settings.
+
+        `hybrid=False`: the same without states; `swa=False`: the same with the SWA
+        layers as full attention (no SWA pool: every token's KV stays).
+        """
         host = self.host_kv_slots
         return HybridCache(
             kv_slots=self.kv_slots,
@@ -87,6 +102,9 @@ class ReplayConfig:
             write_policy=self.write_policy,
             write_through_threshold=self.write_through_threshold,
             eviction_policy=self.eviction_policy,
+            swa_slots=self.swa_slots if swa else 0,
+            swa_window=self.swa_window if swa else 0,
+            host_swa_slots=self.host_swa_slots if (swa and host and self.swa_slots) else 0,
         )
 
     def scheduler(
@@ -136,21 +154,42 @@ def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
         and cache.available_mamba() == cache.mamba_slots
         and s["host_kv_free_slots"] == cache.host_kv_slots
         and s["host_mamba_free_slots"] == cache.host_mamba_slots
+        and s["swa_free_slots"] == cache.swa_slots
+        and s["host_swa_free_slots"] == cache.host_swa_slots
     )
 
 
-def attention_only(jobs: Sequence[Job], config: ReplayConfig) -> Counters:
-    """Replay `jobs` with states disabled (no model, no faults); its counters."""
-    cache = config.cache(hybrid=False)
+def _rate(c: Counters) -> float:
+    """`c`'s device hit rate: device hit tokens over prompt tokens."""
+    return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+
+
+def without(jobs: Sequence[Job], config: ReplayConfig, *, states: bool, swa: bool) -> Counters:
+    """Replay `jobs` on `config`'s pools without some layers (no model, no faults).
+
+    The comparison replays: same pools, same scheduler, every batch completing at once.
+    `states=False` drops the Mamba layers, `swa=False` makes the SWA layers full
+    attention (see `ReplayConfig.cache`). Returns its counters.
+    """
+    cache = config.cache(hybrid=states, swa=swa)
     sched = config.scheduler(cache, InstantEngine(cache), None)
     sched.add(jobs)
     return sched.run()
 
 
+def attention_only(jobs: Sequence[Job], config: ReplayConfig) -> Counters:
+    """Replay `jobs` with full attention only (no states, no SWA); its counters."""
+    return without(jobs, config, states=False, swa=False)
+
+
+def full_attention(jobs: Sequence[Job], config: ReplayConfig) -> Counters:
+    """Replay `jobs` with the SWA layers as full attention, states kept; its counters."""
+    return without(jobs, config, states=True, swa=False)
+
+
 def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
-    """Replay `jobs` with states disabled (no model, no faults); its device hit rate."""
-    c = attention_only(jobs, config)
-    return c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    """Replay `jobs` with full attention only (no model, no faults); its device hit rate."""
+    return _rate(attention_only(jobs, config))
 
 
 def compute_saved(c: Counters, shape: ModelShape) -> float:
@@ -179,7 +218,10 @@ def replay(
     model: ChecksumModel | None = None
     if config.oracle:
         storage = ChecksumModel.storage_for(
-            cache, layers=config.layers, mamba_layers=config.mamba_layers
+            cache,
+            layers=config.layers,
+            mamba_layers=config.mamba_layers,
+            swa_layers=config.swa_layers,
         )
         engine = FaultyEngine(cache, storage, config.inject_failures, seed=config.seed + 1)
         model = ChecksumModel(cache, storage, seed=config.seed)
@@ -206,16 +248,55 @@ def replay(
     except InvariantError as e:
         audit = audit if audit != "pass" else f"after clearing: {e}"
     attn: Counters | None = None
-    if not cache.mamba_slots:  # the replay is itself the attention-only one
+    if not cache.mamba_slots and not cache.swa_slots:  # itself the attention-only one
         attn = c
     elif config.attention_only:
         attn = attention_only(jobs, config)
+    # An SWA model against itself with full attention: for "swa" that is attention-only.
+    full_attn: Counters | None = None
+    if cache.swa_slots and config.attention_only:
+        full_attn = full_attention(jobs, config) if cache.mamba_slots else attn
     out = report(c, s, engine, model, seconds, audit, full, attn, config.shape)
     out["eviction_policy"] = cache.eviction_policy
+    out.update(swa_report(cache, s, c, full_attn))
     out.update(offline_report(trace, c, out["attention_only_hit_rate"]))
     if trace is not None and events is not None:
         events.extend(trace.events)
     return out, c.timeline
+
+
+#: The SWA counters of ``cache.stats()`` the report carries (0 without SWA layers).
+SWA_COUNTERS = (
+    "swa_tombstones",
+    "swa_evicted_pages",
+    "swa_window_freed_pages",
+    "swa_revived_pages",
+    "swa_alloc_failures",
+    "swa_backed_up_pages",
+    "swa_backup_skipped_pages",
+    "swa_loaded_pages",
+)
+
+
+def swa_report(
+    cache: HybridCache, s: dict[str, int], c: Counters, full_attention: Counters | None
+) -> dict[str, Any]:
+    """Return the model's keys of the report: its kind, its window and the SWA figures.
+
+    ``full_attention_hit_rate`` is the device hit rate of the same model with its SWA
+    layers as full attention (`full_attention`), ``swa_vs_full_hit_ratio`` the replay's
+    over it; both None without SWA layers, when that replay was skipped, or (the ratio)
+    when it hit nothing. `s` is the cache's ``stats()`` at the end of the run.
+    """
+    full = None if full_attention is None else _rate(full_attention)
+    out: dict[str, Any] = {
+        "model": model_name(cache),
+        "swa_window": cache.swa_window,
+        "full_attention_hit_rate": full,
+        "swa_vs_full_hit_ratio": _rate(c) / full if full else None,
+    }
+    out.update({k: s[k] for k in SWA_COUNTERS})
+    return out
 
 
 def offline_report(
@@ -276,12 +357,11 @@ def report(
     run: ``attention_only_hit_rate``, ``attention_only_compute_saved_ratio`` and
     ``hit_rate_ratio`` are then None, as is the ratio when the attention-only rate is 0.
     """
-    rate = c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+    rate = _rate(c)
     attn = attn_saved = None
     if attention_only is not None:
-        a = attention_only
-        attn = a.device_hit_tokens / a.prompt_tokens if a.prompt_tokens else 0.0
-        attn_saved = compute_saved(a, shape)
+        attn = _rate(attention_only)
+        attn_saved = compute_saved(attention_only, shape)
     failed, injected = 0, {}
     if isinstance(engine, FaultyEngine):
         failed, injected = engine.stats()["batches_failed"], dict(engine.injected)

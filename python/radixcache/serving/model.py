@@ -1,20 +1,33 @@
 """The checksum model: a deterministic stand-in for a hybrid LLM that makes cache bugs visible.
 
+Its layers are those of the cache's pools: full attention always, Mamba layers when the
+cache has state slots (``mamba_slots > 0``), sliding-window attention (SWA) layers when
+it has SWA slots (``swa_slots > 0``, window ``swa_window``). So four models (`MODELS`):
+``"attention"`` (full attention only), ``"hybrid"`` (full + Mamba), ``"swa"`` (SWA +
+full) and ``"swa-hybrid"`` (SWA + full + Mamba); `model_name` names a cache's.
+
 It reads and writes a real `Storage` the way a model's layers do:
 
 * **KV.** Feeding token ``t`` at position ``p`` writes ``h(t, p)`` (a 64-bit hash) into the
   token's KV slot, salted differently in every layer's K and V.
+* **SWA KV.** The same hash, salted differently in every SWA layer's K and V, goes into
+  the token's SWA slot (``Request.swa_indices``, aligned with ``tokens[swa_start:]``).
 * **State.** Every Mamba layer keeps two chains, one in its conv buffer and one in its SSM
   buffer: ``c' = c * A + t + 1`` (mod 2**64, ``A`` odd, a different start per layer and
   buffer). The multiplication by an odd number is a bijection, so a wrong starting state
   always gives a wrong state after any number of tokens.
 * **Sampling.** After each forward that ends a prompt or a decode step, the sampled token
   is a hash of every KV entry the request reads back through its ``kv_indices`` (all layers,
-  K and V, weighted by position) and of every layer's conv and SSM state.
+  K and V, weighted by position), of every layer's conv and SSM state, and, for the SWA
+  layers, of the SWA KV of the window only: the sample at position ``p`` reads positions
+  ``max(0, p - W + 1) .. p`` through ``swa_indices`` (every SWA layer, K and V, weighted
+  by position), and nothing before them.
 
 So a stale, uninitialised, misrouted or half-copied slot (one layer, or K without V)
-changes the sampled token. `reference` computes the same samples from the tokens alone,
-without any cache: serving through the cache must give exactly those.
+changes the sampled token; an SWA slot does when it is in the window (a freed or reused
+in-window slot is caught, an out-of-window one cannot matter, as in a real SWA layer).
+`Reference` computes the same samples from the tokens alone, without any cache: serving
+through the cache must give exactly those.
 
 Compute is deferred, as on a GPU: `ChecksumModel.forward` enqueues the work on a
 `ComputeStream` and returns at once; the work runs when something waits for it (the
@@ -34,7 +47,19 @@ import numpy as np
 from .._core import HybridCache
 from ..storage import Storage
 
-__all__ = ["ChecksumModel", "ComputeEvent", "ComputeStream", "Reference"]
+__all__ = ["MODELS", "ChecksumModel", "ComputeEvent", "ComputeStream", "Reference", "model_name"]
+
+#: The model kinds, by their layers: full attention, + Mamba, + SWA, + both.
+MODELS = ("hybrid", "attention", "swa", "swa-hybrid")
+
+
+def model_name(cache: HybridCache) -> str:
+    """Return the model kind (`MODELS`) that `cache`'s pools serve."""
+    mamba, swa = cache.mamba_slots > 0, cache.swa_slots > 0
+    if swa:
+        return "swa-hybrid" if mamba else "swa"
+    return "hybrid" if mamba else "attention"
+
 
 M64 = (1 << 64) - 1
 VOCAB = 32_000
@@ -142,12 +167,12 @@ class ComputeStream:
 
 
 class ChecksumModel:
-    """The stand-in hybrid model, over a `Storage` whose arrays hold one int64 per row.
+    """The stand-in model, over a `Storage` whose arrays hold one int64 per row.
 
     Args:
-        cache: The cache; `storage` must fit it (`Storage.for_cache` with
-            ``checksum_storage_shapes()``). Its ``mamba_slots == 0`` makes an
-            attention-only model (no state).
+        cache: The cache; `storage` must fit it (`storage_for`). Its ``mamba_slots == 0``
+            makes a model without Mamba layers (no state), its ``swa_slots > 0`` one with
+            SWA layers of window ``swa_window``.
         storage: The KV and state arrays (NumPy; int64 rows of one element).
         seed: Seeds the hash constants (the reference must use the same seed).
 
@@ -162,10 +187,13 @@ class ChecksumModel:
         self.cache = cache
         self.storage = storage
         self.hybrid = cache.mamba_slots > 0
+        self.window = cache.swa_window
         self.stream = ComputeStream()
         self.mismatches = 0
         self.samples = 0
         arrays = list(storage.kv["device"]) + (list(storage.mamba["device"]) if self.hybrid else [])
+        if self.window:
+            arrays += list(storage.swa["device"])
         for a in arrays:
             if not isinstance(a, np.ndarray) or a.itemsize != 8 or a[0, 0].size != 1:
                 raise ValueError(
@@ -179,19 +207,28 @@ class ChecksumModel:
             conv, ssm = storage.mamba["device"]
             self.conv = conv.reshape(conv.shape[0], conv.shape[1]).view(np.uint64)
             self.ssm = ssm.reshape(ssm.shape[0], ssm.shape[1]).view(np.uint64)
+        if self.window:
+            sk, sv = storage.swa["device"]
+            self.swa_k = sk.reshape(sk.shape[0], sk.shape[1]).view(np.uint64)
+            self.swa_v = sv.reshape(sv.shape[0], sv.shape[1]).view(np.uint64)
         self.ref = Reference(
             layers=self.k.shape[0],
             mamba_layers=self.conv.shape[0] if self.hybrid else 0,
+            swa_layers=self.swa_k.shape[0] if self.window else 0,
+            window=self.window,
             seed=seed,
         )
 
     @staticmethod
-    def storage_for(cache: HybridCache, *, layers: int = 2, mamba_layers: int = 2) -> Storage:
+    def storage_for(
+        cache: HybridCache, *, layers: int = 2, mamba_layers: int = 2, swa_layers: int = 2
+    ) -> Storage:
         """Allocate the (NumPy) storage the model needs for `cache`'s pools."""
         return Storage.for_cache(
             cache,
             layers=layers,
             mamba_layers=mamba_layers,
+            swa_layers=swa_layers,
             kv_heads=1,
             head_dim=1,
             conv_shape=(1,),
@@ -210,6 +247,7 @@ class ChecksumModel:
         read: np.ndarray | None = None,
         expect: int | None = None,
         on_sample: Callable[[int], None] | None = None,
+        swa: tuple[Sequence[int] | np.ndarray, int] | None = None,
     ) -> None:
         """Enqueue one forward: feed `tokens` at positions ``start...``, then maybe sample.
 
@@ -222,13 +260,41 @@ class ChecksumModel:
                 (the request's ``kv_indices`` after this forward's tokens).
             expect: The sample the reference gives; a different one counts a mismatch.
             on_sample: Called with the sample.
+            swa: With SWA layers (required then): the request's ``(swa_indices,
+                swa_start)`` after this forward's tokens, from which it writes their SWA
+                slots and reads the sample's window.
+
+        Raises:
+            ValueError: `swa` is missing with SWA layers, given without them, or does not
+                cover the tokens fed and the window read.
         """
         toks = np.asarray(tokens, dtype=np.uint64)
         slots = np.array(slots, dtype=np.int64)
         read = None if read is None else np.array(read, dtype=np.int64)
+        window = self._window(start, len(toks), read is not None, swa)
         self.stream.launch(
-            lambda: self._run(start, toks, slots, state_slot, read, expect, on_sample)
+            lambda: self._run(start, toks, slots, state_slot, read, expect, on_sample, window)
         )
+
+    def _window(
+        self, start: int, n: int, sample: bool, swa: tuple[Sequence[int] | np.ndarray, int] | None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Return the SWA slots a forward writes (its tokens') and reads (its window)."""
+        if (swa is not None) != bool(self.window):
+            raise ValueError("swa: (swa_indices, swa_start) is given exactly with SWA layers")
+        if swa is None:
+            return None
+        indices, swa_start = np.array(swa[0], dtype=np.int64), int(swa[1])
+        end = start + n
+        lo = max(0, end - self.window) if sample else start
+        if swa_start > min(lo, start) or swa_start + len(indices) < end:
+            raise ValueError(
+                f"swa: slots of tokens {swa_start}..{swa_start + len(indices)} do not cover"
+                f" the tokens fed and read, {min(lo, start)}..{end}"
+            )
+        return indices[start - swa_start : end - swa_start], indices[
+            lo - swa_start : end - swa_start
+        ]
 
     def _run(
         self,
@@ -239,11 +305,15 @@ class ChecksumModel:
         read: np.ndarray | None,
         expect: int | None,
         on_sample: Callable[[int], None] | None,
+        window: tuple[np.ndarray, np.ndarray] | None,
     ) -> None:
         ref = self.ref
         h = ref.kv_hash(toks, start)
         self.k[:, slots] = h[None, :] ^ ref.salt_k[:, None]
         self.v[:, slots] = h[None, :] ^ ref.salt_v[:, None]
+        if window is not None:
+            self.swa_k[:, window[0]] = h[None, :] ^ ref.swa_salt_k[:, None]
+            self.swa_v[:, window[0]] = h[None, :] ^ ref.swa_salt_v[:, None]
         if self.hybrid:
             if state_slot is None:
                 raise RuntimeError("a hybrid forward without a state slot")
@@ -262,6 +332,19 @@ class ChecksumModel:
             int((np.take(self.k, read, axis=1) @ w * ref.weight_k).sum(dtype=np.uint64))
             + int((np.take(self.v, read, axis=1) @ w * ref.weight_v).sum(dtype=np.uint64))
         ) & M64
+        if window is not None:
+            # SWA layers: only the window's positions, each with its own weight.
+            seen = window[1]
+            ws = ref.position_weights(len(read))[len(read) - len(seen) :]
+            digest = (
+                digest
+                + int(
+                    (np.take(self.swa_k, seen, axis=1) @ ws * ref.swa_weight_k).sum(dtype=np.uint64)
+                )
+                + int(
+                    (np.take(self.swa_v, seen, axis=1) @ ws * ref.swa_weight_v).sum(dtype=np.uint64)
+                )
+            ) & M64
         fold = 0
         if self.hybrid and state_slot is not None:
             fold = ref.fold(self.conv[:, state_slot], self.ssm[:, state_slot])
@@ -278,21 +361,42 @@ class Reference:
 
     Args:
         layers: KV layers.
-        mamba_layers: Mamba layers (0: attention-only).
-        seed: Seeds the hash constants.
+        mamba_layers: Mamba layers (0: none).
+        swa_layers: SWA layers (0: none; at least 1 with a `window`).
+        window: The SWA layers' window in tokens (0: no SWA layers).
+        seed: Seeds the hash constants (those of the full attention and Mamba layers
+            do not depend on the SWA layers).
+
+    Raises:
+        ValueError: SWA layers without a window, or a window without SWA layers.
     """
 
-    def __init__(self, *, layers: int = 2, mamba_layers: int = 2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        layers: int = 2,
+        mamba_layers: int = 2,
+        swa_layers: int = 0,
+        window: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if (swa_layers > 0) != (window > 0):
+            raise ValueError(f"window: {window} with {swa_layers} swa_layers (both or neither)")
         self.layers = layers
         self.mamba_layers = mamba_layers
-        c = _constants(seed, 4 * layers + 4 * mamba_layers, odd=True)
+        self.window = window
+        c = _constants(seed, 4 * layers + 4 * mamba_layers + 4 * swa_layers, odd=True)
         arr = np.array(c, dtype=np.uint64)
         self.salt_k, self.salt_v = arr[:layers], arr[layers : 2 * layers]
         self.weight_k, self.weight_v = arr[2 * layers : 3 * layers], arr[3 * layers : 4 * layers]
-        m = arr[4 * layers :]
+        m = arr[4 * layers : 4 * layers + 4 * mamba_layers]
         n = mamba_layers
         self.conv0, self.ssm0 = m[:n], m[n : 2 * n]
         self.fold_c, self.fold_s = m[2 * n : 3 * n], m[3 * n : 4 * n]
+        s = arr[4 * layers + 4 * mamba_layers :]
+        n = swa_layers
+        self.swa_salt_k, self.swa_salt_v = s[:n], s[n : 2 * n]
+        self.swa_weight_k, self.swa_weight_v = s[2 * n : 3 * n], s[3 * n : 4 * n]
         self._pa = _Powers(_A)
         self._pb = _Powers(_B)
         self._pos = np.ones(0, dtype=np.uint64)
@@ -304,11 +408,26 @@ class Reference:
             [int(x) for x in self.fold_c],
             [int(x) for x in self.fold_s],
         )
+        self._swa_py = [
+            [int(x) for x in a]
+            for a in (self.swa_salt_k, self.swa_salt_v, self.swa_weight_k, self.swa_weight_v)
+        ]
 
     def kv_hash(self, toks: np.ndarray, start: int) -> np.ndarray:
         """``h(t, p)`` for tokens `toks` at positions ``start, start + 1, ...``."""
         pos = np.arange(start, start + len(toks), dtype=np.uint64)
         return _mix(toks * _U(_GOLDEN) + pos * _U(_POS) + _U(1))
+
+    def _swa_terms(self, h: np.ndarray, start: int) -> np.ndarray:
+        """Each position's term of the SWA digest: hashes `h` from position `start`."""
+        w = self.position_weights(start + len(h))[start:]
+        e = ((h[None, :] ^ self.swa_salt_k[:, None]) * self.swa_weight_k[:, None]).sum(
+            axis=0, dtype=np.uint64
+        ) + ((h[None, :] ^ self.swa_salt_v[:, None]) * self.swa_weight_v[:, None]).sum(
+            axis=0, dtype=np.uint64
+        )
+        out: np.ndarray = e * w
+        return out
 
     def position_weights(self, n: int) -> np.ndarray:
         """Return the digest's weights of positions ``0..n-1`` (``2p + 1``)."""
@@ -361,6 +480,10 @@ class Reference:
             int(((h[None, :] ^ self.salt_k[:, None]) @ w * self.weight_k).sum(dtype=np.uint64))
             + int(((h[None, :] ^ self.salt_v[:, None]) @ w * self.weight_v).sum(dtype=np.uint64))
         ) & M64
+        # SWA layers: each position's term, summed over the window (0 without SWA layers).
+        lo = max(0, n - self.window)
+        terms = [int(x) for x in self._swa_terms(h[lo:], lo)] if self.window else []
+        swa = sum(terms) & M64
         conv_a, ssm_a = self.advance(self.conv0, self.ssm0, toks)
         conv = [int(x) for x in conv_a]
         ssm = [int(x) for x in ssm_a]
@@ -368,16 +491,23 @@ class Reference:
         def fold() -> int:
             return sum(c * f + s * g for c, f, s, g in zip(conv, fc, ssm, fs)) & M64
 
-        out = [self.sample(digest, fold())]
+        out = [self.sample((digest + swa) & M64, fold())]
         pos = n
         layers = range(self.layers)
+        ssk, ssv, swk, swv = self._swa_py
+        swa_layers = range(len(ssk))
         for i in range(1, output_len):
             t = int(output[i - 1]) if output is not None else out[-1]
             hv = _mix_py(t * _GOLDEN + pos * _POS + 1)
             e = sum(((hv ^ sk[j]) * wk[j] + (hv ^ sv[j]) * wv[j]) for j in layers)
             digest = (digest + e * (2 * pos + 1)) & M64
+            if self.window:  # the window slides: position pos comes in, pos - W leaves
+                e = sum(((hv ^ ssk[j]) * swk[j] + (hv ^ ssv[j]) * swv[j]) for j in swa_layers)
+                terms.append(e * (2 * pos + 1) & M64)
+                swa = swa + terms[-1] - (terms[-1 - self.window] if pos >= self.window else 0)
+                swa &= M64
             conv = [(c * _A + t + 1) & M64 for c in conv]
             ssm = [(s * _B + t + 1) & M64 for s in ssm]
             pos += 1
-            out.append(self.sample(digest, fold()))
+            out.append(self.sample((digest + swa) & M64, fold()))
         return out

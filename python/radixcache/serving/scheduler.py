@@ -595,7 +595,9 @@ class Scheduler:
             read = live.req.kv_indices
             assert live.expected is not None
             expect = live.expected[sample]
-        self.model.forward(end - len(toks), toks, slots, live.req.mamba_slot, read, expect)
+        req = live.req
+        swa = (req.swa_indices, req.swa_start) if self.model.window else None
+        self.model.forward(end - len(toks), toks, slots, req.mamba_slot, read, expect, swa=swa)
 
     def _finish(self, live: _Live) -> None:
         c = self.counters

@@ -468,6 +468,25 @@ impl Pool {
         true
     }
 
+    /// Moves the SWA page of each `from[k]` that has one onto `to[k]` when that has none
+    /// (the same tokens: the SWA KV goes with its slot, never to another slot); returns
+    /// the pages moved.
+    pub(crate) fn move_companions(&self, from: &[u32], to: &[u32]) -> usize {
+        let mut inner = self.shared.inner.lock();
+        let Some(c) = inner.companion.as_mut() else {
+            return 0;
+        };
+        let mut moved = 0;
+        for (&f, &t) in from.iter().zip(to) {
+            if c.attached(f) && !c.attached(t) {
+                let slot = std::mem::replace(&mut c.of[f as usize], NO_PAGE);
+                c.of[t as usize] = slot;
+                moved += 1;
+            }
+        }
+        moved
+    }
+
     /// Frees the SWA pages of `pages` (their tokens left every window); returns how many
     /// there were.
     pub(crate) fn detach_companion(&self, pages: &[u32]) -> usize {

@@ -375,30 +375,21 @@ impl Cache {
     }
 
     /// Moves the SWA pages of a caller's duplicate pages `dup` onto node `i`'s last
-    /// pages that have none (a tombstone revived by an insert of the same tokens).
+    /// pages that have none (a tombstone revived by an insert of the same tokens): each
+    /// SWA page goes to the node's page of the same tokens, so its slot keeps the KV its
+    /// tokens wrote (a fresh page would hold another sequence's).
     pub(crate) fn swa_revive(&mut self, i: u32, dup: &[u32]) {
         let Some(pages) = self.tree.node(i).kv.device.as_deref() else {
             return;
         };
-        let tail = &pages[pages.len() - dup.len().min(pages.len())..];
-        let (has, wants) = (
-            self.pools.kv.companions(dup),
-            self.pools.kv.companions(tail),
-        );
-        let mut moved = Vec::new();
-        for ((&t, h), w) in tail.iter().zip(&has).zip(&wants) {
-            if h.is_some() && w.is_none() {
-                moved.push(t);
-            }
-        }
-        if moved.is_empty() {
-            return;
-        }
-        // The caller's pages are freed right after; theirs go back first, so that the
-        // attach below cannot fail.
-        self.pools.kv.detach_companion(dup);
-        if self.pools.kv.attach_companion(&moved) {
-            self.stats.swa_revived_pages += moved.len() as u64;
+        // The duplicates are the node's last pages, aligned from the end.
+        let n = dup.len().min(pages.len());
+        let moved = self
+            .pools
+            .kv
+            .move_companions(&dup[dup.len() - n..], &pages[pages.len() - n..]);
+        if moved > 0 {
+            self.stats.swa_revived_pages += moved as u64;
             self.swa_enqueue(i);
         }
     }

@@ -214,6 +214,36 @@ fn an_insert_of_the_same_tokens_revives_a_tombstone() {
 }
 
 #[test]
+fn a_revived_tombstone_takes_the_inserts_own_swa_slots_in_order() {
+    // The SWA slots hold the KV the insert's tokens wrote: reviving with any other
+    // slots (fresh ones, or the insert's in another order) serves another sequence's.
+    let mut c = swa(64, 2, 64, 4);
+    cached(&mut c, &seq(8));
+    let leaf = cached(&mut c, &seq(12)).node;
+    tombstone_internal(&mut c, &[leaf]);
+    let fresh = c.alloc_kv(8).unwrap().unwrap();
+    let pages: Vec<u32> = fresh
+        .iter()
+        .step_by(2)
+        .map(|&s| u32::try_from(s / 2).unwrap())
+        .collect();
+    let theirs = c.pools.kv.companions(&pages);
+    assert!(theirs.iter().all(Option::is_some));
+    c.insert(None, &seq(8), &fresh, 0).unwrap();
+    assert_eq!(stat(&c, "swa_revived_pages"), 4);
+    let m = c.match_prefix(None, &seq(8));
+    assert_eq!(m.device_len, 8);
+    let tree: Vec<u32> = m
+        .kv_indices
+        .iter()
+        .step_by(2)
+        .map(|&s| u32::try_from(s / 2).unwrap())
+        .collect();
+    assert_eq!(c.pools.kv.companions(&tree), theirs);
+    c.audit().unwrap();
+}
+
+#[test]
 fn the_swa_pool_adds_up() {
     let mut c = swa(64, 2, 16, 3);
     cached(&mut c, &seq(6));
