@@ -118,6 +118,7 @@ impl Cache {
     /// went from or to zero (the first lock, the last release). The sizes count a node
     /// only as locked or not, so only such a change goes through [`Cache::edit`] (a
     /// path's inner nodes, locked by other requests too, skip it).
+    #[inline]
     fn count_kv_lock(&mut self, i: u32, up: bool) -> bool {
         let step = |n: &mut Node| {
             if up {
