@@ -256,19 +256,37 @@ impl PoolInner {
     /// it is, the others are freed, and the error describes the first such page.
     fn free_all(&mut self, pages: &[u32], from: PageState) -> Checked {
         let mut illegal = Ok(());
+        // `free_one` page by page, with the counts updated once (a hot path: every page
+        // an eviction or a dropped `Pages` gives back passes here).
+        let (mut freed, mut draining) = (0, 0);
         for &p in pages {
-            let found = self.state.get(p as usize).copied();
-            if found == Some(from) {
-                self.free_one(p, from);
-            } else if illegal.is_ok() {
-                illegal = Err(Illegal::State {
-                    page: p,
-                    found,
-                    from,
-                    to: PageState::Free,
-                });
+            let i = p as usize;
+            match self.state.get_mut(i) {
+                Some(s) if *s == from => {
+                    if self.pins.get(i).is_some_and(|&pins| pins > 0) {
+                        *s = PageState::Draining;
+                        draining += 1;
+                    } else {
+                        *s = PageState::Free;
+                        freed += 1;
+                        self.freed(p);
+                    }
+                }
+                found => {
+                    if illegal.is_ok() {
+                        illegal = Err(Illegal::State {
+                            page: p,
+                            found: found.map(|s| *s),
+                            from,
+                            to: PageState::Free,
+                        });
+                    }
+                }
             }
         }
+        *self.counts.slot(from) -= freed + draining;
+        self.counts.free += freed;
+        self.counts.draining += draining;
         illegal
     }
 

@@ -173,6 +173,7 @@ impl Component for MambaStates {
     }
 
     /// Holds the node's state (a single-node lock), when it has one.
+    #[inline]
     fn lock(c: &mut Cache, i: u32) -> bool {
         let has = c.tree.node(i).mamba.device.is_some();
         if has {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::ids::{CacheId, LockId, NodeId};
 use crate::slab::Slab;
-use crate::tree::NONE;
+use crate::tree::{Node, NONE};
 
 use super::returns::{Returned, Returns};
 use super::Cache;
@@ -93,10 +93,7 @@ impl Cache {
     pub(crate) fn lock_index(&mut self, i: u32) -> LockReceipt {
         let mut cur = i;
         while cur != NONE {
-            let first = self.edit(cur, |n| {
-                n.kv.lock += 1;
-                n.kv.lock == 1
-            });
+            let first = self.count_kv_lock(cur, true);
             let parent = self.tree.node(cur).parent;
             if first && parent != NONE {
                 // Wanted again: a node being evicted stays (with ancestors waiting on it).
@@ -115,6 +112,28 @@ impl Cache {
             },
             returns: Some(Arc::clone(&self.returns)),
         }
+    }
+
+    /// Counts one lock more (`up`) or one less on node `i`'s KV; returns whether the count
+    /// went from or to zero (the first lock, the last release). The sizes count a node
+    /// only as locked or not, so only such a change goes through [`Cache::edit`] (a
+    /// path's inner nodes, locked by other requests too, skip it).
+    #[inline]
+    fn count_kv_lock(&mut self, i: u32, up: bool) -> bool {
+        let step = |n: &mut Node| {
+            if up {
+                n.kv.lock += 1;
+            } else {
+                n.kv.lock -= 1;
+            }
+        };
+        let n = self.tree.node_mut(i);
+        if n.kv.lock != u32::from(!up) {
+            step(n);
+            return false;
+        }
+        self.edit(i, step);
+        true
     }
 
     /// Releases a receipt. A receipt of another cache raises [`Error::Lock`] (it is then
@@ -145,10 +164,7 @@ impl Cache {
         self.release_components(node, held.mamba);
         let mut cur = node;
         while cur != NONE {
-            let last = self.edit(cur, |n| {
-                n.kv.lock -= 1;
-                n.kv.lock == 0
-            });
+            let last = self.count_kv_lock(cur, false);
             let parent = self.tree.node(cur).parent;
             if cur == node || last {
                 self.refresh(cur);

@@ -245,6 +245,14 @@ impl Lru {
     /// holding a host state).
     pub fn refresh(&mut self, tree: &mut Tree, i: u32) {
         let n = tree.node(i);
+        let mamba =
+            n.mamba.device.is_some() && n.mamba.lock == 0 && n.mamba.mark != StateMark::Pinned;
+        let state_was = n.mamba.mark == StateMark::Listed;
+        // The usual case, first and cheapest: a locked node (a path's inner node locked or
+        // unlocked) is no KV or host candidate, and listed in neither set it stays out of.
+        if n.kv.lock > 0 && !n.kv.state.listed() && mamba == state_was {
+            return;
+        }
         let host = !n.is_root()
             && n.kv.device.is_none()
             && n.kv.host.is_some()
@@ -258,11 +266,8 @@ impl Lru {
             && !n.kv.state.backup_pending()
             && !n.mamba.backup_pending
             && n.device_children == n.evicting_children;
-        let mamba =
-            n.mamba.device.is_some() && n.mamba.lock == 0 && n.mamba.mark != StateMark::Pinned;
         let host_state = host && n.mamba.host.is_some();
         let (kv_was, host_was) = (n.kv.state.in_lru(), n.kv.state.in_host_lru());
-        let state_was = n.mamba.mark == StateMark::Listed;
         // Nothing changes (the usual case on a path: an inner node locked or unlocked).
         // A host-listed node is looked at in full: its host state may have come or gone.
         if kv == kv_was && host == host_was && mamba == state_was && !host_was {
