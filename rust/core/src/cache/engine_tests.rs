@@ -3,6 +3,7 @@
 //! handed back once by `take_freed`, `evict` returns what it frees, and the calls that
 //! allocate from the cache's pools are refused.
 
+use super::test_util::stat;
 use super::*;
 use crate::config::{Config, PoolOwner};
 use crate::error::Error;
@@ -15,13 +16,6 @@ fn engine(kv_slots: usize, page_size: usize, mamba_slots: usize) -> Cache {
         ..Config::kv(kv_slots, page_size)
     })
     .unwrap()
-}
-
-fn stat(c: &Cache, key: &str) -> u64 {
-    c.stats()
-        .into_iter()
-        .find(|&(k, _)| k == key)
-        .map_or_else(|| panic!("no stat {key}"), |(_, v)| v)
 }
 
 fn slots(range: std::ops::Range<i64>) -> Vec<i64> {

@@ -56,6 +56,8 @@ mod swa_host_tests;
 #[cfg(test)]
 mod swa_tests;
 #[cfg(test)]
+mod test_util;
+#[cfg(test)]
 mod tests;
 
 use std::sync::Arc;

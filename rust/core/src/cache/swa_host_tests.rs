@@ -3,6 +3,7 @@
 //! tombstone's full KV, load-backs restore the window and give every SWA page back when
 //! released or failed, host eviction frees host SWA pages with their host pages.
 
+use super::test_util::{cached, seq, stat};
 use super::*;
 use crate::config::WritePolicy;
 use crate::error::Error;
@@ -24,27 +25,6 @@ fn swa_host_kv(policy: WritePolicy, host_swa: usize, kv: usize) -> Cache {
         ..Config::kv(kv, 1)
     })
     .unwrap()
-}
-
-/// Caches `toks` with fresh pages (each with its SWA page); returns the end node.
-fn cached(c: &mut Cache, toks: &[u32]) -> NodeId {
-    let m = c.match_prefix(None, toks);
-    let rest = toks.len() - m.device_len;
-    let mut kv = m.kv_indices.clone();
-    kv.extend(c.alloc_kv(rest).unwrap().unwrap());
-    c.insert(None, toks, &kv, m.device_len).unwrap().node
-}
-
-fn seq(n: u32) -> Vec<u32> {
-    (1..=n).collect()
-}
-
-fn stat(c: &Cache, name: &str) -> u64 {
-    c.stats()
-        .into_iter()
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v)
-        .unwrap()
 }
 
 fn copy_of(b: &TransferBatch, pool: PoolKind) -> Option<&SlotCopy> {
@@ -74,8 +54,8 @@ fn host_swa_adds_up(c: &Cache) {
 
 /// `[1..4]` (a) and `[1..8]` (b below it), a an SWA tombstone (b locked meanwhile).
 fn tombstone_above_leaf(c: &mut Cache) -> (NodeId, NodeId) {
-    let a = cached(c, &seq(4));
-    let b = cached(c, &seq(8));
+    let a = cached(c, &seq(4)).node;
+    let b = cached(c, &seq(8)).node;
     let keep = c.lock(b).unwrap();
     c.evict_swa(usize::MAX);
     c.unlock(keep).unwrap();
@@ -105,7 +85,7 @@ fn a_backup_copies_the_swa_pages_the_device_pages_have_only() {
     // goes without SWA copies, the live node with one SWA slot per token.
     let mut c = swa_host(WritePolicy::WriteThroughSelective, 64);
     // One insert of [1..8], split at 4 by a match: both parts counted once.
-    let b = cached(&mut c, &seq(8));
+    let b = cached(&mut c, &seq(8)).node;
     c.match_prefix(None, &seq(4));
     let keep = c.lock(b).unwrap();
     c.evict_swa(usize::MAX);

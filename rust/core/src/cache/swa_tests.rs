@@ -1,6 +1,7 @@
 //! Unit tests of the sliding-window attention component: the match cut, tombstones,
 //! window locks, the SWA pool's accounting, and the failure classes of other systems.
 
+use super::test_util::{cached, seq, stat};
 use super::*;
 use crate::error::Error;
 use crate::ids::NodeId;
@@ -12,30 +13,6 @@ fn swa(kv: usize, ps: usize, swa_slots: usize, window: usize) -> Cache {
         ..Config::kv(kv, ps)
     })
     .unwrap()
-}
-
-/// Caches `toks` through the low-level API (the reusable prefix from a match, fresh
-/// pages for the rest, each with its SWA page).
-fn cached(c: &mut Cache, toks: &[u32]) -> Insert {
-    let m = c.match_prefix(None, toks);
-    let rest = toks.len() - m.device_len;
-    let ps = c.page_size();
-    let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
-    let mut kv = m.kv_indices.clone();
-    kv.extend_from_slice(&got[..rest]);
-    c.insert(None, toks, &kv, m.device_len).unwrap()
-}
-
-fn seq(n: u32) -> Vec<u32> {
-    (1..=n).collect()
-}
-
-fn stat(c: &Cache, name: &str) -> u64 {
-    c.stats()
-        .into_iter()
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v)
-        .unwrap()
 }
 
 /// Turns every internal node with live SWA into a tombstone, deleting no leaf: the

@@ -1,0 +1,28 @@
+//! Helpers shared by the core's unit tests.
+
+use super::{Cache, Insert};
+
+/// Tokens `1..=n`.
+pub(super) fn seq(n: u32) -> Vec<u32> {
+    (1..=n).collect()
+}
+
+/// The counter or gauge `name` of `c.stats()` (a missing one fails the test).
+pub(super) fn stat(c: &Cache, name: &str) -> u64 {
+    c.stats()
+        .into_iter()
+        .find(|&(k, _)| k == name)
+        .map_or_else(|| panic!("no stat {name}"), |(_, v)| v)
+}
+
+/// Caches `toks` through the low-level API: the reusable prefix from a match, fresh
+/// pages for the rest (each with its SWA page when the model has SWA layers).
+pub(super) fn cached(c: &mut Cache, toks: &[u32]) -> Insert {
+    let m = c.match_prefix(None, toks);
+    let rest = toks.len() - m.device_len;
+    let ps = c.page_size();
+    let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
+    let mut kv = m.kv_indices.clone();
+    kv.extend_from_slice(&got[..rest]);
+    c.insert(None, toks, &kv, m.device_len).unwrap()
+}
