@@ -1,5 +1,6 @@
 //! Unit tests of the Mamba component, transfer batches and requests.
 
+use super::test_util::prefix_and_fresh;
 use super::*;
 use crate::error::Error;
 use crate::handle::HybridCache;
@@ -16,14 +17,9 @@ fn hybrid(kv: usize, ps: usize, states: usize) -> Cache {
 
 /// Caches `toks` with a state at its end through the low-level API.
 fn cached_with_state(c: &mut Cache, toks: &[u32]) -> Insert {
-    let m = c.match_prefix(None, toks);
-    let rest = toks.len() - m.device_len;
-    let ps = c.page_size();
-    let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
-    let mut kv = m.kv_indices.clone();
-    kv.extend_from_slice(&got[..rest]);
+    let (owned_from, kv) = prefix_and_fresh(c, toks);
     let state = c.alloc_mamba().unwrap().unwrap();
-    c.insert_with_state(None, toks, &kv, m.device_len, Some(i64::from(state)))
+    c.insert_with_state(None, toks, &kv, owned_from, Some(i64::from(state)))
         .unwrap()
 }
 

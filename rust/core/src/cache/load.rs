@@ -416,15 +416,7 @@ impl Cache {
         if !self.swa_attach(&dst) {
             return None;
         }
-        let dst: Vec<u32> = self
-            .pools
-            .kv
-            .companions(&dst)
-            .into_iter()
-            .flatten()
-            .collect();
-        self.expand_into(&src, &mut copy.0);
-        self.expand_into(&dst, &mut copy.1);
+        self.swa_copy_into(&src, Tier::Device, &dst, &mut copy);
         Some(copy)
     }
 

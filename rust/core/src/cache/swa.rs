@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::ids::NodeId;
 use crate::tree::NONE;
 
-use super::{Cache, Evicted};
+use super::{Cache, Evicted, Tier};
 
 /// The SWA component's own state: the window and the eviction queue.
 #[derive(Default)]
@@ -179,17 +179,28 @@ impl Cache {
             self.stats.swa_backup_skipped_pages += dst.len() as u64;
             return false;
         }
-        let dst: Vec<u32> = self
-            .pools
-            .host_kv
-            .companions(&dst)
-            .into_iter()
-            .flatten()
-            .collect();
-        self.expand_into(&src, &mut copy.0);
-        self.expand_into(&dst, &mut copy.1);
-        self.stats.swa_backed_up_pages += dst.len() as u64;
+        let pages = self.swa_copy_into(&src, Tier::Host, &dst, copy);
+        self.stats.swa_backed_up_pages += pages as u64;
         true
+    }
+
+    /// Adds to `copy` the SWA slots of a copy from SWA pages `src` to the SWA pages the
+    /// KV pages `dst` (of `tier`, given theirs already) hold; returns the pages copied.
+    pub(crate) fn swa_copy_into(
+        &self,
+        src: &[u32],
+        tier: Tier,
+        dst: &[u32],
+        copy: &mut (Vec<i64>, Vec<i64>),
+    ) -> usize {
+        let pool = match tier {
+            Tier::Device => &self.pools.kv,
+            Tier::Host => &self.pools.host_kv,
+        };
+        let dst: Vec<u32> = pool.companions(dst).into_iter().flatten().collect();
+        self.expand_into(src, &mut copy.0);
+        self.expand_into(&dst, &mut copy.1);
+        dst.len()
     }
 
     /// Device node `i` was left a leaf ending in a dead SWA page: deleted now, or held

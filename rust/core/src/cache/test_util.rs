@@ -18,11 +18,18 @@ pub(super) fn stat(c: &Cache, name: &str) -> u64 {
 /// Caches `toks` through the low-level API: the reusable prefix from a match, fresh
 /// pages for the rest (each with its SWA page when the model has SWA layers).
 pub(super) fn cached(c: &mut Cache, toks: &[u32]) -> Insert {
+    let (owned_from, kv) = prefix_and_fresh(c, toks);
+    c.insert(None, toks, &kv, owned_from).unwrap()
+}
+
+/// The slots to cache `toks` with: the reusable prefix a match finds, then fresh pages;
+/// and where the fresh ones start.
+pub(super) fn prefix_and_fresh(c: &mut Cache, toks: &[u32]) -> (usize, Vec<i64>) {
     let m = c.match_prefix(None, toks);
     let rest = toks.len() - m.device_len;
     let ps = c.page_size();
     let got = c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap();
     let mut kv = m.kv_indices.clone();
     kv.extend_from_slice(&got[..rest]);
-    c.insert(None, toks, &kv, m.device_len).unwrap()
+    (m.device_len, kv)
 }
