@@ -437,6 +437,26 @@ def test_each_eviction_policy_runs_and_is_reported(
     assert json.loads(capsys.readouterr().out)["eviction_policy"] == r["eviction_policy"]
 
 
+@pytest.mark.parametrize(
+    ("policy", "value", "note"),
+    [
+        ({"kv": "lru", "mamba": "lru"}, "lru", ""),
+        ({"kv": "lru", "mamba": "state-value"}, "state-value", "states; KV lru"),
+        (
+            {"kv": "lru", "mamba": "state-value", "swa": "lru"},
+            "state-value",
+            "states; KV lru, SWA lru",
+        ),
+        ({"kv": "lfu", "mamba": "lfu", "swa": "lfu"}, "lfu", ""),
+        ({"kv": "lfu", "mamba": "lfu", "swa": "priority"}, "lfu", "states; SWA priority"),
+    ],
+)
+def test_the_report_names_each_components_policy_where_it_differs(
+    policy: dict[str, str], value: str, note: str
+) -> None:
+    assert cli._policy_text(policy) == (value, note)
+
+
 @pytest.mark.parametrize("model", ["swa", "swa-hybrid"])
 def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
     capsys: pytest.CaptureFixture[str], model: str
@@ -447,6 +467,7 @@ def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
     assert cli.main([*argv, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["model"], r["swa_window"], r["mismatches"]) == (model, 512, 0)
+    assert r["eviction_policy"] == {"kv": "lru", "mamba": "lru", "swa": "lru"}
     assert r["swa_vs_full_hit_ratio"] == pytest.approx(
         r["device_hit_rate"] / r["full_attention_hit_rate"]
     )

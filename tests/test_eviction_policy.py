@@ -39,13 +39,39 @@ def test_the_property_reports_each_components_canonical_name(
 
 
 @pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("lfu", {"kv": "lfu", "mamba": "lfu", "swa": "lfu"}),
+        ("priority", {"kv": "priority", "mamba": "priority", "swa": "priority"}),
+        # State-value values Mamba states only: KV and SWA keep lru.
+        ("state-value", {"kv": "lru", "mamba": "state-value", "swa": "lru"}),
+        ({"swa": "lfu"}, {"kv": "lru", "mamba": "lru", "swa": "lfu"}),
+        ({"kv": "priority", "swa": "lru"}, {"kv": "priority", "mamba": "lru", "swa": "lru"}),
+    ],
+)
+def test_a_model_with_swa_layers_reports_the_swa_policy(
+    given: str | dict[str, str], expected: dict[str, str]
+) -> None:
+    c = rc.HybridCache(kv_slots=16, mamba_slots=2, swa_slots=8, swa_window=2, eviction_policy=given)
+    assert c.eviction_policy == expected
+
+
+def test_a_model_without_swa_layers_reports_no_swa_policy() -> None:
+    # Accepted (as "mamba" is without Mamba layers), with nothing to order.
+    c = rc.HybridCache(kv_slots=16, eviction_policy={"swa": "lfu"})
+    assert c.eviction_policy == {"kv": "lru", "mamba": "lru"}
+
+
+@pytest.mark.parametrize(
     ("given", "match"),
     [
         ("mru", r"eviction_policy: unknown policy \"mru\".*\"lfu\".*\"priority\".*\"state-value\""),
         ("LRU", r"eviction_policy: unknown policy"),
         ({"kv": "fifo"}, r"eviction_policy: unknown policy \"fifo\""),
-        ({"swa": "lru"}, r"eviction_policy: unknown component \"swa\""),
-        ({"kv": "state-value"}, r"eviction_policy: \"state-value\" applies to states only"),
+        ({"full": "lru"}, r"eviction_policy: unknown component \"full\".*\"swa\""),
+        ({"kv": "state-value"}, r"eviction_policy: \"state-value\" applies to Mamba states only"),
+        ({"swa": "state-value"}, r"eviction_policy: \"state-value\".*for \"swa\""),
+        ({"swa": "mru"}, r"eviction_policy: unknown policy \"mru\""),
         ({"kv": "state_value", "mamba": "lru"}, r"eviction_policy: \"state-value\""),
     ],
 )
@@ -118,3 +144,18 @@ def test_priority_keeps_what_a_high_priority_request_cached() -> None:
     assert c.evict(mamba_states=2).mamba_states == 2
     assert [c.match_prefix(t).device_len for t in ([1, 1], [2, 2], [7, 7, 7])] == [0, 0, 3]
     c.audit()
+
+
+def test_each_swa_policy_chooses_which_window_evict_swa_takes() -> None:
+    # [1, 1] cached first with priority 5 and matched once; [2, 2] cached last with
+    # priority 0, never matched. The first leaf evict_swa takes goes whole.
+    for policy, goes in (("lru", [1, 1]), ("lfu", [2, 2]), ("priority", [2, 2])):
+        c = rc.HybridCache(kv_slots=16, swa_slots=8, swa_window=2, eviction_policy={"swa": policy})
+        cache_kv(c, [1, 1], priority=5)
+        assert c.match_prefix([1, 1, 5]).device_len == 2
+        cache_kv(c, [2, 2])
+        assert c.evict_swa(pages=1) == 2
+        c.audit()
+        stays = [2, 2] if goes == [1, 1] else [1, 1]
+        assert c.match_prefix(goes).device_len == 0, policy
+        assert c.match_prefix(stays).device_len == 2, policy

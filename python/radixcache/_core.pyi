@@ -464,11 +464,13 @@ class HybridCache:
             least recent first. ``"state-value"`` (``"state_value"`` too; states only):
             states no match has used before used ones, each the state that saves the
             least compute first, weighted by depth, and aged so that states nobody uses
-            go in time. A name applies to
-            every component it applies to (``"state-value"``: KV keeps ``"lru"``); a
-            dict sets each, ``{"kv": ..., "mamba": ...}``, missing ones ``"lru"``. The
+            go in time. SWA (``"swa"``) takes ``"lru"``, ``"lfu"`` or ``"priority"``
+            with the KV meanings, over the nodes whose SWA pages ``evict_swa`` may
+            take. A name applies to every component it applies to
+            (``"state-value"``: KV and SWA keep ``"lru"``); a dict sets each,
+            ``{"kv": ..., "mamba": ..., "swa": ...}``, missing ones ``"lru"``. The
             host tier follows the KV policy. An unknown name or component, or
-            ``"state-value"`` for ``"kv"``, raises ``ValueError`` naming
+            ``"state-value"`` for ``"kv"`` or ``"swa"``, raises ``ValueError`` naming
             ``eviction_policy``.
         swa_slots: device slots of the sliding-window attention (SWA) KV pool, a
             multiple of ``page_size``; 0 (the default) for a model without SWA layers.
@@ -477,10 +479,10 @@ class HybridCache:
             with it at the latest; a request gives back the SWA pages of its tokens
             that left the window early (``Request.swa_indices``). A match is cut where
             the last ``swa_window`` tokens (rounded up to whole pages) still have their
-            SWA KV; ``evict_swa`` and allocations short of SWA pages turn the least
-            recently used nodes into SWA tombstones (their full KV stays) or delete
-            leaves whole. Not with ``pools="engine"`` yet (``ValueError`` naming
-            ``swa_slots``).
+            SWA KV; ``evict_swa`` and allocations short of SWA pages turn the first
+            nodes of the SWA eviction policy (least recently used under ``"lru"``) into
+            SWA tombstones (their full KV stays) or delete leaves whole. Not with
+            ``pools="engine"`` yet (``ValueError`` naming ``swa_slots``).
         swa_window: the tokens each SWA layer attends to (at least 1 with
             ``swa_slots``; 0 without: ``ValueError`` naming ``swa_window``).
         host_swa_slots: host-tier SWA slots, a multiple of ``page_size``: at least one
@@ -564,7 +566,11 @@ class HybridCache:
         """Inserts before a selective backup (None unless the policy is selective)."""
     @property
     def eviction_policy(self) -> dict[str, _EvictionPolicyName]:
-        """The eviction policy of each component: ``{"kv": name, "mamba": name}``."""
+        """The eviction policy of each component.
+
+        ``{"kv": name, "mamba": name}``, and ``"swa": name`` when the model has SWA
+        layers.
+        """
     @property
     def pools(self) -> Literal["cache", "engine"]:
         """Who owns the device slots: ``"cache"`` (its own pools) or ``"engine"``."""
@@ -658,7 +664,8 @@ class HybridCache:
     def evict_swa(self, *, pages: int = 0) -> int:
         """SWA layers: free at least ``pages`` SWA pages (or all that can go).
 
-        Least recently used node first. An internal node keeps its full KV as an SWA
+        In the SWA eviction policy's order (least recently used node first under
+        ``"lru"``). An internal node keeps its full KV as an SWA
         tombstone; a leaf goes whole (a tombstone is never a leaf). Nodes whose window a
         lock or a request holds stay. Returns the SWA pages freed (0 without SWA
         layers).

@@ -248,7 +248,8 @@ POOL_FLAGS = (
         "--eviction-policy",
         "which cached KV and states go first when memory is short: lru (least recently "
         "used), lfu (least often matched), priority (lowest request priority, from the "
-        "workload), state-value (states: least compute saved per slot; KV: lru)",
+        "workload), state-value (states: least compute saved per slot; KV and SWA: lru); "
+        "one name for every component it applies to",
         kind="choice",
         default=_D.eviction_policy,
         choices=EVICTION_POLICIES,
@@ -973,9 +974,14 @@ def _report_table(r: dict[str, Any]) -> Any:
 
 
 def _policy_text(policy: dict[str, str]) -> tuple[str, str]:
-    """Return the eviction policy as a value (the states') and a note (KV's, if other)."""
-    kv, states = policy["kv"], policy["mamba"]
-    return (states, "") if kv == states else (states, f"states; KV {kv}")
+    """Return the eviction policy as a value (the states') and a note (KV's, SWA's)."""
+    states = policy["mamba"]
+    others = [
+        f"{name} {policy[key]}"
+        for key, name in (("kv", "KV"), ("swa", "SWA"))
+        if policy.get(key, states) != states
+    ]
+    return (states, "states; " + ", ".join(others) if others else "")
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:

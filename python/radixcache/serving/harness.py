@@ -28,7 +28,8 @@ __all__ = [
 
 #: An eviction policy name the cache takes (``"state_value"`` is ``"state-value"``).
 PolicyName = Literal["lru", "lfu", "priority", "state-value", "state_value"]
-#: ``eviction_policy``: one name, or one per component (``{"kv": ..., "mamba": ...}``).
+#: ``eviction_policy``: one name, or one per component (``{"kv": ..., "mamba": ...,
+#: "swa": ...}``).
 EvictionPolicy = Union[PolicyName, dict[str, PolicyName]]
 
 CALLED_OFF = ("nothing", "busy", "quota", "room", "state", "released", "swa")

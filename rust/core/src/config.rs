@@ -168,22 +168,26 @@ pub struct EvictionPolicies {
     pub kv: EvictionPolicy,
     /// Device Mamba states.
     pub mamba: EvictionPolicy,
+    /// Device SWA pages (the SWA eviction queue, `Cache::evict_swa`).
+    pub swa: EvictionPolicy,
 }
 
 impl EvictionPolicies {
     /// The components, by the names of the per-component form.
-    pub const COMPONENTS: [&'static str; 2] = ["kv", "mamba"];
+    pub const COMPONENTS: [&'static str; 3] = ["kv", "mamba", "swa"];
 
-    /// `policy` for every component it applies to: "state-value" is for states only,
-    /// so KV keeps LRU under it.
+    /// `policy` for every component it applies to: "state-value" is for Mamba states
+    /// only, so KV and SWA keep LRU under it.
     pub fn uniform(policy: EvictionPolicy) -> EvictionPolicies {
+        let others = if policy == EvictionPolicy::StateValue {
+            EvictionPolicy::Lru
+        } else {
+            policy
+        };
         EvictionPolicies {
-            kv: if policy == EvictionPolicy::StateValue {
-                EvictionPolicy::Lru
-            } else {
-                policy
-            },
+            kv: others,
             mamba: policy,
+            swa: others,
         }
     }
 
@@ -199,10 +203,13 @@ impl EvictionPolicies {
             match component {
                 "kv" => out.kv = policy,
                 "mamba" => out.mamba = policy,
+                "swa" => out.swa = policy,
                 other => {
                     return Err(Error::arg(
                         "eviction_policy",
-                        format!("unknown component {other:?}; expected \"kv\" or \"mamba\""),
+                        format!(
+                            "unknown component {other:?}; expected \"kv\", \"mamba\" or \"swa\""
+                        ),
                     ))
                 }
             }
@@ -211,14 +218,23 @@ impl EvictionPolicies {
         Ok(out)
     }
 
-    /// Checks that each component's policy applies to it.
+    /// Checks that each component's policy applies to it: "state-value" values Mamba
+    /// states only. For SWA it is refused rather than approximated: a cut at a node
+    /// needs the SWA KV of the last W tokens, which may lie in the nodes above, so what
+    /// one node's SWA pages save depends on its ancestors' and descendants' pages and
+    /// changes, up or down, whenever any of them is evicted or revived (docs/design.md,
+    /// "Eviction policies").
     pub fn validate(self) -> Result<()> {
-        if self.kv == EvictionPolicy::StateValue {
-            return Err(Error::arg(
-                "eviction_policy",
-                "\"state-value\" applies to states only; for \"kv\" choose \"lru\", \"lfu\" \
-                 or \"priority\"",
-            ));
+        for (component, policy) in [("kv", self.kv), ("swa", self.swa)] {
+            if policy == EvictionPolicy::StateValue {
+                return Err(Error::arg(
+                    "eviction_policy",
+                    format!(
+                        "\"state-value\" applies to Mamba states only; for {component:?} \
+                         choose \"lru\", \"lfu\" or \"priority\""
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -672,11 +688,13 @@ mod tests {
         let both = "state-value".parse::<EvictionPolicies>().unwrap();
         assert_eq!(both.kv, EvictionPolicy::Lru);
         assert_eq!(both.mamba, EvictionPolicy::StateValue);
+        assert_eq!(both.swa, EvictionPolicy::Lru, "a plain name skips SWA too");
         assert_eq!(
             "lfu".parse::<EvictionPolicies>(),
             Ok(EvictionPolicies {
                 kv: EvictionPolicy::Lfu,
-                mamba: EvictionPolicy::Lfu
+                mamba: EvictionPolicy::Lfu,
+                swa: EvictionPolicy::Lfu,
             })
         );
         let only_mamba = EvictionPolicies::from_components([("mamba", "priority")]).unwrap();
@@ -686,39 +704,58 @@ mod tests {
             "a missing component keeps lru"
         );
         assert_eq!(only_mamba.mamba, EvictionPolicy::Priority);
-        for bad in [
-            vec![("kv", "state-value")],
-            vec![("swa", "lru")],
-            vec![("kv", "fifo")],
+        assert_eq!(only_mamba.swa, EvictionPolicy::Lru);
+        let only_swa = EvictionPolicies::from_components([("swa", "lfu")]).unwrap();
+        assert_eq!(
+            (only_swa.kv, only_swa.mamba, only_swa.swa),
+            (
+                EvictionPolicy::Lru,
+                EvictionPolicy::Lru,
+                EvictionPolicy::Lfu
+            )
+        );
+        for (bad, says) in [
+            (vec![("kv", "state-value")], "for \"kv\""),
+            (vec![("swa", "state-value")], "for \"swa\""),
+            (vec![("full", "lru")], "\"swa\""),
+            (vec![("kv", "fifo")], "\"priority\""),
         ] {
             let err = EvictionPolicies::from_components(bad).unwrap_err();
             assert!(
                 matches!(
-                    err,
+                    &err,
                     Error::InvalidArgument {
                         arg: "eviction_policy",
-                        ..
-                    }
+                        reason,
+                    } if reason.contains(says)
                 ),
                 "{err}"
             );
         }
-        let err = Config {
-            eviction_policy: EvictionPolicies {
+        for eviction_policy in [
+            EvictionPolicies {
                 kv: EvictionPolicy::StateValue,
-                mamba: EvictionPolicy::Lru,
+                ..EvictionPolicies::default()
             },
-            ..Config::kv(8, 1)
-        }
-        .validate()
-        .unwrap_err();
-        assert!(matches!(
-            err,
-            Error::InvalidArgument {
-                arg: "eviction_policy",
-                ..
+            EvictionPolicies {
+                swa: EvictionPolicy::StateValue,
+                ..EvictionPolicies::default()
+            },
+        ] {
+            let err = Config {
+                eviction_policy,
+                ..Config::kv(8, 1)
             }
-        ));
+            .validate()
+            .unwrap_err();
+            assert!(matches!(
+                err,
+                Error::InvalidArgument {
+                    arg: "eviction_policy",
+                    ..
+                }
+            ));
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! transfer batches a Mamba model or a host tier emits (completed, failed, abandoned,
 //! or left in flight across steps), over page sizes 1, 2 and 4, windows of 1 to 6
 //! tokens (pages larger than the window included) and SWA pools small enough that SWA
-//! eviction runs all the time. Half the cases draw a host tier (`host_kv_slots`,
+//! eviction runs all the time, under every eviction policy of each component (SWA:
+//! "lru", "lfu" or "priority"; admissions carry priorities 0 to 2). Half the cases draw a host tier (`host_kv_slots`,
 //! `host_swa_slots` at most that, each write policy): backups, demotion, `evict_host`
 //! and load-backs of what a match found on the host (released, committed, dropped, or
 //! started and released).
@@ -17,7 +18,8 @@
 //! every step, by `audit()` (every SWA page free or paired with exactly one KV page that
 //! is not free; every request's window live; the window locks each node holds are
 //! exactly those of the live receipts; every unlocked node with live SWA queued for
-//! eviction; no unlocked leaf ending in a dead page) and here:
+//! eviction, once, under a key at most the SWA policy's key now; no unlocked leaf
+//! ending in a dead page) and here:
 //!
 //! * the SWA pool's gauges add up to its capacity, and SWA pages held by requests are
 //!   at most what their windows (and pages being filled) need;
@@ -39,8 +41,8 @@ mod common;
 use common::proptest_config;
 use proptest::prelude::*;
 use radixcache_core::{
-    BatchId, Cache, Config, LoadTarget, LockReceipt, PoolKind, RequestId, Tier, TransferBatch,
-    WritePolicy,
+    BatchId, Cache, Config, EvictionPolicies, EvictionPolicy, LoadTarget, LockReceipt, PoolKind,
+    RequestId, Tier, TransferBatch, WritePolicy,
 };
 
 #[derive(Debug, Clone)]
@@ -104,7 +106,22 @@ fn host() -> impl Strategy<Value = (usize, usize, WritePolicy)> {
     ]
 }
 
-/// The configuration drawn: page size, KV, SWA and Mamba pools, window, host tier.
+/// The eviction policy of each component: KV and states as every machine draws them,
+/// SWA any policy that applies to it.
+fn policies() -> impl Strategy<Value = EvictionPolicies> {
+    (
+        common::eviction_policies(),
+        prop::sample::select(vec![
+            EvictionPolicy::Lru,
+            EvictionPolicy::Lfu,
+            EvictionPolicy::Priority,
+        ]),
+    )
+        .prop_map(|(p, swa)| EvictionPolicies { swa, ..p })
+}
+
+/// The configuration drawn: page size, KV, SWA and Mamba pools, window, host tier,
+/// eviction policies.
 fn config() -> impl Strategy<Value = Config> {
     (
         prop::sample::select(vec![1usize, 2, 4]),
@@ -113,20 +130,24 @@ fn config() -> impl Strategy<Value = Config> {
         1usize..=6,
         prop::sample::select(vec![0usize, 0, 3, 6]),
         host(),
+        policies(),
     )
-        .prop_map(|(ps, kv_pages, swa_pages, window, mamba, host)| {
-            let (host_kv, host_swa, write_policy) = host;
-            Config {
-                swa_slots: swa_pages * ps,
-                swa_window: window,
-                mamba_slots: mamba,
-                host_kv_slots: host_kv * ps,
-                host_swa_slots: host_swa * ps,
-                host_mamba_slots: if host_kv > 0 { mamba } else { 0 },
-                write_policy,
-                ..Config::kv(kv_pages * ps, ps)
-            }
-        })
+        .prop_map(
+            |(ps, kv_pages, swa_pages, window, mamba, host, eviction_policy)| {
+                let (host_kv, host_swa, write_policy) = host;
+                Config {
+                    eviction_policy,
+                    swa_slots: swa_pages * ps,
+                    swa_window: window,
+                    mamba_slots: mamba,
+                    host_kv_slots: host_kv * ps,
+                    host_swa_slots: host_swa * ps,
+                    host_mamba_slots: if host_kv > 0 { mamba } else { 0 },
+                    write_policy,
+                    ..Config::kv(kv_pages * ps, ps)
+                }
+            },
+        )
 }
 
 const SYSTEMS: [&[u32]; 3] = [&[], &[7, 7, 7, 7, 7, 7], &[8, 9, 8, 9, 8, 9, 8, 9]];
@@ -178,7 +199,10 @@ impl Machine {
         match op {
             Op::Admit { system, tail } => {
                 let t = tokens(*system, tail);
-                if let Some(id) = self.c.admit(None, &t).unwrap() {
+                // Priorities 0 to 2 (for the "priority" policy), from the byte that
+                // picks the system prompt.
+                let priority = i64::from(*system / 86);
+                if let Some(id) = self.c.admit_with_priority(None, &t, priority).unwrap() {
                     let prefix = self.c.request(id).unwrap().prefix_len;
                     self.reqs.push((id, t[prefix..].to_vec()));
                 }

@@ -36,7 +36,7 @@ fn pools_arg(v: &Bound<'_, PyAny>) -> PyResult<core::PoolOwner> {
 }
 
 /// `eviction_policy=`: one policy name for every component it applies to, or a dict
-/// per component (`{"kv": ..., "mamba": ...}`); the core checks the names.
+/// per component (`{"kv": ..., "mamba": ..., "swa": ...}`); the core checks the names.
 fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies> {
     let type_name = |v: &Bound<'_, PyAny>| {
         v.get_type()
@@ -85,10 +85,11 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///     with "write_through_selective": the other policies refuse it.
 ///   eviction_policy: the order in which eviction takes candidates: "lru" (the
 ///     default), "lfu" (least often matched first), "priority" (lowest request
-///     priority first, see insert and admit) or "state-value" (states only: the
-///     state that saves the least compute first, aged; KV keeps "lru"). A name
-///     applies to every component; a dict sets each: {"kv": ..., "mamba": ...}
-///     (missing: "lru"). The host tier follows the KV policy.
+///     priority first, see insert and admit) or "state-value" (Mamba states only:
+///     the state that saves the least compute first, aged; KV and SWA keep "lru").
+///     A name applies to every component it applies to; a dict sets each:
+///     {"kv": ..., "mamba": ..., "swa": ...} (missing: "lru"). The host tier follows
+///     the KV policy.
 ///   swa_slots: device slots of the sliding-window attention KV pool (a multiple of
 ///     page_size; 0, the default: no SWA layers). Every KV page handed out comes with
 ///     an SWA page that follows it; a request gives back those whose tokens left the
@@ -234,13 +235,17 @@ impl PyHybridCache {
         self.config.write_policy.as_str()
     }
 
-    /// The eviction policy of each component: {"kv": name, "mamba": name}.
+    /// The eviction policy of each component: {"kv": name, "mamba": name}, and
+    /// "swa": name when the model has SWA layers.
     #[getter]
     fn eviction_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         let p = self.config.eviction_policy;
         d.set_item("kv", p.kv.as_str())?;
         d.set_item("mamba", p.mamba.as_str())?;
+        if self.config.has_swa() {
+            d.set_item("swa", p.swa.as_str())?;
+        }
         Ok(d)
     }
 
@@ -383,8 +388,8 @@ impl PyHybridCache {
         Ok(PyEvicted::new(py, e))
     }
 
-    /// SWA: free at least `pages` SWA pages (or all that can go), least recently used
-    /// node first: an internal node keeps its full KV as an SWA tombstone, a leaf goes
+    /// SWA: free at least `pages` SWA pages (or all that can go), in the SWA eviction
+    /// policy's order (least recently used node first under "lru"): an internal node keeps its full KV as an SWA tombstone, a leaf goes
     /// whole. Returns the SWA pages freed (0 without SWA layers).
     #[pyo3(signature = (*, pages=Int::Value(0)), text_signature = "($self, *, pages=0)")]
     fn evict_swa(&self, py: Python<'_>, pages: Int) -> PyResult<usize> {

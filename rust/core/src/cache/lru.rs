@@ -10,12 +10,16 @@
 //! on the node while the node is listed, and everything a key is computed from changes
 //! through here, which lists the node again under its new key:
 //!
-//! | policy | KV and host key | state key |
+//! | policy | KV, host and SWA key | state key |
 //! |---|---|---|
 //! | lru | (last access, 0) | (last use, [`HOT`] once used; 0) |
 //! | lfu | (matches, last access) | (matches of the state, last use) |
 //! | priority | (priority, last access) | (the node's priority, last use) |
-//! | state-value | (not for KV) | (used?, aging level at last use + value; last use) |
+//! | state-value | (not for KV or SWA) | (used?, aging level at last use + value; last use) |
+//!
+//! The SWA queue (`swa.rs`) is not one of these sets: it keys its entries with
+//! [`Lru::swa_key`] and, since those keys only grow, lets an entry lag behind its node
+//! and puts it back in line when it comes up.
 //!
 //! Under "lru" the keys are the access times alone, so the order is exactly the
 //! recency order. The state-value policy is GreedyDual-Size in two segments: a state's
@@ -100,12 +104,13 @@ impl Lru {
 
     /// The key of node `n` in the KV and host sets under the KV policy.
     pub fn kv_key(&self, n: &Node) -> Key {
-        match self.policy.kv {
-            // Configuration refuses state-value for KV (it values states only).
-            EvictionPolicy::Lru | EvictionPolicy::StateValue => (n.last_access, 0),
-            EvictionPolicy::Lfu => (n.matches, n.last_access),
-            EvictionPolicy::Priority => (ordered(n.priority), n.last_access),
-        }
+        node_key(self.policy.kv, n)
+    }
+
+    /// The key of node `n` in the SWA eviction queue under the SWA policy (`swa.rs`):
+    /// the KV keys, from the same node fields.
+    pub fn swa_key(&self, n: &Node) -> Key {
+        node_key(self.policy.swa, n)
     }
 
     /// The key of node `i`'s device state in the state set under the state policy.
@@ -427,6 +432,19 @@ impl Lru {
     #[cfg(test)]
     pub fn corrupt_kv(&mut self) {
         self.kv.pop_first();
+    }
+}
+
+/// A node's key under `policy` from its last access, matches and priority (the KV and
+/// SWA keys). Every word only grows while the node lives (`touch`, `raise_priority`; a
+/// split copies them), which the SWA queue relies on.
+#[inline]
+fn node_key(policy: EvictionPolicy, n: &Node) -> Key {
+    match policy {
+        // Configuration refuses state-value for KV and SWA (it values states only).
+        EvictionPolicy::Lru | EvictionPolicy::StateValue => (n.last_access, 0),
+        EvictionPolicy::Lfu => (n.matches, n.last_access),
+        EvictionPolicy::Priority => (ordered(n.priority), n.last_access),
     }
 }
 

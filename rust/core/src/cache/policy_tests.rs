@@ -228,6 +228,7 @@ fn per_component_policies_order_each_set_by_its_own() {
         eviction_policy: EvictionPolicies {
             kv: EvictionPolicy::Priority,
             mamba: EvictionPolicy::Lru,
+            swa: EvictionPolicy::Lru,
         },
         ..Config::kv(64, 1)
     })

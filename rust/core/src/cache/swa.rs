@@ -13,8 +13,9 @@
 //!   with pages larger than the window, the last page must be live), counted back over
 //!   node boundaries; a prefix shorter than that needs all its tokens live; the empty
 //!   prefix is always usable.
-//! - **Eviction**: its own queue, least recently used node first, of the nodes with live
-//!   SWA that no window lock covers. An internal node loses its SWA pages and stays as a
+//! - **Eviction**: its own queue, in the SWA policy's order (`eviction_policy`'s
+//!   `"swa"`: least recently used, least often matched or lowest priority node first;
+//!   [`super::lru::Lru::swa_key`]), of the nodes with live SWA that no window lock covers. An internal node loses its SWA pages and stays as a
 //!   tombstone; a leaf goes whole (with its KV: a tombstone is never a leaf). A leaf
 //!   deleted by any eviction takes its parent along when that leaves the parent an
 //!   unlocked leaf whose last page is not live (`evict.rs`).
@@ -32,7 +33,11 @@ use crate::error::{Error, Result};
 use crate::ids::NodeId;
 use crate::tree::NONE;
 
+use super::lru::Key;
 use super::{Cache, Evicted, Tier};
+
+/// An SWA eviction queue entry: `(key, node index, node generation)`.
+type QueueEntry = (Key, u32, u64);
 
 /// The SWA component's own state: the window and the eviction queue.
 #[derive(Default)]
@@ -45,10 +50,12 @@ pub(crate) struct Swa {
     holding: bool,
     /// Those leaves.
     dead: Vec<NodeId>,
-    /// Eviction candidates, least recently used first: `(last access, node, generation)`.
-    /// An entry whose node was touched since is pushed again with the newer time when
-    /// it comes up; one whose node is gone, locked or dead is dropped.
-    queue: BinaryHeap<Reverse<(u64, u32, u64)>>,
+    /// Eviction candidates, lowest key first: `(key, node, generation)`, the key the SWA
+    /// policy gave the node when it was queued. Keys only grow while a node lives, so an
+    /// entry is at or before its node's place: one whose node's key grew since is pushed
+    /// again under the new key when it comes up; one whose node is gone, locked or dead
+    /// is dropped.
+    queue: BinaryHeap<Reverse<QueueEntry>>,
 }
 
 impl Swa {
@@ -244,7 +251,7 @@ impl Cache {
         if self.swa_tail(i) == 0 {
             return;
         }
-        let entry = (n.last_access, i, n.generation);
+        let entry = (self.lru.swa_key(n), i, n.generation);
         self.tree.node_mut(i).swa.queued = true;
         self.swa.queue.push(Reverse(entry));
     }
@@ -264,8 +271,8 @@ impl Cache {
         }
     }
 
-    /// Frees at least `pages` SWA pages (or all it can), least recently used node
-    /// first: an internal node becomes a tombstone, a leaf is deleted whole. Returns the
+    /// Frees at least `pages` SWA pages (or all it can), in the SWA policy's order
+    /// (least recently used node first under "lru"): an internal node becomes a tombstone, a leaf is deleted whole. Returns the
     /// SWA pages freed.
     pub fn evict_swa(&mut self, pages: usize) -> usize {
         let before = self.pools.kv.companion_free();
@@ -277,7 +284,7 @@ impl Cache {
             let Some(Reverse(entry)) = self.swa.queue.pop() else {
                 break;
             };
-            let (time, i, generation) = entry;
+            let (key, i, generation) = entry;
             let n = self.tree.node(i);
             if !n.live || n.generation != generation || !n.swa.queued {
                 continue;
@@ -292,8 +299,9 @@ impl Cache {
                 // Locked (its release queues it again) or dead: no candidate.
                 continue;
             }
-            if n.last_access > time {
-                // Used since it was queued: back in line at its newer place.
+            if self.lru.swa_key(n) > key {
+                // Used (or its priority raised) since it was queued: back in line at its
+                // newer place.
                 self.swa_enqueue(i);
                 continue;
             }
@@ -312,7 +320,7 @@ impl Cache {
                     // Out of the KV eviction set for now (its state locked or being
                     // backed up): it stays queued.
                     self.tree.node_mut(i).swa.queued = true;
-                    in_flight.push(Reverse((time, i, generation)));
+                    in_flight.push(Reverse((key, i, generation)));
                 }
             } else if let Some(pages) = self.tree.node(i).kv.device.clone() {
                 self.pools.kv.detach_companion(&pages);
@@ -407,7 +415,7 @@ impl Cache {
 
     /// Checks the SWA component: every request's window has its SWA pages, the window
     /// locks each node holds are exactly those of the live receipts, every candidate is
-    /// queued, and no unlocked leaf ends in a dead page (a tombstone is never a leaf, on
+    /// queued, once, at or before its place under the SWA policy, and no unlocked leaf ends in a dead page (a tombstone is never a leaf, on
     /// the device or, by its host SWA pages, on the host). The pairings themselves (every
     /// SWA page free or with exactly one KV page that is not free, device and host) are
     /// the pools' audit.
@@ -436,8 +444,41 @@ impl Cache {
                 )));
             }
         }
+        // Each live node's queue entries (of its generation): at most one, and one
+        // exactly when it is marked queued, keyed at most its key now.
+        let mut entries: Vec<Option<Key>> = vec![None; nodes.len()];
+        for Reverse((key, i, generation)) in &self.swa.queue {
+            let n = &nodes[*i as usize];
+            if !n.live || n.generation != *generation {
+                continue;
+            }
+            let id = self.tree.id(*i);
+            if entries[*i as usize].replace(*key).is_some() {
+                return Err(Error::Invariant(format!(
+                    "node {id}: queued twice for SWA eviction"
+                )));
+            }
+            if !n.swa.queued {
+                return Err(Error::Invariant(format!(
+                    "node {id}: in the SWA eviction queue, not marked queued"
+                )));
+            }
+            let now = self.lru.swa_key(n);
+            if *key > now {
+                return Err(Error::Invariant(format!(
+                    "node {id}: SWA eviction queue key {key:?} past the SWA policy's key \
+                     {now:?} (keys only grow)"
+                )));
+            }
+        }
         for (i, n) in nodes.iter().enumerate() {
             let index = crate::pool::index_u32(i);
+            if n.live && n.swa.queued && entries[i].is_none() {
+                return Err(Error::Invariant(format!(
+                    "node {}: marked queued, not in the SWA eviction queue",
+                    self.tree.id(index)
+                )));
+            }
             let mut have = n.swa.locks.clone();
             have.sort_unstable();
             want[i].sort_unstable();

@@ -1,8 +1,9 @@
 //! Unit tests of the sliding-window attention component: the match cut, tombstones,
 //! window locks, the SWA pool's accounting, and the failure classes of other systems.
 
-use super::test_util::{cached, seq, stat};
+use super::test_util::{cached, prefix_and_fresh, seq, stat};
 use super::*;
+use crate::config::EvictionPolicies;
 use crate::error::Error;
 use crate::ids::NodeId;
 
@@ -404,4 +405,135 @@ fn a_prefix_shorter_than_the_window_matches_when_all_of_it_is_live() {
     assert_eq!(stat(&c, "swa_tombstones"), 1);
     assert_eq!(c.match_prefix(None, &seq(10)).device_len, 0);
     c.audit().unwrap();
+}
+
+/// Caches `toks` with `priority` through the low-level API.
+fn cached_with_priority(c: &mut Cache, toks: &[u32], priority: i64) {
+    let (owned_from, kv) = prefix_and_fresh(c, toks);
+    c.insert_with_priority(None, toks, &kv, owned_from, None, priority)
+        .unwrap();
+}
+
+/// Whether `toks` still ends a node with device KV (read from the snapshot, which is
+/// no match).
+fn kept(c: &Cache, toks: &[u32]) -> bool {
+    c.snapshot()
+        .iter()
+        .any(|n| n.prefix == toks && n.kv_indices.is_some())
+}
+
+#[test]
+fn each_swa_policy_evicts_in_its_own_order() {
+    // Two leaves on separate branches: [1, 1] cached first (priority 5) and matched
+    // once after being queued, [2, 2] cached last (priority 0) and never matched. The
+    // first SWA eviction takes a whole leaf: under "lru" the older [1, 1], under "lfu"
+    // the unmatched [2, 2], under "priority" the lower [2, 2]. A plain name sets SWA,
+    // a dict sets it alone, "state-value" leaves it on "lru".
+    for (policy, first_goes) in [
+        ("lru", &[1, 1]),
+        ("lfu", &[2, 2]),
+        ("priority", &[2, 2]),
+        ("state-value", &[1, 1]),
+    ] {
+        for dict in [false, true] {
+            if dict && policy == "state-value" {
+                continue;
+            }
+            let eviction_policy = if dict {
+                EvictionPolicies::from_components([("swa", policy)]).unwrap()
+            } else {
+                policy.parse().unwrap()
+            };
+            let mut c = Cache::new(Config {
+                swa_slots: 16,
+                swa_window: 2,
+                eviction_policy,
+                ..Config::kv(32, 1)
+            })
+            .unwrap();
+            cached_with_priority(&mut c, &[1, 1], 5);
+            assert_eq!(c.match_prefix(None, &[1, 1, 7]).device_len, 2);
+            cached_with_priority(&mut c, &[2, 2], 0);
+            c.audit().unwrap();
+            assert_eq!(c.evict_swa(1), 2, "{policy}: one leaf, whole");
+            c.audit().unwrap();
+            let other: &[u32] = if first_goes == &[1, 1] {
+                &[2, 2]
+            } else {
+                &[1, 1]
+            };
+            assert!(!kept(&c, first_goes), "{policy} (dict: {dict})");
+            assert!(kept(&c, other), "{policy} (dict: {dict})");
+        }
+    }
+}
+
+#[test]
+fn swa_eviction_turns_the_lowest_keyed_internal_node_into_a_tombstone() {
+    // Internal nodes [1, 1] (matched, then older) and [2, 2] (newer, never matched),
+    // their leaves locked: "lru" makes [1, 1] a tombstone, "lfu" [2, 2].
+    for (policy, goes, stays) in [("lru", [1, 1], [2, 2]), ("lfu", [2, 2], [1, 1])] {
+        let mut c = Cache::new(Config {
+            swa_slots: 32,
+            swa_window: 2,
+            eviction_policy: policy.parse().unwrap(),
+            ..Config::kv(64, 1)
+        })
+        .unwrap();
+        cached(&mut c, &[1, 1]);
+        let a = cached(&mut c, &[1, 1, 3, 3]).node;
+        assert_eq!(c.match_prefix(None, &[1, 1, 9]).device_len, 2);
+        cached(&mut c, &[2, 2]);
+        let b = cached(&mut c, &[2, 2, 4, 4]).node;
+        let locks = [c.lock(a).unwrap(), c.lock(b).unwrap()];
+        assert_eq!(c.evict_swa(1), 2, "{policy}");
+        assert_eq!(stat(&c, "swa_tombstones"), 1, "{policy}");
+        c.audit().unwrap();
+        assert_eq!(c.match_prefix(None, &goes).device_len, 0, "{policy}");
+        assert_eq!(c.match_prefix(None, &stays).device_len, 2, "{policy}");
+        for l in locks {
+            c.unlock(l).unwrap();
+        }
+        c.audit().unwrap();
+    }
+}
+
+#[test]
+fn audit_checks_the_swa_queue_against_the_policy_keys() {
+    for policy in ["lru", "lfu", "priority"] {
+        let fresh = || {
+            let mut c = Cache::new(Config {
+                swa_slots: 16,
+                swa_window: 2,
+                eviction_policy: policy.parse().unwrap(),
+                ..Config::kv(32, 1)
+            })
+            .unwrap();
+            let node = cached(&mut c, &[1, 1]).node;
+            let i = c.tree.resolve(node).unwrap();
+            c.touch(i, true);
+            c.raise_priority(i, 3);
+            c.audit().unwrap();
+            (c, i)
+        };
+        // A key that went down: the queued entry is past the node's place.
+        let (mut c, i) = fresh();
+        let n = c.tree.node_mut(i);
+        n.last_access = 0;
+        n.matches = 0;
+        n.priority = 0;
+        let err = c.audit().unwrap_err();
+        assert!(
+            matches!(&err, Error::Invariant(m) if m.contains("keys only grow")),
+            "{policy}: {err}"
+        );
+        // An entry for a node not marked queued.
+        let (mut c, i) = fresh();
+        c.tree.node_mut(i).swa.queued = false;
+        let err = c.audit().unwrap_err();
+        assert!(
+            matches!(&err, Error::Invariant(m) if m.contains("not marked queued")),
+            "{policy}: {err}"
+        );
+    }
 }

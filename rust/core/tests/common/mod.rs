@@ -58,7 +58,11 @@ pub fn eviction_policies() -> impl Strategy<Value = EvictionPolicies> {
         prop::sample::select(kv.to_vec()),
         prop::sample::select(EvictionPolicy::ALL.to_vec()),
     )
-        .prop_map(|(kv, mamba)| EvictionPolicies { kv, mamba })
+        .prop_map(|(kv, mamba)| EvictionPolicies {
+            kv,
+            mamba,
+            ..EvictionPolicies::default()
+        })
 }
 
 // ---------------------------------------------------------------------------------------
