@@ -834,6 +834,72 @@ def test_compute_saved_is_the_share_of_the_prefill_flops_hits_skip() -> None:
     assert compute_saved_ratio([(80, 40), (120, 0)], constant) == pytest.approx(40 / 200)
 
 
+#: TINY's attention layer as an SWA layer of window 4: a token at position p costs
+#: 8 + 4 min(p + 1, 4) FLOPs.
+TINY_SWA = dataclasses.replace(TINY, attention_layers=0, swa_layers=1, swa_window=4)
+
+
+def test_an_swa_layer_attends_to_its_window_only() -> None:
+    assert TINY_SWA.token_flops() == (8, 0)
+    assert TINY_SWA.swa_flops() == 4
+    for n in (0, 1, 3, 4, 5, 64):
+        assert TINY_SWA.prefill_flops(n) == sum(8 + 4 * min(p + 1, 4) for p in range(n)), n
+    # Past the window every token costs the same (12): a hit on half of a prompt saves
+    # about half (the first 3 tokens cost less), where full attention's deep tokens make
+    # it about a quarter.
+    assert TINY_SWA.prefill_flops(40) == 8 * 40 + 4 * (1 + 2 + 3 + 4 * 37) == 936
+    assert TINY_SWA.prefill_flops(80) == 8 * 80 + 4 * (1 + 2 + 3 + 4 * 77) == 1896
+    assert compute_saved_ratio([(80, 40)], TINY_SWA) == pytest.approx(936 / 1896)
+    assert compute_saved_ratio([(80, 40)], TINY) == pytest.approx(3600 / 13600)
+    # The default shape with half its attention layers as SWA layers of 1,024.
+    shape = ModelShape().with_swa(1024, 0.5)
+    assert (shape.attention_layers, shape.swa_layers, shape.swa_window) == (2, 2, 1024)
+    a, b = shape.token_flops()
+    s = shape.swa_flops()
+    assert a == ModelShape().token_flops()[0], "SWA layers keep the projections"
+    assert shape.prefill_flops(3000) == sum(
+        a + b * (p + 1) + s * min(p + 1, 1024) for p in range(3000)
+    )
+    assert shape.prefill_flops(3000) < ModelShape().prefill_flops(3000)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"swa_layers": -1}, "swa_layers: must be at least 0"),
+        ({"swa_window": -1}, "swa_window: must be at least 0"),
+        ({"swa_layers": 2}, "swa_window: must be at least 1 with swa_layers=2"),
+    ],
+)
+def test_a_bad_swa_shape_is_a_value_error_naming_the_field(
+    kwargs: dict[str, int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelShape(**kwargs)
+
+
+def test_with_swa_names_a_bad_share_or_window() -> None:
+    for share in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="share: must be in"):
+            ModelShape().with_swa(8, share)
+    with pytest.raises(ValueError, match="swa_window"):
+        ModelShape().with_swa(0, 0.5)
+    assert ModelShape().with_swa(0, 0.0) == ModelShape(), "no layer moved, no window needed"
+
+
+def test_the_replay_counts_an_swa_models_compute_with_its_swa_layers() -> None:
+    plain = sv.ReplayConfig()
+    assert plain.model_shape() == plain.shape
+    swa = sv.ReplayConfig(swa_slots=4096, swa_window=512)
+    assert swa.model_shape() == ModelShape().with_swa(512, 0.5)
+    assert sv.ReplayConfig(
+        swa_slots=4096, swa_window=512, layers=1, swa_layers=3
+    ).model_shape() == (ModelShape().with_swa(512, 0.75))
+    # A shape with SWA layers of its own is counted as given.
+    own = ModelShape(swa_layers=1, swa_window=64)
+    assert sv.ReplayConfig(swa_slots=4096, swa_window=512, shape=own).model_shape() == own
+
+
 def three_sharing_a_system_prompt() -> list[Job]:
     """Three requests: a 64-token system prompt, a 16-token question, 3 output tokens."""
     system = list(range(100, 164))

@@ -87,6 +87,19 @@ class ReplayConfig:
     host_swa_slots: int = 0
     swa_layers: int = 2
 
+    def model_shape(self) -> ModelShape:
+        """Return the shape whose compute ``compute_saved_ratio`` counts for this model.
+
+        `shape`; with SWA layers (``swa_slots > 0``) and none in `shape`, the same share
+        of its attention layers as SWA layers of `swa_window` positions as the checksum
+        model has (`swa_layers` of ``layers + swa_layers``: half by default, as gpt-oss
+        alternates them). The attention-only replay counts with `shape` itself.
+        """
+        if not self.swa_slots or self.shape.swa_layers:
+            return self.shape
+        share = self.swa_layers / (self.layers + self.swa_layers)
+        return self.shape.with_swa(self.swa_window, share)
+
     def cache(self, *, hybrid: bool = True, swa: bool = True) -> HybridCache:
         """Make a cache with these settings.
 
@@ -257,7 +270,8 @@ def replay(
     full_attn: Counters | None = None
     if cache.swa_slots and config.attention_only:
         full_attn = full_attention(jobs, config) if cache.mamba_slots else attn
-    out = report(c, s, engine, model, seconds, audit, full, attn, config.shape)
+    shapes = (config.model_shape(), config.shape)
+    out = report(c, s, engine, model, seconds, audit, full, attn, shapes)
     out["eviction_policy"] = cache.eviction_policy
     out.update(swa_report(cache, s, c, full_attn))
     out.update(offline_report(trace, c, out["attention_only_hit_rate"]))
@@ -350,19 +364,21 @@ def report(
     audit: str,
     full: bool,
     attention_only: Counters | None,
-    shape: ModelShape,
+    shapes: tuple[ModelShape, ModelShape],
 ) -> dict[str, Any]:
     """Gather the replay's report into a flat dict (the documented keys first).
 
     `attention_only` is the attention-only replay's counters, or None when it was not
     run: ``attention_only_hit_rate``, ``attention_only_compute_saved_ratio`` and
     ``hit_rate_ratio`` are then None, as is the ratio when the attention-only rate is 0.
+    `shapes`: the model's and the attention-only model's, for the compute saved.
     """
+    shape, attention_shape = shapes
     rate = _rate(c)
     attn = attn_saved = None
     if attention_only is not None:
         attn = _rate(attention_only)
-        attn_saved = compute_saved(attention_only, shape)
+        attn_saved = compute_saved(attention_only, attention_shape)
     failed, injected = 0, {}
     if isinstance(engine, FaultyEngine):
         failed, injected = engine.stats()["batches_failed"], dict(engine.injected)
