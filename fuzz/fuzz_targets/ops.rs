@@ -83,7 +83,8 @@ struct Cfg {
     host_mamba: u8,
     policy: u8,
     threshold: u8,
-    /// The eviction policy of each component (KV: lru, lfu, priority; states: any).
+    /// The eviction policy of each component (KV and SWA: lru, lfu, priority; states:
+    /// any).
     eviction: u8,
     /// Odd without a host tier: SWA layers (pool size and window drawn from the rest).
     swa: u8,
@@ -530,6 +531,11 @@ fn config_of(c: &Cfg) -> Config {
                 EvictionPolicy::Priority,
             ][usize::from(c.eviction % 3)],
             mamba: EvictionPolicy::ALL[usize::from(c.eviction / 3 % 4)],
+            swa: [
+                EvictionPolicy::Lru,
+                EvictionPolicy::Lfu,
+                EvictionPolicy::Priority,
+            ][usize::from(c.eviction / 12 % 3)],
         },
         swa_slots,
         swa_window,
