@@ -1,15 +1,16 @@
 """The admission orders of docs/serving.md ("Cache-aware admission"): FCFS against LPM.
 
 For each workload, state pool size, eviction policy and schedule policy it runs the
-replay of ``radixcache replay`` in process, as scripts/policy_sweep.py does (``--host-kv-slots
-0``, the default KV pool and scheduler, no checksum model: ``ReplayConfig(oracle=False)``)
-with the offline bound recorded, and the attention-only replay once per workload,
-KV policy and schedule policy. ``--check`` replays the named cells again with the model
-and its oracle, which must see 0 mismatches and the same hit rate. Reports are kept as
-JSON in ``--results`` (a rerun skips what is there); the markdown table goes to stdout
-(and ``--table``): per cell the hybrid/attention-only ratio (over the attention-only
-replay of the same schedule policy, and over FCFS's), the offline bound of that run's
-order, the scheduler steps, and the queue wait and overtakes (p99 / max).
+replay of ``radixcache replay`` in process, as scripts/policy_sweep.py does
+(``--host-kv-slots 0``, the default KV pool and scheduler, no checksum model:
+``ReplayConfig(oracle=False)``) with the offline bound recorded, and the attention-only
+replay once per workload, KV policy and schedule policy; LPM with ``--window`` and
+``--max-overtakes``. ``--check`` replays the named cells again with the model and its
+oracle, which must see 0 mismatches and the same hit rate. Reports are kept as JSON in
+``--results`` (a rerun skips what is there); the markdown table goes to stdout (and
+``--table``): per cell the hybrid/attention-only ratio (over the attention-only replay
+of the same schedule policy, and over FCFS's), the offline bound of that run's order,
+the scheduler steps, and the queue wait and overtakes (p99 / max).
 
     python scripts/schedule_sweep.py --results sched/ --check gsp:64:lru:lpm
 
@@ -36,7 +37,9 @@ STATES = (64, 256)
 POLICIES = ("lru", "state-value")
 
 
-def config(policy: str, states: int, schedule: str, window: int, **kw: Any) -> sv.ReplayConfig:
+def config(
+    policy: str, states: int, schedule: str, window: int, overtakes: int, **kw: Any
+) -> sv.ReplayConfig:
     """Return the replay settings: the defaults, no host tier, the admission order."""
     return sv.ReplayConfig(
         mamba_slots=states,
@@ -44,16 +47,19 @@ def config(policy: str, states: int, schedule: str, window: int, **kw: Any) -> s
         eviction_policy=cast("PolicyName", policy),
         schedule_policy=cast("SchedulePolicy", schedule),
         schedule_window=window,
+        max_overtakes=overtakes,
         **kw,
     )
 
 
-def _task(key: tuple[str, ...], window: int) -> tuple[tuple[str, ...], dict[str, Any]]:
+def _task(
+    key: tuple[str, ...], window: int, overtakes: int
+) -> tuple[tuple[str, ...], dict[str, Any]]:
     kind, workload = key[0], key[1]
     jobs = sv.load(workload)
     if kind == "attention":
         kv, schedule = key[2], key[3]
-        c = attention_only(jobs, config(kv, 0, schedule, window))
+        c = attention_only(jobs, config(kv, 0, schedule, window, overtakes))
         return key, {"hit_rate": c.device_hit_tokens / c.prompt_tokens, "steps": c.steps}
     states, policy, schedule = int(key[2]), key[3], key[4]
     checked = kind == "check"
@@ -62,6 +68,7 @@ def _task(key: tuple[str, ...], window: int) -> tuple[tuple[str, ...], dict[str,
         states,
         schedule,
         window,
+        overtakes,
         offline_bound=not checked,
         attention_only=False,
         oracle=checked,
@@ -89,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--states", nargs="+", type=int, default=list(STATES))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--window", type=int, default=128, help="--schedule-window of lpm")
+    ap.add_argument("--max-overtakes", type=int, default=128, help="--max-overtakes of lpm")
     ap.add_argument("--jobs", type=int, default=1, help="replays run at once")
     ap.add_argument(
         "--check",
@@ -107,20 +115,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys += [("cell", w, str(m), p, s) for m in a.states for p in a.policies for s in scheds]
     keys += [("check", *c.split(":")) for c in a.check]
     path = {
-        k: results / ("-".join(k) + (f"-w{a.window}" if "lpm" in k else "") + ".json") for k in keys
+        k: results
+        / ("-".join(k) + (f"-w{a.window}-o{a.max_overtakes}" if "lpm" in k else "") + ".json")
+        for k in keys
     }
     out = {k: json.loads(path[k].read_text()) for k in keys if path[k].exists()}
     todo = [k for k in keys if k not in out]
     with ProcessPoolExecutor(a.jobs) as pool:
-        for key, r in pool.map(_task, todo, [a.window] * len(todo)):
+        for key, r in pool.map(_task, todo, [a.window] * len(todo), [a.max_overtakes] * len(todo)):
             path[key].write_text(json.dumps(r))
             out[key] = r
             print(" ".join(key), file=sys.stderr)
     head = (
-        "| workload | states | policy | order | ratio | ratio (FCFS attn) | bound | steps "
-        "| wait p99 / max | overtaken p99 / max | checks |"
+        "| workload | states | policy | order | hit rate | attention-only | ratio "
+        "| ratio to FCFS attention | bound | steps | wait p99 / max | overtaken p99 / max "
+        "| checks |"
     )
-    lines = [head, "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [head, "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     all_ok = True
     for w in a.workloads:
         for m in a.states:
@@ -143,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         str(m),
                         p,
                         s,
+                        f"{r['device_hit_rate']:.3f}",
+                        f"{attn:.3f}",
                         f"{r['device_hit_rate'] / attn:.3f}",
                         f"{r['device_hit_rate'] / fcfs_attn:.3f}",
                         f"{r['offline_bound_hit_rate'] / attn:.3f}",

@@ -279,7 +279,8 @@ POOL_FLAGS = (
     ),
     Flag(
         "--max-overtakes",
-        "a waiting request overtaken this many times goes next; only with --schedule-policy lpm",
+        "fairness of lpm: a waiting request overtaken this many times goes next; only "
+        "with --schedule-policy lpm",
         hi=MAX_REQUESTS,
         shown=str(_D.max_overtakes),
     ),
