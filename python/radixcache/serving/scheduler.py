@@ -365,7 +365,7 @@ class Scheduler:
     # ------------------------------------------------------------------ driving
 
     def add(self, jobs: Sequence[Job]) -> None:
-        """Queue `jobs` (served in order)."""
+        """Queue `jobs`, arrived now (admitted in the order of `schedule_policy`)."""
         start = len(self.waiting) + self.counters.finished + self.counters.rejected
         self.waiting.extend((start + i, job) for i, job in enumerate(jobs))
         # They can be admitted from the next step on: a wait counts the steps after it.
