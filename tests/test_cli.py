@@ -213,6 +213,11 @@ def test_a_device_pool_too_small_for_any_request_is_refused(
         (["--page-size", "0"], ["argument --page-size"]),
         (["--max-running", "0"], ["argument --max-running"]),
         (["--chunk-size", "0"], ["argument --chunk-size"]),
+        (["--schedule-policy", "sjf"], ["argument --schedule-policy", "invalid choice: 'sjf'"]),
+        (["--schedule-policy", "lpm", "--schedule-window", "0"], ["argument --schedule-window"]),
+        (["--schedule-policy", "lpm", "--max-overtakes", "-1"], ["argument --max-overtakes"]),
+        (["--schedule-window", "64"], ["--schedule-window: 64 given with --schedule-policy fcfs"]),
+        (["--max-overtakes", "4"], ["--max-overtakes: 4 given with --schedule-policy fcfs"]),
         (["--write-policy", "sometimes"], ["argument --write-policy", "invalid choice"]),
         (
             ["--eviction-policy", "fifo"],
@@ -455,6 +460,25 @@ def test_the_report_names_each_components_policy_where_it_differs(
     policy: dict[str, str], value: str, note: str
 ) -> None:
     assert cli._policy_text(policy) == (value, note)
+
+
+def test_the_schedule_policy_runs_and_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "gsp", "--requests", "24", "--kv-slots", "16384", "--quiet"]
+    argv += ["--mamba-slots", "8", "--schedule-policy", "lpm", "--schedule-window", "16"]
+    argv += ["--max-overtakes", "3"]
+    assert cli.main(["replay", *argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["schedule_policy"], r["schedule_window"], r["max_overtakes"]) == ("lpm", 16, 3)
+    assert r["overtaken"]["max"] <= 3
+    assert r["mismatches"] == 0
+    assert cli.main(["replay", *argv]) == 0
+    text = capsys.readouterr().out
+    for row in ("schedule policy", "window 16", "queue wait", "overtaken"):
+        assert row in text, row
+    assert cli.main(["bench", *argv, "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert b["schedule_policy"] == "lpm"
+    assert b["ops"]["peek_prefix"]["calls"] > 0  # the ranking's cache calls are timed
 
 
 @pytest.mark.parametrize("model", ["swa", "swa-hybrid"])

@@ -131,6 +131,20 @@ def test_lfu_keeps_the_node_a_match_used_over_a_more_recent_one() -> None:
     c.audit()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "state-value"])
+def test_a_peek_counts_no_use_and_moves_nothing_in_the_order(policy: str) -> None:
+    c = rc.HybridCache(kv_slots=16, mamba_slots=4, eviction_policy=policy)
+    for t in (1, 2):  # [1, 1] goes first: older, and no match used it
+        c.insert([t, t], c.alloc_kv(2), mamba_slot=c.alloc_mamba())
+    stats = c.stats()
+    for _ in range(3):
+        assert c.peek_prefix([1, 1, 5]) == (2, 0, 2)
+    assert c.stats() == stats
+    assert c.evict(mamba_states=1).mamba_states == 1
+    assert (c.peek_prefix([1, 1])[0], c.peek_prefix([2, 2])[0]) == (0, 2)
+    c.audit()
+
+
 def test_priority_keeps_what_a_high_priority_request_cached() -> None:
     c = rc.HybridCache(kv_slots=64, mamba_slots=4, eviction_policy="priority")
     req = c.admit([7, 7, 7], priority=5)

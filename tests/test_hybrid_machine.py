@@ -575,7 +575,9 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
         ns, tokens = self.sequence(data)
+        peek = self.cache.peek_prefix(tokens, namespace=ns)
         m = self.cache.match_prefix(tokens, namespace=ns)
+        assert peek == (m.device_len, m.host_len, m.kv_len)
         assert m.device_len % self.ps == 0
         assert m.device_len <= m.kv_len <= self.aligned(len(tokens))
         assert (m.host_len, m.host_node) == (0, m.node)

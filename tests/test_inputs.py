@@ -385,6 +385,10 @@ def test_out_of_range_ints_name_the_argument_the_value_and_the_position(
             "tokens: token id -1 at position 1 is out of range [0, 2**32)",
         ),
         (
+            lambda: cache.peek_prefix([1, -1]),
+            "tokens: token id -1 at position 1 is out of range [0, 2**32)",
+        ),
+        (
             lambda: cache.match_prefix((0, 2**32)),
             "tokens: token id 4294967296 at position 1 is out of range [0, 2**32)",
         ),

@@ -615,6 +615,14 @@ class HybridCache:
         make it; it goes with the last thing it held), so reads with ever new names cost
         no memory: a miss there answers one shared empty root.
         """
+    def peek_prefix(self, tokens: _Tokens, *, namespace: str | None = None) -> tuple[int, int, int]:
+        """``(device_len, host_len, kv_len)`` that ``match_prefix`` would answer now.
+
+        Nothing changes: no node is split, refreshed or counted as matched, no
+        statistic moves, so no eviction policy's order does (docs/contract.md rule 14).
+        A scheduler ranks waiting requests by it (`radixcache.serving.Scheduler`'s
+        ``schedule_policy="lpm"``).
+        """
     def insert(
         self,
         tokens: _Tokens,

@@ -4,7 +4,8 @@ radixcache replay [--workload mixed|gsp|multiturn|PATH] [--requests N] [--seed S
 [--model hybrid|attention|swa|swa-hybrid] [--window W] [--swa-slots N] [--host-swa-slots N]
 [--kv-slots N] [--mamba-slots N] [--host-kv-slots N] [--host-mamba-slots N]
 [--page-size P] [--write-policy ...] [--write-through-threshold T]
-[--eviction-policy lru|lfu|priority|state-value] [--max-running N] [--chunk-size N]
+[--eviction-policy lru|lfu|priority|state-value] [--max-running N]
+[--schedule-policy fcfs|lpm] [--schedule-window N] [--max-overtakes N] [--chunk-size N]
 [--no-branch-checkpoints] [--inject-failures RATE] [--offline-bound]
 [--no-attention-only] [--json] [--plot PATH] [--quiet]
 radixcache bench [the workload, cache and scheduler flags] [--numpy] [--json] [--quiet]
@@ -42,7 +43,7 @@ from . import __version__
 from .serving import harness as _replay
 from .serving import workloads as _workloads
 from .serving.model import MODELS
-from .serving.scheduler import StepSample
+from .serving.scheduler import SCHEDULE_POLICIES, StepSample
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
 #: The ``--eviction-policy`` names (the cache's ``eviction_policy``).
@@ -260,6 +261,29 @@ POOL_FLAGS = (
         default=_D.max_running,
         lo=1,
         hi=MAX_RUNNING,
+    ),
+    Flag(
+        "--schedule-policy",
+        "the admission order: fcfs (first come, first served) or lpm (longest cached "
+        "prefix first, among --schedule-window waiting requests; one overtaken "
+        "--max-overtakes times goes next)",
+        kind="choice",
+        default=_D.schedule_policy,
+        choices=SCHEDULE_POLICIES,
+    ),
+    Flag(
+        "--schedule-window",
+        "waiting requests lpm ranks at each admission; only with --schedule-policy lpm",
+        lo=1,
+        hi=MAX_REQUESTS,
+        shown=str(_D.schedule_window),
+    ),
+    Flag(
+        "--max-overtakes",
+        "fairness of lpm: a waiting request overtaken this many times goes next; only "
+        "with --schedule-policy lpm",
+        hi=MAX_REQUESTS,
+        shown=str(_D.max_overtakes),
     ),
     Flag(
         "--chunk-size",
@@ -540,6 +564,25 @@ def _layers(args: argparse.Namespace) -> tuple[int, int, int]:
     return mamba, window, swa_slots
 
 
+def _schedule(args: argparse.Namespace) -> dict[str, Any]:
+    """Return the admission order's settings (`radixcache.serving.Scheduler`).
+
+    Raises:
+        InputError: ``--schedule-window`` or ``--max-overtakes`` without
+            ``--schedule-policy lpm``.
+    """
+    policy = _value(args, "--schedule-policy")
+    out: dict[str, Any] = {"schedule_policy": policy}
+    for flag in ("--schedule-window", "--max-overtakes"):
+        dest = flag[2:].replace("-", "_")
+        given = getattr(args, dest)
+        if given is not None and policy != "lpm":
+            raise InputError(f"{flag}: {given} given with --schedule-policy {policy} (lpm only)")
+        if given is not None:
+            out[dest] = given
+    return out
+
+
 def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
     """Build the replay's settings from the flags; the cache checks them together."""
     mamba, window, swa_slots = _layers(args)
@@ -561,6 +604,7 @@ def _config(args: argparse.Namespace, **extra: Any) -> _replay.ReplayConfig:
         raise InputError(f"--host-swa-slots: {host_swa} given with {why}; pass 0")
     config = _replay.ReplayConfig(
         kv_slots=_value(args, "--kv-slots"),
+        **_schedule(args),
         mamba_slots=mamba,
         host_kv_slots=host_kv,
         host_mamba_slots=host_mamba,
@@ -895,6 +939,23 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("prompt tokens", r["prompt_tokens"])
     row("output tokens", r["output_tokens"])
     row("eviction policy", *_policy_text(r["eviction_policy"]))
+    wait, over = r["queue_wait_steps"], r["overtaken"]
+    row(
+        "schedule policy",
+        r["schedule_policy"],
+        f"{r['steps']} scheduler steps"
+        + (
+            ""
+            if r["schedule_window"] is None
+            else f"; window {r['schedule_window']}, at most {r['max_overtakes']} overtakes"
+        ),
+    )
+    row(
+        "queue wait",
+        f"{wait['mean']:.0f} steps",
+        f"mean; p99 {wait['p99']:.0f}, max {wait['max']:.0f}; overtaken mean "
+        f"{over['mean']:.1f}, p99 {over['p99']:.0f}, max {over['max']:.0f}",
+    )
     model, swa = r["model"], r["swa_window"] > 0
     row("model", model, f"window {r['swa_window']} tokens" if swa else "")
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))

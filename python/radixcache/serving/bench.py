@@ -134,6 +134,13 @@ class TimedCache:
         self._charge("evict", _now() - t)
         return out
 
+    def peek_prefix(self, tokens: Any, *, namespace: str | None = None) -> tuple[int, int, int]:
+        """Time ``peek_prefix`` (the ``"lpm"`` ranking; charged to no request)."""
+        t = _now()
+        out = self._cache.peek_prefix(tokens, namespace=namespace)
+        self.ops["peek_prefix"].append(_now() - t)
+        return out
+
     def available_kv(self) -> int:
         """Time ``available_kv``."""
         t = _now()
@@ -267,7 +274,8 @@ def bench(
         ``ns_per_prompt_token``, ``us_per_request`` (median over finished requests),
         ``p99_us``, ``mean_us_per_request``, ``hit_rate``, ``model`` (the layers the
         pools serve: `radixcache.serving.model.MODELS`), ``eviction_policy`` (the
-        cache's, per component), per-operation ``ops`` (calls,
+        cache's, per component), ``schedule_policy`` (the admission order),
+        per-operation ``ops`` (calls,
         p50/p99 in µs, share of the total), ``peak_rss_mb`` and ``rss_growth_mb`` (the
         process, before and after the cache was built), ``pools_full_at_end`` (the cache,
         emptied after the replay, had every slot back: nothing leaked), ``retractions``,
@@ -312,6 +320,7 @@ def bench(
         "tokens": "numpy" if numpy_tokens else "list",
         "model": model_name(cache),
         "eviction_policy": cache.eviction_policy,
+        "schedule_policy": config.schedule_policy,
         "hit_rate": c.device_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         "cache_seconds": total / 1e9,

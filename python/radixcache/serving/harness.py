@@ -12,7 +12,14 @@ from ..engine import TransferEngine
 from .flops import ModelShape, compute_saved_ratio
 from .model import ChecksumModel, model_name
 from .offline import Event, StateTrace, bound
-from .scheduler import Counters, FaultyEngine, InstantEngine, Scheduler, StepSample
+from .scheduler import (
+    Counters,
+    FaultyEngine,
+    InstantEngine,
+    SchedulePolicy,
+    Scheduler,
+    StepSample,
+)
 from .workloads import Job
 
 __all__ = [
@@ -49,7 +56,9 @@ class ReplayConfig:
     the attention-only comparison uses it too. `shape` is the model whose prefill
     compute ``compute_saved_ratio`` counts (`radixcache.serving.flops`);
     `offline_bound` records the state uses and reports the offline bound
-    (`radixcache.serving.offline`). `oracle=False` replays without the checksum model
+    (`radixcache.serving.offline`). `schedule_policy`, `schedule_window` and
+    `max_overtakes` are the scheduler's admission order (`Scheduler`; the comparison
+    replays use it too). `oracle=False` replays without the checksum model
     and its storage, every batch completing at once: the scheduler makes the same cache
     calls, so the hit rates are the same, several times faster, but no sample is
     checked (``samples_checked`` and ``mismatches`` are 0) and no failure is injected.
@@ -86,6 +95,9 @@ class ReplayConfig:
     swa_window: int = 0
     host_swa_slots: int = 0
     swa_layers: int = 2
+    schedule_policy: SchedulePolicy = "fcfs"
+    schedule_window: int = 128
+    max_overtakes: int = 128
 
     def model_shape(self) -> ModelShape:
         """Return the shape whose compute ``compute_saved_ratio`` counts for this model.
@@ -141,6 +153,9 @@ class ReplayConfig:
             "load_back_quota": self.load_back_quota,
             "timeline": self.timeline,
             "branch_checkpoints": self.branch_checkpoints,
+            "schedule_policy": self.schedule_policy,
+            "schedule_window": self.schedule_window,
+            "max_overtakes": self.max_overtakes,
         }
         kwargs.update(overrides)
         return kind(cache, engine, model, **kwargs)
@@ -273,11 +288,37 @@ def replay(
     shapes = (config.model_shape(), config.shape)
     out = report(c, s, engine, model, seconds, audit, full, attn, shapes)
     out["eviction_policy"] = cache.eviction_policy
+    out.update(schedule_report(config, c))
     out.update(swa_report(cache, s, c, full_attn))
     out.update(offline_report(trace, c, out["attention_only_hit_rate"]))
     if trace is not None and events is not None:
         events.extend(trace.events)
     return out, c.timeline
+
+
+def _spread(values: Sequence[int]) -> dict[str, float]:
+    """`values`' mean, 99th percentile (nearest rank) and maximum (0 each when empty)."""
+    if not values:
+        return {"mean": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[max(0, -(-99 * len(ordered) // 100) - 1)]
+    return {"mean": sum(ordered) / len(ordered), "p99": float(p99), "max": float(ordered[-1])}
+
+
+def schedule_report(config: ReplayConfig, c: Counters) -> dict[str, Any]:
+    """Return the admission order's keys of the report: the policy and what it cost.
+
+    ``queue_wait_steps``: the scheduler steps each request waited from its arrival to
+    its first admission; ``overtaken``: how many requests that arrived after it were
+    admitted before it; each as ``{"mean", "p99", "max"}`` over the admitted requests.
+    """
+    return {
+        "schedule_policy": config.schedule_policy,
+        "schedule_window": config.schedule_window if config.schedule_policy == "lpm" else None,
+        "max_overtakes": config.max_overtakes if config.schedule_policy == "lpm" else None,
+        "queue_wait_steps": _spread([w for _, w, _ in c.admissions]),
+        "overtaken": _spread([o for _, _, o in c.admissions]),
+    }
 
 
 #: The SWA counters of ``cache.stats()`` the report carries (0 without SWA layers).

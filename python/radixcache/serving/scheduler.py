@@ -5,8 +5,9 @@ Each step:
 1. **Acknowledge** the load-back batches the engine finished (`TransferEngine.poll`): a
    request whose load completed goes on to prefill; one whose load failed after its
    commit has its ``prefix_len`` dropped back by the cache and recomputes those tokens.
-2. **Admit** waiting requests in order while there is room (running requests, and KV
-   memory left after what the running ones will still need): ``admit`` (match, lock,
+2. **Admit** waiting requests while there is room (running requests, and KV memory left
+   after what the running ones will still need), in the order of the schedule policy
+   (below): ``admit`` (match, lock,
    copy-on-write of the cached state, whose batch runs at once), then, when the rest
    of the prefix is on the host, ``load_back`` within a memory quota, submitted to the
    engine and committed once the engine accepted it (it completes at a later poll).
@@ -26,6 +27,25 @@ Each step:
    compute, as in overlap scheduling); the batches that emits (backups, state forks)
    run on the engine. The compute enqueued by the step before is then waited for.
 
+**Schedule policy** (the admission order). ``"fcfs"``: first come, first served.
+``"lpm"``: longest prefix match first, as serving engines order their queue (SGLang's
+``--schedule-policy lpm``): among the first ``schedule_window`` waiting requests, the one
+whose prompt reuses the most cached tokens goes first (``HybridCache.peek_prefix``: the
+match ``admit`` would get, device and host tokens, cut where a hybrid model has a state,
+with none of a match's effects, so the eviction policies' counts and order are those of
+the admissions alone); ties, and requests that reuse nothing, go in arrival order. Only
+the window is ranked, so each admission costs at most ``schedule_window`` peeks.
+Fairness is bounded: a waiting request counts the requests that arrived after it and
+were admitted before it (*overtaken*); once that reaches ``max_overtakes`` it goes next,
+before any match is ranked, so no request is overtaken more than ``max_overtakes``
+times. The scheduler knows no dependency between requests (a conversation's next turn
+is a request later in the queue, as in FCFS); ``"lpm"`` keeps their arrival order
+anyway: a later turn's prompt extends the earlier one's, so until the earlier turn ran
+the later one matches no more of the cache (a tie, in arrival order), and once overtaken
+enough both go in arrival order. The cost is reported per request: the steps it waited
+from its arrival to its first admission, and how often it was overtaken
+(`Counters.admissions`).
+
 The scheduler uses only the public request API, `Storage` and the engine interface
 (``run``, ``submit``, ``poll``, ``after_compute``); without a model it makes exactly the
 same cache calls (for hit rates and for timing the cache alone).
@@ -33,11 +53,12 @@ same cache calls (for hit rates and for timing the cache alone).
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -48,7 +69,19 @@ from .model import ChecksumModel, ComputeEvent
 from .offline import StateTrace
 from .workloads import Job
 
-__all__ = ["FaultyEngine", "InstantEngine", "Refused", "Scheduler", "StepSample"]
+__all__ = [
+    "SCHEDULE_POLICIES",
+    "FaultyEngine",
+    "InstantEngine",
+    "Refused",
+    "Scheduler",
+    "StepSample",
+]
+
+#: The admission orders of `Scheduler` (``schedule_policy``; see the module docstring).
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+#: A ``schedule_policy`` name.
+SchedulePolicy = Literal["fcfs", "lpm"]
 
 
 class Refused(RuntimeError):
@@ -232,6 +265,10 @@ class Counters:
     timeline: list[StepSample] = field(default_factory=list)
     #: ``(prompt_len, device_hit, host_hit)`` of each finished request, in order.
     served: list[tuple[int, int, int]] = field(default_factory=list)
+    #: ``(index, waited, overtaken)`` of each request's first admission, in order: the
+    #: steps from its arrival to that admission, and how many requests that arrived
+    #: after it were admitted before it.
+    admissions: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -255,6 +292,12 @@ class Scheduler:
             page, to measure what branch-point checkpoints are worth).
         trace: Records each admission's state use and each state put in the tree,
             for the offline bound (`radixcache.serving.offline`); None: not recorded.
+        schedule_policy: The admission order, ``"fcfs"`` or ``"lpm"`` (see the module
+            docstring).
+        schedule_window: Waiting requests ``"lpm"`` ranks at each admission (the
+            first ones in arrival order).
+        max_overtakes: Under ``"lpm"``, a waiting request overtaken this many times
+            goes next.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -274,14 +317,25 @@ class Scheduler:
         token_lists: bool = False,
         branch_checkpoints: bool = True,
         trace: StateTrace | None = None,
+        schedule_policy: SchedulePolicy = "fcfs",
+        schedule_window: int = 128,
+        max_overtakes: int = 128,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
             ("chunk_size", chunk_size),
             ("step_tokens", step_tokens),
+            ("schedule_window", schedule_window),
         ):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if max_overtakes < 0:
+            raise ValueError(f"max_overtakes: must be >= 0, got {max_overtakes}")
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy: must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {schedule_policy!r}"
+            )
         if load_back_quota is not None and load_back_quota < 0:
             raise ValueError(f"load_back_quota: must be >= 0, got {load_back_quota}")
         self.cache = cache
@@ -302,13 +356,20 @@ class Scheduler:
         self.branch_checkpoints = branch_checkpoints
         self.trace = trace
         self._prepared: dict[int, tuple[Any, Any]] = {}
+        self.schedule_policy = schedule_policy
+        self.schedule_window = schedule_window
+        self.max_overtakes = max_overtakes
+        self._arrived: dict[int, int] = {}  # the step each waiting request arrived at
+        self._overtaken: dict[int, int] = {}  # the waiting requests overtaken, how often
 
     # ------------------------------------------------------------------ driving
 
     def add(self, jobs: Sequence[Job]) -> None:
-        """Queue `jobs` (served in order)."""
+        """Queue `jobs`, arrived now (admitted in the order of `schedule_policy`)."""
         start = len(self.waiting) + self.counters.finished + self.counters.rejected
         self.waiting.extend((start + i, job) for i, job in enumerate(jobs))
+        # They can be admitted from the next step on: a wait counts the steps after it.
+        self._arrived.update((start + i, self.counters.steps + 1) for i in range(len(jobs)))
 
     def run(self, progress: Callable[[int], None] | None = None) -> Counters:
         """Serve every queued job; `progress` gets the number finished after each step.
@@ -348,6 +409,9 @@ class Scheduler:
         for live in list(self.running):
             self._drop(live)
         self.waiting.clear()
+        self._prepared.clear()
+        self._arrived.clear()
+        self._overtaken.clear()
 
     def step(self) -> None:
         """One scheduling step (see the module docstring)."""
@@ -432,7 +496,8 @@ class Scheduler:
             # one for the node: more requests than that could only retract each other.
             limit = min(limit, max(1, cache.mamba_slots - 2))
         while self.waiting and len(self.running) < limit:
-            index, job = self.waiting[0]
+            pos = self._next()
+            index, job = self.waiting[pos]
             need = len(job.prompt) + len(job.output)
             room = cache.available_kv() + cache.evictable_size() - self._reserved()
             if self.running and need > room:
@@ -445,13 +510,11 @@ class Scheduler:
                 req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None:
                 if not self.running:
-                    self.waiting.popleft()
-                    self._prepared.pop(index, None)
+                    self._dequeue(pos, admitted=False)
                     self.counters.rejected += 1
                     continue
                 return
-            self.waiting.popleft()
-            self._prepared.pop(index, None)
+            self._dequeue(pos, admitted=True)
             expected = None
             if self.model is not None:
                 expected = self.model.ref.samples(job.prompt, len(job.output), job.output)
@@ -464,6 +527,44 @@ class Scheduler:
                 self.trace.use(index, job.namespace, seq, req.branch_len, self.counters.steps)
             if req.host_len > 0:
                 self._load_back(live)
+
+    def _next(self) -> int:
+        """Return the position in `waiting` of the request to admit next.
+
+        ``"fcfs"``: the first. ``"lpm"``: the first one overtaken `max_overtakes` times,
+        else the one of the first `schedule_window` that reuses the most cached tokens
+        (the first of those in a tie).
+        """
+        if self.schedule_policy == "fcfs":
+            return 0
+        window = list(itertools.islice(self.waiting, self.schedule_window))
+        for pos, (index, _) in enumerate(window):
+            if self._overtaken.get(index, 0) >= self.max_overtakes:
+                return pos
+        best, most = 0, -1
+        for pos, (index, job) in enumerate(window):
+            tokens, _ = self._prepare(index, job)
+            device, host, _ = self.cache.peek_prefix(tokens, namespace=job.namespace)
+            if device + host > most:
+                best, most = pos, device + host
+        return best
+
+    def _dequeue(self, pos: int, *, admitted: bool) -> None:
+        """Take the request at `pos` out of `waiting`: `admitted`, or rejected.
+
+        The ones before it are overtaken once more; its first admission is recorded (a
+        retracted request queues again, without an arrival).
+        """
+        index, _ = self.waiting[pos]
+        for before, _ in itertools.islice(self.waiting, pos):
+            self._overtaken[before] = self._overtaken.get(before, 0) + 1
+        del self.waiting[pos]
+        self._prepared.pop(index, None)
+        overtaken = self._overtaken.pop(index, 0)
+        arrived = self._arrived.pop(index, None)
+        if admitted and arrived is not None:
+            waited = self.counters.steps - arrived
+            self.counters.admissions.append((index, waited, overtaken))
 
     def _prepare(self, index: int, job: Job) -> tuple[Any, Any]:
         """Return the tokens to admit with and every token the request feeds (cached)."""

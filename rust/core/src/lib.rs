@@ -25,7 +25,7 @@ mod tree;
 
 pub use cache::{
     Abandoned, BatchKind, Cache, CallOff, ComponentKind, Evicted, Grown, Insert, LoadRecord,
-    LoadTarget, LockReceipt, Match, Model, NodeInfo, PoolKind, RequestView, SlotCopy, Tier,
+    LoadTarget, LockReceipt, Match, Model, NodeInfo, Peek, PoolKind, RequestView, SlotCopy, Tier,
     TransferBatch,
 };
 pub use config::{Config, EvictionPolicies, EvictionPolicy, PoolOwner, WritePolicy};

@@ -7,7 +7,8 @@
 //! eviction and load-backs happen all the time.
 //!
 //! Proptest generates random sequences of the request-level calls (`admit`, `extend`,
-//! `checkpoint`, `finish`, `abort`), the low-level ones (`match_prefix`, `insert_with_state`
+//! `checkpoint`, `finish`, `abort`), the low-level ones (`match_prefix`, each preceded by a
+//! `peek_prefix` that must answer the same lengths, `insert_with_state`
 //! with `alloc_kv` / `alloc_mamba` slots, `free_kv`, `free_mamba`, `lock` / `unlock` of
 //! device or host nodes, `evict`), `take_batches` with `start` / `complete` / `fail` of
 //! taken batches in random order, and `load_back` (of a request, or of a match's
@@ -1269,7 +1270,13 @@ impl Machine {
     // Low level
 
     fn do_match(&mut self, ns: &Ns, toks: &[u32]) {
+        let p = self.cache.peek_prefix(ns.as_deref(), toks);
         let m = self.cache.match_prefix(ns.as_deref(), toks);
+        assert_eq!(
+            (p.device_len, p.host_len, p.kv_len),
+            (m.device_len, m.host_len, m.kv_len),
+            "a peek answers what the match does: {toks:?}"
+        );
         self.check_match(ns, toks, &m);
         self.check();
     }

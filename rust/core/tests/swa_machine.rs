@@ -3,7 +3,8 @@
 //!
 //! Proptest generates random sequences of `admit` (shared "system prompts" plus a tail
 //! over a small alphabet), `extend` and `extend_batch` (prefill chunks and decode
-//! steps), `checkpoint`, `finish`, `abort`, `match_prefix`, low-level inserts (`alloc_kv`
+//! steps), `checkpoint`, `finish`, `abort`, `match_prefix` (each preceded by a
+//! `peek_prefix` that must answer the same lengths), low-level inserts (`alloc_kv`
 //! then `insert`), `lock` / `unlock` / dropped receipts, `evict`, `evict_swa`, and the
 //! transfer batches a Mamba model or a host tier emits (completed, failed, abandoned,
 //! or left in flight across steps), over page sizes 1, 2 and 4, windows of 1 to 6
@@ -241,7 +242,13 @@ impl Machine {
             }
             Op::Match { system, tail } => {
                 let t = tokens(*system, tail);
+                let p = self.c.peek_prefix(None, &t);
                 let m = self.c.match_prefix(None, &t);
+                assert_eq!(
+                    (p.device_len, p.host_len, p.kv_len),
+                    (m.device_len, m.host_len, m.kv_len),
+                    "a peek answers what the match does"
+                );
                 assert!(m.device_len <= m.kv_len, "{m:?}");
                 assert_eq!(m.kv_indices.len(), m.device_len);
             }

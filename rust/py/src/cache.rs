@@ -328,6 +328,22 @@ impl PyHybridCache {
         })
     }
 
+    /// `(device_len, host_len, kv_len)` that `match_prefix` would answer, with none of
+    /// its effects.
+    #[pyo3(signature = (tokens, *, namespace=None))]
+    fn peek_prefix(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<(usize, usize, usize)> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let p = run(py, &self.inner, tokens.len(), |c| {
+            Ok(c.peek_prefix(namespace, &tokens))
+        })?;
+        Ok((p.device_len, p.host_len, p.kv_len))
+    }
+
     /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
     #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=Int::Value(0),
                         mamba_slot=None, priority=Int::Value(0)),

@@ -104,6 +104,19 @@ pub(crate) trait Component {
     /// tier); called once per node after [`Component::cut`], with the same walk.
     fn anywhere(c: &Cache, walk: &mut Self::Walk, i: u32, depth: usize) -> bool;
 
+    /// [`Component::cut`] and [`Component::anywhere`] for a match ending `len` tokens
+    /// into node `i` (`0 < len < key.len()`, whole pages; `depth` tokens from the root
+    /// there): what the upper part of a split there would answer, without the split
+    /// ([`Cache::peek_prefix`]). Called for the last node of a path only.
+    fn inside(
+        c: &Cache,
+        walk: &mut Self::Walk,
+        i: u32,
+        len: usize,
+        depth: usize,
+        on_device: bool,
+    ) -> (bool, bool);
+
     /// A lock of the path ending at node `i` was taken: takes this component's share.
     /// Returns whether it took something the receipt must give back.
     fn lock(c: &mut Cache, i: u32) -> bool;
@@ -133,6 +146,11 @@ impl Component for FullAttention {
     #[inline]
     fn anywhere(_: &Cache, (): &mut (), _: u32, _: usize) -> bool {
         true
+    }
+
+    /// A split's upper part takes the node's first pages and their tier.
+    fn inside(_: &Cache, (): &mut (), _: u32, _: usize, _: usize, on_device: bool) -> (bool, bool) {
+        (on_device, true)
     }
 
     /// The path lock is the shared part of every lock ([`Cache::lock_index`]).
@@ -170,6 +188,11 @@ impl Component for MambaStates {
     fn anywhere(c: &Cache, (): &mut (), i: u32, _: usize) -> bool {
         let m = &c.tree.node(i).mamba;
         m.device.is_some() || m.host.is_some()
+    }
+
+    /// A split leaves the state with the lower part: no state ends inside a node.
+    fn inside(_: &Cache, (): &mut (), _: u32, _: usize, _: usize, _: bool) -> (bool, bool) {
+        (false, false)
     }
 
     /// Holds the node's state (a single-node lock), when it has one.
@@ -220,6 +243,27 @@ impl Component for SlidingWindow {
     fn anywhere(c: &Cache, walk: &mut (usize, usize), i: u32, depth: usize) -> bool {
         walk.1 = c.swa_run_any(i, walk.1);
         walk.1 >= c.swa.need() || walk.1 == depth
+    }
+
+    fn inside(
+        c: &Cache,
+        walk: &mut (usize, usize),
+        i: u32,
+        len: usize,
+        depth: usize,
+        on_device: bool,
+    ) -> (bool, bool) {
+        let need = c.swa.need();
+        let device = if on_device {
+            c.swa_run_inside(i, len, walk.0, false)
+        } else {
+            0
+        };
+        let any = c.swa_run_inside(i, len, walk.1, true);
+        (
+            device >= need || device == depth,
+            any >= need || any == depth,
+        )
     }
 
     fn lock(c: &mut Cache, i: u32) -> bool {
@@ -280,6 +324,30 @@ impl Cut {
         let mamba =
             !self.model.with::<MambaStates>() || MambaStates::anywhere(c, &mut (), i, depth);
         full && mamba && swa
+    }
+
+    /// [`Cut::step`] and [`Cut::anywhere`] for a path's last node, matched `len` tokens
+    /// into (see [`Component::inside`]).
+    pub fn inside(
+        &mut self,
+        c: &Cache,
+        i: u32,
+        len: usize,
+        depth: usize,
+        on_device: bool,
+    ) -> (bool, bool) {
+        let swa = if self.model.with::<SlidingWindow>() {
+            SlidingWindow::inside(c, &mut self.swa, i, len, depth, on_device)
+        } else {
+            (true, true)
+        };
+        let full = FullAttention::inside(c, &mut (), i, len, depth, on_device);
+        let mamba = if self.model.with::<MambaStates>() {
+            MambaStates::inside(c, &mut (), i, len, depth, on_device)
+        } else {
+            (true, true)
+        };
+        (full.0 && mamba.0 && swa.0, full.1 && mamba.1 && swa.1)
     }
 }
 

@@ -1,11 +1,11 @@
 //! `match_prefix` and the walks over paths: the longest cached prefix, the slots and
 //! tokens of a path, splits.
 
-use crate::tree::NONE;
+use crate::tree::{Probe, NONE};
 
 use super::component::Cut;
 use super::sizes::Sizes;
-use super::{Cache, Match};
+use super::{Cache, Match, Peek};
 
 /// What a match found, without the slots (see [`Cache::find`]).
 pub(crate) struct Found {
@@ -40,6 +40,45 @@ impl Cache {
             host_node: self.tree.id(f.host_end),
             mamba_slot: f.mamba_slot,
             kv_len: f.kv_len,
+        }
+    }
+
+    /// The lengths [`Cache::match_prefix`] would answer for `tokens` in `namespace`,
+    /// with none of its effects: no node is split, refreshed or counted, no statistic
+    /// moves, so no eviction order changes (a scheduler ranks waiting requests by it).
+    pub fn peek_prefix(&self, namespace: Option<&str>, tokens: &[u32]) -> Peek {
+        let root = self.roots.read(namespace);
+        let key = &tokens[..self.aligned(tokens.len())];
+        let mut probe = Probe::default();
+        self.tree.probe(root, key, &mut probe);
+        // The walk of `find`, the last node taken as the upper part of its split.
+        let mut cut = Cut::new(self.model());
+        let (mut valid, mut any) = (0, 0);
+        let mut on_device = true;
+        let mut depth = 0;
+        for &(i, n) in &probe.path {
+            depth += n;
+            let nd = self.tree.node(i);
+            on_device = on_device && !nd.kv.state.loading() && nd.kv.device.is_some();
+            let (here, anywhere) = if n < nd.key.len() {
+                cut.inside(self, i, n, depth, on_device)
+            } else {
+                (
+                    cut.step(self, i, depth, on_device),
+                    cut.anywhere(self, i, depth),
+                )
+            };
+            if here {
+                valid = depth;
+            }
+            if anywhere {
+                any = depth;
+            }
+        }
+        Peek {
+            device_len: valid,
+            host_len: any.saturating_sub(valid),
+            kv_len: probe.matched,
         }
     }
 
@@ -196,5 +235,123 @@ impl Cache {
         self.sizes += Sizes::of(self.tree.node(i));
         self.split_components(u, i);
         u
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cache::test_util::{seq, stat};
+    use crate::cache::Cache;
+    use crate::config::Config;
+
+    /// A cache of pages of 4 tokens: full attention, with Mamba states (`mamba`) and SWA
+    /// layers of a window of 8 (`swa`), under `policy`.
+    fn cache(mamba: bool, swa: bool, policy: &str) -> Cache {
+        Cache::new(Config {
+            mamba_slots: if mamba { 8 } else { 0 },
+            swa_slots: if swa { 64 } else { 0 },
+            swa_window: if swa { 8 } else { 0 },
+            eviction_policy: policy.parse().unwrap(),
+            ..Config::kv(128, 4)
+        })
+        .unwrap()
+    }
+
+    /// Caches `toks` with fresh slots (without a match: an insert is no hit), and a state
+    /// at the end in a hybrid cache.
+    fn put(c: &mut Cache, toks: &[u32]) {
+        let kv = c.alloc_kv(toks.len()).unwrap().unwrap();
+        let state = if c.is_hybrid() {
+            Some(i64::from(c.alloc_mamba().unwrap().unwrap()))
+        } else {
+            None
+        };
+        c.insert_with_state(None, toks, &kv, 0, state).unwrap();
+    }
+
+    /// `a`, then `b` after it.
+    fn join(a: &[u32], b: &[u32]) -> Vec<u32> {
+        [a, b].concat()
+    }
+
+    #[test]
+    fn a_peek_answers_the_lengths_of_the_match_for_every_model_inside_a_node_too() {
+        // [1..8] -> {[9..16] (a state at 16) -> [17..24], [50..57]}, and [200..223]
+        // cached by a request (with SWA layers its first pages left the window): queries
+        // end at node ends, inside nodes (a match would split them), past the tree and
+        // off it.
+        let branch: Vec<u32> = (50..=57).collect();
+        let long: Vec<u32> = (200..224).collect();
+        let queries = [
+            seq(4),
+            join(&seq(6), &[99]),
+            join(&seq(12), &[99, 99, 99, 99]),
+            seq(16),
+            join(&seq(20), &[99, 99, 99, 99]),
+            seq(24),
+            join(&join(&seq(8), &branch[..4]), &[99, 99, 99, 99]),
+            join(&seq(8), &branch),
+            vec![7, 7, 7, 7],
+            join(&long[..12], &[99, 99, 99, 99]),
+            join(&long[..20], &[99, 99, 99, 99]),
+            long.clone(),
+        ];
+        for (mamba, swa) in [(false, false), (true, false), (false, true), (true, true)] {
+            for tombstones in [false, true] {
+                for q in &queries {
+                    let mut c = cache(mamba, swa, "lru");
+                    put(&mut c, &seq(16));
+                    put(&mut c, &seq(24));
+                    put(&mut c, &join(&seq(8), &branch));
+                    let r = c.admit(None, &[]).unwrap().unwrap();
+                    c.extend(r, &long).unwrap().unwrap();
+                    c.finish(r).unwrap();
+                    if tombstones && swa {
+                        c.evict_swa(3);
+                    }
+                    c.audit().unwrap();
+                    let nodes = c.snapshot().len();
+                    let p = c.peek_prefix(None, q);
+                    assert_eq!(c.snapshot().len(), nodes, "a peek splits nothing");
+                    let m = c.match_prefix(None, q);
+                    let what = format!("mamba {mamba} swa {swa} tombstones {tombstones} {q:?}");
+                    assert_eq!(
+                        (p.device_len, p.host_len, p.kv_len),
+                        (m.device_len, m.host_len, m.kv_len),
+                        "{what}"
+                    );
+                    c.audit().unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_peek_counts_no_hit_and_moves_no_node_in_any_eviction_order() {
+        for policy in ["lru", "lfu", "priority", "state-value"] {
+            let mamba = policy == "state-value";
+            let mut c = cache(mamba || policy == "lfu", false, policy);
+            // [1..4] is the older node and the one no match used: it goes first unless
+            // the peeks below counted as uses or refreshed it.
+            put(&mut c, &seq(4));
+            let other = [9, 9, 9, 9];
+            put(&mut c, &other);
+            let stats = c.stats();
+            for _ in 0..3 {
+                assert_eq!(c.peek_prefix(None, &seq(6)).device_len, 4);
+            }
+            assert_eq!(c.stats(), stats, "{policy}: a peek moves no statistic");
+            assert_eq!(stat(&c, "match_calls"), 0);
+            c.audit().unwrap();
+            let evicted = if c.is_hybrid() {
+                c.evict(0, 1).mamba_states
+            } else {
+                c.evict(4, 0).kv_tokens / 4
+            };
+            assert_eq!(evicted, 1, "{policy}");
+            assert_eq!(c.peek_prefix(None, &seq(4)).device_len, 0, "{policy}");
+            assert_eq!(c.peek_prefix(None, &other).device_len, 4, "{policy}");
+            c.audit().unwrap();
+        }
     }
 }

@@ -67,7 +67,7 @@ pub use component::{ComponentKind, Model};
 pub use load::{CallOff, LoadRecord, LoadTarget};
 pub use locks::LockReceipt;
 pub use request::{Grown, RequestView};
-pub use results::{Evicted, Insert, Match, NodeInfo};
+pub use results::{Evicted, Insert, Match, NodeInfo, Peek};
 
 use crate::config::Config;
 use crate::error::Result;

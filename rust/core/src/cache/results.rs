@@ -21,6 +21,17 @@ pub struct Match {
     pub kv_len: usize,
 }
 
+/// The answer of [`super::Cache::peek_prefix`]: the lengths a [`Match`] would have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peek {
+    /// As [`Match::device_len`].
+    pub device_len: usize,
+    /// As [`Match::host_len`].
+    pub host_len: usize,
+    /// As [`Match::kv_len`].
+    pub kv_len: usize,
+}
+
 /// The answer of [`super::Cache::insert`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Insert {

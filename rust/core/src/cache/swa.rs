@@ -135,6 +135,25 @@ impl Cache {
         }
     }
 
+    /// [`Cache::swa_run`] (with `any`, [`Cache::swa_run_any`]) for the first `len` tokens
+    /// of node `i` (whole pages): what the upper part of a split there would give.
+    pub(crate) fn swa_run_inside(&self, i: u32, len: usize, run: usize, any: bool) -> usize {
+        let n = self.tree.node(i);
+        let ps = self.config.page_size;
+        let k = len / ps;
+        let pages = match (n.kv.device.as_deref(), n.kv.host.as_deref()) {
+            (Some(pages), _) => self.pools.kv.companion_tail(&pages[..k]),
+            (None, Some(host)) if any => self.pools.host_kv.companion_tail(&host[..k]),
+            _ => 0,
+        };
+        let tail = pages * ps;
+        if tail == len {
+            run + len
+        } else {
+            tail
+        }
+    }
+
     /// Whether the path to node `i` ends in a live window counting host-only nodes by
     /// their host SWA pages: what a load-back to `i` needs (always, without SWA layers).
     pub(crate) fn swa_window_live_any(&self, i: u32) -> bool {
