@@ -17,7 +17,13 @@
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::ids::RequestId;
+use crate::pool::Pages;
 
+use super::alloc::StateRoom;
+use super::batch::{Payload, PoolKind, SlotCopy, Tier};
+use super::lookup::Found;
+use super::request::{Cow, RequestState};
 use super::Cache;
 
 /// The kinds of layers a model may have.
@@ -75,6 +81,17 @@ impl Model {
         }
     }
 
+    /// Every component's share of request `r` dropping back to nothing reused.
+    pub(crate) fn restart(self, r: &mut RequestState) {
+        FullAttention::restart(r);
+        if self.with::<MambaStates>() {
+            MambaStates::restart(r);
+        }
+        if self.with::<SlidingWindow>() {
+            SlidingWindow::restart(r);
+        }
+    }
+
     /// The model's components, full attention first.
     pub fn components(self) -> Vec<ComponentKind> {
         [
@@ -116,6 +133,139 @@ pub(crate) trait Component {
 
     /// Checks what this component keeps (beyond the checks every pool and node gets).
     fn audit(c: &Cache) -> Result<()>;
+
+    // Requests. What a request holds of a component is its part of [`Held`].
+
+    /// Admission of request `r` (not in the table yet) whose match is `m`: takes what
+    /// the request holds of this component, adding the copies that fill it to `copies`
+    /// (the admission's copy-on-write batch). False refuses the admission; what was
+    /// taken goes back as `r` drops.
+    #[inline]
+    fn admit(_: &mut Cache, _: &Found, _: &mut RequestState, _: &mut Vec<SlotCopy>) -> bool {
+        true
+    }
+
+    /// Request `id` is about to grow or to be cached.
+    #[inline]
+    fn advance(_: &mut Cache, _: RequestId) {}
+
+    /// Slots of this component's own pool that request `r` needs before it grows.
+    #[inline]
+    fn wants(_: &RequestState) -> usize {
+        0
+    }
+
+    /// Whether `n` slots of this component's own pool can be had now.
+    #[inline]
+    fn available(_: &Cache, _: usize) -> bool {
+        true
+    }
+
+    /// One slot of this component's own pool, evicting for it when short.
+    #[inline]
+    fn take(_: &mut Cache) -> StateRoom {
+        StateRoom::No
+    }
+
+    /// Request `r` receives `slot` (one it [`Component::wants`]).
+    #[inline]
+    fn give(_: &mut RequestState, _: Pages) {}
+
+    /// A checkpoint cached request `id` up to node `end` (`at_end`: its tokens end at
+    /// `end`'s end).
+    #[inline]
+    fn checkpoint(_: &mut Cache, _: RequestId, _: u32, _: bool) {}
+
+    /// Request `r` drops back to nothing reused (its admission copy failed): what it
+    /// holds of this component is retired or starts over.
+    #[inline]
+    fn restart(_: &mut RequestState) {}
+
+    // Node data.
+
+    /// A sequence ending at node `i` is cached with `held` (what a request or an
+    /// insert's caller hands over; `at_end`: the sequence ends at `i`'s end, which has
+    /// device KV): the node keeps what it can use, the rest goes back as `held` drops.
+    /// True when the node had its own already.
+    #[inline]
+    fn donate(_: &mut Cache, _: u32, _: bool, _: &mut Held) -> bool {
+        false
+    }
+
+    /// An insert passed node `i`, which has device KV, with its own copy of it (`dup`,
+    /// freed afterwards).
+    #[inline]
+    fn duplicate(_: &mut Cache, _: u32, _: &[u32]) {}
+}
+
+/// What a request holds of each component beyond its KV pages and path lock (and what
+/// an insert's caller hands over with its KV).
+#[derive(Default)]
+pub(crate) struct Held {
+    /// Mamba: the request's own state slot.
+    pub state: Option<Pages>,
+    /// SWA: the token position up to which the request's own pages gave back their SWA
+    /// pages (their tokens left the window). Absolute, so that it survives a checkpoint
+    /// moving `prefix_len` (chunked prefill): a page is never freed twice, nor kept.
+    pub swa_freed_to: usize,
+}
+
+impl Held {
+    /// What an insert's caller hands over: a state slot.
+    pub fn state(state: Option<Pages>) -> Held {
+        Held {
+            state,
+            ..Held::default()
+        }
+    }
+
+    /// The request's own state slot.
+    pub fn state_slot(&self) -> Option<u32> {
+        self.state.as_ref().map(|s| s.pages()[0])
+    }
+}
+
+/// Slots of the components' own pools that requests need before they grow.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Wants {
+    states: usize,
+}
+
+impl std::ops::AddAssign for Wants {
+    #[inline]
+    fn add_assign(&mut self, other: Wants) {
+        self.states += other.states;
+    }
+}
+
+/// Slots taken for what requests [`Wants`]; they go back to their pools as this drops.
+pub(crate) struct Taken {
+    states: Vec<Pages>,
+    /// Some slot is on its way (a write-back eviction's backup frees it when it lands).
+    pub coming: bool,
+}
+
+impl Taken {
+    /// Request `r` receives what it wants of the slots.
+    #[inline]
+    pub fn give(&mut self, r: &mut RequestState) {
+        if !self.states.is_empty() && MambaStates::wants(r) > 0 {
+            if let Some(s) = self.states.pop() {
+                MambaStates::give(r, s);
+            }
+        }
+    }
+}
+
+/// A device-to-device copy of one state slot.
+fn state_copy(src: u32, dst: u32) -> SlotCopy {
+    SlotCopy {
+        pool: PoolKind::Mamba,
+        src_tier: Tier::Device,
+        dst_tier: Tier::Device,
+        src: vec![i64::from(src)],
+        dst: vec![i64::from(dst)],
+    }
 }
 
 /// Full-attention KV: the tree's pages themselves.
@@ -198,6 +348,88 @@ impl Component for MambaStates {
     fn audit(_: &Cache) -> Result<()> {
         Ok(())
     }
+
+    /// The request gets its own state slot with a copy of the matched state (our lock
+    /// holds the source, so eviction for the copy cannot take it); refused when no
+    /// slot can be had.
+    #[inline]
+    fn admit(c: &mut Cache, m: &Found, r: &mut RequestState, copies: &mut Vec<SlotCopy>) -> bool {
+        let Some(src) = m.mamba_slot else {
+            return true;
+        };
+        let Some(dst) = c.alloc_state() else {
+            return false;
+        };
+        copies.push(state_copy(src, dst.pages()[0]));
+        r.held.state = Some(dst);
+        true
+    }
+
+    /// A request without a state slot wants one.
+    #[inline]
+    fn wants(r: &RequestState) -> usize {
+        usize::from(r.held.state.is_none())
+    }
+
+    #[inline]
+    fn available(c: &Cache, n: usize) -> bool {
+        c.states_available(n)
+    }
+
+    #[inline]
+    fn take(c: &mut Cache) -> StateRoom {
+        c.take_state()
+    }
+
+    #[inline]
+    fn give(r: &mut RequestState, slot: Pages) {
+        r.held.state = Some(slot);
+    }
+
+    /// The tree gets a copy of the request's state at `end` (a `cow` batch), when the
+    /// request ends there and `end` has none; counted as skipped when it cannot.
+    fn checkpoint(c: &mut Cache, id: RequestId, end: u32, at_end: bool) {
+        let Some(src) = c.request_ref(id).ok().and_then(|r| r.held.state_slot()) else {
+            return;
+        };
+        if !at_end {
+            c.stats.checkpoint_states_skipped += 1;
+        } else if c.tree.node(end).mamba.device.is_none() {
+            if let Some(dst) = c.alloc_state() {
+                let dst_slot = dst.pages()[0];
+                let node = c.tree.id(end);
+                c.emit(
+                    vec![state_copy(src, dst_slot)],
+                    Payload::Cow(Cow::Checkpoint { node, dst }),
+                );
+            } else {
+                c.stats.checkpoint_states_skipped += 1;
+            }
+        }
+    }
+
+    /// The state slot is retired (a copy may still write it).
+    #[inline]
+    fn restart(r: &mut RequestState) {
+        r.retired.states.extend(r.held.state.take());
+    }
+
+    /// The state lands on the node when the sequence ends there and the node has none.
+    #[inline]
+    fn donate(c: &mut Cache, i: u32, at_end: bool, held: &mut Held) -> bool {
+        let Some(state) = held.state.take() else {
+            return false;
+        };
+        if !at_end {
+            // Taken at the sequence's end, which is no node's end.
+            return false;
+        }
+        if c.tree.node(i).mamba.device.is_some() {
+            return true;
+        }
+        c.set_state(i, state);
+        false
+    }
 }
 
 /// Sliding-window attention (`swa.rs`).
@@ -237,6 +469,21 @@ impl Component for SlidingWindow {
 
     fn audit(c: &Cache) -> Result<()> {
         c.audit_swa()
+    }
+
+    /// The request's own pages whose tokens left the window give back their SWA pages.
+    fn advance(c: &mut Cache, id: RequestId) {
+        c.slide_window(id);
+    }
+
+    /// The window starts over with the tokens it recomputes.
+    fn restart(r: &mut RequestState) {
+        r.held.swa_freed_to = 0;
+    }
+
+    /// Dead window pages of the node revive from the duplicate's SWA pages.
+    fn duplicate(c: &mut Cache, i: u32, dup: &[u32]) {
+        c.swa_revive(i, dup);
     }
 }
 
@@ -328,6 +575,114 @@ impl Cache {
         }
         if model.with::<SlidingWindow>() {
             SlidingWindow::split(self, upper, lower);
+        }
+    }
+
+    /// Every component's share of admitting request `r` (not in the table yet) for
+    /// match `m`; false refuses it. `copies`: the admission's copy-on-write batch.
+    #[inline]
+    pub(crate) fn admit_components(
+        &mut self,
+        m: &Found,
+        r: &mut RequestState,
+        copies: &mut Vec<SlotCopy>,
+    ) -> bool {
+        let model = self.model;
+        FullAttention::admit(self, m, r, copies)
+            && (!model.with::<MambaStates>() || MambaStates::admit(self, m, r, copies))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::admit(self, m, r, copies))
+    }
+
+    /// Every component's share of request `id` growing or being cached.
+    #[inline]
+    pub(crate) fn advance_components(&mut self, id: RequestId) {
+        let model = self.model;
+        FullAttention::advance(self, id);
+        if model.with::<MambaStates>() {
+            MambaStates::advance(self, id);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::advance(self, id);
+        }
+    }
+
+    /// What request `r` wants of the components' own pools before it grows.
+    #[inline]
+    pub(crate) fn wants(&self, r: &RequestState) -> Wants {
+        Wants {
+            states: if self.model.with::<MambaStates>() {
+                MambaStates::wants(r)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Whether what `w` wants can be had now.
+    #[inline]
+    pub(crate) fn wants_available(&self, w: Wants) -> bool {
+        w.states == 0 || MambaStates::available(self, w.states)
+    }
+
+    /// Takes what `w` wants; `None` (what was taken goes back) when some slot cannot be
+    /// had.
+    #[inline]
+    pub(crate) fn take_wants(&mut self, w: Wants) -> Option<Taken> {
+        let mut taken = Taken {
+            states: Vec::new(),
+            coming: false,
+        };
+        if w.states > 0 {
+            taken.states.reserve_exact(w.states);
+            for _ in 0..w.states {
+                match MambaStates::take(self) {
+                    StateRoom::Now(s) => taken.states.push(s),
+                    StateRoom::Coming => taken.coming = true,
+                    StateRoom::No => return None,
+                }
+            }
+        }
+        Some(taken)
+    }
+
+    /// Every component's share of a checkpoint that cached request `id` up to `end`.
+    pub(crate) fn checkpoint_components(&mut self, id: RequestId, end: u32, at_end: bool) {
+        let model = self.model;
+        FullAttention::checkpoint(self, id, end, at_end);
+        if model.with::<MambaStates>() {
+            MambaStates::checkpoint(self, id, end, at_end);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::checkpoint(self, id, end, at_end);
+        }
+    }
+
+    /// Every component's share of caching a sequence ending at node `i` with `held`
+    /// (see [`Component::donate`]); true when some component's node had its own already.
+    #[inline]
+    pub(crate) fn donate_components(&mut self, i: u32, at_end: bool, held: &mut Held) -> bool {
+        let model = self.model;
+        let mut had = FullAttention::donate(self, i, at_end, held);
+        if model.with::<MambaStates>() {
+            had |= MambaStates::donate(self, i, at_end, held);
+        }
+        if model.with::<SlidingWindow>() {
+            had |= SlidingWindow::donate(self, i, at_end, held);
+        }
+        had
+    }
+
+    /// Every component's share of an insert passing node `i` with a duplicate `dup` of
+    /// its device KV.
+    #[inline]
+    pub(crate) fn duplicate_components(&mut self, i: u32, dup: &[u32]) {
+        let model = self.model;
+        FullAttention::duplicate(self, i, dup);
+        if model.with::<MambaStates>() {
+            MambaStates::duplicate(self, i, dup);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::duplicate(self, i, dup);
         }
     }
 

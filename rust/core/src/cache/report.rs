@@ -34,7 +34,7 @@ impl Cache {
     pub(crate) fn holdings(&self, mut f: impl FnMut(usize, Holder, &[u32])) {
         for r in self.requests.iter() {
             f(0, Holder::Request, r.kv.pages());
-            if let Some(s) = &r.mamba {
+            if let Some(s) = &r.held.state {
                 f(1, Holder::Request, s.pages());
             }
             for p in &r.retired.kv {
