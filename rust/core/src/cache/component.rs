@@ -16,12 +16,13 @@
 //! A new kind of layer is one more implementation and one more field of [`Model`].
 
 use crate::config::Config;
-use crate::error::Result;
-use crate::ids::RequestId;
+use crate::error::{Error, Result};
+use crate::ids::{NodeId, RequestId};
 use crate::pool::Pages;
 
 use super::alloc::StateRoom;
 use super::batch::{Payload, PoolKind, SlotCopy, Tier};
+use super::load::CallOff;
 use super::lookup::Found;
 use super::request::{Cow, RequestState};
 use super::Cache;
@@ -196,6 +197,222 @@ pub(crate) trait Component {
     /// freed afterwards).
     #[inline]
     fn duplicate(_: &mut Cache, _: u32, _: &[u32]) {}
+
+    // The host tier.
+
+    /// Whether leaf `i`, being evicted, would be of no use on the host (no match could
+    /// end there), so that a write-back eviction does not back it up.
+    #[inline]
+    fn backup_useless(_: &Cache, _: u32) -> bool {
+        false
+    }
+
+    /// A backup gives node `i`'s device KV the new host pages `host`: takes the host
+    /// data paired with them, adding its copies to `share`. False (having taken
+    /// nothing) when short of room: the KV is then backed up without it.
+    #[inline]
+    fn backup_pages(_: &mut Cache, _: u32, _: &[u32], _: &mut BackupShare) -> bool {
+        true
+    }
+
+    /// A backup of node `i` (`kv_there`: its KV is on the host or in the batch): takes
+    /// host room for this component's node data that lacks a host copy, adding its
+    /// copies to `share`. `count_short`: a shortage is counted in the stats.
+    #[inline]
+    fn backup(_: &mut Cache, _: u32, _: bool, _: &mut BackupShare, _: bool) -> Backed {
+        Backed::default()
+    }
+
+    /// A backup batch holding `held` was emitted: its nodes' data is marked in flight.
+    #[inline]
+    fn backup_started(_: &mut Cache, _: &BackupHeld) {}
+
+    /// A backup batch holding `held` ended: with `publish`, the nodes get their host
+    /// copies; the in-flight marks go.
+    #[inline]
+    fn backup_settled(_: &mut Cache, _: &mut BackupHeld, _: bool) {}
+
+    /// Plans a load-back of the path to node `j` (for a request: `for_request`): what
+    /// this component loads, into `share`. An error refuses it (nothing taken).
+    #[inline]
+    fn load_plan(_: &Cache, _: u32, _: bool, _: &mut LoadShare) -> Result<()> {
+        Ok(())
+    }
+
+    /// Takes the device slots the planned load-back needs for this component's node
+    /// data (before its KV pages), into `share`; what it took goes back as `share`
+    /// drops.
+    #[inline]
+    fn load_take(_: &mut Cache, _: &mut LoadShare) -> std::result::Result<(), CallOff> {
+        Ok(())
+    }
+
+    /// The load-back's device KV pages `kv` were taken: takes the device data paired
+    /// with them, into `share`.
+    #[inline]
+    fn load_pages(_: &mut Cache, _: &Pages, _: &mut LoadShare) -> std::result::Result<(), CallOff> {
+        Ok(())
+    }
+}
+
+/// What [`Component::backup`] did.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Backed {
+    /// Data of the node joins the batch.
+    pub copied: bool,
+    /// Data of the node lacks a host copy and host room could not be had.
+    pub short: bool,
+}
+
+impl Backed {
+    /// What two components did together.
+    fn or(self, other: Backed) -> Backed {
+        Backed {
+            copied: self.copied || other.copied,
+            short: self.short || other.short,
+        }
+    }
+}
+
+/// The slots of one copy: sources, destinations.
+pub(crate) type CopySlots = (Vec<i64>, Vec<i64>);
+
+/// What a backup takes beyond the KV's host pages, with its copies (device slots, host
+/// slots), per component. The host slots it holds go back to their pools as it drops.
+#[derive(Default)]
+pub(crate) struct BackupShare {
+    pub held: BackupHeld,
+    /// Mamba: the state copies.
+    state_copy: CopySlots,
+    /// SWA: the copies into the host SWA pages paired with the new host KV pages.
+    swa_copy: CopySlots,
+}
+
+impl BackupShare {
+    /// What the batch holds until it ends, and its copies by pool (those with no slot
+    /// left out).
+    pub fn into_parts(self) -> (BackupHeld, impl Iterator<Item = (PoolKind, CopySlots)>) {
+        let copies = [
+            (PoolKind::Mamba, self.state_copy),
+            (PoolKind::Swa, self.swa_copy),
+        ]
+        .into_iter()
+        .filter(|(_, (src, _))| !src.is_empty());
+        (self.held, copies)
+    }
+}
+
+/// What a load-back loads beyond the KV pages of the host-only nodes, per component:
+/// planned ([`Component::load_plan`]), then taken, with its copies (host to device).
+#[derive(Default)]
+pub(crate) struct LoadShare {
+    /// Mamba: the target's host state, when it has no device state.
+    restore_from: Option<u32>,
+    /// Mamba: the load is for a request, which gets a copy of the state too.
+    for_request: bool,
+    /// SWA: the host pages read, in path order.
+    host_pages: Vec<u32>,
+    /// SWA: the target's window is not live counting host-only nodes.
+    window_dead: bool,
+    /// SWA: the copies of the window's SWA pages.
+    swa_copy: CopySlots,
+    pub held: LoadHeld,
+}
+
+impl LoadShare {
+    /// Whether it loads node data (a state) of its own.
+    pub fn loads_data(&self) -> bool {
+        self.restore_from.is_some()
+    }
+
+    /// Why the load is called off before anything is taken, if a component refuses it.
+    pub fn refused(&self) -> Option<CallOff> {
+        self.window_dead.then_some(CallOff::Swa)
+    }
+
+    /// What it wants of the components' own pools.
+    pub fn wants(&self) -> Wants {
+        Wants {
+            states: if self.restore_from.is_some() {
+                1 + usize::from(self.for_request)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Adds its copies to `copies` (after the KV's).
+    pub fn copies(&mut self, copies: &mut Vec<SlotCopy>) {
+        let (src, dst) = std::mem::take(&mut self.swa_copy);
+        if !src.is_empty() {
+            copies.push(SlotCopy {
+                pool: PoolKind::Swa,
+                src_tier: Tier::Host,
+                dst_tier: Tier::Device,
+                src,
+                dst,
+            });
+        }
+        if let Some(h) = self.restore_from {
+            let held = &self.held;
+            for s in held.restore.iter().chain(&held.request.state) {
+                copies.push(SlotCopy {
+                    pool: PoolKind::Mamba,
+                    src_tier: Tier::Host,
+                    dst_tier: Tier::Device,
+                    src: vec![i64::from(h)],
+                    dst: vec![i64::from(s.pages()[0])],
+                });
+            }
+        }
+    }
+}
+
+/// What a load-back holds beyond its KV pages until it ends.
+#[derive(Default)]
+pub(crate) struct LoadHeld {
+    /// Mamba: restores the target's state in the tree.
+    restore: Option<Pages>,
+    /// What the request gets at commit (a fresh state slot).
+    pub request: Held,
+    /// SWA: pages copied back (on the KV's last pages, which own them).
+    swa_pages: usize,
+}
+
+impl LoadHeld {
+    /// What the target node gets once the copies land.
+    pub fn for_target(&mut self) -> Held {
+        Held::state(self.restore.take())
+    }
+
+    /// SWA pages it copies back.
+    pub fn swa_pages(&self) -> usize {
+        self.swa_pages
+    }
+
+    /// Calls `f(pool, pages)` for the device slots held (`pool` as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        for s in self.restore.iter().chain(&self.request.state) {
+            f(1, s.pages());
+        }
+    }
+}
+
+/// The host slots a backup batch holds for the components beyond the KV's pages, until
+/// it ends.
+#[derive(Default)]
+pub(crate) struct BackupHeld {
+    /// Mamba: host state slots, per node.
+    states: Vec<(NodeId, Pages)>,
+}
+
+impl BackupHeld {
+    /// Calls `f(pool, pages)` for the host slots held (`pool` as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        for (_, s) in &self.states {
+            f(3, s.pages());
+        }
+    }
 }
 
 /// What a request holds of each component beyond its KV pages and path lock (and what
@@ -222,6 +439,40 @@ impl Held {
     /// The request's own state slot.
     pub fn state_slot(&self) -> Option<u32> {
         self.state.as_ref().map(|s| s.pages()[0])
+    }
+
+    /// A committed load gives the request what it brought (`fresh`): returns what that
+    /// replaced, kept until the load ends.
+    pub fn swap_in(&mut self, fresh: Held) -> Replaced {
+        let swapped = fresh.state.is_some();
+        Replaced {
+            state: fresh.state.and_then(|s| self.state.replace(s)),
+            swapped,
+        }
+    }
+
+    /// The load failed: what it replaced comes back; returns what it had brought.
+    pub fn swap_back(&mut self, replaced: Replaced) -> Held {
+        let fresh = if replaced.swapped {
+            std::mem::replace(&mut self.state, replaced.state)
+        } else {
+            None
+        };
+        Held::state(fresh)
+    }
+}
+
+/// What a committed load replaced of what a request holds ([`Held::swap_in`]).
+pub(crate) struct Replaced {
+    /// The request's earlier state slot, when the load gave it a fresh one (`swapped`).
+    state: Option<Pages>,
+    swapped: bool,
+}
+
+impl Replaced {
+    /// The request's earlier state slot, kept until the load ends.
+    pub fn state(&self) -> Option<&Pages> {
+        self.state.as_ref()
     }
 }
 
@@ -430,6 +681,103 @@ impl Component for MambaStates {
         c.set_state(i, state);
         false
     }
+
+    /// A leaf without a state on any tier could not end a match on the host.
+    #[inline]
+    fn backup_useless(c: &Cache, i: u32) -> bool {
+        let m = &c.tree.node(i).mamba;
+        m.device.is_none() && m.host.is_none()
+    }
+
+    /// The node's device state, when it has no host copy and none is on its way, and
+    /// its KV is there too (a state is useless on the host without it).
+    fn backup(
+        c: &mut Cache,
+        i: u32,
+        kv_there: bool,
+        share: &mut BackupShare,
+        count_short: bool,
+    ) -> Backed {
+        let m = &c.tree.node(i).mamba;
+        let Some(slot) = m.device else {
+            return Backed::default();
+        };
+        if m.host.is_some() || m.backup_pending || !kv_there {
+            return Backed::default();
+        }
+        if let Some(h) = c.alloc_host_state() {
+            share.state_copy.0.push(i64::from(slot));
+            share.state_copy.1.push(i64::from(h.pages()[0]));
+            share.held.states.push((c.tree.id(i), h));
+            Backed {
+                copied: true,
+                short: false,
+            }
+        } else {
+            if count_short {
+                c.stats.backup_states_skipped += 1;
+            }
+            Backed {
+                copied: false,
+                short: true,
+            }
+        }
+    }
+
+    /// A target without a device state gets its host state back (and so does the
+    /// request); a request cannot run from a node with a state on no tier.
+    fn load_plan(c: &Cache, j: u32, for_request: bool, share: &mut LoadShare) -> Result<()> {
+        let n = c.tree.node(j);
+        if n.mamba.device.is_none() && !n.is_root() {
+            share.restore_from = n.mamba.host;
+            share.for_request = for_request;
+            if share.restore_from.is_none() && for_request {
+                return Err(Error::arg(
+                    "node",
+                    "has no Mamba state on any tier, so a request cannot run from it",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A slot restoring the target's state, then the request's own.
+    fn load_take(c: &mut Cache, share: &mut LoadShare) -> std::result::Result<(), CallOff> {
+        if share.restore_from.is_some() {
+            share.held.restore = Some(c.alloc_state().ok_or(CallOff::State)?);
+            if share.for_request {
+                share.held.request.state = Some(c.alloc_state().ok_or(CallOff::State)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn backup_started(c: &mut Cache, held: &BackupHeld) {
+        for (id, _) in &held.states {
+            if let Ok(i) = c.tree.resolve(*id) {
+                c.edit(i, |n| n.mamba.backup_pending = true);
+                c.refresh(i);
+            }
+        }
+    }
+
+    /// A node whose KV has its host copy gets the host state.
+    fn backup_settled(c: &mut Cache, held: &mut BackupHeld, publish: bool) {
+        for (id, h) in std::mem::take(&mut held.states) {
+            let Ok(i) = c.tree.resolve(id) else {
+                drop(h);
+                continue;
+            };
+            c.edit(i, |n| n.mamba.backup_pending = false);
+            let n = c.tree.node(i);
+            if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
+                c.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
+            } else {
+                drop(h);
+            }
+            c.refresh(i);
+        }
+    }
 }
 
 /// Sliding-window attention (`swa.rs`).
@@ -484,6 +832,42 @@ impl Component for SlidingWindow {
     /// Dead window pages of the node revive from the duplicate's SWA pages.
     fn duplicate(c: &mut Cache, i: u32, dup: &[u32]) {
         c.swa_revive(i, dup);
+    }
+
+    /// A leaf ending in a dead SWA page would be a host tombstone leaf.
+    fn backup_useless(c: &Cache, i: u32) -> bool {
+        c.swa_dead_end(i)
+    }
+
+    /// The host SWA pages of the device pages that have an SWA page (all or nothing).
+    fn backup_pages(c: &mut Cache, i: u32, host: &[u32], share: &mut BackupShare) -> bool {
+        c.swa_backup(i, host, &mut share.swa_copy)
+    }
+
+    /// The window at the target must be live counting host-only nodes; the host pages
+    /// read are kept for [`Component::load_pages`].
+    fn load_plan(c: &Cache, j: u32, _: bool, share: &mut LoadShare) -> Result<()> {
+        share.window_dead = !c.swa_window_live_any(j);
+        for i in c.path_to(j) {
+            let n = c.tree.node(i);
+            if let (None, Some(host)) = (&n.kv.device, &n.kv.host) {
+                share.host_pages.extend_from_slice(host);
+            }
+        }
+        Ok(())
+    }
+
+    /// The window's loaded pages get device SWA pages with the copies of their host
+    /// SWA pages.
+    fn load_pages(
+        c: &mut Cache,
+        kv: &Pages,
+        share: &mut LoadShare,
+    ) -> std::result::Result<(), CallOff> {
+        let host = std::mem::take(&mut share.host_pages);
+        share.swa_copy = c.load_swa(&host, kv).ok_or(CallOff::Swa)?;
+        share.held.swa_pages = share.swa_copy.0.len() / c.page_size();
+        Ok(())
     }
 }
 
@@ -684,6 +1068,126 @@ impl Cache {
         if model.with::<SlidingWindow>() {
             SlidingWindow::duplicate(self, i, dup);
         }
+    }
+
+    /// Whether some component finds leaf `i` of no use on the host
+    /// ([`Component::backup_useless`]).
+    pub(crate) fn backup_useless_components(&self, i: u32) -> bool {
+        let model = self.model;
+        FullAttention::backup_useless(self, i)
+            || (model.with::<MambaStates>() && MambaStates::backup_useless(self, i))
+            || (model.with::<SlidingWindow>() && SlidingWindow::backup_useless(self, i))
+    }
+
+    /// Every component's share of node `i`'s KV getting host pages `host` in a backup
+    /// ([`Component::backup_pages`]); false when some component was short.
+    pub(crate) fn backup_pages_components(
+        &mut self,
+        i: u32,
+        host: &[u32],
+        share: &mut BackupShare,
+    ) -> bool {
+        let model = self.model;
+        let mut ok = FullAttention::backup_pages(self, i, host, share);
+        if model.with::<MambaStates>() {
+            ok &= MambaStates::backup_pages(self, i, host, share);
+        }
+        if model.with::<SlidingWindow>() {
+            ok &= SlidingWindow::backup_pages(self, i, host, share);
+        }
+        ok
+    }
+
+    /// Every component's share of backing up node `i` ([`Component::backup`]).
+    pub(crate) fn backup_components(
+        &mut self,
+        i: u32,
+        kv_there: bool,
+        share: &mut BackupShare,
+        count_short: bool,
+    ) -> Backed {
+        let model = self.model;
+        let mut out = FullAttention::backup(self, i, kv_there, share, count_short);
+        if model.with::<MambaStates>() {
+            out = out.or(MambaStates::backup(self, i, kv_there, share, count_short));
+        }
+        if model.with::<SlidingWindow>() {
+            out = out.or(SlidingWindow::backup(self, i, kv_there, share, count_short));
+        }
+        out
+    }
+
+    /// Every component's share of emitting a backup batch that holds `held`.
+    pub(crate) fn backup_started_components(&mut self, held: &BackupHeld) {
+        let model = self.model;
+        FullAttention::backup_started(self, held);
+        if model.with::<MambaStates>() {
+            MambaStates::backup_started(self, held);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::backup_started(self, held);
+        }
+    }
+
+    /// Every component's share of a backup batch that holds `held` ending.
+    pub(crate) fn backup_settled_components(&mut self, held: &mut BackupHeld, publish: bool) {
+        let model = self.model;
+        FullAttention::backup_settled(self, held, publish);
+        if model.with::<MambaStates>() {
+            MambaStates::backup_settled(self, held, publish);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::backup_settled(self, held, publish);
+        }
+    }
+
+    /// Every component's share of planning a load-back to node `j`
+    /// ([`Component::load_plan`]).
+    pub(crate) fn load_plan_components(&self, j: u32, for_request: bool) -> Result<LoadShare> {
+        let model = self.model;
+        let mut share = LoadShare::default();
+        FullAttention::load_plan(self, j, for_request, &mut share)?;
+        if model.with::<MambaStates>() {
+            MambaStates::load_plan(self, j, for_request, &mut share)?;
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::load_plan(self, j, for_request, &mut share)?;
+        }
+        Ok(share)
+    }
+
+    /// Every component's share of taking a load-back's device slots
+    /// ([`Component::load_take`]).
+    pub(crate) fn load_take_components(
+        &mut self,
+        share: &mut LoadShare,
+    ) -> std::result::Result<(), CallOff> {
+        let model = self.model;
+        FullAttention::load_take(self, share)?;
+        if model.with::<MambaStates>() {
+            MambaStates::load_take(self, share)?;
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::load_take(self, share)?;
+        }
+        Ok(())
+    }
+
+    /// Every component's share of a load-back's KV pages `kv` ([`Component::load_pages`]).
+    pub(crate) fn load_pages_components(
+        &mut self,
+        kv: &Pages,
+        share: &mut LoadShare,
+    ) -> std::result::Result<(), CallOff> {
+        let model = self.model;
+        FullAttention::load_pages(self, kv, share)?;
+        if model.with::<MambaStates>() {
+            MambaStates::load_pages(self, kv, share)?;
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::load_pages(self, kv, share)?;
+        }
+        Ok(())
     }
 
     /// Every component's own checks (`audit()`).

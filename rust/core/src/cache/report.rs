@@ -51,9 +51,7 @@ impl Cache {
                 Holder::Request
             };
             f(0, holder, load.kv.pages());
-            for s in [&load.restore, &load.req_slot].into_iter().flatten() {
-                f(1, holder, s.pages());
-            }
+            load.held.owned(|pool, pages| f(pool, holder, pages));
             if let Some(s) = load.saved.as_ref().and_then(SavedRequest::state) {
                 f(1, Holder::InFlight, s.pages());
             }

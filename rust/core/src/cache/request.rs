@@ -13,7 +13,7 @@ use crate::pool::Pages;
 use crate::slab::Slab;
 
 use super::batch::Payload;
-use super::component::{Held, Wants};
+use super::component::{Held, Replaced, Wants};
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -25,21 +25,20 @@ pub(crate) struct SavedRequest {
     host_node: Option<NodeId>,
     node: u32,
     lock: Option<LockReceipt>,
-    /// The request's earlier state slot, when the load gave it a fresh one.
-    mamba: Option<Pages>,
-    swapped: bool,
+    /// What the load replaced of what the request holds (its earlier state slot).
+    replaced: Replaced,
 }
 
 impl SavedRequest {
     /// The request's earlier state slot, kept until the load ends.
     pub fn state(&self) -> Option<&Pages> {
-        self.mamba.as_ref()
+        self.replaced.state()
     }
 
     /// The load landed: what the request had before goes (its lock is returned, to be
     /// released).
     pub fn release(self) -> Option<LockReceipt> {
-        drop(self.mamba);
+        drop(self.replaced);
         self.lock
     }
 }
@@ -656,32 +655,26 @@ impl Cache {
         Ok((end, cached))
     }
 
-    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
-    /// given, becomes its state slot. Returns what it was, to restore on failure.
-    /// `None` (nothing changed) when the request is gone.
+    /// The request's prefix grows to node `j` (its lock moves there) and it gets what
+    /// the load brought it (`fresh`: a state slot). Returns what it was, to restore on
+    /// failure. `None` (nothing changed) when the request is gone.
     pub(crate) fn move_request_to(
         &mut self,
         r: RequestId,
         j: u32,
-        slot: Option<Pages>,
+        fresh: Held,
     ) -> Option<SavedRequest> {
         self.request_ref(r).ok()?;
         let new_lock = self.lock_index(j);
         let tokens = self.path_tokens(j);
         let rs = self.request_mut(r).ok()?;
-        let swapped = slot.is_some();
         let saved = SavedRequest {
             prefix_len: rs.prefix_len,
             host_len: rs.host_len,
             host_node: rs.host_node,
             node: rs.node,
             lock: rs.lock.replace(new_lock),
-            mamba: if swapped {
-                std::mem::replace(&mut rs.held.state, slot)
-            } else {
-                None
-            },
-            swapped,
+            replaced: rs.held.swap_in(fresh),
         };
         rs.prefix_len = tokens.len();
         rs.tokens = tokens;
@@ -712,12 +705,8 @@ impl Cache {
         rs.tokens.truncate(saved.prefix_len);
         rs.epoch += 1;
         let kv = std::mem::replace(&mut rs.kv, empty);
-        let fresh = if saved.swapped {
-            std::mem::replace(&mut rs.held.state, saved.mamba)
-        } else {
-            None
-        };
-        rs.retired.keep(kv, fresh);
+        let fresh = rs.held.swap_back(saved.replaced);
+        rs.retired.keep(kv, fresh.state);
         lock
     }
 
