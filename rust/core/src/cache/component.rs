@@ -13,7 +13,17 @@
 //! The match walk ([`Cut`]) asks every component of the model whether the match may end
 //! at each node of the path and cuts at the deepest node all accept; a lock, its release
 //! and a split call each component's hook; `audit()` runs each component's own checks.
-//! A new kind of layer is one more implementation and one more field of [`Model`].
+//!
+//! The shared modules reach a component's data only through the hooks (dispatched here,
+//! `Cache::*_components`): a request's share ([`Held`]: admission, growth, checkpoint,
+//! finish, a failed admission copy, a load's swap), what an insert or a landed copy
+//! publishes on a node ([`Component::donate`]), what a backup copies to the host
+//! ([`BackupShare`]) and a load-back back to the device ([`LoadShare`]), and what
+//! eviction frees on a node. Every hook has a default that does nothing, so a
+//! component implements only what it keeps; dispatch is static (a flag test per
+//! component of the model), so a model without a component pays one predictable branch
+//! for it. A new kind of layer is one more implementation, one more field of [`Model`]
+//! and of the per-component structs here, and one more line per dispatcher.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -25,7 +35,7 @@ use super::batch::{Payload, PoolKind, SlotCopy, Tier};
 use super::load::CallOff;
 use super::lookup::Found;
 use super::request::{Cow, RequestState};
-use super::Cache;
+use super::{Cache, Evicted};
 
 /// The kinds of layers a model may have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -253,6 +263,31 @@ pub(crate) trait Component {
     fn load_pages(_: &mut Cache, _: &Pages, _: &mut LoadShare) -> std::result::Result<(), CallOff> {
         Ok(())
     }
+
+    // Eviction.
+
+    /// Whether a match could end at node `i`'s end on the device as far as this
+    /// component goes (a childless node at whose end none can is dead weight).
+    #[inline]
+    fn live_end(_: &Cache, _: u32) -> bool {
+        true
+    }
+
+    /// Whether node `i`, which has a host KV copy, is worth keeping host-only as far as
+    /// this component goes (a match could end there once loaded back, or below it).
+    #[inline]
+    fn useful_on_host(_: &Cache, _: u32) -> bool {
+        true
+    }
+
+    /// Node `i` (unlocked) loses its device data of this component, counted in `out`
+    /// (it is demoted or deleted). The KV's paired pages go with the KV.
+    #[inline]
+    fn drop_device(_: &mut Cache, _: u32, _: &mut Evicted) {}
+
+    /// Node `i` loses its host data of this component (its host KV goes too).
+    #[inline]
+    fn drop_host(_: &mut Cache, _: u32) {}
 }
 
 /// What [`Component::backup`] did.
@@ -741,6 +776,32 @@ impl Component for MambaStates {
         Ok(())
     }
 
+    /// A node ends a match only with a device state.
+    #[inline]
+    fn live_end(c: &Cache, i: u32) -> bool {
+        c.tree.node(i).mamba.device.is_some()
+    }
+
+    /// A match needs a state on its path: a host state, or children.
+    #[inline]
+    fn useful_on_host(c: &Cache, i: u32) -> bool {
+        let n = c.tree.node(i);
+        n.mamba.host.is_some() || !n.children.is_empty()
+    }
+
+    /// The device state is freed.
+    #[inline]
+    fn drop_device(c: &mut Cache, i: u32, out: &mut Evicted) {
+        c.drop_state(i, out);
+    }
+
+    /// The host state is freed.
+    fn drop_host(c: &mut Cache, i: u32) {
+        if let Some(slot) = c.edit(i, |n| n.mamba.host.take()) {
+            c.pools.host_mamba.release_tree(&[slot]);
+        }
+    }
+
     /// A slot restoring the target's state, then the request's own.
     fn load_take(c: &mut Cache, share: &mut LoadShare) -> std::result::Result<(), CallOff> {
         if share.restore_from.is_some() {
@@ -842,6 +903,23 @@ impl Component for SlidingWindow {
     /// The host SWA pages of the device pages that have an SWA page (all or nothing).
     fn backup_pages(c: &mut Cache, i: u32, host: &[u32], share: &mut BackupShare) -> bool {
         c.swa_backup(i, host, &mut share.swa_copy)
+    }
+
+    /// A node ending in a dead SWA page (a tombstone, or one whose tail went) ends no
+    /// match.
+    fn live_end(c: &Cache, i: u32) -> bool {
+        !c.swa_dead_end(i)
+    }
+
+    /// A match needs a live window at its end: the last host page has its host SWA
+    /// page, or the node has children.
+    fn useful_on_host(c: &Cache, i: u32) -> bool {
+        let n = c.tree.node(i);
+        !n.children.is_empty()
+            || n.kv
+                .host
+                .as_deref()
+                .is_none_or(|host| c.pools.host_kv.companion_tail(host) > 0)
     }
 
     /// The window at the target must be live counting host-only nodes; the host pages
@@ -1188,6 +1266,52 @@ impl Cache {
             SlidingWindow::load_pages(self, kv, share)?;
         }
         Ok(())
+    }
+
+    /// Whether a match could end at node `i`'s end on the device for every component
+    /// ([`Component::live_end`]).
+    #[inline]
+    pub(crate) fn live_end_components(&self, i: u32) -> bool {
+        let model = self.model;
+        FullAttention::live_end(self, i)
+            && (!model.with::<MambaStates>() || MambaStates::live_end(self, i))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::live_end(self, i))
+    }
+
+    /// Whether node `i`, which has a host KV copy, is worth keeping host-only for every
+    /// component ([`Component::useful_on_host`]).
+    #[inline]
+    pub(crate) fn useful_on_host_components(&self, i: u32) -> bool {
+        let model = self.model;
+        FullAttention::useful_on_host(self, i)
+            && (!model.with::<MambaStates>() || MambaStates::useful_on_host(self, i))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::useful_on_host(self, i))
+    }
+
+    /// Every component's device data on node `i` goes ([`Component::drop_device`]).
+    #[inline]
+    pub(crate) fn drop_device_components(&mut self, i: u32, out: &mut Evicted) {
+        let model = self.model;
+        FullAttention::drop_device(self, i, out);
+        if model.with::<MambaStates>() {
+            MambaStates::drop_device(self, i, out);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::drop_device(self, i, out);
+        }
+    }
+
+    /// Every component's host data on node `i` goes ([`Component::drop_host`]).
+    #[inline]
+    pub(crate) fn drop_host_components(&mut self, i: u32) {
+        let model = self.model;
+        FullAttention::drop_host(self, i);
+        if model.with::<MambaStates>() {
+            MambaStates::drop_host(self, i);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::drop_host(self, i);
+        }
     }
 
     /// Every component's own checks (`audit()`).
