@@ -147,12 +147,12 @@ pub(crate) trait Component {
 
     // Requests. What a request holds of a component is its part of [`Held`].
 
-    /// Admission of request `r` (not in the table yet) whose match is `m`: takes what
-    /// the request holds of this component, adding the copies that fill it to `copies`
-    /// (the admission's copy-on-write batch). False refuses the admission; what was
-    /// taken goes back as `r` drops.
+    /// Admission of a request whose match is `m`: takes what the request will hold of
+    /// this component into `held`, adding the copies that fill it to `copies` (the
+    /// admission's copy-on-write batch). False refuses the admission; what was taken
+    /// goes back as `held` drops.
     #[inline]
-    fn admit(_: &mut Cache, _: &Found, _: &mut RequestState, _: &mut Vec<SlotCopy>) -> bool {
+    fn admit(_: &mut Cache, _: &Found, _: &mut Held, _: &mut Vec<SlotCopy>) -> bool {
         true
     }
 
@@ -517,6 +517,14 @@ pub(crate) struct Wants {
     states: usize,
 }
 
+impl Wants {
+    /// Whether anything is wanted.
+    #[inline]
+    pub fn any(self) -> bool {
+        self.states > 0
+    }
+}
+
 impl std::ops::AddAssign for Wants {
     #[inline]
     fn add_assign(&mut self, other: Wants) {
@@ -525,8 +533,11 @@ impl std::ops::AddAssign for Wants {
 }
 
 /// Slots taken for what requests [`Wants`]; they go back to their pools as this drops.
+#[derive(Default)]
 pub(crate) struct Taken {
-    states: Vec<Pages>,
+    /// State slots: the first apart (one request's extend allocates nothing more).
+    state: Option<Pages>,
+    more_states: Vec<Pages>,
     /// Some slot is on its way (a write-back eviction's backup frees it when it lands).
     pub coming: bool,
 }
@@ -535,8 +546,8 @@ impl Taken {
     /// Request `r` receives what it wants of the slots.
     #[inline]
     pub fn give(&mut self, r: &mut RequestState) {
-        if !self.states.is_empty() && MambaStates::wants(r) > 0 {
-            if let Some(s) = self.states.pop() {
+        if self.state.is_some() && MambaStates::wants(r) > 0 {
+            if let Some(s) = self.more_states.pop().or_else(|| self.state.take()) {
                 MambaStates::give(r, s);
             }
         }
@@ -639,7 +650,7 @@ impl Component for MambaStates {
     /// holds the source, so eviction for the copy cannot take it); refused when no
     /// slot can be had.
     #[inline]
-    fn admit(c: &mut Cache, m: &Found, r: &mut RequestState, copies: &mut Vec<SlotCopy>) -> bool {
+    fn admit(c: &mut Cache, m: &Found, held: &mut Held, copies: &mut Vec<SlotCopy>) -> bool {
         let Some(src) = m.mamba_slot else {
             return true;
         };
@@ -647,7 +658,7 @@ impl Component for MambaStates {
             return false;
         };
         copies.push(state_copy(src, dst.pages()[0]));
-        r.held.state = Some(dst);
+        held.state = Some(dst);
         true
     }
 
@@ -796,7 +807,11 @@ impl Component for MambaStates {
     }
 
     /// The host state is freed.
+    #[inline]
     fn drop_host(c: &mut Cache, i: u32) {
+        if c.tree.node(i).mamba.host.is_none() {
+            return;
+        }
         if let Some(slot) = c.edit(i, |n| n.mamba.host.take()) {
             c.pools.host_mamba.release_tree(&[slot]);
         }
@@ -1040,19 +1055,19 @@ impl Cache {
         }
     }
 
-    /// Every component's share of admitting request `r` (not in the table yet) for
-    /// match `m`; false refuses it. `copies`: the admission's copy-on-write batch.
+    /// Every component's share of admitting a request for match `m`, into `held`; false
+    /// refuses it. `copies`: the admission's copy-on-write batch.
     #[inline]
     pub(crate) fn admit_components(
         &mut self,
         m: &Found,
-        r: &mut RequestState,
+        held: &mut Held,
         copies: &mut Vec<SlotCopy>,
     ) -> bool {
         let model = self.model;
-        FullAttention::admit(self, m, r, copies)
-            && (!model.with::<MambaStates>() || MambaStates::admit(self, m, r, copies))
-            && (!model.with::<SlidingWindow>() || SlidingWindow::admit(self, m, r, copies))
+        FullAttention::admit(self, m, held, copies)
+            && (!model.with::<MambaStates>() || MambaStates::admit(self, m, held, copies))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::admit(self, m, held, copies))
     }
 
     /// Every component's share of request `id` growing or being cached.
@@ -1090,18 +1105,23 @@ impl Cache {
     /// had.
     #[inline]
     pub(crate) fn take_wants(&mut self, w: Wants) -> Option<Taken> {
-        let mut taken = Taken {
-            states: Vec::new(),
-            coming: false,
-        };
-        if w.states > 0 {
-            taken.states.reserve_exact(w.states);
-            for _ in 0..w.states {
-                match MambaStates::take(self) {
-                    StateRoom::Now(s) => taken.states.push(s),
-                    StateRoom::Coming => taken.coming = true,
-                    StateRoom::No => return None,
-                }
+        if w.states == 0 {
+            return Some(Taken::default());
+        }
+        self.take_wanted(w)
+    }
+
+    /// [`Cache::take_wants`] when something is wanted (kept out of line, so that the
+    /// common case, nothing wanted, inlines to a test).
+    #[inline(never)]
+    fn take_wanted(&mut self, w: Wants) -> Option<Taken> {
+        let mut taken = Taken::default();
+        for _ in 0..w.states {
+            match MambaStates::take(self) {
+                StateRoom::Now(s) if taken.state.is_none() => taken.state = Some(s),
+                StateRoom::Now(s) => taken.more_states.push(s),
+                StateRoom::Coming => taken.coming = true,
+                StateRoom::No => return None,
             }
         }
         Some(taken)

@@ -228,14 +228,22 @@ impl Cache {
         let m = self.find(namespace, tokens, None, Some(priority));
         let node = m.end;
         let lock = self.lock_index(node);
-        let mut r = RequestState {
+        // What the request holds of each component (its state slot, with its copy).
+        let mut held = Held::default();
+        let mut copies = Vec::new();
+        if !self.admit_components(&m, &mut held, &mut copies) {
+            let _ = self.unlock(lock);
+            self.stats.admits_refused += 1;
+            return Ok(None);
+        }
+        let r = RequestState {
             namespace: namespace.map(str::to_owned),
             tokens: tokens[..m.device_len].to_vec(),
             prefix_len: m.device_len,
             node,
-            lock: None,
+            lock: Some(lock),
             kv: self.pools.kv.empty(),
-            held: Held::default(),
+            held,
             branch_len: m.kv_len,
             host_len: m.host_len,
             cow: None,
@@ -248,14 +256,6 @@ impl Cache {
             retired: Retired::default(),
             priority,
         };
-        // What the request holds of each component (its state slot, with its copy).
-        let mut copies = Vec::new();
-        if !self.admit_components(&m, &mut r, &mut copies) {
-            let _ = self.unlock(lock);
-            self.stats.admits_refused += 1;
-            return Ok(None);
-        }
-        r.lock = Some(lock);
         let id = RequestId {
             cache: self.id(),
             slot: self.requests.table.insert(r),
@@ -296,10 +296,14 @@ impl Cache {
         // backup): the KV is asked for all the same, so that its evictions start their
         // backups in the same round (docs/contract.md rule 11: one round is always enough), and then
         // everything taken goes back.
-        let Some(mut taken) = self.take_wants(wants) else {
-            self.stats.extends_refused += 1;
-            return Ok(None);
-        };
+        let mut taken = None;
+        if wants.any() {
+            let Some(t) = self.take_wants(wants) else {
+                self.stats.extends_refused += 1;
+                return Ok(None);
+            };
+            taken = Some(t);
+        }
         let pages = if need > 0 {
             let Some(p) = self.alloc_pages(need) else {
                 // `taken` goes back to the pools as it drops.
@@ -310,14 +314,16 @@ impl Cache {
         } else {
             self.pools.kv.empty()
         };
-        if taken.coming {
+        if taken.as_ref().is_some_and(|t| t.coming) {
             // `pages` go back to the pool as they drop.
             self.stats.extends_refused += 1;
             return Ok(None);
         }
         let r = self.request_mut(id)?;
         r.kv.append(pages);
-        taken.give(r);
+        if let Some(t) = &mut taken {
+            t.give(r);
+        }
         let start = r.tokens.len() - r.prefix_len;
         r.tokens.extend_from_slice(tokens);
         let slots = (start..start + tokens.len())
