@@ -15,7 +15,7 @@
 //! | lru | (last access, 0) | (last use, [`HOT`] once used; 0) |
 //! | lfu | (matches, last access) | (matches of the state, last use) |
 //! | priority | (priority, last access) | (the node's priority, last use) |
-//! | state-value | (not for KV) | (used?, aging level at last use + value; last use) |
+//! | state-value | (not for KV) | (used?, aging level at last use + value; last use); superseded: (0, last use) |
 //!
 //! Under "lru" the keys are the access times alone, so the order is exactly the
 //! recency order. The state-value policy is GreedyDual-Size in two segments: a state's
@@ -23,8 +23,10 @@
 //! matches count only in its segment (used or not); the key adds the aging level `L` of
 //! its segment (states no match has used, then used ones) at the state's last use, and
 //! each segment's `L` rises to the key of each of its states the policy evicts, so
-//! states nobody uses age out behind the ones in use (docs/design.md, "Eviction
-//! policies").
+//! states nobody uses age out behind the ones in use. A used state that the next state
+//! on its path supersedes ([`Lru::state_placed`]: a conversation's previous turn) goes
+//! before all of them, and the new state counts as used in its place (docs/design.md,
+//! "Eviction policies").
 
 use std::collections::BTreeSet;
 
