@@ -464,11 +464,13 @@ class HybridCache:
             least recent first. ``"state-value"`` (``"state_value"`` too; states only):
             states no match has used before used ones, each the state that saves the
             least compute first, weighted by depth, and aged so that states nobody uses
-            go in time. SWA (``"swa"``) takes ``"lru"``, ``"lfu"`` or ``"priority"``
-            with the KV meanings, over the nodes whose SWA pages ``evict_swa`` may
-            take. A name applies to every component it applies to
-            (``"state-value"``: KV and SWA keep ``"lru"``); a dict sets each,
-            ``{"kv": ..., "mamba": ..., "swa": ...}``, missing ones ``"lru"``. The
+            go in time; a used state that the next state cached on its path
+            supersedes (a conversation's previous turn) goes first. SWA (``"swa"``)
+            takes ``"lru"``, ``"lfu"`` or ``"priority"`` with the KV meanings, over the
+            nodes whose SWA pages ``evict_swa`` may take. A name applies to every
+            component it applies to (``"state-value"``: KV and SWA keep ``"lru"``); a
+            dict sets each, ``{"kv": ..., "mamba": ..., "swa": ...}``, missing ones
+            ``"lru"``. The
             host tier follows the KV policy. An unknown name or component, or
             ``"state-value"`` for ``"kv"`` or ``"swa"``, raises ``ValueError`` naming
             ``eviction_policy``.

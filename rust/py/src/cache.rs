@@ -86,7 +86,8 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///   eviction_policy: the order in which eviction takes candidates: "lru" (the
 ///     default), "lfu" (least often matched first), "priority" (lowest request
 ///     priority first, see insert and admit) or "state-value" (Mamba states only:
-///     the state that saves the least compute first, aged; KV and SWA keep "lru").
+///     the state that saves the least compute first, aged, and before all a used
+///     state the next state cached on its path supersedes; KV and SWA keep "lru").
 ///     A name applies to every component it applies to; a dict sets each:
 ///     {"kv": ..., "mamba": ..., "swa": ...} (missing: "lru"). The host tier follows
 ///     the KV policy.
