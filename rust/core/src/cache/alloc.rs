@@ -57,15 +57,19 @@ impl Cache {
     /// call then returns `None` having started, in this one round, every backup the room
     /// needs (room already on its way from earlier evictions is not evicted again).
     pub(crate) fn alloc_pages(&mut self, pages: usize) -> Option<Pages> {
-        let got = self.alloc_bare_pages(pages);
+        let got = self.alloc_bare_pages(pages)?;
         // With SWA layers every new page comes with its SWA page (freed early once its
         // tokens leave the window); without one the pages go back.
-        got.filter(|p| !self.has_swa() || self.swa_attach(p.pages()))
+        if self.has_swa() && !self.swa_attach(got.pages()) {
+            return None;
+        }
+        Some(got)
     }
 
     /// [`Cache::alloc_pages`] without SWA pages: for a load-back, which gives SWA pages
     /// only to the pages whose SWA KV it copies (a page with an SWA page it never wrote
     /// would count as live).
+    #[inline]
     pub(crate) fn alloc_bare_pages(&mut self, pages: usize) -> Option<Pages> {
         let ps = self.config.page_size;
         let (free, need) = (self.pools.kv.free_pages() * ps, pages * ps);

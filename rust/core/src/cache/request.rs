@@ -188,6 +188,7 @@ pub struct RequestView {
 }
 
 impl Cache {
+    #[inline]
     pub(crate) fn request_ref(&self, id: RequestId) -> Result<&RequestState> {
         (id.cache == self.id())
             .then(|| self.requests.table.get(id.slot))
@@ -195,6 +196,7 @@ impl Cache {
             .ok_or_else(|| stale_request(id))
     }
 
+    #[inline]
     pub(crate) fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestState> {
         (id.cache == self.id())
             .then(|| self.requests.table.get_mut(id.slot))
@@ -289,8 +291,10 @@ impl Cache {
     pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
         self.cache_owned("extend")?;
         let ps = self.page_size();
-        self.request_ref(id)?;
-        self.slide_window(id);
+        if self.has_swa() {
+            self.request_ref(id)?;
+            self.slide_window(id);
+        }
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
@@ -656,8 +660,10 @@ impl Cache {
     fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
         let ps = self.page_size();
         // Pages out of the window are published as SWA tombstones.
-        self.request_ref(id)?;
-        self.slide_window(id);
+        if self.has_swa() {
+            self.request_ref(id)?;
+            self.slide_window(id);
+        }
         let r = self.request_mut(id)?;
         let tokens = std::mem::take(&mut r.tokens);
         let aligned = tokens.len() / ps * ps;
