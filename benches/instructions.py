@@ -16,7 +16,9 @@ The scenarios (``--list`` prints them with the functions each reads):
   at 128 tokens on ``HybridCache(page_size=1, mamba_slots=64)``: admit a prompt whose
   first half is cached with a state (then run its copy-on-write and abort); extend it by
   the uncached half; one-token decode steps; checkpoint or finish the extended request,
-  then evict the leaf it cached (``evict`` is read there).
+  then evict the leaf it cached (``evict`` is read there). ``refresh`` (the eviction sets'
+  upkeep) is read per call and, as ``refresh/admit`` and ``refresh/finish``, all its
+  calls per step: a change may make its calls fewer or cheaper.
 - ``alloc``: ``alloc_kv`` of 128 slots when the pool is short, so that it evicts the leaf
   cached last, which ``insert`` puts back (the same leaf every time).
 - ``match/LEN``, ``match_p16/LEN``, ``match_miss/LEN``, ``insert/LEN``, ``insert_p16/LEN``
@@ -91,13 +93,14 @@ FUNCTIONS = {
     "refresh": _core("refresh"),
 }
 
-#: Scenario -> the functions it reads (the ones its loop calls the same way every time).
+#: Scenario -> the functions it reads (the ones its loop calls the same way every time;
+#: ``NAME/OP``: all of NAME per call of OP, see `per_call`).
 READS = {
-    "admit": ("admit", "refresh"),
+    "admit": ("admit", "refresh", "refresh/admit"),
     "extend": ("extend", "alloc_pages"),
     "decode": ("extend",),
     "checkpoint": ("checkpoint",),
-    "finish": ("finish", "publish", "evict"),
+    "finish": ("finish", "publish", "evict", "refresh/finish"),
     "alloc": ("alloc_kv", "alloc_pages", "evict"),
     **{
         f"{shape}/{n}": ("match_prefix",)
@@ -282,13 +285,24 @@ def parse_callgrind(path: Path) -> dict[str, Cost]:
     return dict(costs)
 
 
-def per_call(costs: dict[str, Cost], pattern: str) -> tuple[float, int] | None:
-    """Instructions per call and calls of the functions whose name matches ``pattern``."""
-    found = [c for name, c in costs.items() if re.fullmatch(pattern, name)]
-    calls = sum(c.calls for c in found)
-    if not calls:
+def per_call(costs: dict[str, Cost], function: str) -> tuple[float, int] | None:
+    """Instructions per call of ``function`` (a name of `FUNCTIONS`), and its calls.
+
+    ``NAME/OP`` reads all of NAME's instructions per call of OP instead: for a helper
+    whose calls differ in kind (``refresh/admit``: the eviction-set upkeep of a scenario
+    step, per step).
+    """
+    name, _, per = function.partition("/")
+
+    def total(pattern: str) -> Cost:
+        found = [c for fn, c in costs.items() if re.fullmatch(pattern, fn)]
+        return Cost(sum(c.instructions for c in found), sum(c.calls for c in found))
+
+    cost = total(FUNCTIONS[name])
+    calls = total(FUNCTIONS[per]).calls if per else cost.calls
+    if not calls or not cost.calls:
         return None
-    return sum(c.instructions for c in found) / calls, calls
+    return cost.instructions / calls, calls
 
 
 # --- the parent: run both sides, print the table ----------------------------------------
@@ -406,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             for function in READS[name]:
                 row: dict[str, Any] = {"scenario": name, "function": function}
                 for side, costs in zip(("base", "head"), figures):
-                    value = per_call(costs[i], FUNCTIONS[function])
+                    value = per_call(costs[i], function)
                     row[side] = value[0] if value else None
                     row[f"{side}_calls"] = value[1] if value else 0
                 rows.append(row)
