@@ -13,12 +13,29 @@
 //! The match walk ([`Cut`]) asks every component of the model whether the match may end
 //! at each node of the path and cuts at the deepest node all accept; a lock, its release
 //! and a split call each component's hook; `audit()` runs each component's own checks.
-//! A new kind of layer is one more implementation and one more field of [`Model`].
+//!
+//! The shared modules reach a component's data only through the hooks (dispatched here,
+//! `Cache::*_components`): a request's share ([`Held`]: admission, growth, checkpoint,
+//! finish, a failed admission copy, a load's swap), what an insert or a landed copy
+//! publishes on a node ([`Component::donate`]), what a backup copies to the host
+//! ([`BackupShare`]) and a load-back back to the device ([`LoadShare`]), and what
+//! eviction frees on a node. Every hook has a default that does nothing, so a
+//! component implements only what it keeps; dispatch is static (a flag test per
+//! component of the model), so a model without a component pays one predictable branch
+//! for it. A new kind of layer is one more implementation, one more field of [`Model`]
+//! and of the per-component structs here, and one more line per dispatcher.
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::ids::{NodeId, RequestId};
+use crate::pool::Pages;
 
-use super::Cache;
+use super::alloc::StateRoom;
+use super::batch::{Payload, PoolKind, SlotCopy, Tier};
+use super::load::CallOff;
+use super::lookup::Found;
+use super::request::{Cow, RequestState};
+use super::{Cache, Evicted};
 
 /// The kinds of layers a model may have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +92,17 @@ impl Model {
         }
     }
 
+    /// Every component's share of request `r` dropping back to nothing reused.
+    pub(crate) fn restart(self, r: &mut RequestState) {
+        FullAttention::restart(r);
+        if self.with::<MambaStates>() {
+            MambaStates::restart(r);
+        }
+        if self.with::<SlidingWindow>() {
+            SlidingWindow::restart(r);
+        }
+    }
+
     /// The model's components, full attention first.
     pub fn components(self) -> Vec<ComponentKind> {
         [
@@ -116,6 +144,425 @@ pub(crate) trait Component {
 
     /// Checks what this component keeps (beyond the checks every pool and node gets).
     fn audit(c: &Cache) -> Result<()>;
+
+    // Requests. What a request holds of a component is its part of [`Held`].
+
+    /// Admission of a request whose match is `m`: takes what the request will hold of
+    /// this component into `held`, adding the copies that fill it to `copies` (the
+    /// admission's copy-on-write batch). False refuses the admission; what was taken
+    /// goes back as `held` drops.
+    #[inline]
+    fn admit(_: &mut Cache, _: &Found, _: &mut Held, _: &mut Vec<SlotCopy>) -> bool {
+        true
+    }
+
+    /// Request `id` is about to grow or to be cached.
+    #[inline]
+    fn advance(_: &mut Cache, _: RequestId) {}
+
+    /// Slots of this component's own pool that request `r` needs before it grows.
+    #[inline]
+    fn wants(_: &RequestState) -> usize {
+        0
+    }
+
+    /// Whether `n` slots of this component's own pool can be had now.
+    #[inline]
+    fn available(_: &Cache, _: usize) -> bool {
+        true
+    }
+
+    /// One slot of this component's own pool, evicting for it when short.
+    #[inline]
+    fn take(_: &mut Cache) -> StateRoom {
+        StateRoom::No
+    }
+
+    /// Request `r` receives `slot` (one it [`Component::wants`]).
+    #[inline]
+    fn give(_: &mut RequestState, _: Pages) {}
+
+    /// A checkpoint cached request `id` up to node `end` (`at_end`: its tokens end at
+    /// `end`'s end).
+    #[inline]
+    fn checkpoint(_: &mut Cache, _: RequestId, _: u32, _: bool) {}
+
+    /// Request `r` drops back to nothing reused (its admission copy failed): what it
+    /// holds of this component is retired or starts over.
+    #[inline]
+    fn restart(_: &mut RequestState) {}
+
+    // Node data.
+
+    /// A sequence ending at node `i` is cached with `held` (what a request or an
+    /// insert's caller hands over; `at_end`: the sequence ends at `i`'s end, which has
+    /// device KV): the node keeps what it can use, the rest goes back as `held` drops.
+    /// True when the node had its own already.
+    #[inline]
+    fn donate(_: &mut Cache, _: u32, _: bool, _: &mut Held) -> bool {
+        false
+    }
+
+    /// An insert passed node `i`, which has device KV, with its own copy of it (`dup`,
+    /// freed afterwards).
+    #[inline]
+    fn duplicate(_: &mut Cache, _: u32, _: &[u32]) {}
+
+    // The host tier.
+
+    /// Whether leaf `i`, being evicted, would be of no use on the host (no match could
+    /// end there), so that a write-back eviction does not back it up.
+    #[inline]
+    fn backup_useless(_: &Cache, _: u32) -> bool {
+        false
+    }
+
+    /// A backup gives node `i`'s device KV the new host pages `host`: takes the host
+    /// data paired with them, adding its copies to `share`. False (having taken
+    /// nothing) when short of room: the KV is then backed up without it.
+    #[inline]
+    fn backup_pages(_: &mut Cache, _: u32, _: &[u32], _: &mut BackupShare) -> bool {
+        true
+    }
+
+    /// A backup of node `i` (`kv_there`: its KV is on the host or in the batch): takes
+    /// host room for this component's node data that lacks a host copy, adding its
+    /// copies to `share`. `count_short`: a shortage is counted in the stats.
+    #[inline]
+    fn backup(_: &mut Cache, _: u32, _: bool, _: &mut BackupShare, _: bool) -> Backed {
+        Backed::default()
+    }
+
+    /// A backup batch holding `held` was emitted: its nodes' data is marked in flight.
+    #[inline]
+    fn backup_started(_: &mut Cache, _: &BackupHeld) {}
+
+    /// A backup batch holding `held` ended: with `publish`, the nodes get their host
+    /// copies; the in-flight marks go.
+    #[inline]
+    fn backup_settled(_: &mut Cache, _: &mut BackupHeld, _: bool) {}
+
+    /// Plans a load-back of the path to node `j` (for a request: `for_request`): what
+    /// this component loads, into `share`. An error refuses it (nothing taken).
+    #[inline]
+    fn load_plan(_: &Cache, _: u32, _: bool, _: &mut LoadShare) -> Result<()> {
+        Ok(())
+    }
+
+    /// Takes the device slots the planned load-back needs for this component's node
+    /// data (before its KV pages), into `share`; what it took goes back as `share`
+    /// drops.
+    #[inline]
+    fn load_take(_: &mut Cache, _: &mut LoadShare) -> std::result::Result<(), CallOff> {
+        Ok(())
+    }
+
+    /// The load-back's device KV pages `kv` were taken: takes the device data paired
+    /// with them, into `share`.
+    #[inline]
+    fn load_pages(_: &mut Cache, _: &Pages, _: &mut LoadShare) -> std::result::Result<(), CallOff> {
+        Ok(())
+    }
+
+    // Eviction.
+
+    /// Whether a match could end at node `i`'s end on the device as far as this
+    /// component goes (a childless node at whose end none can is dead weight).
+    #[inline]
+    fn live_end(_: &Cache, _: u32) -> bool {
+        true
+    }
+
+    /// Whether node `i`, which has a host KV copy, is worth keeping host-only as far as
+    /// this component goes (a match could end there once loaded back, or below it).
+    #[inline]
+    fn useful_on_host(_: &Cache, _: u32) -> bool {
+        true
+    }
+
+    /// Node `i` (unlocked) loses its device data of this component, counted in `out`
+    /// (it is demoted or deleted). The KV's paired pages go with the KV.
+    #[inline]
+    fn drop_device(_: &mut Cache, _: u32, _: &mut Evicted) {}
+
+    /// Node `i` loses its host data of this component (its host KV goes too).
+    #[inline]
+    fn drop_host(_: &mut Cache, _: u32) {}
+}
+
+/// What [`Component::backup`] did.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Backed {
+    /// Data of the node joins the batch.
+    pub copied: bool,
+    /// Data of the node lacks a host copy and host room could not be had.
+    pub short: bool,
+}
+
+impl Backed {
+    /// What two components did together.
+    fn or(self, other: Backed) -> Backed {
+        Backed {
+            copied: self.copied || other.copied,
+            short: self.short || other.short,
+        }
+    }
+}
+
+/// The slots of one copy: sources, destinations.
+pub(crate) type CopySlots = (Vec<i64>, Vec<i64>);
+
+/// What a backup takes beyond the KV's host pages, with its copies (device slots, host
+/// slots), per component. The host slots it holds go back to their pools as it drops.
+#[derive(Default)]
+pub(crate) struct BackupShare {
+    pub held: BackupHeld,
+    /// Mamba: the state copies.
+    state_copy: CopySlots,
+    /// SWA: the copies into the host SWA pages paired with the new host KV pages.
+    swa_copy: CopySlots,
+}
+
+impl BackupShare {
+    /// What the batch holds until it ends, and its copies by pool (those with no slot
+    /// left out).
+    pub fn into_parts(self) -> (BackupHeld, impl Iterator<Item = (PoolKind, CopySlots)>) {
+        let copies = [
+            (PoolKind::Mamba, self.state_copy),
+            (PoolKind::Swa, self.swa_copy),
+        ]
+        .into_iter()
+        .filter(|(_, (src, _))| !src.is_empty());
+        (self.held, copies)
+    }
+}
+
+/// What a load-back loads beyond the KV pages of the host-only nodes, per component:
+/// planned ([`Component::load_plan`]), then taken, with its copies (host to device).
+#[derive(Default)]
+pub(crate) struct LoadShare {
+    /// Mamba: the target's host state, when it has no device state.
+    restore_from: Option<u32>,
+    /// Mamba: the load is for a request, which gets a copy of the state too.
+    for_request: bool,
+    /// SWA: the host pages read, in path order.
+    host_pages: Vec<u32>,
+    /// SWA: the target's window is not live counting host-only nodes.
+    window_dead: bool,
+    /// SWA: the copies of the window's SWA pages.
+    swa_copy: CopySlots,
+    pub held: LoadHeld,
+}
+
+impl LoadShare {
+    /// Whether it loads node data (a state) of its own.
+    pub fn loads_data(&self) -> bool {
+        self.restore_from.is_some()
+    }
+
+    /// Why the load is called off before anything is taken, if a component refuses it.
+    pub fn refused(&self) -> Option<CallOff> {
+        self.window_dead.then_some(CallOff::Swa)
+    }
+
+    /// What it wants of the components' own pools.
+    pub fn wants(&self) -> Wants {
+        Wants {
+            states: if self.restore_from.is_some() {
+                1 + usize::from(self.for_request)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Adds its copies to `copies` (after the KV's).
+    pub fn copies(&mut self, copies: &mut Vec<SlotCopy>) {
+        let (src, dst) = std::mem::take(&mut self.swa_copy);
+        if !src.is_empty() {
+            copies.push(SlotCopy {
+                pool: PoolKind::Swa,
+                src_tier: Tier::Host,
+                dst_tier: Tier::Device,
+                src,
+                dst,
+            });
+        }
+        if let Some(h) = self.restore_from {
+            let held = &self.held;
+            for s in held.restore.iter().chain(&held.request.state) {
+                copies.push(SlotCopy {
+                    pool: PoolKind::Mamba,
+                    src_tier: Tier::Host,
+                    dst_tier: Tier::Device,
+                    src: vec![i64::from(h)],
+                    dst: vec![i64::from(s.pages()[0])],
+                });
+            }
+        }
+    }
+}
+
+/// What a load-back holds beyond its KV pages until it ends.
+#[derive(Default)]
+pub(crate) struct LoadHeld {
+    /// Mamba: restores the target's state in the tree.
+    restore: Option<Pages>,
+    /// What the request gets at commit (a fresh state slot).
+    pub request: Held,
+    /// SWA: pages copied back (on the KV's last pages, which own them).
+    swa_pages: usize,
+}
+
+impl LoadHeld {
+    /// What the target node gets once the copies land.
+    pub fn for_target(&mut self) -> Held {
+        Held::state(self.restore.take())
+    }
+
+    /// SWA pages it copies back.
+    pub fn swa_pages(&self) -> usize {
+        self.swa_pages
+    }
+
+    /// Calls `f(pool, pages)` for the device slots held (`pool` as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        for s in self.restore.iter().chain(&self.request.state) {
+            f(1, s.pages());
+        }
+    }
+}
+
+/// The host slots a backup batch holds for the components beyond the KV's pages, until
+/// it ends.
+#[derive(Default)]
+pub(crate) struct BackupHeld {
+    /// Mamba: host state slots, per node.
+    states: Vec<(NodeId, Pages)>,
+}
+
+impl BackupHeld {
+    /// Calls `f(pool, pages)` for the host slots held (`pool` as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        for (_, s) in &self.states {
+            f(3, s.pages());
+        }
+    }
+}
+
+/// What a request holds of each component beyond its KV pages and path lock (and what
+/// an insert's caller hands over with its KV).
+#[derive(Default)]
+pub(crate) struct Held {
+    /// Mamba: the request's own state slot.
+    pub state: Option<Pages>,
+    /// SWA: the token position up to which the request's own pages gave back their SWA
+    /// pages (their tokens left the window). Absolute, so that it survives a checkpoint
+    /// moving `prefix_len` (chunked prefill): a page is never freed twice, nor kept.
+    pub swa_freed_to: usize,
+}
+
+impl Held {
+    /// What an insert's caller hands over: a state slot.
+    pub fn state(state: Option<Pages>) -> Held {
+        Held {
+            state,
+            ..Held::default()
+        }
+    }
+
+    /// The request's own state slot.
+    pub fn state_slot(&self) -> Option<u32> {
+        self.state.as_ref().map(|s| s.pages()[0])
+    }
+
+    /// A committed load gives the request what it brought (`fresh`): returns what that
+    /// replaced, kept until the load ends.
+    pub fn swap_in(&mut self, fresh: Held) -> Replaced {
+        let swapped = fresh.state.is_some();
+        Replaced {
+            state: fresh.state.and_then(|s| self.state.replace(s)),
+            swapped,
+        }
+    }
+
+    /// The load failed: what it replaced comes back; returns what it had brought.
+    pub fn swap_back(&mut self, replaced: Replaced) -> Held {
+        let fresh = if replaced.swapped {
+            std::mem::replace(&mut self.state, replaced.state)
+        } else {
+            None
+        };
+        Held::state(fresh)
+    }
+}
+
+/// What a committed load replaced of what a request holds ([`Held::swap_in`]).
+pub(crate) struct Replaced {
+    /// The request's earlier state slot, when the load gave it a fresh one (`swapped`).
+    state: Option<Pages>,
+    swapped: bool,
+}
+
+impl Replaced {
+    /// The request's earlier state slot, kept until the load ends.
+    pub fn state(&self) -> Option<&Pages> {
+        self.state.as_ref()
+    }
+}
+
+/// Slots of the components' own pools that requests need before they grow.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Wants {
+    states: usize,
+}
+
+impl Wants {
+    /// Whether anything is wanted.
+    #[inline]
+    pub fn any(self) -> bool {
+        self.states > 0
+    }
+}
+
+impl std::ops::AddAssign for Wants {
+    #[inline]
+    fn add_assign(&mut self, other: Wants) {
+        self.states += other.states;
+    }
+}
+
+/// Slots taken for what requests [`Wants`]; they go back to their pools as this drops.
+#[derive(Default)]
+pub(crate) struct Taken {
+    /// State slots: the first apart (one request's extend allocates nothing more).
+    state: Option<Pages>,
+    more_states: Vec<Pages>,
+    /// Some slot is on its way (a write-back eviction's backup frees it when it lands).
+    pub coming: bool,
+}
+
+impl Taken {
+    /// Request `r` receives what it wants of the slots.
+    #[inline]
+    pub fn give(&mut self, r: &mut RequestState) {
+        if self.state.is_some() && MambaStates::wants(r) > 0 {
+            if let Some(s) = self.more_states.pop().or_else(|| self.state.take()) {
+                MambaStates::give(r, s);
+            }
+        }
+    }
+}
+
+/// A device-to-device copy of one state slot.
+fn state_copy(src: u32, dst: u32) -> SlotCopy {
+    SlotCopy {
+        pool: PoolKind::Mamba,
+        src_tier: Tier::Device,
+        dst_tier: Tier::Device,
+        src: vec![i64::from(src)],
+        dst: vec![i64::from(dst)],
+    }
 }
 
 /// Full-attention KV: the tree's pages themselves.
@@ -199,6 +646,215 @@ impl Component for MambaStates {
     fn audit(_: &Cache) -> Result<()> {
         Ok(())
     }
+
+    /// The request gets its own state slot with a copy of the matched state (our lock
+    /// holds the source, so eviction for the copy cannot take it); refused when no
+    /// slot can be had.
+    #[inline]
+    fn admit(c: &mut Cache, m: &Found, held: &mut Held, copies: &mut Vec<SlotCopy>) -> bool {
+        let Some(src) = m.mamba_slot else {
+            return true;
+        };
+        let Some(dst) = c.alloc_state() else {
+            return false;
+        };
+        copies.push(state_copy(src, dst.pages()[0]));
+        held.state = Some(dst);
+        true
+    }
+
+    /// A request without a state slot wants one.
+    #[inline]
+    fn wants(r: &RequestState) -> usize {
+        usize::from(r.held.state.is_none())
+    }
+
+    #[inline]
+    fn available(c: &Cache, n: usize) -> bool {
+        c.states_available(n)
+    }
+
+    #[inline]
+    fn take(c: &mut Cache) -> StateRoom {
+        c.take_state()
+    }
+
+    #[inline]
+    fn give(r: &mut RequestState, slot: Pages) {
+        r.held.state = Some(slot);
+    }
+
+    /// The tree gets a copy of the request's state at `end` (a `cow` batch), when the
+    /// request ends there and `end` has none; counted as skipped when it cannot.
+    fn checkpoint(c: &mut Cache, id: RequestId, end: u32, at_end: bool) {
+        let Some(src) = c.request_ref(id).ok().and_then(|r| r.held.state_slot()) else {
+            return;
+        };
+        if !at_end {
+            c.stats.checkpoint_states_skipped += 1;
+        } else if c.tree.node(end).mamba.device.is_none() {
+            if let Some(dst) = c.alloc_state() {
+                let dst_slot = dst.pages()[0];
+                let node = c.tree.id(end);
+                c.emit(
+                    vec![state_copy(src, dst_slot)],
+                    Payload::Cow(Cow::Checkpoint { node, dst }),
+                );
+            } else {
+                c.stats.checkpoint_states_skipped += 1;
+            }
+        }
+    }
+
+    /// The state slot is retired (a copy may still write it).
+    #[inline]
+    fn restart(r: &mut RequestState) {
+        r.retired.states.extend(r.held.state.take());
+    }
+
+    /// The state lands on the node when the sequence ends there and the node has none.
+    #[inline]
+    fn donate(c: &mut Cache, i: u32, at_end: bool, held: &mut Held) -> bool {
+        let Some(state) = held.state.take() else {
+            return false;
+        };
+        if !at_end {
+            // Taken at the sequence's end, which is no node's end.
+            return false;
+        }
+        if c.tree.node(i).mamba.device.is_some() {
+            return true;
+        }
+        c.set_state(i, state);
+        false
+    }
+
+    /// A leaf without a state on any tier could not end a match on the host.
+    #[inline]
+    fn backup_useless(c: &Cache, i: u32) -> bool {
+        let m = &c.tree.node(i).mamba;
+        m.device.is_none() && m.host.is_none()
+    }
+
+    /// The node's device state, when it has no host copy and none is on its way, and
+    /// its KV is there too (a state is useless on the host without it).
+    fn backup(
+        c: &mut Cache,
+        i: u32,
+        kv_there: bool,
+        share: &mut BackupShare,
+        count_short: bool,
+    ) -> Backed {
+        let m = &c.tree.node(i).mamba;
+        let Some(slot) = m.device else {
+            return Backed::default();
+        };
+        if m.host.is_some() || m.backup_pending || !kv_there {
+            return Backed::default();
+        }
+        if let Some(h) = c.alloc_host_state() {
+            share.state_copy.0.push(i64::from(slot));
+            share.state_copy.1.push(i64::from(h.pages()[0]));
+            share.held.states.push((c.tree.id(i), h));
+            Backed {
+                copied: true,
+                short: false,
+            }
+        } else {
+            if count_short {
+                c.stats.backup_states_skipped += 1;
+            }
+            Backed {
+                copied: false,
+                short: true,
+            }
+        }
+    }
+
+    /// A target without a device state gets its host state back (and so does the
+    /// request); a request cannot run from a node with a state on no tier.
+    fn load_plan(c: &Cache, j: u32, for_request: bool, share: &mut LoadShare) -> Result<()> {
+        let n = c.tree.node(j);
+        if n.mamba.device.is_none() && !n.is_root() {
+            share.restore_from = n.mamba.host;
+            share.for_request = for_request;
+            if share.restore_from.is_none() && for_request {
+                return Err(Error::arg(
+                    "node",
+                    "has no Mamba state on any tier, so a request cannot run from it",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A node ends a match only with a device state.
+    #[inline]
+    fn live_end(c: &Cache, i: u32) -> bool {
+        c.tree.node(i).mamba.device.is_some()
+    }
+
+    /// A match needs a state on its path: a host state, or children.
+    #[inline]
+    fn useful_on_host(c: &Cache, i: u32) -> bool {
+        let n = c.tree.node(i);
+        n.mamba.host.is_some() || !n.children.is_empty()
+    }
+
+    /// The device state is freed.
+    #[inline]
+    fn drop_device(c: &mut Cache, i: u32, out: &mut Evicted) {
+        c.drop_state(i, out);
+    }
+
+    /// The host state is freed.
+    #[inline]
+    fn drop_host(c: &mut Cache, i: u32) {
+        if c.tree.node(i).mamba.host.is_none() {
+            return;
+        }
+        if let Some(slot) = c.edit(i, |n| n.mamba.host.take()) {
+            c.pools.host_mamba.release_tree(&[slot]);
+        }
+    }
+
+    /// A slot restoring the target's state, then the request's own.
+    fn load_take(c: &mut Cache, share: &mut LoadShare) -> std::result::Result<(), CallOff> {
+        if share.restore_from.is_some() {
+            share.held.restore = Some(c.alloc_state().ok_or(CallOff::State)?);
+            if share.for_request {
+                share.held.request.state = Some(c.alloc_state().ok_or(CallOff::State)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn backup_started(c: &mut Cache, held: &BackupHeld) {
+        for (id, _) in &held.states {
+            if let Ok(i) = c.tree.resolve(*id) {
+                c.edit(i, |n| n.mamba.backup_pending = true);
+                c.refresh(i);
+            }
+        }
+    }
+
+    /// A node whose KV has its host copy gets the host state.
+    fn backup_settled(c: &mut Cache, held: &mut BackupHeld, publish: bool) {
+        for (id, h) in std::mem::take(&mut held.states) {
+            let Ok(i) = c.tree.resolve(id) else {
+                drop(h);
+                continue;
+            };
+            c.edit(i, |n| n.mamba.backup_pending = false);
+            let n = c.tree.node(i);
+            if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
+                c.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
+            } else {
+                drop(h);
+            }
+            c.refresh(i);
+        }
+    }
 }
 
 /// Sliding-window attention (`swa.rs`).
@@ -238,6 +894,74 @@ impl Component for SlidingWindow {
 
     fn audit(c: &Cache) -> Result<()> {
         c.audit_swa()
+    }
+
+    /// The request's own pages whose tokens left the window give back their SWA pages.
+    fn advance(c: &mut Cache, id: RequestId) {
+        c.slide_window(id);
+    }
+
+    /// The window starts over with the tokens it recomputes.
+    fn restart(r: &mut RequestState) {
+        r.held.swa_freed_to = 0;
+    }
+
+    /// Dead window pages of the node revive from the duplicate's SWA pages.
+    fn duplicate(c: &mut Cache, i: u32, dup: &[u32]) {
+        c.swa_revive(i, dup);
+    }
+
+    /// A leaf ending in a dead SWA page would be a host tombstone leaf.
+    fn backup_useless(c: &Cache, i: u32) -> bool {
+        c.swa_dead_end(i)
+    }
+
+    /// The host SWA pages of the device pages that have an SWA page (all or nothing).
+    fn backup_pages(c: &mut Cache, i: u32, host: &[u32], share: &mut BackupShare) -> bool {
+        c.swa_backup(i, host, &mut share.swa_copy)
+    }
+
+    /// A node ending in a dead SWA page (a tombstone, or one whose tail went) ends no
+    /// match.
+    fn live_end(c: &Cache, i: u32) -> bool {
+        !c.swa_dead_end(i)
+    }
+
+    /// A match needs a live window at its end: the last host page has its host SWA
+    /// page, or the node has children.
+    fn useful_on_host(c: &Cache, i: u32) -> bool {
+        let n = c.tree.node(i);
+        !n.children.is_empty()
+            || n.kv
+                .host
+                .as_deref()
+                .is_none_or(|host| c.pools.host_kv.companion_tail(host) > 0)
+    }
+
+    /// The window at the target must be live counting host-only nodes; the host pages
+    /// read are kept for [`Component::load_pages`].
+    fn load_plan(c: &Cache, j: u32, _: bool, share: &mut LoadShare) -> Result<()> {
+        share.window_dead = !c.swa_window_live_any(j);
+        for i in c.path_to(j) {
+            let n = c.tree.node(i);
+            if let (None, Some(host)) = (&n.kv.device, &n.kv.host) {
+                share.host_pages.extend_from_slice(host);
+            }
+        }
+        Ok(())
+    }
+
+    /// The window's loaded pages get device SWA pages with the copies of their host
+    /// SWA pages.
+    fn load_pages(
+        c: &mut Cache,
+        kv: &Pages,
+        share: &mut LoadShare,
+    ) -> std::result::Result<(), CallOff> {
+        let host = std::mem::take(&mut share.host_pages);
+        share.swa_copy = c.load_swa(&host, kv).ok_or(CallOff::Swa)?;
+        share.held.swa_pages = share.swa_copy.0.len() / c.page_size();
+        Ok(())
     }
 }
 
@@ -329,6 +1053,285 @@ impl Cache {
         }
         if model.with::<SlidingWindow>() {
             SlidingWindow::split(self, upper, lower);
+        }
+    }
+
+    /// Every component's share of admitting a request for match `m`, into `held`; false
+    /// refuses it. `copies`: the admission's copy-on-write batch.
+    #[inline]
+    pub(crate) fn admit_components(
+        &mut self,
+        m: &Found,
+        held: &mut Held,
+        copies: &mut Vec<SlotCopy>,
+    ) -> bool {
+        let model = self.model;
+        FullAttention::admit(self, m, held, copies)
+            && (!model.with::<MambaStates>() || MambaStates::admit(self, m, held, copies))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::admit(self, m, held, copies))
+    }
+
+    /// Every component's share of request `id` growing or being cached.
+    #[inline]
+    pub(crate) fn advance_components(&mut self, id: RequestId) {
+        let model = self.model;
+        FullAttention::advance(self, id);
+        if model.with::<MambaStates>() {
+            MambaStates::advance(self, id);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::advance(self, id);
+        }
+    }
+
+    /// What request `r` wants of the components' own pools before it grows.
+    #[inline]
+    pub(crate) fn wants(&self, r: &RequestState) -> Wants {
+        Wants {
+            states: if self.model.with::<MambaStates>() {
+                MambaStates::wants(r)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Whether what `w` wants can be had now.
+    #[inline]
+    pub(crate) fn wants_available(&self, w: Wants) -> bool {
+        w.states == 0 || MambaStates::available(self, w.states)
+    }
+
+    /// Takes what `w` wants; `None` (what was taken goes back) when some slot cannot be
+    /// had.
+    #[inline]
+    pub(crate) fn take_wants(&mut self, w: Wants) -> Option<Taken> {
+        if w.states == 0 {
+            return Some(Taken::default());
+        }
+        self.take_wanted(w)
+    }
+
+    /// [`Cache::take_wants`] when something is wanted (kept out of line, so that the
+    /// common case, nothing wanted, inlines to a test).
+    #[inline(never)]
+    fn take_wanted(&mut self, w: Wants) -> Option<Taken> {
+        let mut taken = Taken::default();
+        for _ in 0..w.states {
+            match MambaStates::take(self) {
+                StateRoom::Now(s) if taken.state.is_none() => taken.state = Some(s),
+                StateRoom::Now(s) => taken.more_states.push(s),
+                StateRoom::Coming => taken.coming = true,
+                StateRoom::No => return None,
+            }
+        }
+        Some(taken)
+    }
+
+    /// Every component's share of a checkpoint that cached request `id` up to `end`.
+    pub(crate) fn checkpoint_components(&mut self, id: RequestId, end: u32, at_end: bool) {
+        let model = self.model;
+        FullAttention::checkpoint(self, id, end, at_end);
+        if model.with::<MambaStates>() {
+            MambaStates::checkpoint(self, id, end, at_end);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::checkpoint(self, id, end, at_end);
+        }
+    }
+
+    /// Every component's share of caching a sequence ending at node `i` with `held`
+    /// (see [`Component::donate`]); true when some component's node had its own already.
+    #[inline]
+    pub(crate) fn donate_components(&mut self, i: u32, at_end: bool, held: &mut Held) -> bool {
+        let model = self.model;
+        let mut had = FullAttention::donate(self, i, at_end, held);
+        if model.with::<MambaStates>() {
+            had |= MambaStates::donate(self, i, at_end, held);
+        }
+        if model.with::<SlidingWindow>() {
+            had |= SlidingWindow::donate(self, i, at_end, held);
+        }
+        had
+    }
+
+    /// Every component's share of an insert passing node `i` with a duplicate `dup` of
+    /// its device KV.
+    #[inline]
+    pub(crate) fn duplicate_components(&mut self, i: u32, dup: &[u32]) {
+        let model = self.model;
+        FullAttention::duplicate(self, i, dup);
+        if model.with::<MambaStates>() {
+            MambaStates::duplicate(self, i, dup);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::duplicate(self, i, dup);
+        }
+    }
+
+    /// Whether some component finds leaf `i` of no use on the host
+    /// ([`Component::backup_useless`]).
+    pub(crate) fn backup_useless_components(&self, i: u32) -> bool {
+        let model = self.model;
+        FullAttention::backup_useless(self, i)
+            || (model.with::<MambaStates>() && MambaStates::backup_useless(self, i))
+            || (model.with::<SlidingWindow>() && SlidingWindow::backup_useless(self, i))
+    }
+
+    /// Every component's share of node `i`'s KV getting host pages `host` in a backup
+    /// ([`Component::backup_pages`]); false when some component was short.
+    pub(crate) fn backup_pages_components(
+        &mut self,
+        i: u32,
+        host: &[u32],
+        share: &mut BackupShare,
+    ) -> bool {
+        let model = self.model;
+        let mut ok = FullAttention::backup_pages(self, i, host, share);
+        if model.with::<MambaStates>() {
+            ok &= MambaStates::backup_pages(self, i, host, share);
+        }
+        if model.with::<SlidingWindow>() {
+            ok &= SlidingWindow::backup_pages(self, i, host, share);
+        }
+        ok
+    }
+
+    /// Every component's share of backing up node `i` ([`Component::backup`]).
+    pub(crate) fn backup_components(
+        &mut self,
+        i: u32,
+        kv_there: bool,
+        share: &mut BackupShare,
+        count_short: bool,
+    ) -> Backed {
+        let model = self.model;
+        let mut out = FullAttention::backup(self, i, kv_there, share, count_short);
+        if model.with::<MambaStates>() {
+            out = out.or(MambaStates::backup(self, i, kv_there, share, count_short));
+        }
+        if model.with::<SlidingWindow>() {
+            out = out.or(SlidingWindow::backup(self, i, kv_there, share, count_short));
+        }
+        out
+    }
+
+    /// Every component's share of emitting a backup batch that holds `held`.
+    pub(crate) fn backup_started_components(&mut self, held: &BackupHeld) {
+        let model = self.model;
+        FullAttention::backup_started(self, held);
+        if model.with::<MambaStates>() {
+            MambaStates::backup_started(self, held);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::backup_started(self, held);
+        }
+    }
+
+    /// Every component's share of a backup batch that holds `held` ending.
+    pub(crate) fn backup_settled_components(&mut self, held: &mut BackupHeld, publish: bool) {
+        let model = self.model;
+        FullAttention::backup_settled(self, held, publish);
+        if model.with::<MambaStates>() {
+            MambaStates::backup_settled(self, held, publish);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::backup_settled(self, held, publish);
+        }
+    }
+
+    /// Every component's share of planning a load-back to node `j`
+    /// ([`Component::load_plan`]).
+    pub(crate) fn load_plan_components(&self, j: u32, for_request: bool) -> Result<LoadShare> {
+        let model = self.model;
+        let mut share = LoadShare::default();
+        FullAttention::load_plan(self, j, for_request, &mut share)?;
+        if model.with::<MambaStates>() {
+            MambaStates::load_plan(self, j, for_request, &mut share)?;
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::load_plan(self, j, for_request, &mut share)?;
+        }
+        Ok(share)
+    }
+
+    /// Every component's share of taking a load-back's device slots
+    /// ([`Component::load_take`]).
+    pub(crate) fn load_take_components(
+        &mut self,
+        share: &mut LoadShare,
+    ) -> std::result::Result<(), CallOff> {
+        let model = self.model;
+        FullAttention::load_take(self, share)?;
+        if model.with::<MambaStates>() {
+            MambaStates::load_take(self, share)?;
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::load_take(self, share)?;
+        }
+        Ok(())
+    }
+
+    /// Every component's share of a load-back's KV pages `kv` ([`Component::load_pages`]).
+    pub(crate) fn load_pages_components(
+        &mut self,
+        kv: &Pages,
+        share: &mut LoadShare,
+    ) -> std::result::Result<(), CallOff> {
+        let model = self.model;
+        FullAttention::load_pages(self, kv, share)?;
+        if model.with::<MambaStates>() {
+            MambaStates::load_pages(self, kv, share)?;
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::load_pages(self, kv, share)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a match could end at node `i`'s end on the device for every component
+    /// ([`Component::live_end`]).
+    #[inline]
+    pub(crate) fn live_end_components(&self, i: u32) -> bool {
+        let model = self.model;
+        FullAttention::live_end(self, i)
+            && (!model.with::<MambaStates>() || MambaStates::live_end(self, i))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::live_end(self, i))
+    }
+
+    /// Whether node `i`, which has a host KV copy, is worth keeping host-only for every
+    /// component ([`Component::useful_on_host`]).
+    #[inline]
+    pub(crate) fn useful_on_host_components(&self, i: u32) -> bool {
+        let model = self.model;
+        FullAttention::useful_on_host(self, i)
+            && (!model.with::<MambaStates>() || MambaStates::useful_on_host(self, i))
+            && (!model.with::<SlidingWindow>() || SlidingWindow::useful_on_host(self, i))
+    }
+
+    /// Every component's device data on node `i` goes ([`Component::drop_device`]).
+    #[inline]
+    pub(crate) fn drop_device_components(&mut self, i: u32, out: &mut Evicted) {
+        let model = self.model;
+        FullAttention::drop_device(self, i, out);
+        if model.with::<MambaStates>() {
+            MambaStates::drop_device(self, i, out);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::drop_device(self, i, out);
+        }
+    }
+
+    /// Every component's host data on node `i` goes ([`Component::drop_host`]).
+    #[inline]
+    pub(crate) fn drop_host_components(&mut self, i: u32) {
+        let model = self.model;
+        FullAttention::drop_host(self, i);
+        if model.with::<MambaStates>() {
+            MambaStates::drop_host(self, i);
+        }
+        if model.with::<SlidingWindow>() {
+            SlidingWindow::drop_host(self, i);
         }
     }
 

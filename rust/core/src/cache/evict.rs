@@ -145,7 +145,6 @@ impl Cache {
 
     /// [`Cache::remove_leaf`] itself.
     fn remove_leaf_now(&mut self, mut i: u32, out: &mut Evicted) {
-        let hybrid = self.is_hybrid();
         loop {
             let n = self.tree.node(i);
             let (len, has_state, waits) =
@@ -164,7 +163,7 @@ impl Cache {
             let parent = self.delete_subtree(i, out);
             let p = self.tree.node(parent);
             // A leaf no match can end at: stateless (hybrid), or a dead SWA end.
-            let dead = (hybrid && p.mamba.device.is_none()) || self.swa_dead_end(parent);
+            let dead = !self.live_end_components(parent);
             if dead && p.kv.state.in_lru() && p.children.is_empty() {
                 self.lru.unlist_kv(&mut self.tree, parent);
                 i = parent;
@@ -188,22 +187,12 @@ impl Cache {
         self.count_evicted(&out);
     }
 
-    /// Whether node `i` is worth keeping as host-only: it has a host KV copy and, in a
-    /// hybrid tree, a host state or children (a match needs a state on its path); with
-    /// SWA layers, its last host page has its host SWA page or it has children (a
-    /// match needs a live window at its end).
+    /// Whether node `i` is worth keeping as host-only: it has a host KV copy and every
+    /// component finds it useful there (Mamba: a host state or children, as a match
+    /// needs a state on its path; SWA: its last host page has its host SWA page or it
+    /// has children, as a match needs a live window at its end).
     fn useful_on_host(&self, i: u32) -> bool {
-        let n = self.tree.node(i);
-        let has_children = !n.children.is_empty();
-        let window = match &n.kv.host {
-            Some(host) if self.has_swa() => {
-                has_children || self.pools.host_kv.companion_tail(host) > 0
-            }
-            _ => true,
-        };
-        n.kv.host.is_some()
-            && window
-            && (!self.is_hybrid() || n.mamba.host.is_some() || has_children)
+        self.tree.node(i).kv.host.is_some() && self.useful_on_host_components(i)
     }
 
     /// Marks node `i` as being evicted or not, keeping its parent's count of evicting
@@ -274,7 +263,7 @@ impl Cache {
     /// Demotes an unlocked device leaf that has a host copy: frees its device KV and
     /// state, keeps the node with its host data.
     pub(crate) fn demote(&mut self, i: u32, out: &mut Evicted) {
-        self.drop_state(i, out);
+        self.drop_device_components(i, out);
         out.kv_tokens += self.take_device_pages(i);
         self.stats.demotions += 1;
     }
@@ -294,16 +283,13 @@ impl Cache {
         len
     }
 
-    /// Frees a node's host copies (KV and state).
+    /// Frees a node's host copies (KV and the other components' data).
     fn drop_host(&mut self, i: u32) {
         self.lru.unlist_host(&mut self.tree, i);
-        let (kv, state) = self.edit(i, |n| (n.kv.host.take(), n.mamba.host.take()));
-        if let Some(pages) = kv {
+        if let Some(pages) = self.edit(i, |n| n.kv.host.take()) {
             self.pools.host_kv.release_tree(&pages);
         }
-        if let Some(slot) = state {
-            self.pools.host_mamba.release_tree(&[slot]);
-        }
+        self.drop_host_components(i);
     }
 
     /// Deletes an unlocked device node together with what is below it: host-only nodes
@@ -315,7 +301,7 @@ impl Cache {
         let mut counted = Evicted::default();
         for &d in below[1..].iter().rev() {
             let len = self.tree.node(d).key.len();
-            self.drop_state(d, &mut counted);
+            self.drop_device_components(d, &mut counted);
             if let Some(pages) = self.edit(d, |n| n.kv.device.take()) {
                 self.pools.kv.release_tree(&pages);
             }
@@ -329,7 +315,7 @@ impl Cache {
         }
         self.set_evicting(i, false);
         self.lru.unlist_kv(&mut self.tree, i);
-        self.drop_state(i, out);
+        self.drop_device_components(i, out);
         self.drop_host(i);
         let pages = self.edit(i, |n| n.kv.device.take()).unwrap_or_default();
         self.pools.kv.release_tree(&pages);

@@ -2,7 +2,8 @@
 //!
 //! A backup is a `backup` batch of device-to-host copies for nodes on one path, ancestors
 //! first. Until it is acknowledged the nodes are device-locked by the batch's receipt
-//! and marked `BackingUp` (their `KvState`; a state being backed up: `backup_pending`);
+//! and marked `BackingUp` (their `KvState`; what other components back up is marked by
+//! their `Component::backup_started`, a state's `backup_pending`);
 //! the host pages it writes are owned by the batch and become the nodes' host copies
 //! only at `complete` (a failed backup leaves the nodes not backed up). Under write-through a node is backed up once its insert count reaches
 //! the threshold; under write-back only a node being evicted is, and its device pages
@@ -13,6 +14,7 @@ use crate::ids::NodeId;
 use crate::pool::{PageRun, Pages};
 
 use super::batch::{Payload, PoolKind, SlotCopy, Tier};
+use super::component::{BackupHeld, BackupShare};
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -65,8 +67,8 @@ pub(crate) struct Backup {
     pub end: NodeId,
     /// Host pages for the KV of the nodes backed up, by page offset along the path.
     pub kv: PathPages,
-    /// Host state slots, per node.
-    pub states: Vec<(NodeId, Pages)>,
+    /// What the components other than full attention back up (host state slots).
+    pub held: BackupHeld,
     /// The node being evicted under write-back: demoted when the backup completes,
     /// removed when it fails.
     pub demote: Option<NodeId>,
@@ -77,9 +79,7 @@ impl Backup {
     /// 2 for host KV, 3 for host states, as in `report::POOLS`).
     pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
         f(2, self.kv.pages());
-        for (_, s) in &self.states {
-            f(3, s.pages());
-        }
+        self.held.owned(f);
     }
 }
 
@@ -108,9 +108,7 @@ impl Cache {
         let mut host_kv = self.pools.host_kv.empty();
         let mut offsets = Vec::new();
         let (mut kv_src, mut kv_dst) = (Vec::new(), Vec::new());
-        let (mut st_src, mut st_dst) = (Vec::new(), Vec::new());
-        let mut swa_copy = (Vec::new(), Vec::new());
-        let mut states = Vec::new();
+        let mut share = BackupShare::default();
         let mut marked = Vec::new();
         let mut offset = 0;
         for (k, &i) in path.iter().enumerate() {
@@ -132,25 +130,14 @@ impl Cache {
                     }
                     self.expand_into(h.pages(), &mut kv_dst);
                     // Short of host SWA pages: the KV goes without its SWA KV.
-                    self.swa_backup(i, h.pages(), &mut swa_copy);
+                    self.backup_pages_components(i, h.pages(), &mut share);
                     offsets.extend(offset..offset + np);
                     host_kv.append(h);
                     in_batch = true;
                 }
-                let n = self.tree.node(i);
-                if let Some(slot) = n.mamba.device {
-                    let kv_there = in_batch || n.kv.host.is_some();
-                    if n.mamba.host.is_none() && !n.mamba.backup_pending && kv_there {
-                        if let Some(h) = self.alloc_host_state() {
-                            st_src.push(i64::from(slot));
-                            st_dst.push(i64::from(h.pages()[0]));
-                            states.push((self.tree.id(i), h));
-                            in_batch = true;
-                        } else {
-                            self.stats.backup_states_skipped += 1;
-                        }
-                    }
-                }
+                // The node's other data (its state), with its KV there.
+                let kv_there = in_batch || self.tree.node(i).kv.host.is_some();
+                in_batch |= self.backup_components(i, kv_there, &mut share, true).copied;
                 if in_batch {
                     marked.push(i);
                 }
@@ -162,25 +149,19 @@ impl Cache {
         };
         self.stats.backup_tokens += kv_src.len() as u64;
         let kv = PathPages::new(host_kv, offsets);
-        self.emit_backup(
-            end,
-            &marked,
-            kv,
-            states,
-            [(kv_src, kv_dst), (st_src, st_dst), swa_copy],
-            None,
-        );
+        self.emit_backup(end, &marked, kv, (kv_src, kv_dst), share, None);
     }
 
-    /// Emits a backup batch for `marked` nodes (the deepest is `end`); `copies` are the
-    /// `(source, destination)` slots of the KV, state and SWA copies.
+    /// Emits a backup batch for `marked` nodes (the deepest is `end`); `kv_copy` is the
+    /// `(source, destination)` slots of the KV copy, `share` what the other components
+    /// back up with their copies.
     fn emit_backup(
         &mut self,
         end: u32,
         marked: &[u32],
         kv: PathPages,
-        states: Vec<(NodeId, Pages)>,
-        copies: [(Vec<i64>, Vec<i64>); 3],
+        kv_copy: (Vec<i64>, Vec<i64>),
+        share: BackupShare,
         demote: Option<NodeId>,
     ) {
         for &i in marked {
@@ -188,35 +169,25 @@ impl Cache {
                 self.mark_kv(i, |s| s.with_backup(true));
             }
         }
-        for (id, _) in &states {
-            if let Ok(i) = self.tree.resolve(*id) {
-                self.edit(i, |n| n.mamba.backup_pending = true);
-                self.refresh(i);
-            }
-        }
+        let (held, others) = share.into_parts();
+        self.backup_started_components(&held);
         let lock = demote.is_none().then(|| self.lock_index(end));
-        let [kv_copy, state_copy, swa_copy] = copies;
         let mut copies = Vec::new();
-        for (pool, (src, dst)) in [
-            (PoolKind::Kv, kv_copy),
-            (PoolKind::Mamba, state_copy),
-            (PoolKind::Swa, swa_copy),
-        ] {
-            if !src.is_empty() {
-                copies.push(SlotCopy {
-                    pool,
-                    src_tier: Tier::Device,
-                    dst_tier: Tier::Host,
-                    src,
-                    dst,
-                });
-            }
+        let kv_copy = (!kv_copy.0.is_empty()).then_some((PoolKind::Kv, kv_copy));
+        for (pool, (src, dst)) in kv_copy.into_iter().chain(others) {
+            copies.push(SlotCopy {
+                pool,
+                src_tier: Tier::Device,
+                dst_tier: Tier::Host,
+                src,
+                dst,
+            });
         }
         let backup = Backup {
             lock,
             end: self.tree.id(end),
             kv,
-            states,
+            held,
             demote,
         };
         self.emit(copies, Payload::Backup(backup));
@@ -233,15 +204,13 @@ impl Cache {
         let ps = self.config().page_size;
         let n = self.tree.node(i);
         let np = n.key.len() / ps;
-        let needs_state = self.is_hybrid() && n.children.is_empty() && n.mamba.host.is_none();
-        if needs_state && n.mamba.device.is_none() {
+        let leaf = n.children.is_empty();
+        // A leaf no match could end at on the host (no state on any tier, a dead SWA
+        // end): useless there.
+        if leaf && self.backup_useless_components(i) {
             return false;
         }
-        // A leaf ending in a dead SWA page would be a host tombstone leaf: useless.
-        if n.children.is_empty() && self.swa_dead_end(i) {
-            return false;
-        }
-        let host_kv = if n.kv.host.is_none() {
+        let host_kv = if self.tree.node(i).kv.host.is_none() {
             let Some(h) = self.alloc_host_pages(np) else {
                 self.stats.backups_skipped += 1;
                 return false;
@@ -250,29 +219,24 @@ impl Cache {
         } else {
             None
         };
-        let device_state = self.tree.node(i).mamba.device;
-        let state = match device_state {
-            Some(_) if self.tree.node(i).mamba.host.is_none() => self.alloc_host_state(),
-            _ => None,
-        };
-        if needs_state && state.is_none() {
+        // The node's other data (its state); a leaf must have it on the host.
+        let mut share = BackupShare::default();
+        let backed = self.backup_components(i, true, &mut share, false);
+        if leaf && backed.short {
             self.stats.backups_skipped += 1;
             return false;
         }
-        if host_kv.is_none() && state.is_none() {
+        if host_kv.is_none() && !backed.copied {
             return false;
         }
         let mut kv_copy = (Vec::new(), Vec::new());
-        let mut swa_copy = (Vec::new(), Vec::new());
         let mut offsets = Vec::new();
         let mut kv_pages = self.pools.host_kv.empty();
         if let Some(h) = host_kv {
             // A leaf backed up without its SWA KV could never be matched on the host
             // (a host tombstone leaf): it is not backed up. An internal node (an SWA
             // tombstone included) keeps its full KV for the deeper matches below it.
-            if !self.swa_backup(i, h.pages(), &mut swa_copy)
-                && self.tree.node(i).children.is_empty()
-            {
+            if !self.backup_pages_components(i, h.pages(), &mut share) && leaf {
                 self.stats.backups_skipped += 1;
                 return false;
             }
@@ -290,24 +254,10 @@ impl Cache {
             offsets.extend(before..before + np);
             kv_pages = h;
         }
-        let mut state_copy = (Vec::new(), Vec::new());
-        let mut states = Vec::new();
-        if let (Some(h), Some(slot)) = (state, device_state) {
-            state_copy.0.push(i64::from(slot));
-            state_copy.1.push(i64::from(h.pages()[0]));
-            states.push((self.tree.id(i), h));
-        }
         self.stats.backup_tokens += kv_copy.0.len() as u64;
         let kv = PathPages::new(kv_pages, offsets);
         let id = self.tree.id(i);
-        self.emit_backup(
-            i,
-            &[i],
-            kv,
-            states,
-            [kv_copy, state_copy, swa_copy],
-            Some(id),
-        );
+        self.emit_backup(i, &[i], kv, kv_copy, share, Some(id));
         true
     }
 
@@ -332,20 +282,7 @@ impl Cache {
                 offset += np;
             }
         }
-        for (id, h) in std::mem::take(&mut b.states) {
-            let Ok(i) = self.tree.resolve(id) else {
-                drop(h);
-                continue;
-            };
-            self.edit(i, |n| n.mamba.backup_pending = false);
-            let n = self.tree.node(i);
-            if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
-                self.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
-            } else {
-                drop(h);
-            }
-            self.refresh(i);
-        }
+        self.backup_settled_components(&mut b.held, publish);
     }
 
     /// A backup batch ended. Landed: the nodes get their host copies; a write-back

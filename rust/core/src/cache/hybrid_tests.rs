@@ -490,6 +490,33 @@ fn extend_batch_gives_each_request_its_next_slot_as_extend_would() {
 }
 
 #[test]
+fn extend_batch_gives_every_request_without_a_state_its_own_slot() {
+    let mut c = hybrid(64, 4, 4);
+    let ids: Vec<_> = (1..=3)
+        .map(|t| c.admit(None, &[t]).unwrap().unwrap())
+        .collect();
+    c.extend_batch(&ids, &[1, 2, 3]).unwrap().unwrap();
+    let mut slots: Vec<_> = ids
+        .iter()
+        .map(|&r| c.request(r).unwrap().mamba_slot.unwrap())
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!(slots.len(), 3, "three distinct state slots");
+    assert_eq!(c.available_mamba(), 1);
+    c.audit().unwrap();
+    for r in ids {
+        c.abort(r).unwrap();
+    }
+    assert_eq!(
+        c.available_mamba(),
+        4,
+        "every slot returns with its request"
+    );
+    c.audit().unwrap();
+}
+
+#[test]
 fn extend_batch_is_all_or_nothing() {
     // Two pages: `a` holds one, `b` the other; both need a new page and none can be had.
     let mut c = hybrid(8, 4, 4);

@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::pool::{as_i64, page_of_slot, Pages};
 use crate::tree::Probe;
 
+use super::component::Held;
 use super::{Cache, Insert};
 
 /// What [`Cache::publish`] did.
@@ -207,9 +208,7 @@ impl Cache {
                     self.revive(node, here);
                 } else {
                     duplicates += next - owned_pos;
-                    if self.has_swa() {
-                        self.swa_revive(node, here.pages());
-                    }
+                    self.duplicate_components(node, here.pages());
                     drop(here);
                 }
                 owned_pos = next;
@@ -237,18 +236,9 @@ impl Cache {
             drop(owned);
             aligned
         };
-        let mut mamba_existed = false;
-        if let Some(state) = state {
-            if end == root || cached != tokens.len() {
-                // The state was taken at tokens.len(), which is no node's end.
-                drop(state);
-            } else if self.tree.node(end).mamba.device.is_some() {
-                mamba_existed = true;
-                drop(state);
-            } else {
-                self.set_state(end, state);
-            }
-        }
+        // What the caller hands over beside its KV (a state, taken at tokens.len()).
+        let at_end = end != root && cached == tokens.len();
+        let mamba_existed = self.donate_components(end, at_end, &mut Held::state(state));
         self.stats.insert_calls += 1;
         self.stats.duplicate_tokens += duplicates as u64;
         Published {

@@ -28,6 +28,7 @@ use super::request::SavedRequest;
 use crate::pool::Pages;
 
 use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::component::{LoadHeld, LoadShare};
 use super::locks::LockReceipt;
 use super::returns::{Returned, Returns};
 use super::Cache;
@@ -96,13 +97,10 @@ pub(crate) struct Load {
     /// Device pages for the host-only nodes, in path order (moved into the nodes at
     /// commit).
     pub kv: Pages,
-    /// Restores the target's state in the tree.
-    pub restore: Option<Pages>,
-    /// The request's fresh state slot (moved into the request at commit).
-    pub req_slot: Option<Pages>,
+    /// What it holds for the other components: a state slot restoring the target's
+    /// state in the tree, the request's fresh one (moved into the request at commit).
+    pub held: LoadHeld,
     kv_tokens: usize,
-    /// SWA pages it copies back (on `kv`'s last pages, which own them).
-    swa_pages: usize,
     pub copies: CopyOutcome,
     /// Set at commit.
     pub committed: bool,
@@ -198,28 +196,23 @@ struct Plan {
     /// Page offset of the first host-only node, and the host slots to read.
     start: usize,
     host_slots: Vec<i64>,
-    /// The host pages read, in path order (with SWA layers only).
-    host_pages: Vec<u32>,
-    /// SWA: the target's window is live (counting host-only nodes by their host SWA
-    /// pages); always without SWA layers.
-    window_live: bool,
     pages: usize,
-    restore: Option<u32>,
     busy: bool,
+    /// What the other components load (a state; SWA's window).
+    share: LoadShare,
 }
 
 impl Plan {
     /// Why the load is called off before anything is taken, if it is: part of the path
-    /// is being loaded, there is nothing to load, or (SWA) no live window at the target.
+    /// is being loaded, there is nothing to load, or a component refuses (SWA: no live
+    /// window at the target).
     fn refused(&self) -> Option<CallOff> {
         if self.busy {
             Some(CallOff::Busy)
-        } else if self.pages == 0 && self.restore.is_none() {
+        } else if self.pages == 0 && !self.share.loads_data() {
             Some(CallOff::Nothing)
-        } else if !self.window_live {
-            Some(CallOff::Swa)
         } else {
-            None
+            self.share.refused()
         }
     }
 }
@@ -270,7 +263,7 @@ impl Cache {
                 return Ok(self.called_off(CallOff::Nothing));
             }
         }
-        let plan = self.load_plan(j, request.is_some())?;
+        let mut plan = self.load_plan(j, request.is_some())?;
         if let Some(why) = plan.refused() {
             return Ok(self.called_off(why));
         }
@@ -283,14 +276,9 @@ impl Cache {
             let _ = self.unlock(lock);
             return Ok(self.called_off(CallOff::Quota));
         }
-        let want_states = match (plan.restore, request) {
-            (None, _) => 0,
-            (Some(_), None) => 1,
-            (Some(_), Some(_)) => 2,
-        };
         // Both checked before anything is evicted; states first (evicting one never
         // lowers free + evictable KV).
-        if !self.states_available(want_states) {
+        if !self.wants_available(plan.share.wants()) {
             let _ = self.unlock(lock);
             return Ok(self.called_off(CallOff::State));
         }
@@ -298,19 +286,15 @@ impl Cache {
             let _ = self.unlock(lock);
             return Ok(self.called_off(CallOff::Room));
         }
-        let (kv, mut slots, swa_copy) =
-            match self.take_load_slots(plan.pages, want_states, &plan.host_pages) {
-                Ok(taken) => taken,
-                Err(why) => {
-                    let _ = self.unlock(lock);
-                    return Ok(self.called_off(why));
-                }
-            };
-        let swa_pages = swa_copy.0.len() / ps;
-        let req_slot = if want_states == 2 { slots.pop() } else { None };
-        let restore = slots.pop();
+        let kv = match self.take_load_slots(plan.pages, &mut plan.share) {
+            Ok(kv) => kv,
+            Err(why) => {
+                let _ = self.unlock(lock);
+                return Ok(self.called_off(why));
+            }
+        };
         let start = plan.start;
-        let copies = self.load_copies(plan, &kv, swa_copy, restore.as_ref(), req_slot.as_ref());
+        let (copies, held) = self.load_copies(plan, &kv);
         let batch = self.emit_held(copies, Payload::LoadBack);
         let id = batch.id;
         if let Some(r) = request {
@@ -324,10 +308,8 @@ impl Cache {
                 lock: Some(lock),
                 start,
                 kv,
-                restore,
-                req_slot,
+                held,
                 kv_tokens,
-                swa_pages,
                 copies: CopyOutcome::Pending,
                 committed: false,
                 saved: None,
@@ -342,17 +324,10 @@ impl Cache {
         }))
     }
 
-    /// The copies of a load: host KV to the new device pages, host SWA to their device
-    /// SWA pages (`swa`: host slots, device slots), the host state to the restoring slot
-    /// and to the request's.
-    fn load_copies(
-        &self,
-        plan: Plan,
-        kv: &Pages,
-        swa: (Vec<i64>, Vec<i64>),
-        restore: Option<&Pages>,
-        req_slot: Option<&Pages>,
-    ) -> Vec<SlotCopy> {
+    /// The copies of a load: host KV to the new device pages, then the other
+    /// components' (host SWA to their device SWA pages, the host state to the restoring
+    /// slot and to the request's); and what the load holds for those components.
+    fn load_copies(&self, mut plan: Plan, kv: &Pages) -> (Vec<SlotCopy>, LoadHeld) {
         let mut copies = Vec::new();
         if plan.pages > 0 {
             let mut dst = Vec::with_capacity(plan.host_slots.len());
@@ -365,27 +340,8 @@ impl Cache {
                 dst,
             });
         }
-        if !swa.0.is_empty() {
-            copies.push(SlotCopy {
-                pool: PoolKind::Swa,
-                src_tier: Tier::Host,
-                dst_tier: Tier::Device,
-                src: swa.0,
-                dst: swa.1,
-            });
-        }
-        if let Some(h) = plan.restore {
-            for s in restore.into_iter().chain(req_slot) {
-                copies.push(SlotCopy {
-                    pool: PoolKind::Mamba,
-                    src_tier: Tier::Host,
-                    dst_tier: Tier::Device,
-                    src: vec![i64::from(h)],
-                    dst: vec![i64::from(s.pages()[0])],
-                });
-            }
-        }
-        copies
+        plan.share.copies(&mut copies);
+        (copies, plan.share.held)
     }
 
     /// SWA: gives the loaded device pages `kv` (one per host page of `host`, in path
@@ -395,7 +351,7 @@ impl Cache {
     /// them, a commit publishes them with the KV. `None`, having given none, when the
     /// device cannot make room. Pages older than the window load without their SWA KV
     /// (SWA tombstones on the device; their host copy keeps it).
-    fn load_swa(&mut self, host: &[u32], kv: &Pages) -> Option<(Vec<i64>, Vec<i64>)> {
+    pub(crate) fn load_swa(&mut self, host: &[u32], kv: &Pages) -> Option<(Vec<i64>, Vec<i64>)> {
         let mut copy = (Vec::new(), Vec::new());
         if !self.has_swa() || host.is_empty() {
             return Some(copy);
@@ -420,27 +376,23 @@ impl Cache {
         Some(copy)
     }
 
-    /// State slots, then KV pages (evicting; checked feasible before), then the SWA
-    /// pages of the window's (for host pages `host`, see [`Cache::load_swa`]) with the
-    /// slots of their copies. What was taken goes back when a later step fails.
-    #[allow(clippy::type_complexity)] // the three parts of a load, taken together
+    /// The components' device slots for node data (state slots), then KV pages
+    /// (evicting; checked feasible before), then the data paired with them (the SWA
+    /// pages of the window's, see [`Cache::load_swa`]), into `share` with the slots of
+    /// their copies. What was taken goes back when a later step fails.
     fn take_load_slots(
         &mut self,
         pages: usize,
-        states: usize,
-        host: &[u32],
-    ) -> std::result::Result<(Pages, Vec<Pages>, (Vec<i64>, Vec<i64>)), CallOff> {
-        let mut slots = Vec::new();
-        for _ in 0..states {
-            slots.push(self.alloc_state().ok_or(CallOff::State)?);
-        }
+        share: &mut LoadShare,
+    ) -> std::result::Result<Pages, CallOff> {
+        self.load_take_components(share)?;
         let kv = if pages > 0 {
             self.alloc_bare_pages(pages).ok_or(CallOff::Room)?
         } else {
             self.pools.kv.empty()
         };
-        let swa = self.load_swa(host, &kv).ok_or(CallOff::Swa)?;
-        Ok((kv, slots, swa))
+        self.load_pages_components(&kv, share)?;
+        Ok(kv)
     }
 
     fn called_off(&mut self, why: CallOff) -> Option<LoadRecord> {
@@ -504,15 +456,12 @@ impl Cache {
         let mut plan = Plan {
             start: 0,
             host_slots: Vec::new(),
-            host_pages: Vec::new(),
-            window_live: self.swa_window_live_any(j),
             pages: 0,
-            restore: None,
             busy: false,
+            share: LoadShare::default(),
         };
         let mut offset = 0;
         let mut first = None;
-        let swa = self.has_swa();
         for i in self.path_to(j) {
             let n = self.tree.node(i);
             plan.busy |= n.kv.state.loading();
@@ -520,25 +469,14 @@ impl Cache {
                 first.get_or_insert(offset);
                 if let Some(host) = &n.kv.host {
                     self.expand_into(host, &mut plan.host_slots);
-                    if swa {
-                        plan.host_pages.extend_from_slice(host);
-                    }
                     plan.pages += host.len();
                 }
             }
             offset += n.key.len() / ps;
         }
         plan.start = first.unwrap_or(offset);
-        let n = self.tree.node(j);
-        if self.is_hybrid() && n.mamba.device.is_none() && !n.is_root() {
-            plan.restore = n.mamba.host;
-            if plan.restore.is_none() && for_request {
-                return Err(Error::arg(
-                    "node",
-                    "has no Mamba state on any tier, so a request cannot run from it",
-                ));
-            }
-        }
+        // What the other components load (the target's state; SWA's window).
+        plan.share = self.load_plan_components(j, for_request)?;
         Ok(plan)
     }
 
@@ -627,17 +565,17 @@ impl Cache {
         };
         let done = load.copies == CopyOutcome::Completed;
         self.publish_loaded(&mut load, j, !done);
-        let slot = load.req_slot.take();
+        let fresh = std::mem::take(&mut load.held.request);
         let request = load.request.filter(|&r| self.request_live(r));
         let saved = if let Some(r) = request {
-            self.move_request_to(r, j, slot)
+            self.move_request_to(r, j, fresh)
         } else {
-            drop(slot);
+            drop(fresh);
             None
         };
         self.stats.load_backs_committed += 1;
         self.stats.loaded_tokens += load.kv_tokens as u64;
-        self.stats.swa_loaded_pages += load.swa_pages as u64;
+        self.stats.swa_loaded_pages += load.held.swa_pages() as u64;
         if done {
             self.settle_load(id, load, j, saved, true);
         } else {
@@ -697,14 +635,9 @@ impl Cache {
             self.refresh(cur);
             cur = parent;
         }
-        if let Some(state) = load.restore.take() {
-            let n = self.tree.node(j);
-            if ok && n.kv.device.is_some() && n.mamba.device.is_none() {
-                self.set_state(j, state);
-            } else {
-                drop(state);
-            }
-        }
+        // The target gets the node data restored for it (its state).
+        let at_end = ok && self.tree.node(j).kv.device.is_some();
+        self.donate_components(j, at_end, &mut load.held.for_target());
         let mut release = Vec::new();
         if let Some(saved) = saved {
             match request {

@@ -8,7 +8,7 @@
 //!
 //! | file | owns | does |
 //! |---|---|---|
-//! | `component.rs` | the model | the components (full attention, Mamba, SWA) and their hooks: match cut, locks, splits, audit |
+//! | `component.rs` | the model; what a request, backup and load hold per component | the components (full attention, Mamba, SWA) and their hooks: match cut, locks, splits, a request's share (admit, extend, checkpoint, finish), publication on nodes, backup and load-back copies, eviction of a node's data, audit |
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it) |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |

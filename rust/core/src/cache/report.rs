@@ -34,7 +34,7 @@ impl Cache {
     pub(crate) fn holdings(&self, mut f: impl FnMut(usize, Holder, &[u32])) {
         for r in self.requests.iter() {
             f(0, Holder::Request, r.kv.pages());
-            if let Some(s) = &r.mamba {
+            if let Some(s) = &r.held.state {
                 f(1, Holder::Request, s.pages());
             }
             for p in &r.retired.kv {
@@ -51,9 +51,7 @@ impl Cache {
                 Holder::Request
             };
             f(0, holder, load.kv.pages());
-            for s in [&load.restore, &load.req_slot].into_iter().flatten() {
-                f(1, holder, s.pages());
-            }
+            load.held.owned(|pool, pages| f(pool, holder, pages));
             if let Some(s) = load.saved.as_ref().and_then(SavedRequest::state) {
                 f(1, Holder::InFlight, s.pages());
             }

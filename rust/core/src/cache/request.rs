@@ -12,8 +12,8 @@ use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
 use crate::slab::Slab;
 
-use super::alloc::StateRoom;
-use super::batch::{Payload, PoolKind, SlotCopy, Tier};
+use super::batch::Payload;
+use super::component::{Held, Replaced, Wants};
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -25,21 +25,20 @@ pub(crate) struct SavedRequest {
     host_node: Option<NodeId>,
     node: u32,
     lock: Option<LockReceipt>,
-    /// The request's earlier state slot, when the load gave it a fresh one.
-    mamba: Option<Pages>,
-    swapped: bool,
+    /// What the load replaced of what the request holds (its earlier state slot).
+    replaced: Replaced,
 }
 
 impl SavedRequest {
     /// The request's earlier state slot, kept until the load ends.
     pub fn state(&self) -> Option<&Pages> {
-        self.mamba.as_ref()
+        self.replaced.state()
     }
 
     /// The load landed: what the request had before goes (its lock is returned, to be
     /// released).
     pub fn release(self) -> Option<LockReceipt> {
-        drop(self.mamba);
+        drop(self.replaced);
         self.lock
     }
 }
@@ -74,8 +73,9 @@ pub(crate) struct RequestState {
     pub lock: Option<LockReceipt>,
     /// Pages for `tokens[prefix_len..]`, in order.
     pub kv: Pages,
-    /// The request's own state slot.
-    pub mamba: Option<Pages>,
+    /// What it holds of each component beyond its KV pages and lock (its state slot, its
+    /// window's progress).
+    pub held: Held,
     pub branch_len: usize,
     pub host_len: usize,
     /// The admission copy-on-write, until it is acknowledged.
@@ -103,10 +103,6 @@ pub(crate) struct RequestState {
     pub retired: Retired,
     /// The request's priority: what it caches takes it.
     pub priority: i64,
-    /// SWA: the token position up to which the request's own pages gave back their SWA
-    /// pages (their tokens left the window). Absolute, so that it survives a checkpoint
-    /// moving `prefix_len` (chunked prefill): a page is never freed twice, nor kept.
-    pub swa_freed_to: usize,
 }
 
 /// KV pages and state slots a request holds but no longer uses ([`RequestState::retired`]).
@@ -234,18 +230,13 @@ impl Cache {
         let m = self.find(namespace, tokens, None, Some(priority));
         let node = m.end;
         let lock = self.lock_index(node);
-        let mut state = None;
-        let mut cow = None;
-        if let Some(src) = m.mamba_slot {
-            // Our lock holds the source state: eviction for the copy cannot take it.
-            let Some(dst) = self.alloc_state() else {
-                let _ = self.unlock(lock);
-                self.stats.admits_refused += 1;
-                return Ok(None);
-            };
-            let dst_slot = dst.pages()[0];
-            state = Some(dst);
-            cow = Some((src, dst_slot));
+        // What the request holds of each component (its state slot, with its copy).
+        let mut held = Held::default();
+        let mut copies = Vec::new();
+        if !self.admit_components(&m, &mut held, &mut copies) {
+            let _ = self.unlock(lock);
+            self.stats.admits_refused += 1;
+            return Ok(None);
         }
         let r = RequestState {
             namespace: namespace.map(str::to_owned),
@@ -254,7 +245,7 @@ impl Cache {
             node,
             lock: Some(lock),
             kv: self.pools.kv.empty(),
-            mamba: state,
+            held,
             branch_len: m.kv_len,
             host_len: m.host_len,
             cow: None,
@@ -266,17 +257,13 @@ impl Cache {
             epoch: 0,
             retired: Retired::default(),
             priority,
-            swa_freed_to: 0,
         };
         let id = RequestId {
             cache: self.id(),
             slot: self.requests.table.insert(r),
         };
-        if let Some((src, dst)) = cow {
-            let batch = self.emit(
-                vec![state_copy(src, dst)],
-                Payload::Cow(Cow::Admit { request: id }),
-            );
+        if !copies.is_empty() {
+            let batch = self.emit(copies, Payload::Cow(Cow::Admit { request: id }));
             if let Ok(r) = self.request_mut(id) {
                 r.cow = Some(batch);
             }
@@ -291,20 +278,19 @@ impl Cache {
     pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
         self.cache_owned("extend")?;
         let ps = self.page_size();
-        if self.has_swa() {
-            self.request_ref(id)?;
-            self.slide_window(id);
-        }
+        self.request_ref(id)?;
+        self.advance_components(id);
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
-        let wants_state = self.is_hybrid() && r.mamba.is_none();
+        // What the request wants of the components' own pools (a state slot).
+        let wants = self.wants(r);
         // Both checked before anything is evicted, so a refusal costs the cache nothing
         // (under write-back, an eviction that did run may have started backups:
         // docs/contract.md rule 11).
         // The state first: evicting one never lowers free + evictable KV, so the KV
         // allocation that follows succeeds.
-        if !self.kv_available(need) || (wants_state && !self.states_available(1)) {
+        if !self.kv_available(need) || !self.wants_available(wants) {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
@@ -312,18 +298,17 @@ impl Cache {
         // backup): the KV is asked for all the same, so that its evictions start their
         // backups in the same round (docs/contract.md rule 11: one round is always enough), and then
         // everything taken goes back.
-        let (state, coming) = match wants_state.then(|| self.take_state()) {
-            None => (None, false),
-            Some(StateRoom::Now(s)) => (Some(s), false),
-            Some(StateRoom::Coming) => (None, true),
-            Some(StateRoom::No) => {
+        let mut taken = None;
+        if wants.any() {
+            let Some(t) = self.take_wants(wants) else {
                 self.stats.extends_refused += 1;
                 return Ok(None);
-            }
-        };
+            };
+            taken = Some(t);
+        }
         let pages = if need > 0 {
             let Some(p) = self.alloc_pages(need) else {
-                // `state` goes back to the pool as it drops.
+                // `taken` goes back to the pools as it drops.
                 self.stats.extends_refused += 1;
                 return Ok(None);
             };
@@ -331,15 +316,15 @@ impl Cache {
         } else {
             self.pools.kv.empty()
         };
-        if coming {
+        if taken.as_ref().is_some_and(|t| t.coming) {
             // `pages` go back to the pool as they drop.
             self.stats.extends_refused += 1;
             return Ok(None);
         }
         let r = self.request_mut(id)?;
         r.kv.append(pages);
-        if state.is_some() {
-            r.mamba = state;
+        if let Some(t) = &mut taken {
+            t.give(r);
         }
         let start = r.tokens.len() - r.prefix_len;
         r.tokens.extend_from_slice(tokens);
@@ -370,19 +355,18 @@ impl Cache {
             ));
         }
         let ps = self.page_size();
-        let hybrid = self.is_hybrid();
         // Pages each request needs (0 while its last page has room), and states wanted.
         let mut needs = Vec::with_capacity(ids.len());
-        let mut states = 0;
+        let mut wants = Wants::default();
         for id in ids {
             self.request_ref(*id)?;
         }
         for id in ids {
-            self.slide_window(*id);
+            self.advance_components(*id);
             let r = self.request_ref(*id)?;
             let own = r.tokens.len() - r.prefix_len;
             needs.push((own + 1).div_ceil(ps) - r.kv.len());
-            states += usize::from(hybrid && r.mamba.is_none());
+            wants += self.wants(r);
         }
         // Every id is this cache's (checked above), so the slot alone tells them apart.
         let mut slots_seen: Vec<_> = ids.iter().map(|id| id.slot).collect();
@@ -399,25 +383,17 @@ impl Cache {
         }
         let need: usize = needs.iter().sum();
         // As in `extend`: both checked first, states before KV.
-        if !self.kv_available(need) || !self.states_available(states) {
+        if !self.kv_available(need) || !self.wants_available(wants) {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
         // As in `extend`: every state slot and the KV are asked for in this one round,
         // even when some state slots are on their way (they come with its backups).
-        let mut new_states = Vec::with_capacity(states);
-        let mut coming = false;
-        for _ in 0..states {
-            match self.take_state() {
-                StateRoom::Now(s) => new_states.push(s),
-                StateRoom::Coming => coming = true,
-                StateRoom::No => {
-                    // The states taken so far go back to the pool as `new_states` drops.
-                    self.stats.extends_refused += 1;
-                    return Ok(None);
-                }
-            }
-        }
+        let Some(mut taken) = self.take_wants(wants) else {
+            // The states taken so far went back to the pool.
+            self.stats.extends_refused += 1;
+            return Ok(None);
+        };
         let mut pages = if need > 0 {
             let Some(p) = self.alloc_pages(need) else {
                 self.stats.extends_refused += 1;
@@ -428,7 +404,7 @@ impl Cache {
             self.pools.kv.empty()
         }
         .into_run();
-        if coming {
+        if taken.coming {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
@@ -438,9 +414,7 @@ impl Cache {
             if n > 0 {
                 r.kv.append(pages.take(n));
             }
-            if r.mamba.is_none() {
-                r.mamba = new_states.pop();
-            }
+            taken.give(r);
             let q = r.tokens.len() - r.prefix_len;
             r.tokens.push(token);
             let page = r.kv.pages()[q / ps];
@@ -460,28 +434,10 @@ impl Cache {
         self.refuse_while_copying(id, "checkpoint")?;
         let (end, cached) = self.cache_request(id, false)?;
         self.maybe_backup(end);
-        let hybrid = self.is_hybrid();
         let r = self.request_ref(id)?;
-        let src = r.mamba.as_ref().map(|s| s.pages()[0]);
-        let at_node_end = r.tokens.len() == cached && Some(end) != self.root_of(r);
-        if hybrid {
-            match src {
-                Some(src) if at_node_end && self.tree.node(end).mamba.device.is_none() => {
-                    if let Some(dst) = self.alloc_state() {
-                        let dst_slot = dst.pages()[0];
-                        let node = self.tree.id(end);
-                        self.emit(
-                            vec![state_copy(src, dst_slot)],
-                            Payload::Cow(Cow::Checkpoint { node, dst }),
-                        );
-                    } else {
-                        self.stats.checkpoint_states_skipped += 1;
-                    }
-                }
-                Some(_) if !at_node_end => self.stats.checkpoint_states_skipped += 1,
-                _ => {}
-            }
-        }
+        let at_end = r.tokens.len() == cached && !self.tree.node(end).is_root();
+        // The tree's copy of what the request holds (its state).
+        self.checkpoint_components(id, end, at_end);
         self.stats.checkpoints += 1;
         Ok(())
     }
@@ -495,14 +451,9 @@ impl Cache {
         self.refuse_while_copying(id, "finish")?;
         let (end, cached) = self.cache_request(id, true)?;
         let mut r = self.take_request(id)?;
-        if let Some(state) = r.mamba.take() {
-            let n = self.tree.node(end);
-            if r.tokens.len() == cached && !n.is_root() && n.mamba.device.is_none() {
-                self.set_state(end, state);
-            } else {
-                drop(state);
-            }
-        }
+        let at_end = r.tokens.len() == cached && !self.tree.node(end).is_root();
+        // The end node keeps what it can use of what the request holds (its state).
+        self.donate_components(end, at_end, &mut r.held);
         drop(r);
         self.maybe_backup(end);
         self.stats.finishes += 1;
@@ -579,7 +530,7 @@ impl Cache {
     /// request's last whole page stays too (one page more when pages are larger than
     /// the window), so that what `checkpoint` and `finish` cache ends in a live window
     /// and can be matched (no tombstone leaf).
-    fn slide_window(&mut self, id: RequestId) {
+    pub(crate) fn slide_window(&mut self, id: RequestId) {
         let w = self.config.swa_window;
         if w == 0 {
             return;
@@ -591,7 +542,7 @@ impl Cache {
         };
         let len = r.tokens.len();
         let cut = (len.saturating_sub(w) / ps * ps).min((len / ps * ps).saturating_sub(need));
-        let from = r.swa_freed_to.max(r.prefix_len);
+        let from = r.held.swa_freed_to.max(r.prefix_len);
         if cut <= from {
             return;
         }
@@ -599,7 +550,7 @@ impl Cache {
         let freed = self.pools.kv.detach_companion(pages);
         self.stats.swa_window_freed_pages += freed as u64;
         if let Ok(r) = self.request_mut(id) {
-            r.swa_freed_to = cut;
+            r.held.swa_freed_to = cut;
         }
     }
 
@@ -634,7 +585,7 @@ impl Cache {
             return (len, Vec::new());
         }
         let ps = self.config.page_size;
-        let start = r.swa_freed_to.max(r.prefix_len.saturating_sub(w));
+        let start = r.held.swa_freed_to.max(r.prefix_len.saturating_sub(w));
         // Pages of the path to the request's node, then its own.
         let mut pages: Vec<u32> = Vec::new();
         for i in self.path_to(r.node) {
@@ -649,10 +600,6 @@ impl Cache {
         (start, self.pools.kv.companions(&pages[first..last]))
     }
 
-    fn root_of(&self, r: &RequestState) -> Option<u32> {
-        self.roots.get(r.namespace.as_deref())
-    }
-
     /// Inserts the request's whole pages; the lock moves to the end node (unless the
     /// request is finishing). Returns the end node and the length now cached (the
     /// aligned length, or less when a load in flight stopped the insert: the pages past
@@ -660,10 +607,8 @@ impl Cache {
     fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
         let ps = self.page_size();
         // Pages out of the window are published as SWA tombstones.
-        if self.has_swa() {
-            self.request_ref(id)?;
-            self.slide_window(id);
-        }
+        self.request_ref(id)?;
+        self.advance_components(id);
         let r = self.request_mut(id)?;
         let tokens = std::mem::take(&mut r.tokens);
         let aligned = tokens.len() / ps * ps;
@@ -718,32 +663,26 @@ impl Cache {
         Ok((end, cached))
     }
 
-    /// The request's prefix grows to node `j` (its lock moves there) and `slot`, when
-    /// given, becomes its state slot. Returns what it was, to restore on failure.
-    /// `None` (nothing changed) when the request is gone.
+    /// The request's prefix grows to node `j` (its lock moves there) and it gets what
+    /// the load brought it (`fresh`: a state slot). Returns what it was, to restore on
+    /// failure. `None` (nothing changed) when the request is gone.
     pub(crate) fn move_request_to(
         &mut self,
         r: RequestId,
         j: u32,
-        slot: Option<Pages>,
+        fresh: Held,
     ) -> Option<SavedRequest> {
         self.request_ref(r).ok()?;
         let new_lock = self.lock_index(j);
         let tokens = self.path_tokens(j);
         let rs = self.request_mut(r).ok()?;
-        let swapped = slot.is_some();
         let saved = SavedRequest {
             prefix_len: rs.prefix_len,
             host_len: rs.host_len,
             host_node: rs.host_node,
             node: rs.node,
             lock: rs.lock.replace(new_lock),
-            mamba: if swapped {
-                std::mem::replace(&mut rs.mamba, slot)
-            } else {
-                None
-            },
-            swapped,
+            replaced: rs.held.swap_in(fresh),
         };
         rs.prefix_len = tokens.len();
         rs.tokens = tokens;
@@ -774,12 +713,8 @@ impl Cache {
         rs.tokens.truncate(saved.prefix_len);
         rs.epoch += 1;
         let kv = std::mem::replace(&mut rs.kv, empty);
-        let fresh = if saved.swapped {
-            std::mem::replace(&mut rs.mamba, saved.mamba)
-        } else {
-            None
-        };
-        rs.retired.keep(kv, fresh);
+        let fresh = rs.held.swap_back(saved.replaced);
+        rs.retired.keep(kv, fresh.state);
         lock
     }
 
@@ -807,13 +742,13 @@ impl Cache {
             Cow::Checkpoint { node, dst } if landed => {
                 let live = self.tree.resolve(node).ok().filter(|&i| {
                     let n = self.tree.node(i);
-                    n.kv.device.is_some() && n.mamba.device.is_none() && !n.kv.state.loading()
+                    n.kv.device.is_some() && !n.kv.state.loading()
                 });
+                let mut held = Held::state(Some(dst));
                 if let Some(i) = live {
-                    self.set_state(i, dst);
-                    self.maybe_backup(i);
-                } else {
-                    drop(dst);
+                    if !self.donate_components(i, true, &mut held) {
+                        self.maybe_backup(i);
+                    }
                 }
             }
             Cow::Checkpoint { dst, .. } => drop(dst),
@@ -832,6 +767,7 @@ impl Cache {
     /// The admission copy failed: the request's state is garbage, so the request drops
     /// back to nothing reused (`prefix_len == 0`, no tokens, no slots) and recomputes.
     fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
+        let model = self.model();
         let empty = self.pools.kv.empty();
         let Ok(r) = self.request_mut(id) else {
             return;
@@ -849,14 +785,14 @@ impl Cache {
         r.admitted_tail = admitted;
         r.admitted_from = 0;
         r.prefix_len = 0;
-        // Its pages are retired: its window starts over with the tokens it recomputes.
-        r.swa_freed_to = 0;
         r.branch_len = 0;
         r.host_len = 0;
         r.host_node = None;
         let kv = std::mem::replace(&mut r.kv, empty);
-        let state = r.mamba.take();
-        r.retired.keep(kv, state);
+        r.retired.keep(kv, None);
+        // Its pages are retired: what it holds of each component is too (its state
+        // slot), or starts over (its window, with the tokens it recomputes).
+        model.restart(r);
         let namespace = r.namespace.clone();
         // The request now holds its namespace's root (locked, so that it stays).
         let root = self.root(namespace.as_deref());
@@ -877,7 +813,7 @@ impl Cache {
             host_len: r.host_len,
             branch_len: r.branch_len,
             len: r.tokens.len(),
-            mamba_slot: r.mamba.as_ref().map(|s| s.pages()[0]),
+            mamba_slot: r.held.state_slot(),
             node: self.tree.id(r.node),
             copy_pending: r.cow,
             load_pending: r.load,
@@ -956,16 +892,6 @@ pub struct Grown<T> {
 /// `from`, when a reader at `epoch` that kept `from` entries may keep them.
 fn unchanged(r: &RequestState, epoch: Option<u64>, from: usize) -> Option<usize> {
     (epoch == Some(r.epoch) && from <= r.tokens.len()).then_some(from)
-}
-
-fn state_copy(src: u32, dst: u32) -> SlotCopy {
-    SlotCopy {
-        pool: PoolKind::Mamba,
-        src_tier: Tier::Device,
-        dst_tier: Tier::Device,
-        src: vec![i64::from(src)],
-        dst: vec![i64::from(dst)],
-    }
 }
 
 fn stale_request(id: RequestId) -> Error {
