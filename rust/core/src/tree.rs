@@ -166,6 +166,22 @@ pub(crate) struct KvNode {
     pub state: KvState,
 }
 
+/// What became of a device state once deeper states were placed below it (the
+/// state-value policy's view; see `cache::lru`). Superseded implies continued, so the
+/// two are one enum.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Succession {
+    /// No state has been placed below it since it was placed.
+    #[default]
+    Fresh,
+    /// A state has been placed below it.
+    Continued,
+    /// The first state placed below it was placed on the path of a request that had
+    /// used it, with nothing branching off between the two: it serves only a request
+    /// that leaves that path in between, until a match uses it again.
+    Superseded,
+}
+
 /// Where a node's device state stands for eviction: listed, pinned by a transfer, or
 /// neither. A pinned state is never an eviction candidate (evicting it would only leave
 /// its slot draining), so the two cannot be written down together.
@@ -204,6 +220,12 @@ pub(crate) struct MambaNode {
     /// The state-value policy's aging level when the state was last used (see
     /// `cache::lru`).
     pub aged: u64,
+    /// Whether a state has been placed below this one (with this one the nearest state
+    /// above it) since this one was placed, and whether that superseded it.
+    pub succession: Succession,
+    /// This state superseded the one above it: the state-value policy counts it as used
+    /// (see `cache::lru`).
+    pub resumed: bool,
     /// The state's key in the state eviction set, while it is in it.
     pub lru_key: (u64, u64),
 }

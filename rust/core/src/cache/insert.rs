@@ -301,7 +301,7 @@ impl Cache {
         self.stats.states_cached += 1;
         self.touch_state(i, false);
         self.refresh(i);
-        self.lru.ancestor_state_changed(&mut self.tree, i);
+        self.lru.state_placed(&mut self.tree, i);
     }
 
     /// Validates the page structure of caller slots for positions starting at `start`

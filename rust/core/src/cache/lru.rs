@@ -15,7 +15,7 @@
 //! | lru | (last access, 0) | (last use, [`HOT`] once used; 0) |
 //! | lfu | (matches, last access) | (matches of the state, last use) |
 //! | priority | (priority, last access) | (the node's priority, last use) |
-//! | state-value | (not for KV) | (used?, aging level at last use + value; last use) |
+//! | state-value | (not for KV) | (used?, aging level at last use + value; last use); superseded: (0, last use) |
 //!
 //! Under "lru" the keys are the access times alone, so the order is exactly the
 //! recency order. The state-value policy is GreedyDual-Size in two segments: a state's
@@ -23,13 +23,15 @@
 //! matches count only in its segment (used or not); the key adds the aging level `L` of
 //! its segment (states no match has used, then used ones) at the state's last use, and
 //! each segment's `L` rises to the key of each of its states the policy evicts, so
-//! states nobody uses age out behind the ones in use (docs/design.md, "Eviction
-//! policies").
+//! states nobody uses age out behind the ones in use. A used state that the next state
+//! on its path supersedes ([`Lru::state_placed`]: a conversation's previous turn) goes
+//! before all of them, and the new state counts as used in its place (docs/design.md,
+//! "Eviction policies").
 
 use std::collections::BTreeSet;
 
 use crate::config::{EvictionPolicies, EvictionPolicy};
-use crate::tree::{KvState, Node, StateMark, Tree, NONE};
+use crate::tree::{KvState, Node, StateMark, Succession, Tree, NONE};
 
 /// A node's place in an eviction set: compared first, then the second word.
 pub(crate) type Key = (u64, u64);
@@ -116,9 +118,13 @@ impl Lru {
             EvictionPolicy::Lru => (m.last_access, 0),
             EvictionPolicy::Lfu => (m.hits, m.last_access),
             EvictionPolicy::Priority => (ordered(n.priority), m.last_access),
+            EvictionPolicy::StateValue if m.succession == Succession::Superseded => {
+                (0, m.last_access)
+            }
             EvictionPolicy::StateValue => {
                 let aged = m.aged.saturating_add(state_cost(tree, i)).min(USED - 1);
-                (aged | if m.hits > 0 { USED } else { 0 }, m.last_access)
+                let used = m.hits > 0 || m.resumed;
+                (aged | if used { USED } else { 0 }, m.last_access)
             }
         }
     }
@@ -144,7 +150,8 @@ impl Lru {
     }
 
     /// Marks node `i`'s state as accessed now: used by a match (`hit`, counted in the
-    /// state's matches), or just cached (unused again).
+    /// state's matches; a superseded state is kept again), or just placed (unused, and
+    /// nothing below it yet).
     pub fn touch_state(&mut self, tree: &mut Tree, i: u32, hit: bool) {
         self.stamp_state(tree, i, hit);
         self.rekey_state(tree, i);
@@ -158,6 +165,12 @@ impl Lru {
         m.last_access = now;
         if hit {
             m.hits += 1;
+            if m.succession == Succession::Superseded {
+                m.succession = Succession::Continued;
+            }
+        } else {
+            m.succession = Succession::Fresh;
+            m.resumed = false;
         }
         m.aged = self.level[usize::from(m.hits > 0)];
     }
@@ -195,6 +208,42 @@ impl Lru {
             } else {
                 stack.extend(n.children.iter().map(|&(_, g)| g));
             }
+        }
+    }
+
+    /// After node `i` gained its device state: the states below it move (see
+    /// [`Lru::ancestor_state_changed`]). Under state-value, the nearest state above it is
+    /// superseded when `i` is the first state placed below it, a match has used it, and
+    /// nothing branches off between the two: no other child on the way, and no lock
+    /// that stops on the way (a request that resumed from there and has not cached its
+    /// own branch yet). It then serves only a request that leaves the path between the
+    /// two, and goes first; `i`, the path's new end, counts as used in its place (a
+    /// conversation's next turn resumes from its newest end, docs/design.md).
+    pub fn state_placed(&mut self, tree: &mut Tree, i: u32) {
+        self.ancestor_state_changed(tree, i);
+        if self.policy.mamba != EvictionPolicy::StateValue {
+            return;
+        }
+        let (mut below, mut cur) = (i, tree.node(i).parent);
+        let mut branch = false;
+        while cur != NONE {
+            let n = tree.node(cur);
+            branch |= n.children.len() != 1 || n.kv.lock != tree.node(below).kv.lock;
+            if n.mamba.device.is_some() {
+                let supersede = n.mamba.succession == Succession::Fresh && n.mamba.hits > 0;
+                if supersede && !branch {
+                    tree.node_mut(cur).mamba.succession = Succession::Superseded;
+                    self.rekey_state(tree, cur);
+                    let m = &mut tree.node_mut(i).mamba;
+                    m.resumed = true;
+                    m.aged = self.level[1];
+                    self.rekey_state(tree, i);
+                } else if n.mamba.succession == Succession::Fresh {
+                    tree.node_mut(cur).mamba.succession = Succession::Continued;
+                }
+                return;
+            }
+            (below, cur) = (cur, n.parent);
         }
     }
 

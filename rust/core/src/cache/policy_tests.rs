@@ -3,6 +3,7 @@
 use super::*;
 use crate::config::{EvictionPolicies, EvictionPolicy};
 use crate::error::Error;
+use crate::tree::Succession;
 
 fn cache(policy: &str, kv: usize, states: usize) -> Cache {
     Cache::new(Config {
@@ -271,4 +272,111 @@ fn state_value_orders_used_states_by_recency_and_compute_not_by_their_match_coun
     c.audit().unwrap();
     assert!(!kept(&c, &[1, 1]));
     assert!(kept(&c, &[2, 2]));
+}
+
+/// Admits `prompt` (the copy of its state done), extends it by `more` and finishes it:
+/// a conversation's next turn, which caches a state at its end.
+fn turn(c: &mut Cache, prompt: &[u32], more: &[u32]) {
+    let r = c.admit(None, prompt).unwrap().unwrap();
+    for b in c.take_batches() {
+        c.complete(b.id).unwrap();
+    }
+    c.extend(r, more).unwrap().unwrap();
+    c.finish(r).unwrap();
+}
+
+/// The succession of the state of the node that ends at `toks` (read from the snapshot:
+/// a match would count as a use).
+fn succession(c: &Cache, toks: &[u32]) -> Succession {
+    let node = c
+        .snapshot()
+        .into_iter()
+        .find(|n| n.prefix == toks)
+        .unwrap()
+        .id;
+    c.tree.node(c.tree.resolve(node).unwrap()).mamba.succession
+}
+
+#[test]
+fn state_value_evicts_a_used_state_first_once_the_next_turn_supersedes_it() {
+    let first: Vec<u32> = vec![1; 32];
+    let mut second = first.clone();
+    second.extend([5; 8]);
+    let mut c = cache("state-value", 256, 5);
+    cached(&mut c, &first, 0);
+    // Another used state, which saves far less than `first`.
+    cached(&mut c, &[2, 2], 0);
+    assert_eq!(c.match_prefix(None, &[2, 2, 9]).device_len, 2);
+    // The next turn resumes from `first` (a hit) and caches its end, `second`: a
+    // request going past `first` now resumes from `second`.
+    turn(&mut c, &second[..33], &second[32..]);
+    c.audit().unwrap();
+    assert_eq!(succession(&c, &first), Succession::Superseded);
+    // An unused state placed last, which saves more than any other.
+    cached(&mut c, &[3; 48], 0);
+    c.audit().unwrap();
+    // `first` goes first although it is used; then the unused one, although it saves
+    // the most: `second` took `first`'s place among the used states.
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert!(!kept(&c, &first));
+    assert!(kept(&c, &second) && kept(&c, &[3; 48]));
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert!(!kept(&c, &[3; 48]));
+    assert!(kept(&c, &second) && kept(&c, &[2, 2]));
+    c.audit().unwrap();
+}
+
+#[test]
+fn state_value_supersedes_no_state_that_a_branch_or_a_running_request_leaves_from() {
+    let p: Vec<u32> = vec![1; 16];
+    let below = |t: u32| -> Vec<u32> { p.iter().copied().chain([t, t]).collect() };
+    for case in ["none", "branch", "request", "earlier state", "hit again"] {
+        let mut c = cache("state-value", 256, 4);
+        cached(&mut c, &p, 0);
+        let mut held = None;
+        match case {
+            // A branch without a state (KV alone) leaves from `p`.
+            "branch" => {
+                let kv = c.alloc_kv(18).unwrap().unwrap();
+                c.insert_with_priority(None, &below(3), &kv, 0, None, 0)
+                    .unwrap();
+            }
+            // A state was placed below `p` before (its branch evicted since).
+            "earlier state" => {
+                cached(&mut c, &below(3), 0);
+                assert_eq!(c.evict(0, 1).mamba_states, 1);
+                assert!(kept(&c, &p) && !kept(&c, &below(3)));
+            }
+            _ => {}
+        }
+        assert_eq!(c.match_prefix(None, &below(9)).device_len, 16);
+        if case == "request" {
+            // A request resumed from `p` and has cached nothing of its own yet.
+            held = c.admit(None, &below(7)).unwrap();
+            for b in c.take_batches() {
+                c.complete(b.id).unwrap();
+            }
+        }
+        cached(&mut c, &below(2), 0);
+        if case == "hit again" {
+            // A request leaving the path between the two uses `p` again.
+            assert_eq!(c.match_prefix(None, &below(9)).device_len, 16);
+        }
+        c.audit().unwrap();
+        let superseded = case == "none";
+        assert_eq!(
+            succession(&c, &p) == Succession::Superseded,
+            superseded,
+            "{case}"
+        );
+        // An unused state goes before `p` unless `p` is superseded.
+        cached(&mut c, &[4, 4], 0);
+        assert_eq!(c.evict(0, 1).mamba_states, 1);
+        assert_eq!(kept(&c, &p), !superseded, "{case}");
+        assert_eq!(kept(&c, &[4, 4]), superseded, "{case}");
+        if let Some(r) = held {
+            c.abort(r).unwrap();
+        }
+        c.audit().unwrap();
+    }
 }
