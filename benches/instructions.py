@@ -3,7 +3,7 @@
 A like-for-like measure for a change that must not slow anything down, which load on a
 shared machine does not disturb: each scenario repeats one identical step through the
 public Python API (only calls that revision 33fe0e9 already had, so that old bases run it
-too), under ``valgrind --tool=callgrind`` once per side, and the table gives the inclusive
+too), under ``valgrind --tool=callgrind`` for each side, and the table gives the inclusive
 instructions per call of the core's functions that step runs (callgrind's counts of the
 side's ``_core`` extension, divided by the number of calls), base against head, with the
 ratio. Every iteration of a scenario does the same work, so a figure does not depend on
@@ -34,9 +34,10 @@ Run it from the working tree with the dev venv (maturin, numpy) and valgrind ins
 
 It builds the base's wheel and the working tree's (``maturin build --release``, the same
 Cargo profile) the way ``benches/compare.py`` does, under ``target/compare-bench`` (shared
-with it, so either reuses the other's builds), then runs every scenario under callgrind
-for each side (about 5 minutes in all once built). ``--sites BASE_DIR HEAD_DIR`` measures
-two directories where radixcache is installed already, and builds nothing.
+with it, so either reuses the other's builds), then runs every scenario under callgrind,
+a process per scenario and side (about 9 minutes on a loaded 2-core machine once built).
+``--sites BASE_DIR HEAD_DIR`` measures two directories where radixcache is installed
+already, and builds nothing.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ FUNCTIONS = {
     "publish": _core("publish"),
     "abort": _core("abort"),
     "evict": _core("evict"),
-    "alloc_pages": _core("alloc_pages"),
+    "alloc_pages": _core("(alloc_pages|alloc_pages_with)"),
     "alloc_kv": _core("alloc_kv"),
     "match_prefix": _core("match_prefix"),
     "insert": _core("(insert|insert_with_state|insert_with_priority)"),
@@ -315,11 +316,14 @@ MARKER = "*Cache>::stats*"
 def start(site: Path, scenarios: list[str], iterations: int | None, out: Path) -> Any:
     """Start the scenarios under callgrind against the radixcache installed in ``site``.
 
-    One process runs them all, calling the marker after each: callgrind writes the counts
-    of scenario ``i`` (with its setup) to ``out.{i+1}``.
+    The process runs them in turn, calling the marker after each: callgrind writes the
+    counts of scenario ``i`` (with its setup) to ``out.{i+1}``.
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    # The same hashing every run: the interpreter's allocations (and so the allocator's
+    # state the core's own allocations meet) repeat exactly.
+    env["PYTHONHASHSEED"] = "0"
     cmd = [
         "valgrind",
         "--tool=callgrind",
@@ -410,17 +414,20 @@ def main(argv: list[str] | None = None) -> int:
             if base.site is None or head.site is None:
                 raise compare.Failed("a side has no installed wheel")
             sites = (base.site, head.site)
-        compare.log(f"{len(scenarios)} scenarios under callgrind, both sides at once")
-        with tempfile.TemporaryDirectory() as tmp:
-            outs = [Path(tmp) / f"{side}.out" for side in ("base", "head")]
-            procs = [start(site, scenarios, args.iterations, o) for site, o in zip(sites, outs)]
-            figures = [finish(p, site, scenarios, o) for p, site, o in zip(procs, sites, outs)]
+        # A process per scenario and side, both sides at once: what the allocator meets
+        # (and so what the core's allocations cost) depends on what ran before in the
+        # process, so a scenario starts from the interpreter's start every time.
         rows = []
-        for i, name in enumerate(scenarios):
+        for name in scenarios:
+            compare.log(f"{name}: both sides under callgrind")
+            with tempfile.TemporaryDirectory() as tmp:
+                outs = [Path(tmp) / f"{side}.out" for side in ("base", "head")]
+                procs = [start(site, [name], args.iterations, o) for site, o in zip(sites, outs)]
+                figures = [finish(p, site, [name], o)[0] for p, site, o in zip(procs, sites, outs)]
             for function in READS[name]:
                 row: dict[str, Any] = {"scenario": name, "function": function}
                 for side, costs in zip(("base", "head"), figures):
-                    value = per_call(costs[i], function)
+                    value = per_call(costs, function)
                     row[side] = value[0] if value else None
                     row[f"{side}_calls"] = value[1] if value else 0
                 rows.append(row)
