@@ -464,7 +464,8 @@ class HybridCache:
             least recent first. ``"state-value"`` (``"state_value"`` too; states only):
             states no match has used before used ones, each the state that saves the
             least compute first, weighted by depth, and aged so that states nobody uses
-            go in time. A name applies to
+            go in time; a used state that the next state cached on its path
+            supersedes (a conversation's previous turn) goes first. A name applies to
             every component it applies to (``"state-value"``: KV keeps ``"lru"``); a
             dict sets each, ``{"kv": ..., "mamba": ...}``, missing ones ``"lru"``. The
             host tier follows the KV policy. An unknown name or component, or

@@ -176,9 +176,9 @@ pub(crate) enum Succession {
     Fresh,
     /// A state has been placed below it.
     Continued,
-    /// The first state placed below it was placed on the path of a request that had
-    /// used it, with nothing branching off between the two: it serves only a request
-    /// that leaves that path in between, until a match uses it again.
+    /// A match had used it, and the first state placed below it lies on its path with
+    /// nothing branching off between the two: it serves only a request that leaves
+    /// that path in between, until a match uses it again.
     Superseded,
 }
 

@@ -86,7 +86,8 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///   eviction_policy: the order in which eviction takes candidates: "lru" (the
 ///     default), "lfu" (least often matched first), "priority" (lowest request
 ///     priority first, see insert and admit) or "state-value" (states only: the
-///     state that saves the least compute first, aged; KV keeps "lru"). A name
+///     state that saves the least compute first, aged, and before all a used state
+///     the next state cached on its path supersedes; KV keeps "lru"). A name
 ///     applies to every component; a dict sets each: {"kv": ..., "mamba": ...}
 ///     (missing: "lru"). The host tier follows the KV policy.
 ///   swa_slots: device slots of the sliding-window attention KV pool (a multiple of
