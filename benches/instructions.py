@@ -54,11 +54,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare
+
+T = TypeVar("T")
 
 SEED = 20
 VOCAB = 32_000
@@ -134,6 +136,11 @@ def _scenario(name: str, iterations: int) -> None:
         if not ok:
             raise RuntimeError(f"scenario {name}: {what}")
 
+    def some(value: T | None, what: str) -> T:
+        if value is None:
+            raise RuntimeError(f"scenario {name}: {what}")
+        return value
+
     kind, _, arg = name.partition("/")
     if kind in ("admit", "extend", "decode", "checkpoint", "finish"):
         n = REQUEST_TOKENS
@@ -142,8 +149,7 @@ def _scenario(name: str, iterations: int) -> None:
         half = n // 2
 
         def request(tokens: Any) -> Any:
-            req = cache.admit(tokens)
-            check(req is not None, "admit refused")
+            req = some(cache.admit(tokens), "admit refused")
             drain(cache)
             check(cache.extend(req, tokens[req.prefix_len :]) is not None, "extend refused")
             return req
@@ -154,12 +160,12 @@ def _scenario(name: str, iterations: int) -> None:
         token = np.array([7], dtype=np.int64)
         for _ in range(iterations):
             if kind == "admit":
-                req = cache.admit(prompt)
-                check(req is not None and req.prefix_len == half, "admit missed the prefix")
+                req = some(cache.admit(prompt), "admit refused")
+                check(req.prefix_len == half, "admit missed the prefix")
                 drain(cache)
                 cache.abort(req)
             elif kind == "extend":
-                req = cache.admit(prompt)
+                req = some(cache.admit(prompt), "admit refused")
                 drain(cache)
                 check(cache.extend(req, rest) is not None, "extend refused")
                 cache.abort(req)
@@ -180,11 +186,9 @@ def _scenario(name: str, iterations: int) -> None:
         n = REQUEST_TOKENS
         cache = rc.HybridCache(kv_slots=n, page_size=1)
         leaf = fresh(n)
-        cache.insert(leaf, cache.alloc_kv(n))  # the pool is full from here on
+        cache.insert(leaf, some(cache.alloc_kv(n), "alloc_kv refused"))  # the pool is full now
         for _ in range(iterations):
-            slots = cache.alloc_kv(n)
-            check(slots is not None, "alloc_kv refused")
-            cache.insert(leaf, slots)
+            cache.insert(leaf, some(cache.alloc_kv(n), "alloc_kv refused"))
     else:
         _shape(kind, int(arg), iterations, fresh, check)
 
