@@ -56,17 +56,22 @@ impl Cache {
     /// Under write-back the room an eviction makes arrives when its backups land: the
     /// call then returns `None` having started, in this one round, every backup the room
     /// needs (room already on its way from earlier evictions is not evicted again).
+    #[inline]
     pub(crate) fn alloc_pages(&mut self, pages: usize) -> Option<Pages> {
-        let got = self.alloc_bare_pages(pages);
-        // With SWA layers every new page comes with its SWA page (freed early once its
-        // tokens leave the window); without one the pages go back.
-        got.filter(|p| !self.has_swa() || self.swa_attach(p.pages()))
+        self.alloc_pages_with(pages, true)
     }
 
     /// [`Cache::alloc_pages`] without SWA pages: for a load-back, which gives SWA pages
     /// only to the pages whose SWA KV it copies (a page with an SWA page it never wrote
     /// would count as live).
+    #[inline]
     pub(crate) fn alloc_bare_pages(&mut self, pages: usize) -> Option<Pages> {
+        self.alloc_pages_with(pages, false)
+    }
+
+    /// [`Cache::alloc_pages`], whose pages get their SWA pages only when `swa` says so
+    /// (one body for both, so that neither pays a call into the other).
+    fn alloc_pages_with(&mut self, pages: usize, swa: bool) -> Option<Pages> {
         let ps = self.config.page_size;
         let (free, need) = (self.pools.kv.free_pages() * ps, pages * ps);
         if free < need {
@@ -79,11 +84,16 @@ impl Cache {
                 self.evict(need - coming, 0);
             }
         }
-        let got = self.pools.kv.try_alloc(pages);
-        if got.is_none() {
+        let Some(got) = self.pools.kv.try_alloc(pages) else {
             self.stats.alloc_failures += 1;
+            return None;
+        };
+        // With SWA layers every new page comes with its SWA page (freed early once its
+        // tokens leave the window); without one the pages go back.
+        if swa && self.has_swa() && !self.swa_attach(got.pages()) {
+            return None;
         }
-        got
+        Some(got)
     }
 
     /// One device state slot the caller now holds, evicting the least recently used

@@ -653,6 +653,7 @@ impl Component for MambaStates {
         has
     }
 
+    #[inline]
     fn release(c: &mut Cache, i: u32, took: bool) {
         if took {
             // A locked state is never evicted: it is still there.

@@ -12,9 +12,11 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::ids::{CacheId, LockId, NodeId};
 use crate::slab::Slab;
-use crate::tree::{Node, NONE};
+use crate::tree::NONE;
 
 use super::returns::{Returned, Returns};
+#[cfg(debug_assertions)]
+use super::sizes::Sizes;
 use super::Cache;
 
 /// What a live receipt locked.
@@ -116,24 +118,34 @@ impl Cache {
 
     /// Counts one lock more (`up`) or one less on node `i`'s KV; returns whether the count
     /// went from or to zero (the first lock, the last release). The sizes count a node
-    /// only as locked or not, so only such a change goes through [`Cache::edit`] (a
-    /// path's inner nodes, locked by other requests too, skip it).
+    /// only as locked or not, so only such a change moves its tallies
+    /// ([`Sizes::lock_changed`](super::sizes::Sizes::lock_changed), which debug builds
+    /// check against [`Sizes::of`](super::sizes::Sizes::of)).
     #[inline]
     fn count_kv_lock(&mut self, i: u32, up: bool) -> bool {
-        let step = |n: &mut Node| {
-            if up {
-                n.kv.lock += 1;
-            } else {
-                n.kv.lock -= 1;
-            }
-        };
         let n = self.tree.node_mut(i);
-        if n.kv.lock != u32::from(!up) {
-            step(n);
-            return false;
+        let edge = n.kv.lock == u32::from(!up);
+        #[cfg(debug_assertions)]
+        let (before, tallies) = (Sizes::of(n), self.sizes);
+        if up {
+            n.kv.lock += 1;
+        } else {
+            n.kv.lock -= 1;
         }
-        self.edit(i, step);
-        true
+        if edge {
+            self.sizes.lock_changed(n, up);
+        }
+        #[cfg(debug_assertions)]
+        {
+            let mut expected = tallies;
+            expected -= before;
+            expected += Sizes::of(n);
+            debug_assert_eq!(
+                self.sizes, expected,
+                "lock_changed disagrees with Sizes::of"
+            );
+        }
+        edge
     }
 
     /// Releases a receipt. A receipt of another cache raises [`Error::Lock`] (it is then
@@ -166,7 +178,8 @@ impl Cache {
         while cur != NONE {
             let last = self.count_kv_lock(cur, false);
             let parent = self.tree.node(cur).parent;
-            if cur == node || last {
+            // A root is in no eviction set.
+            if parent != NONE && (cur == node || last) {
                 self.refresh(cur);
             }
             if parent == NONE && last {

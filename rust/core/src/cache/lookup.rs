@@ -84,8 +84,8 @@ impl Cache {
 
     /// [`Cache::match_prefix`], filling `slots` (when given) with the device slots of the
     /// match. Callers that do not return the slots pass `None` and build nothing. Every
-    /// node up to the cut counts a match, and with a `priority` (an admission) is
-    /// raised to it.
+    /// node up to the cut counts a match, and with a `priority` (an admission, which
+    /// locks the path to the cut and the state there right after) is raised to it.
     pub(crate) fn find(
         &mut self,
         namespace: Option<&str>,
@@ -138,13 +138,20 @@ impl Cache {
             }
         }
         // Every node on the path is refreshed, ancestors older than descendants; those
-        // the match uses count a hit (and take an admission's priority).
+        // the match uses count a hit (and take an admission's priority). An admission
+        // locks what it uses right after: those nodes (and the state at the cut) leave
+        // the eviction sets there, so their entries are not moved here first.
+        let admitting = priority.is_some();
         for (k, &(node, _)) in probe.path.iter().enumerate() {
             let hit = k < used;
             if let (true, Some(p)) = (hit, priority) {
                 self.raise_priority(node, p);
             }
-            self.touch(node, hit);
+            if hit && admitting {
+                self.lru.stamp(&mut self.tree, node, hit);
+            } else {
+                self.touch(node, hit);
+            }
         }
         let kv_len = probe.matched;
         self.probe = probe;
@@ -159,7 +166,11 @@ impl Cache {
         };
         let mamba_slot = self.tree.node(end).mamba.device;
         if mamba_slot.is_some() {
-            self.touch_state(end, true);
+            if admitting {
+                self.lru.stamp_state(&mut self.tree, end, true);
+            } else {
+                self.touch_state(end, true);
+            }
             self.stats.state_hits += 1;
         }
         self.stats.match_calls += 1;

@@ -137,19 +137,34 @@ impl Lru {
     /// Marks node `i` as accessed now, keeping its place in the sets right; `hit`: by a
     /// match that uses it (counted in its matches).
     pub fn touch(&mut self, tree: &mut Tree, i: u32, hit: bool) {
+        self.stamp(tree, i, hit);
+        self.rekey_kv(tree, i);
+    }
+
+    /// [`Lru::touch`] without moving the node's set entries: for a node that leaves its
+    /// sets next (an admission locks the path it matched), whose entries would move only
+    /// to leave. They keep the key they were listed with until then; a node listed again
+    /// later joins under the key its new access gives.
+    pub fn stamp(&mut self, tree: &mut Tree, i: u32, hit: bool) {
         let now = self.tick();
         let n = tree.node_mut(i);
         n.last_access = now;
         if hit {
             n.matches += 1;
         }
-        self.rekey_kv(tree, i);
     }
 
     /// Marks node `i`'s state as accessed now: used by a match (`hit`, counted in the
     /// state's matches; a superseded state is kept again), or just placed (unused, and
     /// nothing below it yet).
     pub fn touch_state(&mut self, tree: &mut Tree, i: u32, hit: bool) {
+        self.stamp_state(tree, i, hit);
+        self.rekey_state(tree, i);
+    }
+
+    /// [`Lru::touch_state`] without moving the state's entry: for a state that leaves
+    /// the state set next (an admission locks it), as [`Lru::stamp`].
+    pub fn stamp_state(&mut self, tree: &mut Tree, i: u32, hit: bool) {
         let now = self.tick() | if hit { HOT } else { 0 };
         let m = &mut tree.node_mut(i).mamba;
         m.last_access = now;
@@ -163,7 +178,6 @@ impl Lru {
             m.resumed = false;
         }
         m.aged = self.level[usize::from(m.hits > 0)];
-        self.rekey_state(tree, i);
     }
 
     /// Raises node `i`'s priority to `priority` (a request inserted or was admitted
@@ -302,9 +316,17 @@ impl Lru {
         let mamba =
             n.mamba.device.is_some() && n.mamba.lock == 0 && n.mamba.mark != StateMark::Pinned;
         let state_was = n.mamba.mark == StateMark::Listed;
-        // The usual case, first and cheapest: a locked node (a path's inner node locked or
-        // unlocked) is no KV or host candidate, and listed in neither set it stays out of.
-        if n.kv.lock > 0 && !n.kv.state.listed() && mamba == state_was {
+        // The usual cases, first and cheapest: a locked node (a path's node locked or
+        // unlocked, the end of a path whose state a lock takes) is no KV or host
+        // candidate: it leaves the set it was listed in (on its first lock), and only
+        // its state may move besides.
+        if n.kv.lock > 0 {
+            match n.kv.state {
+                KvState::Listed => self.unlist_kv(tree, i),
+                KvState::HostListed => self.unlist_host(tree, i),
+                _ => {}
+            }
+            self.move_state(tree, i, state_was, mamba);
             return;
         }
         let host = !n.is_root()
@@ -338,13 +360,6 @@ impl Lru {
         } else {
             old
         };
-        let state_joins = mamba && !state_was;
-        let state_key = if state_joins {
-            self.state_key(tree, i)
-        } else {
-            (0, 0)
-        };
-        let old_state = (n.mamba.lru_key.0, n.mamba.lru_key.1, i);
         let host_state_was = host_was && self.host_states.contains(&old);
         set_membership(&mut self.kv, &old, &new, kv_was, kv);
         set_membership(&mut self.host, &old, &new, host_was, host);
@@ -371,18 +386,21 @@ impl Lru {
                 KvState::Idle
             };
         }
-        if n.mamba.mark != StateMark::Pinned {
-            n.mamba.mark = if mamba {
-                StateMark::Listed
-            } else {
-                StateMark::Idle
-            };
-        }
-        if state_joins {
-            n.mamba.lru_key = state_key;
-            self.add_state((state_key.0, state_key.1, i));
-        } else if state_was && !mamba {
-            self.remove_state(old_state);
+        self.move_state(tree, i, state_was, mamba);
+    }
+
+    /// Node `i`'s state joins the state set (`now`, not `was`) under the key the policy
+    /// gives, or leaves it (`was`, not `now`); a pinned state keeps its mark.
+    #[inline]
+    fn move_state(&mut self, tree: &mut Tree, i: u32, was: bool, now: bool) {
+        if now && !was {
+            let key = self.state_key(tree, i);
+            let m = &mut tree.node_mut(i).mamba;
+            m.lru_key = key;
+            m.mark = StateMark::Listed;
+            self.add_state((key.0, key.1, i));
+        } else if was && !now {
+            self.unlist_state(tree, i);
         }
     }
 

@@ -184,6 +184,7 @@ pub struct RequestView {
 }
 
 impl Cache {
+    #[inline]
     pub(crate) fn request_ref(&self, id: RequestId) -> Result<&RequestState> {
         (id.cache == self.id())
             .then(|| self.requests.table.get(id.slot))
@@ -191,6 +192,7 @@ impl Cache {
             .ok_or_else(|| stale_request(id))
     }
 
+    #[inline]
     pub(crate) fn request_mut(&mut self, id: RequestId) -> Result<&mut RequestState> {
         (id.cache == self.id())
             .then(|| self.requests.table.get_mut(id.slot))

@@ -72,6 +72,36 @@ impl Sizes {
         s
     }
 
+    /// Moves node `n`'s contribution as its KV lock count goes from 0 to 1 (`locked`) or
+    /// from 1 to 0, everything else unchanged: what [`Sizes::of`] gives after the change
+    /// less what it gave before, without computing either (a path's lock pays this per
+    /// node). Debug builds check it against [`Sizes::of`] (`Cache::count_kv_lock`).
+    #[inline]
+    pub fn lock_changed(&mut self, n: &Node, locked: bool) {
+        if n.is_root() {
+            return;
+        }
+        let len = n.key.len();
+        let (from, to) = if locked {
+            (&mut self.evictable_tokens, &mut self.protected_tokens)
+        } else {
+            (&mut self.protected_tokens, &mut self.evictable_tokens)
+        };
+        if n.kv.device.is_some()
+            && !(n.kv.state.evicting() || n.kv.state.backup_pending() || n.mamba.backup_pending)
+        {
+            *from -= len;
+            *to += len;
+        }
+        if n.kv.host.is_some() && n.kv.device.is_none() {
+            if locked {
+                self.host_evictable -= len;
+            } else {
+                self.host_evictable += len;
+            }
+        }
+    }
+
     /// Device KV tokens in the tree.
     pub fn device_tokens(&self) -> usize {
         self.evictable_tokens + self.protected_tokens
