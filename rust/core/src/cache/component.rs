@@ -169,7 +169,8 @@ pub(crate) trait Component {
         true
     }
 
-    /// Request `id` is about to grow or to be cached.
+    /// Request `id` is about to grow or to be cached (a stale `id`: nothing to do; the
+    /// caller refuses it after).
     #[inline]
     fn advance(_: &mut Cache, _: RequestId) {}
 

@@ -278,7 +278,7 @@ impl Cache {
     pub fn extend(&mut self, id: RequestId, tokens: &[u32]) -> Result<Option<Vec<i64>>> {
         self.cache_owned("extend")?;
         let ps = self.page_size();
-        self.request_ref(id)?;
+        // A stale `id` is refused by the lookup below; advancing passes over it.
         self.advance_components(id);
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
