@@ -223,8 +223,8 @@ pub(crate) struct MambaNode {
     /// Whether a state has been placed below this one (with this one the nearest state
     /// above it) since this one was placed, and whether that superseded it.
     pub succession: Succession,
-    /// This state superseded the one above it: the state-value policy counts it as used
-    /// (see `cache::lru`).
+    /// This state superseded the one above it, or a load-back restored it for a
+    /// request: the state-value policy counts it as used (see `cache::lru`).
     pub resumed: bool,
     /// The state's key in the state eviction set, while it is in it.
     pub lru_key: (u64, u64),

@@ -339,3 +339,44 @@ fn evict_host_takes_host_only_leaves_oldest_first_and_can_clear_the_tier() {
     assert_eq!(c.stats.host_evicted_tokens, 7);
     c.audit().unwrap();
 }
+
+#[test]
+fn state_value_counts_a_state_a_load_back_restores_for_a_request_as_used() {
+    // [1, 2, 3, 4]'s state comes back from the host for a request; then a longer state
+    // that no match has used is cached beside it, and one state is evicted. lru takes
+    // the older unused state, the restored one (a placement, to lru); state-value counts
+    // the restored state as used (a host hit used it) and evicts the unused one, though
+    // it saves more compute.
+    for (policy, restored_kept) in [("lru", false), ("state-value", true)] {
+        let mut c = Cache::new(Config {
+            eviction_policy: policy.parse().unwrap(),
+            ..hybrid(WritePolicy::WriteThrough).config().clone()
+        })
+        .unwrap();
+        let node = cached(&mut c, &[1, 2, 3, 4]);
+        run_all(&mut c);
+        assert_eq!(c.evict(4, 0).kv_tokens, 4);
+        let r = c.admit(None, &[1, 2, 3, 4, 5]).unwrap().unwrap();
+        let rec = c
+            .load_back(LoadTarget::Request(r), None, None)
+            .unwrap()
+            .unwrap();
+        let id = rec.id();
+        c.start(id).unwrap();
+        c.commit_load(rec).unwrap();
+        c.complete(id).unwrap();
+        c.abort(r).unwrap();
+        c.audit().unwrap();
+        let unused = cached(&mut c, &[7; 8]);
+        run_all(&mut c);
+        c.audit().unwrap();
+        assert_eq!(c.evict(0, 1).mamba_states, 1, "{policy}");
+        c.audit().unwrap();
+        let has_state = |c: &Cache, n: NodeId| {
+            let i = c.tree.resolve(n).unwrap();
+            c.tree.node(i).mamba.device.is_some()
+        };
+        assert_eq!(has_state(&c, node), restored_kept, "{policy}");
+        assert_eq!(has_state(&c, unused), !restored_kept, "{policy}");
+    }
+}

@@ -637,7 +637,11 @@ impl Cache {
         }
         // The target gets the node data restored for it (its state).
         let at_end = ok && self.tree.node(j).kv.device.is_some();
+        let had_state = self.tree.node(j).mamba.device.is_some();
         self.donate_components(j, at_end, &mut load.held.for_target());
+        if request.is_some() && !had_state && self.tree.node(j).mamba.device.is_some() {
+            self.lru.state_restored(&mut self.tree, j);
+        }
         let mut release = Vec::new();
         if let Some(saved) = saved {
             match request {

@@ -29,7 +29,8 @@
 //! each segment's `L` rises to the key of each of its states the policy evicts, so
 //! states nobody uses age out behind the ones in use. A used state that the next state
 //! on its path supersedes ([`Lru::state_placed`]: a conversation's previous turn) goes
-//! before all of them, and the new state counts as used in its place (docs/design.md,
+//! before all of them, and the new state counts as used in its place; so does a state
+//! a load-back restores for a request ([`Lru::state_restored`]) (docs/design.md,
 //! "Eviction policies").
 
 use std::collections::BTreeSet;
@@ -250,6 +251,20 @@ impl Lru {
             }
             (below, cur) = (cur, n.parent);
         }
+    }
+
+    /// After a load-back for a request restored node `i`'s state from the host: under
+    /// state-value the state counts as used (the match that found it on the host used
+    /// it, and the request resumes from it), at the used level, as a state a match used
+    /// on the device would.
+    pub fn state_restored(&mut self, tree: &mut Tree, i: u32) {
+        if self.policy.mamba != EvictionPolicy::StateValue {
+            return;
+        }
+        let m = &mut tree.node_mut(i).mamba;
+        m.resumed = true;
+        m.aged = self.level[1];
+        self.rekey_state(tree, i);
     }
 
     /// Lists node `i` in the KV and host sets it is in under its current key.
