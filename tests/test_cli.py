@@ -491,7 +491,8 @@ def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
     assert cli.main([*argv, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["model"], r["swa_window"], r["mismatches"]) == (model, 512, 0)
-    assert r["eviction_policy"] == {"kv": "lru", "mamba": "lru", "swa": "lru"}
+    # The replay's default: state-value for states, KV and SWA on lru.
+    assert r["eviction_policy"] == {"kv": "lru", "mamba": "state-value", "swa": "lru"}
     assert r["swa_vs_full_hit_ratio"] == pytest.approx(
         r["device_hit_rate"] / r["full_attention_hit_rate"]
     )

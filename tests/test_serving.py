@@ -1063,7 +1063,9 @@ def test_belady_is_between_lru_and_the_exhaustive_search(
 
 def test_on_gsp_the_bound_is_above_lru_and_its_lru_model_near_the_cache() -> None:
     jobs = sv.gsp(256)
-    cfg = sv.ReplayConfig(kv_slots=65536, mamba_slots=24, host_kv_slots=0, max_running=8)
+    cfg = sv.ReplayConfig(
+        kv_slots=65536, mamba_slots=24, host_kv_slots=0, max_running=8, eviction_policy="lru"
+    )
     r, _ = sv.replay(jobs, dataclasses.replace(cfg, offline_bound=True, attention_only=False))
     ok(r)
     assert r["offline_possible_hit_rate"] >= r["offline_bound_hit_rate"]

@@ -52,8 +52,10 @@ class ReplayConfig:
     tier is four times the device. `write_through_threshold` is given to the cache only
     when set (None: the cache's default, 2, under ``write_through_selective``; the cache
     refuses a threshold with any other policy). `eviction_policy` is the cache's
-    (``"lru"``, ``"lfu"``, ``"priority"``, ``"state-value"`` or a dict per component);
-    the attention-only comparison uses it too. `shape` is the model whose prefill
+    (``"lru"``, ``"lfu"``, ``"priority"``, ``"state-value"`` or a dict per component;
+    the replay's default is ``"state-value"``, which measures best on its workloads,
+    while the cache's own default is ``"lru"``); the attention-only comparison uses it
+    too. `shape` is the model whose prefill
     compute ``compute_saved_ratio`` counts (`radixcache.serving.flops`);
     `offline_bound` records the state uses and reports the offline bound
     (`radixcache.serving.offline`). `schedule_policy`, `schedule_window` and
@@ -87,7 +89,7 @@ class ReplayConfig:
     timeline: int = 0
     attention_only: bool = True
     branch_checkpoints: bool = True
-    eviction_policy: EvictionPolicy = "lru"
+    eviction_policy: EvictionPolicy = "state-value"
     shape: ModelShape = field(default_factory=ModelShape)
     offline_bound: bool = False
     oracle: bool = True
