@@ -202,7 +202,9 @@ impl Cache {
 
     /// Whether `id` is a live request of this cache.
     pub fn request_live(&self, id: RequestId) -> bool {
-        self.request_ref(id).is_ok()
+        // Not through `request_ref`: its error for a dead request formats a message, and
+        // every dropped request handle asks this (about a thousand instructions each).
+        id.cache == self.id() && self.requests.table.get(id.slot).is_some()
     }
 
     /// Admits a request for `tokens`: matches, locks the reused prefix, and (with Mamba
