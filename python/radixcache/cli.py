@@ -960,23 +960,26 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("model", model, f"window {r['swa_window']} tokens" if swa else "")
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
-    attn, ratio = r["attention_only_hit_rate"], r["hit_rate_ratio"]
-    row(
+
+    def compared(name: str, rate: float | None, ratio: float | None, label: str) -> None:
+        # A comparison replay's hit rate and the ratio to it ("not run" when skipped).
+        shown = "n/a" if ratio is None else f"{ratio:.3f}"
+        row(
+            name, "n/a" if rate is None else pct(rate), "not run" if rate is None else label + shown
+        )
+
+    compared(
         "attention-only hit rate",
-        "n/a" if attn is None else pct(attn),
-        "not run"
-        if attn is None
-        else f"{model}/attention " + ("n/a" if ratio is None else f"{ratio:.3f}"),
+        r["attention_only_hit_rate"],
+        r["hit_rate_ratio"],
+        f"{model}/attention ",
     )
     if swa:
-        full, full_ratio = r["full_attention_hit_rate"], r["swa_vs_full_hit_ratio"]
-        row(
+        compared(
             "full-attention hit rate",
-            "n/a" if full is None else pct(full),
-            "not run"
-            if full is None
-            else "SWA layers as full attention; swa/full "
-            + ("n/a" if full_ratio is None else f"{full_ratio:.3f}"),
+            r["full_attention_hit_rate"],
+            r["swa_vs_full_hit_ratio"],
+            "SWA layers as full attention; swa/full ",
         )
     attn_saved = r["attention_only_compute_saved_ratio"]
     row(
