@@ -282,6 +282,10 @@ pub struct Config {
     /// the device SWA pages are with the device KV pages: required (at least one page,
     /// at most `host_kv_slots`) with SWA layers and a host tier, 0 otherwise.
     pub host_swa_slots: usize,
+    /// Whether host pages go to the L3 tier (a store shared by many caches) once backed
+    /// up, and can be fetched from it (`cache::l3`): needs a host tier (with host state
+    /// slots for a hybrid model), page hashes, and no SWA layers.
+    pub l3: bool,
 }
 
 impl Default for Config {
@@ -299,6 +303,7 @@ impl Default for Config {
             swa_slots: 0,
             swa_window: 0,
             host_swa_slots: 0,
+            l3: false,
         }
     }
 }
@@ -412,7 +417,29 @@ impl Config {
                 ),
             ));
         }
-        Ok(())
+        self.validate_l3()
+    }
+
+    /// The L3 tier: written from the host tier, by page hash, without SWA layers.
+    fn validate_l3(&self) -> Result<()> {
+        if !self.l3 {
+            return Ok(());
+        }
+        let missing = if self.host_kv_slots == 0 {
+            Some("a host tier (host_kv_slots > 0): pages go to L3 from the host")
+        } else if self.mamba_slots > 0 && self.host_mamba_slots == 0 {
+            Some("host state slots (host_mamba_slots > 0): a hybrid prefix goes with its state")
+        } else if self.swa_slots > 0 {
+            Some("a model without SWA layers (the SWA component has no L3 copies yet)")
+        } else if !self.page_hashes {
+            Some("page hashes (page_hashes=True): objects are named by them")
+        } else {
+            None
+        };
+        match missing {
+            Some(what) => Err(Error::arg("l3", format!("needs {what}"))),
+            None => Ok(()),
+        }
     }
 }
 

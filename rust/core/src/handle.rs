@@ -445,6 +445,15 @@ impl Batch {
         Ok(())
     }
 
+    /// An `l3_get` batch's copies landed for its first `pages` pages and (`state`) the
+    /// state at their end (see [`Cache::complete_l3`]).
+    pub fn complete_l3(&self, pages: usize, state: bool) -> Result<()> {
+        let id = self.copies.id;
+        self.cache.call(|c| c.complete_l3(id, pages, state))?;
+        self.ended(Outcome::Completed);
+        Ok(())
+    }
+
     /// The copies failed (see [`Cache::fail`]); `reason` is kept in [`Batch::outcome`].
     pub fn fail(&self, reason: &str) -> Result<()> {
         let id = self.copies.id;

@@ -94,6 +94,22 @@ pub(crate) struct Stats {
     pub backups_skipped: u64,
     /// States a backup left out for lack of a host state slot.
     pub backup_states_skipped: u64,
+    /// `l3_put` batches emitted, completed and failed.
+    pub l3_puts: u64,
+    pub l3_puts_done: u64,
+    pub l3_puts_failed: u64,
+    /// KV pages and states offered to the L3 tier by `l3_put` batches.
+    pub l3_put_pages: u64,
+    pub l3_put_states: u64,
+    /// `l3_fetch` calls that emitted an `l3_get` batch, and the pages they asked for.
+    pub l3_fetches: u64,
+    pub l3_fetch_pages: u64,
+    /// `l3_fetch` calls that took nothing (nothing to fetch, a load in the way, no room).
+    pub l3_fetches_called_off: u64,
+    /// `l3_get` batches that landed nothing (failed, or a hybrid fetch without all of it).
+    pub l3_fetches_failed: u64,
+    /// Fetched pages that landed (placed in the tree, or found there already).
+    pub l3_landed_pages: u64,
     /// Device evictions that kept the node with its host copy.
     pub demotions: u64,
     /// Host-only nodes deleted to make host room (or with their device parent).
@@ -182,6 +198,16 @@ impl Stats {
             ("backups_skipped", self.backups_skipped),
             ("backup_states_skipped", self.backup_states_skipped),
             ("demotions", self.demotions),
+            ("l3_puts", self.l3_puts),
+            ("l3_puts_done", self.l3_puts_done),
+            ("l3_puts_failed", self.l3_puts_failed),
+            ("l3_put_pages", self.l3_put_pages),
+            ("l3_put_states", self.l3_put_states),
+            ("l3_fetches", self.l3_fetches),
+            ("l3_fetch_pages", self.l3_fetch_pages),
+            ("l3_fetches_called_off", self.l3_fetches_called_off),
+            ("l3_fetches_failed", self.l3_fetches_failed),
+            ("l3_landed_pages", self.l3_landed_pages),
             ("host_evictions", self.host_evictions),
             ("host_evicted_tokens", self.host_evicted_tokens),
             ("load_backs", self.load_backs),

@@ -164,6 +164,9 @@ pub(crate) struct KvNode {
     pub lock: u32,
     /// Eviction-set membership, or the transfer or eviction the node is part of.
     pub state: KvState,
+    /// Its pages (and the state at its end, if any) were written to the L3 tier once, or
+    /// came from there: not offered again (`cache::l3`). A hint; the store may lose them.
+    pub l3: bool,
 }
 
 /// What became of a device state once deeper states were placed below it (the
@@ -228,6 +231,8 @@ pub(crate) struct MambaNode {
     pub resumed: bool,
     /// The state's key in the state eviction set, while it is in it.
     pub lru_key: (u64, u64),
+    /// The host state was written to the L3 tier once, or came from there (`cache::l3`).
+    pub l3: bool,
 }
 
 /// Per-node data of the sliding-window attention (SWA) component. The SWA pages
@@ -475,9 +480,9 @@ impl Tree {
             let upper_host = n.kv.host.as_mut().map(split_pages);
             (upper_key, upper_device, upper_host, n.kv.device.is_some())
         };
-        let (lock, state) = {
+        let (lock, state, l3) = {
             let n = &self.nodes[i as usize];
-            (n.kv.lock, n.kv.state)
+            (n.kv.lock, n.kv.state, n.kv.l3)
         };
         let (last_access, hits, matches, priority) = {
             let n = &self.nodes[i as usize];
@@ -490,6 +495,7 @@ impl Tree {
             un.kv.host = upper_host;
             un.kv.lock = lock;
             un.kv.state = state.for_upper();
+            un.kv.l3 = l3;
             un.last_access = last_access;
             un.hits = hits;
             un.matches = matches;

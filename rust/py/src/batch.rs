@@ -3,9 +3,11 @@
 use numpy::PyArray1;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use radixcache_core as core;
 
 use crate::cache::PyHybridCache;
+use crate::convert::Int;
 use crate::errors::err;
 use crate::gil::{settle, warn_from_finalizer};
 use crate::grown;
@@ -66,6 +68,8 @@ pub(crate) struct PyTransferBatch {
     kind: &'static str,
     #[pyo3(get)]
     copies: Vec<Py<PyCopy>>,
+    /// The page hashes naming the batch's objects in the L3 tier.
+    keys: Vec<[u8; 32]>,
     inner: core::Batch,
     /// The cache that issued the batch.
     cache: core::HybridCache,
@@ -83,6 +87,7 @@ impl PyTransferBatch {
             id: b.id.to_u128(),
             kind: b.kind.as_str(),
             copies,
+            keys: b.keys.clone(),
             inner,
             cache: cache.clone(),
         }
@@ -99,6 +104,21 @@ impl PyTransferBatch {
     /// The copies are done: publishes what the batch carried, releases what it held.
     fn complete(&self, py: Python<'_>) -> PyResult<()> {
         settle(py, &self.cache, || self.inner.complete()).map_err(err)
+    }
+
+    /// An "l3_get" batch's objects landed for its first `pages` pages and (`state`) the
+    /// state at their end, not for the rest (a miss).
+    #[pyo3(signature = (pages, *, state=false))]
+    fn complete_l3(&self, py: Python<'_>, pages: Int, state: bool) -> PyResult<()> {
+        let pages = pages.count("pages")?;
+        settle(py, &self.cache, || self.inner.complete_l3(pages, state)).map_err(err)
+    }
+
+    /// The page hash naming each object in the L3 tier ("l3_put", "l3_get"): those of
+    /// the KV copy's pages, then those of the state copy's states; empty otherwise.
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.keys.iter().map(|k| PyBytes::new(py, k)).collect()
     }
 
     /// The copies failed: undoes what the batch would have published.

@@ -125,8 +125,8 @@ impl PyHybridCache {
                         write_through_threshold=None, pools=core::PoolOwner::Cache,
                         eviction_policy=core::EvictionPolicies::default(),
                         swa_slots=Int::Value(0), swa_window=Int::Value(0),
-                        host_swa_slots=Int::Value(0)),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0)")]
+                        host_swa_slots=Int::Value(0), l3=false),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, l3=False)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -140,6 +140,7 @@ impl PyHybridCache {
         swa_slots: Int,
         swa_window: Int,
         host_swa_slots: Int,
+        l3: bool,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -164,6 +165,7 @@ impl PyHybridCache {
             swa_slots: swa_slots.count("swa_slots")?,
             swa_window: swa_window.count("swa_window")?,
             host_swa_slots: host_swa_slots.count("host_swa_slots")?,
+            l3,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -304,6 +306,38 @@ impl PyHybridCache {
         record
             .map(|r| PyLoadBack::new(py, &self.inner, self.inner.own_load(r)))
             .transpose()
+    }
+
+    /// Fetch from the L3 tier the `pages` whole pages of `tokens` that follow what the
+    /// cache holds of it (on either tier), with the state at their end on a hybrid
+    /// model: an "l3_get" TransferBatch the caller runs and ends, or None having taken
+    /// nothing.
+    #[pyo3(signature = (tokens, pages, *, namespace=None))]
+    fn l3_fetch(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        pages: Int,
+        namespace: Option<&str>,
+    ) -> PyResult<Option<PyTransferBatch>> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let pages = pages.count("pages")?;
+        let batch = run(py, &self.inner, tokens.len(), |c| {
+            c.l3_fetch(namespace, &tokens, pages)
+        })?;
+        let Some(batch) = batch else {
+            return Ok(None);
+        };
+        // The Python side first, then the handle, which owns the batch: a failure
+        // (MemoryError) before gives back what the handle owns at once.
+        let copies = copies(py, &batch);
+        let handles = self.inner.own_batches(vec![batch]);
+        let copies = copies?;
+        // One handle per batch given.
+        Ok(handles
+            .into_iter()
+            .next()
+            .map(|handle| PyTransferBatch::new(&self.inner, handle, copies)))
     }
 
     /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.

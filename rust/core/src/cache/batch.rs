@@ -28,6 +28,10 @@ pub enum BatchKind {
     Backup,
     /// Host to device load.
     LoadBack,
+    /// Host pages written to the L3 tier (`l3.rs`).
+    L3Put,
+    /// Pages fetched from the L3 tier into host pages (`l3.rs`).
+    L3Get,
 }
 
 impl BatchKind {
@@ -37,6 +41,8 @@ impl BatchKind {
             BatchKind::Cow => "cow",
             BatchKind::Backup => "backup",
             BatchKind::LoadBack => "load_back",
+            BatchKind::L3Put => "l3_put",
+            BatchKind::L3Get => "l3_get",
         }
     }
 }
@@ -71,6 +77,10 @@ pub enum Tier {
     Device,
     /// Host (pinned CPU) memory.
     Host,
+    /// The L3 tier's store: a slot is a position in the batch's objects (object `k` of
+    /// a KV copy is slots `k * page_size..(k + 1) * page_size`, of a state copy slot
+    /// `k`), each object named by the batch's `keys`.
+    External,
 }
 
 impl Tier {
@@ -79,6 +89,7 @@ impl Tier {
         match self {
             Tier::Device => "device",
             Tier::Host => "host",
+            Tier::External => "external",
         }
     }
 }
@@ -108,6 +119,10 @@ pub struct TransferBatch {
     pub kind: BatchKind,
     /// The copies, in the order they may run.
     pub copies: Vec<SlotCopy>,
+    /// For a batch with an [`Tier::External`] side (`l3_put`, `l3_get`): the page hash
+    /// naming each object, those of the KV copy's pages first, then those of the state
+    /// copy's states (a state is named by the hash of the page it ends). Empty otherwise.
+    pub keys: Vec<crate::hashes::PageHash>,
 }
 
 /// What a batch carries for the module that owns its kind, handed back to that module
@@ -121,6 +136,10 @@ pub(crate) enum Payload {
     /// Host to device copies of a load-back: what it carries lives in `Cache::loads`
     /// under the batch's id (`load.rs`; gone when its guard was dropped uncommitted).
     LoadBack,
+    /// Host pages written to the L3 tier (`l3.rs`).
+    L3Put(super::l3::Put),
+    /// Pages fetched from the L3 tier (`l3.rs`).
+    L3Get(super::l3::Get),
 }
 
 impl Payload {
@@ -130,6 +149,8 @@ impl Payload {
             Payload::Cow(_) => BatchKind::Cow,
             Payload::Backup(_) => BatchKind::Backup,
             Payload::LoadBack => BatchKind::LoadBack,
+            Payload::L3Put(_) => BatchKind::L3Put,
+            Payload::L3Get(_) => BatchKind::L3Get,
         }
     }
 }
@@ -213,7 +234,17 @@ impl Cache {
     /// Emits a batch of the payload's kind, queued for `take_batches`: pins every page
     /// its copies read or write.
     pub(crate) fn emit(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> BatchId {
-        let id = self.record(copies, payload).id;
+        self.emit_keyed(copies, Vec::new(), payload)
+    }
+
+    /// [`Cache::emit`] of a batch whose objects in the L3 tier are named by `keys`.
+    pub(crate) fn emit_keyed(
+        &mut self,
+        copies: Vec<SlotCopy>,
+        keys: Vec<crate::hashes::PageHash>,
+        payload: Payload,
+    ) -> BatchId {
+        let id = self.record(copies, keys, payload).id;
         self.batches.outbox.push(id);
         id
     }
@@ -221,11 +252,26 @@ impl Cache {
     /// Emits a batch that is not queued (a load-back's, reached through its guard), and
     /// returns it.
     pub(crate) fn emit_held(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> TransferBatch {
-        self.record(copies, payload).clone()
+        self.emit_held_keyed(copies, Vec::new(), payload)
+    }
+
+    /// [`Cache::emit_held`] of a batch whose objects in the L3 tier are named by `keys`.
+    pub(crate) fn emit_held_keyed(
+        &mut self,
+        copies: Vec<SlotCopy>,
+        keys: Vec<crate::hashes::PageHash>,
+        payload: Payload,
+    ) -> TransferBatch {
+        self.record(copies, keys, payload).clone()
     }
 
     /// Books a new batch in flight, pinning every page its copies read or write.
-    fn record(&mut self, copies: Vec<SlotCopy>, payload: Payload) -> &TransferBatch {
+    fn record(
+        &mut self,
+        copies: Vec<SlotCopy>,
+        keys: Vec<crate::hashes::PageHash>,
+        payload: Payload,
+    ) -> &TransferBatch {
         let kind = payload.kind();
         let id = BatchId::new(self.id(), self.batches.next);
         self.batches.next += 1;
@@ -256,10 +302,16 @@ impl Cache {
         match kind {
             BatchKind::Cow => self.stats.cow_copies += 1,
             BatchKind::Backup => self.stats.backups += 1,
-            BatchKind::LoadBack => {}
+            BatchKind::LoadBack | BatchKind::L3Get => {}
+            BatchKind::L3Put => self.stats.l3_puts += 1,
         }
         let pending = self.batches.pending.entry(id).or_insert(Pending {
-            batch: TransferBatch { id, kind, copies },
+            batch: TransferBatch {
+                id,
+                kind,
+                copies,
+                keys,
+            },
             started: false,
             abandoned: false,
             pins,
@@ -386,6 +438,34 @@ impl Cache {
         Ok(())
     }
 
+    /// An `l3_get` batch's copies landed for its first `pages` pages and (`state`) the
+    /// state at their end, not for the rest (a partial fetch: the rest is a miss).
+    /// Refused, changing nothing, for a batch of another kind; an abandoned batch fails.
+    pub fn complete_l3(&mut self, id: BatchId, pages: usize, state: bool) -> Result<()> {
+        self.check_batch_id(id)?;
+        match self.batches.pending.get(&id) {
+            None => return Err(no_batch(id)),
+            Some(p) if p.batch.kind != BatchKind::L3Get => {
+                return Err(Error::arg(
+                    "batch_id",
+                    format!(
+                        "batch {id} is a {} batch; only an l3_get batch lands in part",
+                        p.batch.kind.as_str()
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+        let p = self.end_batch(id)?;
+        let (pages, state) = if p.abandoned { (0, false) } else { (pages, state) };
+        let landed = pages > 0;
+        if let Payload::L3Get(get) = p.payload {
+            self.l3_get_ended(get, pages, state);
+        }
+        self.count_ended(landed);
+        Ok(())
+    }
+
     /// Hands an ended batch's payload back to the module that owns it, with whether
     /// the copies landed.
     fn settle(&mut self, id: BatchId, payload: Payload, landed: bool) {
@@ -393,7 +473,17 @@ impl Cache {
             Payload::Cow(cow) => self.cow_ended(id, cow, landed),
             Payload::Backup(b) => self.backup_ended(b, landed),
             Payload::LoadBack => self.load_ended(id, landed),
+            Payload::L3Put(put) => self.l3_put_ended(put, landed),
+            Payload::L3Get(get) => {
+                let pages = if landed { usize::MAX } else { 0 };
+                self.l3_get_ended(get, pages, landed);
+            }
         }
+        self.count_ended(landed);
+    }
+
+    /// Counts an ended batch.
+    fn count_ended(&mut self, landed: bool) {
         if landed {
             self.stats.batches_completed += 1;
         } else {

@@ -295,6 +295,12 @@ impl Cache {
             self.stats.backups_failed += 1;
         }
         self.settle_backup(&mut b, landed);
+        if landed {
+            if let Ok(end) = self.tree.resolve(b.end) {
+                let path = self.path_to(end);
+                self.l3_offer(&path);
+            }
+        }
         if let Some(lock) = b.lock.take() {
             let _ = self.unlock(lock);
         }

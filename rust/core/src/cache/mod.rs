@@ -22,6 +22,7 @@
 //! | `alloc.rs` | — | allocation, evicting first when short |
 //! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
 //! | `host.rs` | — | backups to the host tier |
+//! | `l3.rs` | — | pages put to and fetched from the L3 tier |
 //! | `load.rs` | load-back records | `load_back`, commit, cancel, settle (through `request.rs` for the request) |
 //! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort`; moves a request to a load's target and back |
 //! | `report.rs` | — | `stats`, `snapshot`, `pretty` |
@@ -38,6 +39,7 @@ mod host_tests;
 #[cfg(test)]
 mod hybrid_tests;
 mod insert;
+pub(crate) mod l3;
 pub(crate) mod load;
 pub(crate) mod locks;
 mod lookup;
@@ -98,7 +100,7 @@ impl Pools {
             (PoolKind::Kv, Tier::Host) => Some(&self.host_kv),
             (PoolKind::Mamba, Tier::Device) => Some(&self.mamba),
             (PoolKind::Mamba, Tier::Host) => Some(&self.host_mamba),
-            (PoolKind::Swa, _) => None,
+            (PoolKind::Swa, _) | (_, Tier::External) => None,
         }
     }
 }

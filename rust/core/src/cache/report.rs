@@ -64,7 +64,8 @@ impl Cache {
                     }
                 }
                 Payload::Backup(b) => b.owned(|pool, pages| f(pool, Holder::InFlight, pages)),
-                Payload::LoadBack => {}
+                Payload::L3Get(g) => g.owned(|pool, pages| f(pool, Holder::InFlight, pages)),
+                Payload::LoadBack | Payload::L3Put(_) => {}
             }
         }
     }

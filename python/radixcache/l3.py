@@ -1,0 +1,380 @@
+"""The L3 tier: host pages shared between caches through a store (Redis, files, ...).
+
+The core decides what goes to the store and what comes back (docs/design.md, "The L3
+tier"); this module moves the bytes, as `TransferEngine` does between the device and the
+host, and holds no cache logic:
+
+* ``l3_put`` batches (emitted when a backup lands, taken with ``cache.take_batches()``
+  like any batch): the host slots of each object are gathered into one row of bytes and
+  written to the store once (``exists``, then ``put`` of what is missing).
+* `L3Tier.fetch`: for a prompt whose end neither the device nor the host tier holds, it
+  asks the store for the leading run of pages that exist (and, for a hybrid model, the
+  deepest of them with a state at its end), has the cache take host slots for them
+  (``cache.l3_fetch``), reads the objects into those slots and acknowledges: the pages
+  join the cache as host-only nodes, which the next admission loads back like any host
+  hit. A missing, failed, timed-out or corrupt object is a miss for it and every page
+  after it; a corrupt object is deleted by the store client.
+
+Each object is named by the page hash the core gives it (its ``keys``), prefixed by a
+name of the storage layout (``key_prefix``: dtypes, shapes and page size, so that caches
+of another layout never read these bytes), KV pages as ``{prefix}{hex}`` and states as
+``{prefix}{hex}.s``. A circuit breaker stops asking the store after `failures` errors in
+a row, for `cooldown` seconds, then lets one call through; serving goes on from the
+device and host tiers meanwhile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ._core import CacheError, HybridCache, TransferBatch
+from .storage import Pool, Storage
+
+__all__ = ["Breaker", "L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix"]
+
+
+class ObjectStoreLike(Protocol):
+    """What `L3Tier` needs of a store client (`radixcache.ObjectStore` is one)."""
+
+    def exists(self, keys: list[bytes]) -> list[bool]: ...
+
+    def put(self, keys: list[bytes], hashes: list[bytes], data: np.ndarray) -> list[bool]: ...
+
+    def get_into(self, keys: list[bytes], hashes: list[bytes], out: np.ndarray) -> list[str]: ...
+
+
+@dataclass
+class Breaker:
+    """A circuit breaker: open after `failures` errors in a row, for `cooldown` seconds.
+
+    ``state`` is ``"closed"`` (calls go through), ``"open"`` (calls are skipped) or
+    ``"half_open"`` (the cooldown passed: the next call is a probe, whose success closes
+    it and whose failure opens it again).
+    """
+
+    failures: int = 3
+    cooldown: float = 2.0
+    errors_in_a_row: int = 0
+    trips: int = 0
+    opened_at: float | None = None
+    clock: Any = field(default=time.monotonic, repr=False)
+
+    @property
+    def state(self) -> str:
+        """``"closed"``, ``"open"`` or ``"half_open"``."""
+        if self.opened_at is None:
+            return "closed"
+        if self.clock() - self.opened_at >= self.cooldown:
+            return "half_open"
+        return "open"
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now."""
+        return self.state != "open"
+
+    def success(self) -> None:
+        """A call succeeded: the breaker closes."""
+        self.errors_in_a_row = 0
+        self.opened_at = None
+
+    def failure(self) -> None:
+        """A call failed: after enough in a row (or a failed probe) the breaker opens."""
+        self.errors_in_a_row += 1
+        probe = self.opened_at is not None
+        if probe or self.errors_in_a_row >= self.failures:
+            if not probe:
+                self.trips += 1
+            self.opened_at = self.clock()
+
+
+@dataclass
+class L3Counters:
+    """What an `L3Tier` did (its report keys, see `L3Tier.report`)."""
+
+    lookups: int = 0
+    lookups_skipped: int = 0
+    fetches: int = 0
+    fetched_pages: int = 0
+    landed_pages: int = 0
+    missed_pages: int = 0
+    corrupt_objects: int = 0
+    puts: int = 0
+    stored_objects: int = 0
+    present_objects: int = 0
+    bytes_fetched: int = 0
+    bytes_stored: int = 0
+    fetch_seconds: float = 0.0
+    put_seconds: float = 0.0
+    errors: int = 0
+    skipped_open: int = 0
+
+
+def layout_prefix(storage: Storage, page_size: int) -> bytes:
+    """Return the key prefix naming `storage`'s host layout (``rc1-<digest>:``).
+
+    The digest covers the page size and, per pool, each host array's dtype, layer
+    count and row shape: two caches share objects only when their bytes mean the same.
+    """
+    h = hashlib.sha256(f"page_size={page_size}".encode())
+    for name in ("kv", "mamba"):
+        if not storage.has(name, "host"):
+            continue
+        for a in storage.pool(name, "host").arrays:
+            h.update(f"|{name}:{a.dtype.str}:{a.shape[0]}:{tuple(a.shape[2:])}".encode())
+    return f"rc1-{h.hexdigest()[:16]}:".encode()
+
+
+def _gather(pool: Pool, slots: np.ndarray, per: int) -> np.ndarray:
+    """Rows of `pool`'s `slots`, `per` slots an object: ``uint8 [objects, bytes]``."""
+    n = len(slots) // per
+    parts = []
+    for a in pool.arrays:
+        x = np.asarray(a)[:, slots].reshape(a.shape[0], n, per, -1)
+        parts.append(np.ascontiguousarray(x.transpose(1, 0, 2, 3)).view(np.uint8).reshape(n, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def _scatter(pool: Pool, slots: np.ndarray, per: int, data: np.ndarray) -> None:
+    """Write `data` (as `_gather` makes it) into `pool`'s `slots`."""
+    n = len(slots) // per
+    offset = 0
+    for a in pool.arrays:
+        arr = np.asarray(a)
+        row = int(np.prod(a.shape[2:], dtype=np.int64)) * arr.dtype.itemsize
+        width = a.shape[0] * per * row
+        chunk = np.ascontiguousarray(data[:, offset : offset + width])
+        x = np.moveaxis(chunk.view(arr.dtype).reshape(n, a.shape[0], per, *a.shape[2:]), 0, 1)
+        arr[:, slots] = x.reshape(a.shape[0], n * per, *a.shape[2:])
+        offset += width
+
+
+class L3Tier:
+    """Runs a cache's L3 batches against `store` and fetches prompts' pages from it.
+
+    Args:
+        cache: A cache made with ``l3=True`` (and ``page_hashes=True``).
+        storage: Its `Storage` (the host arrays are read and written).
+        store: The store client (`radixcache.ObjectStore`, or anything with its
+            ``exists``/``put``/``get_into``).
+        min_tokens: A prompt whose uncached part is shorter is not looked up.
+        breaker: The circuit breaker (a new one by default).
+        key_prefix: Prepended to every object's key (`layout_prefix` by default).
+    """
+
+    def __init__(
+        self,
+        cache: HybridCache,
+        storage: Storage,
+        store: ObjectStoreLike,
+        *,
+        min_tokens: int = 64,
+        breaker: Breaker | None = None,
+        key_prefix: bytes | None = None,
+    ) -> None:
+        if not cache.l3:
+            raise ValueError("cache: made without an L3 tier; pass l3=True")
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ValueError(f"min_tokens: must be an int >= 0, got {min_tokens!r}")
+        self.cache = cache
+        self.storage = storage
+        self.store = store
+        self.min_tokens = min_tokens
+        self.breaker = breaker or Breaker()
+        self.prefix = layout_prefix(storage, cache.page_size) if key_prefix is None else key_prefix
+        self.counters = L3Counters()
+        self.hybrid = cache.mamba_slots > 0
+
+    # ------------------------------------------------------------------ keys
+
+    def _keys(self, hashes: Sequence[bytes], state: bool = False) -> list[bytes]:
+        tail = b".s" if state else b""
+        return [self.prefix + h.hex().encode() + tail for h in hashes]
+
+    def _call(self, f: Any, *args: Any) -> Any:
+        """Call the store through the breaker; None when it is open or the call failed."""
+        if not self.breaker.allow():
+            self.counters.skipped_open += 1
+            return None
+        try:
+            out = f(*args)
+        except (CacheError, OSError):
+            self.counters.errors += 1
+            self.breaker.failure()
+            return None
+        self.breaker.success()
+        return out
+
+    # ------------------------------------------------------------------ puts
+
+    def run(self, batch: TransferBatch) -> None:
+        """Run an ``l3_put`` or ``l3_get`` batch and end it (a failed store call fails it)."""
+        if batch.kind == "l3_put":
+            self._put(batch)
+        elif batch.kind == "l3_get":
+            self._get(batch)
+        else:
+            raise ValueError(f"batch: an {batch.kind!r} batch is not the L3 tier's")
+
+    def _objects(self, batch: TransferBatch) -> list[tuple[str, Pool, np.ndarray, int, list[bytes]]]:
+        """Per copy: (pool, its host pool, host slots, slots per object, object keys)."""
+        out = []
+        keys = batch.keys
+        at = 0
+        for c in batch.copies:
+            per = self.cache.page_size if c.pool == "kv" else 1
+            host = np.asarray(c.src if c.src_tier == "host" else c.dst, dtype=np.int64)
+            n = len(host) // per
+            hashes = keys[at : at + n]
+            at += n
+            out.append((c.pool, self.storage.pool(c.pool, "host"), host, per, hashes))
+        return out
+
+    def _put(self, batch: TransferBatch) -> None:
+        batch.start()
+        start = time.perf_counter()
+        try:
+            for pool, host, slots, per, hashes in self._objects(batch):
+                keys = self._keys(hashes, pool == "mamba")
+                present = self._call(self.store.exists, keys)
+                if present is None:
+                    batch.fail("the store is unavailable")
+                    return
+                todo = [k for k, p in enumerate(present) if not p]
+                self.counters.present_objects += len(keys) - len(todo)
+                if not todo:
+                    continue
+                rows = np.asarray(todo, dtype=np.int64)
+                sel = (slots.reshape(-1, per)[rows]).reshape(-1)
+                data = _gather(host, sel, per)
+                stored = self._call(
+                    self.store.put, [keys[k] for k in todo], [hashes[k] for k in todo], data
+                )
+                if stored is None:
+                    batch.fail("the store is unavailable")
+                    return
+                self.counters.stored_objects += sum(1 for s in stored if s)
+                self.counters.bytes_stored += int(data.nbytes)
+        finally:
+            self.counters.put_seconds += time.perf_counter() - start
+        self.counters.puts += 1
+        batch.complete()
+
+    def run_puts(self, batches: Sequence[TransferBatch]) -> list[TransferBatch]:
+        """Run the ``l3_put`` batches of `batches`; return the others, untouched."""
+        rest = []
+        for b in batches:
+            if b.kind == "l3_put":
+                self._put(b)
+            else:
+                rest.append(b)
+        return rest
+
+    # ------------------------------------------------------------------ fetches
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
+        """Return how many whole pages of `tokens`, after what the cache holds, to fetch.
+
+        The leading run of those pages the store has; for a hybrid model, cut back to
+        the deepest of them whose state the store has too (0 if none).
+        """
+        cache = self.cache
+        ps = cache.page_size
+        toks = np.asarray(tokens, dtype=np.int64)
+        device, host, _ = cache.peek_prefix(toks, namespace=namespace)
+        have = device + host
+        whole = len(toks) // ps * ps
+        if whole - have < max(self.min_tokens, ps):
+            self.counters.lookups_skipped += 1
+            return 0
+        self.counters.lookups += 1
+        hashes = cache.prefix_hashes(toks[: whole], namespace=namespace)[have // ps :]
+        present = self._call(self.store.exists, self._keys(hashes))
+        if not present:
+            return 0
+        run = next((k for k, p in enumerate(present) if not p), len(present))
+        if not self.hybrid or run == 0:
+            return run
+        states = self._call(self.store.exists, self._keys(hashes[:run], True))
+        if not states:
+            return 0
+        return max((k + 1 for k, s in enumerate(states) if s), default=0)
+
+    def fetch(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
+        """Fetch what the store has after the cached part of `tokens`; return its tokens.
+
+        The pages land as host-only nodes (a load-back brings them to the device);
+        0 when the store has none, the breaker is open or the cache took nothing.
+        """
+        pages = self.lookup(tokens, namespace=namespace)
+        if pages == 0:
+            return 0
+        batch = self.cache.l3_fetch(tokens, pages, namespace=namespace)
+        if batch is None:
+            return 0
+        return self._get(batch) * self.cache.page_size
+
+    def _get(self, batch: TransferBatch) -> int:
+        """Read an ``l3_get`` batch's objects; acknowledge what landed; its pages."""
+        batch.start()
+        start = time.perf_counter()
+        landed, state = 0, False
+        try:
+            for pool, host, slots, per, hashes in self._objects(batch):
+                keys = self._keys(hashes, pool == "mamba")
+                width = per * host_bytes(host)
+                out = np.empty((len(keys), width), dtype=np.uint8)
+                got = self._call(self.store.get_into, keys, hashes, out)
+                if got is None:
+                    break
+                ok = next((k for k, g in enumerate(got) if g != "ok"), len(got))
+                self.counters.corrupt_objects += sum(1 for g in got if g == "corrupt")
+                if ok:
+                    _scatter(host, slots[: ok * per], per, out[:ok])
+                    self.counters.bytes_fetched += ok * width
+                if pool == "kv":
+                    landed = ok
+                    if ok < len(keys):
+                        break
+                else:
+                    state = ok == len(keys)
+        finally:
+            self.counters.fetch_seconds += time.perf_counter() - start
+        total = len(batch.copies[0].dst) // self.cache.page_size if batch.copies else 0
+        self.counters.fetches += 1
+        self.counters.fetched_pages += total
+        usable = landed if not self.hybrid else (landed if state and landed == total else 0)
+        self.counters.landed_pages += usable
+        self.counters.missed_pages += total - usable
+        batch.complete_l3(landed, state=state)
+        return usable
+
+    def report(self) -> dict[str, Any]:
+        """The tier's figures: counters, GB/s of fetches and puts, the breaker's state."""
+        c = self.counters
+        gbps = (lambda b, s: b / s / 1e9 if s > 0 else 0.0)
+        return {
+            "l3_lookups": c.lookups,
+            "l3_fetches": c.fetches,
+            "l3_landed_pages": c.landed_pages,
+            "l3_missed_pages": c.missed_pages,
+            "l3_corrupt_objects": c.corrupt_objects,
+            "l3_stored_objects": c.stored_objects,
+            "l3_bytes_fetched": c.bytes_fetched,
+            "l3_bytes_stored": c.bytes_stored,
+            "l3_fetch_gbps": gbps(c.bytes_fetched, c.fetch_seconds),
+            "l3_put_gbps": gbps(c.bytes_stored, c.put_seconds),
+            "l3_errors": c.errors,
+            "l3_breaker": self.breaker.state,
+            "l3_breaker_trips": self.breaker.trips,
+        }
+
+
+def host_bytes(pool: Pool) -> int:
+    """Bytes one slot of `pool` holds over every layer and array."""
+    return pool.bytes_per_slot

@@ -1,0 +1,342 @@
+//! The L3 tier: pages of the host tier written to, and fetched from, a store that many
+//! caches share (Redis, Mooncake Store, files), addressed by page hash.
+//!
+//! The store is a hint, never the cache's own memory: the core keeps no book of what it
+//! holds, only, per node, whether its pages were written once already (`KvNode::l3`,
+//! so that they are not offered again). The core does no I/O either: it emits batches,
+//! as for the other tiers, that an engine runs against the store, and acknowledges.
+//!
+//! * **Put** (`l3_put` batches, host to store): when a backup lands, the nodes that got
+//!   host copies are offered to the store, their KV pages one object per page (keyed by
+//!   the page's hash) and the state at a node's end (keyed by the hash of the node's last
+//!   page). The batch pins the host pages it reads (host eviction meanwhile leaves them
+//!   draining) and holds nothing else. It may fail: nothing changes but that the nodes
+//!   are offered again with their next backup.
+//! * **Get** (`l3_get` batches, store to host): [`Cache::l3_fetch`] takes, all at once,
+//!   a lock on the node where the cached prefix ends (it keeps the path from eviction),
+//!   host pages for the pages to fetch and, with Mamba states, a host state slot for the
+//!   state at their end, and emits the batch. When its copies land ([`Cache::complete`],
+//!   or [`Cache::complete_l3`] for a leading part of them) the pages join the tree as
+//!   host-only nodes below the locked node, as a demotion leaves them: the next match
+//!   finds them on the host and a load-back brings them to the device. Whatever did not
+//!   land is a miss, and every slot the batch took and did not place goes back. A hybrid
+//!   prefix is only fetched up to a state, and lands only with it.
+
+use crate::error::{Error, Result};
+use crate::hashes::{chain, PageHash};
+use crate::ids::NodeId;
+use crate::pool::{as_i64, Pages};
+use crate::tree::{KvState, NONE};
+
+use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::locks::LockReceipt;
+use super::Cache;
+
+/// What an `l3_put` batch carries: the nodes whose data it writes (split-stable ids: a
+/// split keeps the lower identity), marked as written when the batch lands.
+#[derive(Default)]
+pub(crate) struct Put {
+    /// Nodes whose KV pages it writes.
+    kv_nodes: Vec<NodeId>,
+    /// Nodes whose state (at their end) it writes.
+    state_nodes: Vec<NodeId>,
+}
+
+/// What an `l3_get` batch carries until it ends.
+pub(crate) struct Get {
+    /// Locks the path to `parent` (where the fetched pages continue the prefix).
+    lock: Option<LockReceipt>,
+    /// The node the fetched pages continue.
+    parent: NodeId,
+    /// The fetched pages' tokens.
+    tokens: Vec<u32>,
+    /// Their hashes (one per page).
+    hashes: Vec<PageHash>,
+    /// Host pages the objects are written into, one per page.
+    kv: Pages,
+    /// The host state slot for the state at the end of the pages, with Mamba states.
+    state: Option<Pages>,
+}
+
+impl Get {
+    /// Calls `f(pool, pages)` for the host pages the batch owns until it ends (2: host
+    /// KV, 3: host states, as in `report::POOLS`).
+    pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
+        f(2, self.kv.pages());
+        if let Some(s) = &self.state {
+            f(3, s.pages());
+        }
+    }
+}
+
+impl Cache {
+    /// Whether pages go to the L3 tier.
+    pub(crate) fn has_l3(&self) -> bool {
+        self.config.l3
+    }
+
+    /// After a backup landed: offers the store what the nodes of `nodes` have on the
+    /// host and have not written there yet: their KV pages, and the state at a node's
+    /// end. Emits one `l3_put` batch, or nothing.
+    pub(crate) fn l3_offer(&mut self, nodes: &[u32]) {
+        if !self.has_l3() {
+            return;
+        }
+        let ps = self.config.page_size;
+        let (mut kv_src, mut kv_dst) = (Vec::new(), Vec::new());
+        let (mut st_src, mut st_dst) = (Vec::new(), Vec::new());
+        let mut keys: Vec<PageHash> = Vec::new();
+        let mut state_keys: Vec<PageHash> = Vec::new();
+        let mut put = Put::default();
+        for &i in nodes {
+            let n = self.tree.node(i);
+            let Some(host) = n.kv.host.as_deref() else {
+                continue;
+            };
+            if n.hashes.len() != host.len() {
+                continue;
+            }
+            if !n.kv.l3 {
+                let start = kv_dst.len();
+                self.expand_into(host, &mut kv_src);
+                kv_dst.extend(as_i64(start)..as_i64(start + host.len() * ps));
+                keys.extend_from_slice(&n.hashes);
+                put.kv_nodes.push(self.tree.id(i));
+            }
+            if let (Some(slot), Some(&last), false) = (n.mamba.host, n.hashes.last(), n.mamba.l3)
+            {
+                st_src.push(i64::from(slot));
+                st_dst.push(as_i64(st_dst.len()));
+                state_keys.push(last);
+                put.state_nodes.push(self.tree.id(i));
+            }
+        }
+        if keys.is_empty() && state_keys.is_empty() {
+            return;
+        }
+        self.stats.l3_put_pages += keys.len() as u64;
+        self.stats.l3_put_states += state_keys.len() as u64;
+        let mut copies = Vec::new();
+        for (pool, src, dst) in [(PoolKind::Kv, kv_src, kv_dst), (PoolKind::Mamba, st_src, st_dst)] {
+            if !src.is_empty() {
+                copies.push(SlotCopy {
+                    pool,
+                    src_tier: Tier::Host,
+                    dst_tier: Tier::External,
+                    src,
+                    dst,
+                });
+            }
+        }
+        keys.extend(state_keys);
+        self.emit_keyed(copies, keys, Payload::L3Put(put));
+    }
+
+    /// An `l3_put` batch ended: landed, what it wrote is not offered again.
+    pub(crate) fn l3_put_ended(&mut self, put: Put, landed: bool) {
+        if !landed {
+            self.stats.l3_puts_failed += 1;
+            return;
+        }
+        self.stats.l3_puts_done += 1;
+        for id in put.kv_nodes {
+            if let Ok(i) = self.tree.resolve(id) {
+                self.edit(i, |n| n.kv.l3 = true);
+            }
+        }
+        for id in put.state_nodes {
+            if let Ok(i) = self.tree.resolve(id) {
+                self.edit(i, |n| n.mamba.l3 = true);
+            }
+        }
+    }
+
+    /// Fetches from the L3 tier the `pages` whole pages of `tokens` that follow what the
+    /// tree caches of it (on either tier) in `namespace`, with Mamba states the state at
+    /// their end too (a hybrid prefix is useless without it): the caller found them in
+    /// the store (by their hashes, chained from
+    /// [`crate::Match`]'s last hash). Takes a lock on the node where the cached prefix
+    /// ends, host pages and a host state slot, and emits an `l3_get` batch (copies from
+    /// the store into those host slots; its `keys` are the pages' hashes, then the
+    /// state's), which it returns. `None`, having taken nothing, when there is
+    /// nothing to fetch (the tree caches at least as much), the prefix ends in a page a
+    /// load-back is bringing to the device, or there is no host room even after host
+    /// eviction. The batch is not queued for `take_batches`: the caller runs it and
+    /// ends it (`complete`, `complete_l3` or `fail`).
+    pub fn l3_fetch(
+        &mut self,
+        namespace: Option<&str>,
+        tokens: &[u32],
+        pages: usize,
+    ) -> Result<Option<TransferBatch>> {
+        self.reap();
+        if !self.has_l3() {
+            return Err(Error::arg(
+                "l3",
+                "this cache has no L3 tier: construct it with l3=True",
+            ));
+        }
+        let ps = self.config.page_size;
+        let state = self.is_hybrid();
+        let aligned = self.aligned(tokens.len());
+        let Some(root) = self.roots.get(namespace) else {
+            // Nothing of this namespace is cached: a fetch would have no node to hang
+            // from until an insert makes its root.
+            self.stats.l3_fetches_called_off += 1;
+            return Ok(None);
+        };
+        let mut probe = std::mem::take(&mut self.probe);
+        self.tree.probe(root, &tokens[..aligned], &mut probe);
+        let matched = probe.matched;
+        let last = probe.path.last().copied();
+        let busy = probe
+            .path
+            .iter()
+            .any(|&(i, _)| self.tree.node(i).kv.state.loading());
+        self.probe = probe;
+        if pages == 0 || matched + pages * ps > aligned {
+            if matched + pages * ps > aligned && pages > 0 && matched < aligned {
+                return Err(Error::arg(
+                    "pages",
+                    format!(
+                        "{pages} pages of {ps} tokens go past the {} whole-page tokens \
+                         left after the {matched} cached",
+                        aligned - matched
+                    ),
+                ));
+            }
+            self.stats.l3_fetches_called_off += 1;
+            return Ok(None);
+        }
+        if busy {
+            self.stats.l3_fetches_called_off += 1;
+            return Ok(None);
+        }
+        // The node where the cached prefix ends: a partly matched node is split there.
+        let parent = match last {
+            None => root,
+            Some((i, n)) if n < self.tree.node(i).key.len() => self.split(i, n),
+            Some((i, _)) => i,
+        };
+        let lock = self.lock_index(parent);
+        let kv = self.alloc_host_pages(pages);
+        let st = if state { self.alloc_host_state() } else { None };
+        let (Some(kv), true) = (kv, !state || st.is_some()) else {
+            let _ = self.unlock(lock);
+            self.stats.l3_fetches_called_off += 1;
+            return Ok(None);
+        };
+        let fetched = tokens[matched..matched + pages * ps].to_vec();
+        let prior = self.tree.node(parent).hashes.last().copied();
+        let hashes = chain(prior.as_ref(), &fetched, ps);
+        let mut dst = Vec::with_capacity(fetched.len());
+        self.expand_into(kv.pages(), &mut dst);
+        let mut copies = vec![SlotCopy {
+            pool: PoolKind::Kv,
+            src_tier: Tier::External,
+            dst_tier: Tier::Host,
+            src: (0..as_i64(fetched.len())).collect(),
+            dst,
+        }];
+        let mut keys = hashes.clone();
+        if let (Some(s), Some(&h)) = (&st, hashes.last()) {
+            copies.push(SlotCopy {
+                pool: PoolKind::Mamba,
+                src_tier: Tier::External,
+                dst_tier: Tier::Host,
+                src: vec![0],
+                dst: s.pages().iter().map(|&p| i64::from(p)).collect(),
+            });
+            keys.push(h);
+        }
+        self.stats.l3_fetches += 1;
+        self.stats.l3_fetch_pages += pages as u64;
+        let get = Get {
+            lock: Some(lock),
+            parent: self.tree.id(parent),
+            tokens: fetched,
+            hashes,
+            kv,
+            state: st,
+        };
+        Ok(Some(self.emit_held_keyed(copies, keys, Payload::L3Get(get))))
+    }
+
+    /// An `l3_get` batch ended with the first `pages` of its pages landed and (`state`)
+    /// the state at their end; everything else is a miss. A hybrid fetch lands only
+    /// whole, with its state.
+    pub(crate) fn l3_get_ended(&mut self, mut get: Get, pages: usize, state: bool) {
+        let total = get.hashes.len();
+        let pages = pages.min(total);
+        let usable = if get.state.is_some() {
+            if state && pages == total {
+                total
+            } else {
+                0
+            }
+        } else {
+            pages.min(total)
+        };
+        if usable == 0 {
+            self.stats.l3_fetches_failed += 1;
+        } else {
+            self.stats.l3_landed_pages += usable as u64;
+            self.l3_place(&mut get, usable);
+        }
+        if let Some(lock) = get.lock.take() {
+            let _ = self.unlock(lock);
+        }
+    }
+
+    /// Places the first `pages` fetched pages below the fetch's node: pages the tree
+    /// caches meanwhile are dropped, the rest becomes one host-only node (with the state
+    /// at its end when the fetch has one and every page is placed).
+    fn l3_place(&mut self, get: &mut Get, pages: usize) {
+        let ps = self.config.page_size;
+        let Ok(parent) = self.tree.resolve(get.parent) else {
+            return;
+        };
+        let key = &get.tokens[..pages * ps];
+        let mut probe = std::mem::take(&mut self.probe);
+        self.tree.probe(parent, key, &mut probe);
+        let matched = probe.matched;
+        let last = probe.path.last().copied();
+        let busy = probe
+            .path
+            .iter()
+            .any(|&(i, _)| self.tree.node(i).kv.state.loading());
+        self.probe = probe;
+        if matched == key.len() || busy {
+            return;
+        }
+        let at = match last {
+            None => parent,
+            Some((i, n)) if n < self.tree.node(i).key.len() => self.split(i, n),
+            Some((i, _)) => i,
+        };
+        let skip = matched / ps;
+        let mut kv = std::mem::replace(&mut get.kv, self.pools.host_kv.empty());
+        let rest = kv.split_off(skip);
+        drop(kv);
+        let mut rest = rest;
+        let extra = rest.split_off(pages - skip);
+        drop(extra);
+        let state = (pages == get.hashes.len())
+            .then(|| get.state.take())
+            .flatten();
+        let node = self.tree.alloc_node(at, key[matched..].to_vec());
+        self.tree.link_child(at, node);
+        let hashes = get.hashes[skip..pages].to_vec();
+        self.edit(node, |n| {
+            n.kv.host = Some(rest.into_tree());
+            n.kv.l3 = true;
+            n.hashes = hashes;
+            n.mamba.host = state.and_then(|s| s.into_tree().first().copied());
+            n.mamba.l3 = n.mamba.host.is_some();
+            n.kv.state = KvState::Idle;
+        });
+        debug_assert_ne!(at, NONE);
+        self.refresh(node);
+        self.refresh(at);
+    }
+}
