@@ -141,7 +141,42 @@ fn audit(c: &Cache) -> Result<()> {
     }
     check_pins(c)?;
     check_loads(c)?;
-    check_sums(c, &sums)
+    check_sums(c, &sums)?;
+    check_hashes(c)
+}
+
+/// Page hashes: with them on, every root holds its namespace's seed and every node one
+/// hash per page, the chain from its parent's last hash (recomputed); with them off, no
+/// node holds any.
+fn check_hashes(c: &Cache) -> Result<()> {
+    let tree = c.tree();
+    let on = c.config().page_hashes;
+    for (ns, root) in c.roots().all() {
+        if tree.node(root).hashes != c.root_hashes(ns) {
+            return broken(format!(
+                "the root of namespace {ns:?} does not hold the namespace's seed"
+            ));
+        }
+        for i in tree.preorder(root).into_iter().skip(1) {
+            let n = tree.node(i);
+            let want = if on {
+                let prior = tree.node(n.parent).hashes.last();
+                crate::hashes::chain(prior, &n.key, tree.page_size)
+            } else {
+                Vec::new()
+            };
+            if n.hashes != want {
+                return broken(format!(
+                    "node {} holds {} page hashes that are not the chain from its parent \
+                     ({} pages)",
+                    tree.id(i),
+                    n.hashes.len(),
+                    n.key.len() / tree.page_size
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// 3. A state sits at the end of a node that has KV on the same tier; the node holding a

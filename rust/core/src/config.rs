@@ -282,6 +282,14 @@ pub struct Config {
     /// the device SWA pages are with the device KV pages: required (at least one page,
     /// at most `host_kv_slots`) with SWA layers and a host tier, 0 otherwise.
     pub host_swa_slots: usize,
+    /// Whether every cached page carries its chained SHA-256 (docs/design.md, "Page
+    /// hashes"): computed once when the page is published, never on the lookup path.
+    /// Off by default, at no cost.
+    pub page_hashes: bool,
+    /// The default namespace's seed (the prior of its first page), from which named
+    /// namespaces' seeds are derived too; `None`: `SGLang` `HiCache`'s seeds (no prior in
+    /// the default namespace). Only with `page_hashes`.
+    pub hash_seed: Option<[u8; 32]>,
     /// Whether host pages go to the L3 tier (a store shared by many caches) once backed
     /// up, and can be fetched from it (`cache::l3`): needs a host tier (with host state
     /// slots for a hybrid model), page hashes, and no SWA layers.
@@ -303,6 +311,8 @@ impl Default for Config {
             swa_slots: 0,
             swa_window: 0,
             host_swa_slots: 0,
+            page_hashes: false,
+            hash_seed: None,
             l3: false,
         }
     }
@@ -407,6 +417,13 @@ impl Config {
             ));
         }
         self.validate_swa()?;
+        if self.hash_seed.is_some() && !self.page_hashes {
+            return Err(Error::arg(
+                "hash_seed",
+                "given with page_hashes=False: nothing is hashed; pass page_hashes=True or no \
+                 seed",
+            ));
+        }
         if self.host_mamba_slots > 0 && self.host_kv_slots == 0 {
             return Err(Error::arg(
                 "host_mamba_slots",
@@ -562,6 +579,26 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_hash_seed_without_page_hashes_is_refused_naming_hash_seed() {
+        let c = Config {
+            hash_seed: Some([1; 32]),
+            ..Config::kv(16, 1)
+        };
+        assert!(matches!(
+            c.validate(),
+            Err(Error::InvalidArgument {
+                arg: "hash_seed",
+                ..
+            })
+        ));
+        let c = Config {
+            page_hashes: true,
+            ..c
+        };
+        assert_eq!(c.validate(), Ok(()));
     }
 
     #[test]

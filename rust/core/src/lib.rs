@@ -17,6 +17,7 @@ mod cache;
 mod config;
 mod error;
 mod handle;
+pub mod hashes;
 mod ids;
 mod pool;
 mod slab;
@@ -31,5 +32,6 @@ pub use cache::{
 pub use config::{Config, EvictionPolicies, EvictionPolicy, PoolOwner, WritePolicy};
 pub use error::{Error, Result};
 pub use handle::{Batch, HybridCache, LoadBack, Lock, Outcome, Request};
+pub use hashes::PageHash;
 pub use ids::{BatchId, CacheId, LockId, NodeId, RequestId};
 pub use pool::{PageState, Pages, Pool, PoolCounts};

@@ -8,6 +8,7 @@
 use hashbrown::HashTable;
 
 use crate::error::{Error, Result};
+use crate::hashes::PageHash;
 use crate::ids::{CacheId, NodeId, Slot};
 
 /// Index value meaning "no node" (the parent of a root).
@@ -268,6 +269,10 @@ pub(crate) struct Node {
     pub kv: KvNode,
     pub mamba: MambaNode,
     pub swa: SwaNode,
+    /// With page hashes: one chained hash per page of `key`, the first chained from the
+    /// parent's last (`crate::hashes`); a root holds its namespace's seed (none without
+    /// one). Empty with page hashes off.
+    pub hashes: Vec<PageHash>,
     /// Logical time of the last access (larger is more recent).
     pub last_access: u64,
     /// Inserts through this node (write-through-selective backs a node up after enough).
@@ -293,6 +298,7 @@ impl Node {
             kv: KvNode::default(),
             mamba: MambaNode::default(),
             swa: SwaNode::default(),
+            hashes: Vec::new(),
             last_access: 0,
             hits: 0,
             matches: 0,
@@ -460,7 +466,8 @@ impl Tree {
     /// stay balanced) and the in-flight and eviction marks (it is part of what was being
     /// backed up or evicted, and its only child is the lower part), and copies of the
     /// access time, the insert and match counts and the priority (everything that went
-    /// through the lower part went through it). A Mamba state (and its single-node lock) stays with the lower node, which still ends where the
+    /// through the lower part went through it). The page hashes split with the pages
+    /// (nothing is recomputed: a page's hash depends only on the pages before it). A Mamba state (and its single-node lock) stays with the lower node, which still ends where the
     /// state was taken; the upper node is a Mamba tombstone.
     pub fn split(&mut self, i: u32, at: usize) -> u32 {
         // The parent's child entry is keyed by the first page, which the upper node
@@ -472,13 +479,25 @@ impl Tree {
             let rest = pages.split_off(at / ps);
             std::mem::replace(pages, rest)
         };
-        let (upper_key, upper_device, upper_host, has_kv) = {
+        let (upper_key, upper_device, upper_host, upper_hashes, has_kv) = {
             let n = &mut self.nodes[i as usize];
             let rest = n.key.split_off(at);
             let upper_key = std::mem::replace(&mut n.key, rest);
             let upper_device = n.kv.device.as_mut().map(split_pages);
             let upper_host = n.kv.host.as_mut().map(split_pages);
-            (upper_key, upper_device, upper_host, n.kv.device.is_some())
+            let upper_hashes = if n.hashes.is_empty() {
+                Vec::new()
+            } else {
+                let rest = n.hashes.split_off(at / ps);
+                std::mem::replace(&mut n.hashes, rest)
+            };
+            (
+                upper_key,
+                upper_device,
+                upper_host,
+                upper_hashes,
+                n.kv.device.is_some(),
+            )
         };
         let (lock, state, l3) = {
             let n = &self.nodes[i as usize];
@@ -493,6 +512,7 @@ impl Tree {
             let un = &mut self.nodes[u as usize];
             un.kv.device = upper_device;
             un.kv.host = upper_host;
+            un.hashes = upper_hashes;
             un.kv.lock = lock;
             un.kv.state = state.for_upper();
             un.kv.l3 = l3;

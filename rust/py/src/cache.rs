@@ -6,7 +6,7 @@ use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use radixcache_core as core;
 
 use crate::batch::{copies, PyTransferBatch};
@@ -171,6 +171,12 @@ impl PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
             config,
         })
+    }
+
+    /// Whether host pages go to, and come from, the L3 tier.
+    #[getter]
+    fn l3(&self) -> bool {
+        self.config.l3
     }
 
     /// Tokens per page.
@@ -338,6 +344,22 @@ impl PyHybridCache {
             .into_iter()
             .next()
             .map(|handle| PyTransferBatch::new(&self.inner, handle, copies)))
+    }
+
+    /// The hash of each whole page of `tokens` in `namespace`, chained from the
+    /// namespace's seed, as the cache hashes the pages it holds (page hashes on or off).
+    #[pyo3(signature = (tokens, *, namespace=None))]
+    fn prefix_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let hashes = run(py, &self.inner, tokens.len(), |c| {
+            Ok(c.chain_hashes(namespace, None, &tokens))
+        })?;
+        Ok(hashes.iter().map(|h| PyBytes::new(py, h)).collect())
     }
 
     /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.

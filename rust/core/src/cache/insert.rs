@@ -412,7 +412,9 @@ impl Cache {
 
     /// Adds a device leaf under `parent` holding `pages`, with `priority`; returns it.
     fn add_leaf(&mut self, parent: u32, key: Vec<u32>, pages: Pages, priority: i64) -> u32 {
+        let hashes = self.leaf_hashes(parent, &key);
         let leaf = self.tree.alloc_node(parent, key);
+        self.tree.node_mut(leaf).hashes = hashes;
         self.tree.node_mut(leaf).priority = priority;
         self.edit(leaf, |n| n.kv.device = Some(pages.into_tree()));
         self.tree.link_child(parent, leaf);

@@ -179,12 +179,9 @@ impl Cache {
         let ps = self.config.page_size;
         let state = self.is_hybrid();
         let aligned = self.aligned(tokens.len());
-        let Some(root) = self.roots.get(namespace) else {
-            // Nothing of this namespace is cached: a fetch would have no node to hang
-            // from until an insert makes its root.
-            self.stats.l3_fetches_called_off += 1;
-            return Ok(None);
-        };
+        // A namespace this cache has nothing of gets its root (held by the fetch's lock;
+        // dropped again if nothing lands).
+        let root = self.root(namespace);
         let mut probe = std::mem::take(&mut self.probe);
         self.tree.probe(root, &tokens[..aligned], &mut probe);
         let matched = probe.matched;
@@ -194,21 +191,19 @@ impl Cache {
             .iter()
             .any(|&(i, _)| self.tree.node(i).kv.state.loading());
         self.probe = probe;
-        if pages == 0 || matched + pages * ps > aligned {
-            if matched + pages * ps > aligned && pages > 0 && matched < aligned {
-                return Err(Error::arg(
-                    "pages",
-                    format!(
-                        "{pages} pages of {ps} tokens go past the {} whole-page tokens \
-                         left after the {matched} cached",
-                        aligned - matched
-                    ),
-                ));
-            }
-            self.stats.l3_fetches_called_off += 1;
-            return Ok(None);
+        if matched + pages * ps > aligned && pages > 0 && matched < aligned {
+            self.drop_root_if_empty(root);
+            return Err(Error::arg(
+                "pages",
+                format!(
+                    "{pages} pages of {ps} tokens go past the {} whole-page tokens left \
+                     after the {matched} cached",
+                    aligned - matched
+                ),
+            ));
         }
-        if busy {
+        if pages == 0 || matched + pages * ps > aligned || busy {
+            self.drop_root_if_empty(root);
             self.stats.l3_fetches_called_off += 1;
             return Ok(None);
         }
@@ -223,6 +218,7 @@ impl Cache {
         let st = if state { self.alloc_host_state() } else { None };
         let (Some(kv), true) = (kv, !state || st.is_some()) else {
             let _ = self.unlock(lock);
+            self.drop_root_if_empty(parent);
             self.stats.l3_fetches_called_off += 1;
             return Ok(None);
         };
@@ -286,6 +282,9 @@ impl Cache {
         if let Some(lock) = get.lock.take() {
             let _ = self.unlock(lock);
         }
+        if let Ok(parent) = self.tree.resolve(get.parent) {
+            self.drop_root_if_empty(parent);
+        }
     }
 
     /// Places the first `pages` fetched pages below the fetch's node: pages the tree
@@ -296,9 +295,9 @@ impl Cache {
         let Ok(parent) = self.tree.resolve(get.parent) else {
             return;
         };
-        let key = &get.tokens[..pages * ps];
+        let key_len = pages * ps;
         let mut probe = std::mem::take(&mut self.probe);
-        self.tree.probe(parent, key, &mut probe);
+        self.tree.probe(parent, &get.tokens[..key_len], &mut probe);
         let matched = probe.matched;
         let last = probe.path.last().copied();
         let busy = probe
@@ -306,7 +305,7 @@ impl Cache {
             .iter()
             .any(|&(i, _)| self.tree.node(i).kv.state.loading());
         self.probe = probe;
-        if matched == key.len() || busy {
+        if matched == key_len || busy {
             return;
         }
         let at = match last {
@@ -324,7 +323,7 @@ impl Cache {
         let state = (pages == get.hashes.len())
             .then(|| get.state.take())
             .flatten();
-        let node = self.tree.alloc_node(at, key[matched..].to_vec());
+        let node = self.tree.alloc_node(at, get.tokens[matched..pages * ps].to_vec());
         self.tree.link_child(at, node);
         let hashes = get.hashes[skip..pages].to_vec();
         self.edit(node, |n| {

@@ -40,6 +40,7 @@ impl Cache {
             host_node: self.tree.id(f.host_end),
             mamba_slot: f.mamba_slot,
             kv_len: f.kv_len,
+            last_hash: self.last_hash(f.host_end),
         }
     }
 

@@ -18,6 +18,7 @@
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
 //! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
+//! | `hashing.rs` | — | page hashes of new nodes, `node_hashes`, `chain_hashes` |
 //! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
 //! | `alloc.rs` | — | allocation, evicting first when short |
 //! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
@@ -33,6 +34,7 @@ pub(crate) mod component;
 #[cfg(test)]
 mod engine_tests;
 mod evict;
+mod hashing;
 pub(crate) mod host;
 #[cfg(test)]
 mod host_tests;
@@ -177,6 +179,10 @@ impl Cache {
         let swa = swa::Swa::new(config.swa_window, config.page_size);
         let mut tree = Tree::new(config.page_size);
         let roots = namespaces::Namespaces::new(&mut tree);
+        if config.page_hashes {
+            let seed = crate::hashes::namespace_seed(config.hash_seed.as_ref(), None);
+            tree.node_mut(roots.read(None)).hashes = seed.into_iter().collect();
+        }
         Ok(Cache {
             model: component::Model::of(&config),
             config,

@@ -85,6 +85,7 @@ impl Cache {
             return r;
         }
         let r = new_root(&mut self.tree);
+        self.tree.node_mut(r).hashes = self.root_hashes(namespace);
         let name: Arc<str> = Arc::from(namespace.unwrap_or_default());
         self.roots.named.insert(Arc::clone(&name), r);
         self.roots.names.insert(r, name);

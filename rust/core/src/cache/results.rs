@@ -19,6 +19,11 @@ pub struct Match {
     pub mamba_slot: Option<u32>,
     /// The deepest page-aligned KV match on any tier, ignoring states (the branch point).
     pub kv_len: usize,
+    /// With page hashes: the hash of the last page of the match counting host data
+    /// (the page ending at `device_len + host_len`, the end of `host_node`), from which
+    /// [`super::Cache::chain_hashes`] hashes the rest of a prompt; `None` when nothing
+    /// matched or page hashes are off. Read from the node: a match hashes nothing.
+    pub last_hash: Option<crate::hashes::PageHash>,
 }
 
 /// The answer of [`super::Cache::peek_prefix`]: the lengths a [`Match`] would have.
