@@ -136,6 +136,7 @@ impl Store {
             (PoolKind::Mamba, Tier::Device) => &self.dev_state,
             (PoolKind::Mamba, Tier::Host) => &self.host_state,
             (PoolKind::Swa, _) => panic!("this machine draws no SWA layers"),
+            (_, Tier::External) => panic!("this machine has no L3 tier"),
         }
     }
 
@@ -146,6 +147,7 @@ impl Store {
             (PoolKind::Mamba, Tier::Device) => &mut self.dev_state,
             (PoolKind::Mamba, Tier::Host) => &mut self.host_state,
             (PoolKind::Swa, _) => panic!("this machine draws no SWA layers"),
+            (_, Tier::External) => panic!("this machine has no L3 tier"),
         }
     }
 

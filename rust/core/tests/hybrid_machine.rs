@@ -1601,6 +1601,7 @@ impl Machine {
                 src: vec![i64::from(b.src)],
                 dst: vec![i64::from(b.dst)],
             }],
+            keys: Vec::new(),
         }
     }
 

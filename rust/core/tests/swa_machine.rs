@@ -378,6 +378,7 @@ impl Machine {
                 let cap = match tier {
                     Tier::Device => config.swa_slots,
                     Tier::Host => config.host_swa_slots,
+                    Tier::External => panic!("an SWA copy with the L3 tier: {b:?}"),
                 };
                 let cap = i64::try_from(cap).unwrap();
                 assert!(slots.iter().all(|s| (0..cap).contains(s)), "{b:?}");

@@ -106,6 +106,7 @@ impl PyTransferBatch {
         settle(py, &self.cache, || self.inner.complete()).map_err(err)
     }
 
+    #[allow(clippy::doc_markdown)] // the Python docstring
     /// An "l3_get" batch's objects landed for its first `pages` pages and (`state`) the
     /// state at their end, not for the rest (a miss).
     #[pyo3(signature = (pages, *, state=false))]
@@ -114,6 +115,7 @@ impl PyTransferBatch {
         settle(py, &self.cache, || self.inner.complete_l3(pages, state)).map_err(err)
     }
 
+    #[allow(clippy::doc_markdown)] // the Python docstring
     /// The page hash naming each object in the L3 tier ("l3_put", "l3_get"): those of
     /// the KV copy's pages, then those of the state copy's states; empty otherwise.
     #[getter]

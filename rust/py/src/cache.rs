@@ -165,6 +165,9 @@ impl PyHybridCache {
             swa_slots: swa_slots.count("swa_slots")?,
             swa_window: swa_window.count("swa_window")?,
             host_swa_slots: host_swa_slots.count("host_swa_slots")?,
+            // The L3 tier names its objects by page hash.
+            page_hashes: l3,
+            hash_seed: None,
             l3,
         };
         Ok(PyHybridCache {
@@ -314,6 +317,7 @@ impl PyHybridCache {
             .transpose()
     }
 
+    #[allow(clippy::doc_markdown)] // the Python docstring
     /// Fetch from the L3 tier the `pages` whole pages of `tokens` that follow what the
     /// cache holds of it (on either tier), with the state at their end on a hybrid
     /// model: an "l3_get" TransferBatch the caller runs and ends, or None having taken

@@ -42,6 +42,8 @@ mod host_tests;
 mod hybrid_tests;
 mod insert;
 pub(crate) mod l3;
+#[cfg(test)]
+mod l3_tests;
 pub(crate) mod load;
 pub(crate) mod locks;
 mod lookup;

@@ -34,7 +34,7 @@ use crate::ids::NodeId;
 use crate::tree::NONE;
 
 use super::lru::Key;
-use super::{Cache, Evicted, Tier};
+use super::{Cache, Evicted, PoolKind, Tier};
 
 /// An SWA eviction queue entry: `(key, node index, node generation)`.
 type QueueEntry = (Key, u32, u64);
@@ -219,9 +219,9 @@ impl Cache {
         dst: &[u32],
         copy: &mut (Vec<i64>, Vec<i64>),
     ) -> usize {
-        let pool = match tier {
-            Tier::Device => &self.pools.kv,
-            Tier::Host => &self.pools.host_kv,
+        // SWA pages have no L3 copies (the L3 tier refuses SWA models).
+        let Some(pool) = self.pools.of(PoolKind::Kv, tier) else {
+            return 0;
         };
         let dst: Vec<u32> = pool.companions(dst).into_iter().flatten().collect();
         self.expand_into(src, &mut copy.0);

@@ -1,0 +1,310 @@
+//! Unit tests of the L3 tier: what a landed backup offers, what a fetch takes and where
+//! its pages land, partial and failed fetches, and the arguments refused.
+
+use super::*;
+use crate::config::Config;
+use crate::error::Error;
+use crate::hashes::{chain, namespace_seed};
+use crate::ids::NodeId;
+use crate::pool::PoolCounts;
+
+/// A cache with pages of 2 tokens, a host tier and the L3 tier; with states (`hybrid`).
+fn l3_cache(hybrid: bool) -> Cache {
+    Cache::new(Config {
+        kv_slots: 32,
+        page_size: 2,
+        mamba_slots: if hybrid { 4 } else { 0 },
+        host_kv_slots: 64,
+        host_mamba_slots: if hybrid { 4 } else { 0 },
+        page_hashes: true,
+        l3: true,
+        ..Config::default()
+    })
+    .unwrap()
+}
+
+/// Caches `toks` in the default namespace (with a state at its end on a hybrid cache).
+fn cached(c: &mut Cache, toks: &[u32]) -> NodeId {
+    let m = c.match_prefix(None, toks);
+    let rest = toks.len() - m.device_len;
+    let mut kv = m.kv_indices.clone();
+    kv.extend(c.alloc_kv(rest).unwrap().unwrap());
+    let s = if c.is_hybrid() {
+        c.alloc_mamba().unwrap().map(i64::from)
+    } else {
+        None
+    };
+    c.insert_with_state(None, toks, &kv, m.device_len, s)
+        .unwrap()
+        .node
+}
+
+/// Takes the batches and completes every one of `kind`; returns them.
+fn complete_kind(c: &mut Cache, kind: BatchKind) -> Vec<TransferBatch> {
+    let mut out = Vec::new();
+    for b in c.take_batches() {
+        c.start(b.id).unwrap();
+        if b.kind == kind {
+            c.complete(b.id).unwrap();
+            out.push(b);
+        } else {
+            c.complete(b.id).unwrap();
+        }
+    }
+    out
+}
+
+fn counts(c: &Cache) -> [PoolCounts; 4] {
+    [
+        c.kv_pool().counts(),
+        c.mamba_pool().counts(),
+        c.host_kv_pool().counts(),
+        c.host_mamba_pool().counts(),
+    ]
+}
+
+fn toks() -> Vec<u32> {
+    (1..=8).collect()
+}
+
+#[test]
+fn a_landed_backup_offers_its_pages_and_state_named_by_their_hashes() {
+    let mut c = l3_cache(true);
+    cached(&mut c, &toks());
+    let backups = complete_kind(&mut c, BatchKind::Backup);
+    assert_eq!(backups.len(), 1);
+    let puts = c.take_batches();
+    assert_eq!(puts.len(), 1, "one l3_put after the backup landed");
+    let put = &puts[0];
+    assert_eq!(put.kind, BatchKind::L3Put);
+    let hashes = chain(namespace_seed(None, None).as_ref(), &toks(), 2);
+    let mut keys = hashes.clone();
+    keys.push(hashes[3]);
+    assert_eq!(put.keys, keys, "four pages, then the state named by the last page");
+    assert_eq!(put.copies.len(), 2);
+    let kv = &put.copies[0];
+    assert_eq!((kv.pool, kv.src_tier, kv.dst_tier), (PoolKind::Kv, Tier::Host, Tier::External));
+    assert_eq!(kv.dst, (0..8).collect::<Vec<i64>>(), "objects' slots in order");
+    assert_eq!(kv.src.len(), 8);
+    let st = &put.copies[1];
+    assert_eq!((st.pool, &st.dst[..]), (PoolKind::Mamba, &[0][..]));
+    // While in flight the host pages are pinned: evicting from the host frees none.
+    c.start(put.id).unwrap();
+    c.complete(put.id).unwrap();
+    assert_eq!(c.stats.l3_puts_done, 1);
+    assert_eq!(c.stats.l3_put_pages, 4);
+    assert_eq!(c.stats.l3_put_states, 1);
+    c.audit().unwrap();
+    // Written once: a longer prompt's backup offers only its new page.
+    let mut longer = toks();
+    longer.extend([9, 10]);
+    cached(&mut c, &longer);
+    complete_kind(&mut c, BatchKind::Backup);
+    let puts = c.take_batches();
+    assert_eq!(puts.len(), 1);
+    let want = chain(Some(&hashes[3]), &[9, 10], 2);
+    assert_eq!(puts[0].keys[..1], want[..], "only the new page (and its state)");
+    assert_eq!(puts[0].keys.len(), 2);
+    c.start(puts[0].id).unwrap();
+    c.complete(puts[0].id).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_failed_put_is_offered_again_with_the_next_backup_on_its_path() {
+    let mut c = l3_cache(false);
+    cached(&mut c, &toks());
+    complete_kind(&mut c, BatchKind::Backup);
+    let put = c.take_batches().pop().unwrap();
+    c.start(put.id).unwrap();
+    c.fail(put.id).unwrap();
+    assert_eq!(c.stats.l3_puts_failed, 1);
+    let mut longer = toks();
+    longer.extend([9, 10]);
+    cached(&mut c, &longer);
+    complete_kind(&mut c, BatchKind::Backup);
+    let put = c.take_batches().pop().unwrap();
+    assert_eq!(put.keys.len(), 5, "the four pages not written yet, and the new one");
+    c.audit().unwrap();
+}
+
+#[test]
+fn host_pages_a_put_reads_drain_instead_of_being_reused() {
+    let mut c = l3_cache(false);
+    cached(&mut c, &toks());
+    complete_kind(&mut c, BatchKind::Backup);
+    let put = c.take_batches().pop().unwrap();
+    c.start(put.id).unwrap();
+    assert_eq!(c.evict(8, 0).kv_tokens, 8, "demoted to the host");
+    c.evict_host(8, 0).unwrap();
+    assert_eq!(c.host_kv_pool().counts().draining, 4, "pinned by the put");
+    c.audit().unwrap();
+    c.complete(put.id).unwrap();
+    assert_eq!(c.host_kv_pool().counts().draining, 0);
+    assert_eq!(c.host_kv_pool().counts().free, 32);
+    c.audit().unwrap();
+}
+
+/// A put from cache `a` of `toks()`, then a fetch of it into a fresh cache: the batch.
+fn fetched(hybrid: bool) -> (Cache, TransferBatch, TransferBatch) {
+    let mut a = l3_cache(hybrid);
+    cached(&mut a, &toks());
+    complete_kind(&mut a, BatchKind::Backup);
+    let put = a.take_batches().pop().unwrap();
+    let mut b = l3_cache(hybrid);
+    let get = b.l3_fetch(None, &toks(), 4).unwrap().unwrap();
+    (b, put, get)
+}
+
+#[test]
+fn a_fetch_takes_host_slots_under_the_put_keys_and_lands_as_host_only_nodes() {
+    let (mut b, put, get) = fetched(true);
+    assert_eq!(get.kind, BatchKind::L3Get);
+    assert_eq!(get.keys, put.keys, "the same objects, by the same names");
+    let kv = &get.copies[0];
+    assert_eq!((kv.src_tier, kv.dst_tier), (Tier::External, Tier::Host));
+    assert_eq!(kv.src, (0..8).collect::<Vec<i64>>());
+    assert_eq!(get.copies[1].pool, PoolKind::Mamba);
+    let before = b.match_prefix(None, &toks());
+    assert_eq!((before.device_len, before.host_len), (0, 0), "invisible until it lands");
+    b.audit().unwrap();
+    b.start(get.id).unwrap();
+    b.complete(get.id).unwrap();
+    let m = b.match_prefix(None, &toks());
+    assert_eq!((m.device_len, m.host_len), (0, 8), "a host hit, state included");
+    assert_eq!(b.stats.l3_landed_pages, 4);
+    assert_eq!(b.node_hashes(m.host_node).unwrap(), &put.keys[..4]);
+    b.audit().unwrap();
+    // It loads back like any host hit.
+    let lb = b.load_back(LoadTarget::Node(m.host_node), None, None).unwrap();
+    assert!(lb.is_some());
+    b.audit().unwrap();
+}
+
+#[test]
+fn a_partial_fetch_lands_its_leading_pages_and_gives_the_rest_back() {
+    let (mut b, _, get) = fetched(false);
+    b.start(get.id).unwrap();
+    b.complete_l3(get.id, 2, false).unwrap();
+    let m = b.match_prefix(None, &toks());
+    assert_eq!(m.host_len, 4, "two pages of two tokens");
+    assert_eq!(b.host_kv_pool().counts().tree, 2);
+    assert_eq!(b.host_kv_pool().counts().owned, 0);
+    b.audit().unwrap();
+}
+
+#[test]
+fn a_hybrid_fetch_without_its_state_lands_nothing() {
+    let (mut b, _, get) = fetched(true);
+    b.start(get.id).unwrap();
+    b.complete_l3(get.id, 4, false).unwrap();
+    let m = b.match_prefix(None, &toks());
+    assert_eq!(m.host_len, 0);
+    assert_eq!(b.stats.l3_fetches_failed, 1);
+    assert_eq!(counts(&b), counts(&l3_cache(true)), "every slot back");
+    b.audit().unwrap();
+}
+
+#[test]
+fn a_failed_or_abandoned_fetch_gives_everything_back_and_drops_a_new_root() {
+    for abandon in [false, true] {
+        let mut a = l3_cache(false);
+        cached(&mut a, &toks());
+        let mut b = l3_cache(false);
+        let get = b.l3_fetch(Some("tenant"), &toks(), 4).unwrap().unwrap();
+        assert_eq!(b.roots.named(), 1, "the fetch holds the namespace's root");
+        b.audit().unwrap();
+        if abandon {
+            assert_eq!(b.abandon(get.id), Abandoned::Failed);
+        } else {
+            b.start(get.id).unwrap();
+            b.fail(get.id).unwrap();
+        }
+        assert_eq!(b.roots.named(), 0, "nothing landed: the root goes");
+        assert_eq!(counts(&b), counts(&l3_cache(false)));
+        b.audit().unwrap();
+    }
+}
+
+#[test]
+fn pages_the_tree_gained_meanwhile_are_not_placed_twice() {
+    let (mut b, _, get) = fetched(false);
+    // The first three pages are computed and cached while the fetch is in flight.
+    cached(&mut b, &toks()[..6]);
+    b.start(get.id).unwrap();
+    b.complete(get.id).unwrap();
+    let m = b.match_prefix(None, &toks());
+    assert_eq!((m.device_len, m.host_len), (6, 2), "only the last page was placed");
+    assert_eq!(b.host_kv_pool().counts().tree, 1, "its last page (the insert's backup waits)");
+    assert_eq!(b.host_kv_pool().counts().owned, 3, "the backup's pages, not the fetch's");
+    b.audit().unwrap();
+}
+
+#[test]
+fn a_fetch_with_nothing_to_take_takes_nothing() {
+    let mut c = l3_cache(false);
+    cached(&mut c, &toks());
+    assert!(c.l3_fetch(None, &toks(), 0).unwrap().is_none());
+    let before = counts(&c);
+    let err = c.l3_fetch(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { arg: "pages", .. }), "{err}");
+    assert_eq!(counts(&c), before);
+    c.audit().unwrap();
+}
+
+#[test]
+fn complete_l3_refuses_a_batch_of_another_kind_and_changes_nothing() {
+    let mut c = l3_cache(false);
+    cached(&mut c, &toks());
+    let backup = c.take_batches().pop().unwrap();
+    c.start(backup.id).unwrap();
+    let err = c.complete_l3(backup.id, 1, false).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { arg: "batch_id", .. }), "{err}");
+    assert!(c.batches().contains(backup.id), "still in flight");
+    c.complete(backup.id).unwrap();
+    c.audit().unwrap();
+}
+
+#[test]
+fn the_l3_tier_is_refused_where_it_cannot_work_naming_l3() {
+    let base = Config {
+        kv_slots: 32,
+        page_size: 2,
+        host_kv_slots: 64,
+        page_hashes: true,
+        l3: true,
+        ..Config::default()
+    };
+    let refused = [
+        Config {
+            host_kv_slots: 0,
+            ..base.clone()
+        },
+        Config {
+            mamba_slots: 4,
+            ..base.clone()
+        },
+        Config {
+            page_hashes: false,
+            ..base.clone()
+        },
+        Config {
+            swa_slots: 32,
+            swa_window: 4,
+            host_swa_slots: 32,
+            ..base.clone()
+        },
+    ];
+    for config in refused {
+        let err = config.validate().unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { arg: "l3", .. }), "{err}");
+    }
+    assert_eq!(base.validate(), Ok(()));
+    let mut c = Cache::new(Config {
+        l3: false,
+        ..base
+    })
+    .unwrap();
+    let err = c.l3_fetch(None, &toks(), 1).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { arg: "l3", .. }), "{err}");
+}
