@@ -457,7 +457,11 @@ impl Cache {
             Some(_) => {}
         }
         let p = self.end_batch(id)?;
-        let (pages, state) = if p.abandoned { (0, false) } else { (pages, state) };
+        let (pages, state) = if p.abandoned {
+            (0, false)
+        } else {
+            (pages, state)
+        };
         let landed = pages > 0;
         if let Payload::L3Get(get) = p.payload {
             self.l3_get_ended(get, pages, state);

@@ -103,8 +103,7 @@ impl Cache {
                 keys.extend_from_slice(&n.hashes);
                 put.kv_nodes.push(self.tree.id(i));
             }
-            if let (Some(slot), Some(&last), false) = (n.mamba.host, n.hashes.last(), n.mamba.l3)
-            {
+            if let (Some(slot), Some(&last), false) = (n.mamba.host, n.hashes.last(), n.mamba.l3) {
                 st_src.push(i64::from(slot));
                 st_dst.push(as_i64(st_dst.len()));
                 state_keys.push(last);
@@ -117,7 +116,10 @@ impl Cache {
         self.stats.l3_put_pages += keys.len() as u64;
         self.stats.l3_put_states += state_keys.len() as u64;
         let mut copies = Vec::new();
-        for (pool, src, dst) in [(PoolKind::Kv, kv_src, kv_dst), (PoolKind::Mamba, st_src, st_dst)] {
+        for (pool, src, dst) in [
+            (PoolKind::Kv, kv_src, kv_dst),
+            (PoolKind::Mamba, st_src, st_dst),
+        ] {
             if !src.is_empty() {
                 copies.push(SlotCopy {
                     pool,
@@ -151,15 +153,14 @@ impl Cache {
         }
     }
 
-    /// Fetches from the L3 tier the `pages` whole pages of `tokens` that follow what the
-    /// tree caches of it (on either tier) in `namespace`, with Mamba states the state at
-    /// their end too (a hybrid prefix is useless without it): the caller found them in
-    /// the store (by their hashes, chained from
-    /// [`crate::Match`]'s last hash). Takes a lock on the node where the cached prefix
+    /// Fetches from the L3 tier what the tree lacks of the first `pages` whole pages of
+    /// `tokens` in `namespace` (the pages past what it holds on either tier), with
+    /// Mamba states the state at their end too (a hybrid prefix is useless without it):
+    /// the caller found them in the store by their hashes ([`Cache::chain_hashes`]). Takes a lock on the node where the cached prefix
     /// ends, host pages and a host state slot, and emits an `l3_get` batch (copies from
     /// the store into those host slots; its `keys` are the pages' hashes, then the
     /// state's), which it returns. `None`, having taken nothing, when there is
-    /// nothing to fetch (the tree caches at least as much), the prefix ends in a page a
+    /// nothing to fetch (the tree holds that much KV already), the prefix ends in a page a
     /// load-back is bringing to the device, or there is no host room even after host
     /// eviction. The batch is not queued for `take_batches`: the caller runs it and
     /// ends it (`complete`, `complete_l3` or `fail`).
@@ -191,18 +192,17 @@ impl Cache {
             .iter()
             .any(|&(i, _)| self.tree.node(i).kv.state.loading());
         self.probe = probe;
-        if matched + pages * ps > aligned && pages > 0 && matched < aligned {
+        if pages * ps > aligned {
             self.drop_root_if_empty(root);
             return Err(Error::arg(
                 "pages",
                 format!(
-                    "{pages} pages of {ps} tokens go past the {} whole-page tokens left \
-                     after the {matched} cached",
-                    aligned - matched
+                    "{pages} pages of {ps} tokens go past the {aligned} whole-page tokens \
+                     given"
                 ),
             ));
         }
-        if pages == 0 || matched + pages * ps > aligned || busy {
+        if pages * ps <= matched || busy {
             self.drop_root_if_empty(root);
             self.stats.l3_fetches_called_off += 1;
             return Ok(None);
@@ -213,6 +213,8 @@ impl Cache {
             Some((i, n)) if n < self.tree.node(i).key.len() => self.split(i, n),
             Some((i, _)) => i,
         };
+        let fetched = tokens[matched..pages * ps].to_vec();
+        let pages = fetched.len() / ps;
         let lock = self.lock_index(parent);
         let kv = self.alloc_host_pages(pages);
         let st = if state { self.alloc_host_state() } else { None };
@@ -222,7 +224,6 @@ impl Cache {
             self.stats.l3_fetches_called_off += 1;
             return Ok(None);
         };
-        let fetched = tokens[matched..matched + pages * ps].to_vec();
         let prior = self.tree.node(parent).hashes.last().copied();
         let hashes = chain(prior.as_ref(), &fetched, ps);
         let mut dst = Vec::with_capacity(fetched.len());
@@ -255,7 +256,11 @@ impl Cache {
             kv,
             state: st,
         };
-        Ok(Some(self.emit_held_keyed(copies, keys, Payload::L3Get(get))))
+        Ok(Some(self.emit_held_keyed(
+            copies,
+            keys,
+            Payload::L3Get(get),
+        )))
     }
 
     /// An `l3_get` batch ended with the first `pages` of its pages landed and (`state`)
@@ -323,7 +328,9 @@ impl Cache {
         let state = (pages == get.hashes.len())
             .then(|| get.state.take())
             .flatten();
-        let node = self.tree.alloc_node(at, get.tokens[matched..pages * ps].to_vec());
+        let node = self
+            .tree
+            .alloc_node(at, get.tokens[matched..pages * ps].to_vec());
         self.tree.link_child(at, node);
         let hashes = get.hashes[skip..pages].to_vec();
         self.edit(node, |n| {

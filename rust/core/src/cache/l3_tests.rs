@@ -80,11 +80,21 @@ fn a_landed_backup_offers_its_pages_and_state_named_by_their_hashes() {
     let hashes = chain(namespace_seed(None, None).as_ref(), &toks(), 2);
     let mut keys = hashes.clone();
     keys.push(hashes[3]);
-    assert_eq!(put.keys, keys, "four pages, then the state named by the last page");
+    assert_eq!(
+        put.keys, keys,
+        "four pages, then the state named by the last page"
+    );
     assert_eq!(put.copies.len(), 2);
     let kv = &put.copies[0];
-    assert_eq!((kv.pool, kv.src_tier, kv.dst_tier), (PoolKind::Kv, Tier::Host, Tier::External));
-    assert_eq!(kv.dst, (0..8).collect::<Vec<i64>>(), "objects' slots in order");
+    assert_eq!(
+        (kv.pool, kv.src_tier, kv.dst_tier),
+        (PoolKind::Kv, Tier::Host, Tier::External)
+    );
+    assert_eq!(
+        kv.dst,
+        (0..8).collect::<Vec<i64>>(),
+        "objects' slots in order"
+    );
     assert_eq!(kv.src.len(), 8);
     let st = &put.copies[1];
     assert_eq!((st.pool, &st.dst[..]), (PoolKind::Mamba, &[0][..]));
@@ -103,7 +113,11 @@ fn a_landed_backup_offers_its_pages_and_state_named_by_their_hashes() {
     let puts = c.take_batches();
     assert_eq!(puts.len(), 1);
     let want = chain(Some(&hashes[3]), &[9, 10], 2);
-    assert_eq!(puts[0].keys[..1], want[..], "only the new page (and its state)");
+    assert_eq!(
+        puts[0].keys[..1],
+        want[..],
+        "only the new page (and its state)"
+    );
     assert_eq!(puts[0].keys.len(), 2);
     c.start(puts[0].id).unwrap();
     c.complete(puts[0].id).unwrap();
@@ -124,7 +138,11 @@ fn a_failed_put_is_offered_again_with_the_next_backup_on_its_path() {
     cached(&mut c, &longer);
     complete_kind(&mut c, BatchKind::Backup);
     let put = c.take_batches().pop().unwrap();
-    assert_eq!(put.keys.len(), 5, "the four pages not written yet, and the new one");
+    assert_eq!(
+        put.keys.len(),
+        5,
+        "the four pages not written yet, and the new one"
+    );
     c.audit().unwrap();
 }
 
@@ -166,17 +184,27 @@ fn a_fetch_takes_host_slots_under_the_put_keys_and_lands_as_host_only_nodes() {
     assert_eq!(kv.src, (0..8).collect::<Vec<i64>>());
     assert_eq!(get.copies[1].pool, PoolKind::Mamba);
     let before = b.match_prefix(None, &toks());
-    assert_eq!((before.device_len, before.host_len), (0, 0), "invisible until it lands");
+    assert_eq!(
+        (before.device_len, before.host_len),
+        (0, 0),
+        "invisible until it lands"
+    );
     b.audit().unwrap();
     b.start(get.id).unwrap();
     b.complete(get.id).unwrap();
     let m = b.match_prefix(None, &toks());
-    assert_eq!((m.device_len, m.host_len), (0, 8), "a host hit, state included");
+    assert_eq!(
+        (m.device_len, m.host_len),
+        (0, 8),
+        "a host hit, state included"
+    );
     assert_eq!(b.stats.l3_landed_pages, 4);
     assert_eq!(b.node_hashes(m.host_node).unwrap(), &put.keys[..4]);
     b.audit().unwrap();
     // It loads back like any host hit.
-    let lb = b.load_back(LoadTarget::Node(m.host_node), None, None).unwrap();
+    let lb = b
+        .load_back(LoadTarget::Node(m.host_node), None, None)
+        .unwrap();
     assert!(lb.is_some());
     b.audit().unwrap();
 }
@@ -234,9 +262,21 @@ fn pages_the_tree_gained_meanwhile_are_not_placed_twice() {
     b.start(get.id).unwrap();
     b.complete(get.id).unwrap();
     let m = b.match_prefix(None, &toks());
-    assert_eq!((m.device_len, m.host_len), (6, 2), "only the last page was placed");
-    assert_eq!(b.host_kv_pool().counts().tree, 1, "its last page (the insert's backup waits)");
-    assert_eq!(b.host_kv_pool().counts().owned, 3, "the backup's pages, not the fetch's");
+    assert_eq!(
+        (m.device_len, m.host_len),
+        (6, 2),
+        "only the last page was placed"
+    );
+    assert_eq!(
+        b.host_kv_pool().counts().tree,
+        1,
+        "its last page (the insert's backup waits)"
+    );
+    assert_eq!(
+        b.host_kv_pool().counts().owned,
+        3,
+        "the backup's pages, not the fetch's"
+    );
     b.audit().unwrap();
 }
 
@@ -245,9 +285,18 @@ fn a_fetch_with_nothing_to_take_takes_nothing() {
     let mut c = l3_cache(false);
     cached(&mut c, &toks());
     assert!(c.l3_fetch(None, &toks(), 0).unwrap().is_none());
+    assert!(
+        c.l3_fetch(None, &toks(), 4).unwrap().is_none(),
+        "all four pages held"
+    );
     let before = counts(&c);
-    let err = c.l3_fetch(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "pages", .. }), "{err}");
+    let err = c
+        .l3_fetch(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 6)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument { arg: "pages", .. }),
+        "{err}"
+    );
     assert_eq!(counts(&c), before);
     c.audit().unwrap();
 }
@@ -259,7 +308,16 @@ fn complete_l3_refuses_a_batch_of_another_kind_and_changes_nothing() {
     let backup = c.take_batches().pop().unwrap();
     c.start(backup.id).unwrap();
     let err = c.complete_l3(backup.id, 1, false).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "batch_id", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                arg: "batch_id",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(c.batches().contains(backup.id), "still in flight");
     c.complete(backup.id).unwrap();
     c.audit().unwrap();
@@ -297,14 +355,16 @@ fn the_l3_tier_is_refused_where_it_cannot_work_naming_l3() {
     ];
     for config in refused {
         let err = config.validate().unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument { arg: "l3", .. }), "{err}");
+        assert!(
+            matches!(err, Error::InvalidArgument { arg: "l3", .. }),
+            "{err}"
+        );
     }
     assert_eq!(base.validate(), Ok(()));
-    let mut c = Cache::new(Config {
-        l3: false,
-        ..base
-    })
-    .unwrap();
+    let mut c = Cache::new(Config { l3: false, ..base }).unwrap();
     let err = c.l3_fetch(None, &toks(), 1).unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { arg: "l3", .. }), "{err}");
+    assert!(
+        matches!(err, Error::InvalidArgument { arg: "l3", .. }),
+        "{err}"
+    );
 }
