@@ -244,12 +244,9 @@ impl Machine {
         // The matched prefix is locked while slots are found (allocation evicts).
         let lock = n.cache.lock(m.node).unwrap();
         let rest = toks.len() - m.device_len;
-        let fresh = match n.cache.alloc_kv(rest.div_ceil(self.ps) * self.ps) {
-            Ok(Some(fresh)) => fresh,
-            _ => {
-                n.cache.unlock(lock).unwrap();
-                return;
-            }
+        let Ok(Some(fresh)) = n.cache.alloc_kv(rest.div_ceil(self.ps) * self.ps) else {
+            n.cache.unlock(lock).unwrap();
+            return;
         };
         for (k, &s) in fresh[..rest].iter().enumerate() {
             n.dev_kv[idx(s)] = Some(kv_of(&h, m.device_len + k));
