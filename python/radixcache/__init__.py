@@ -1,7 +1,8 @@
 """radixcache: a prefix-cache manager for hybrid LLMs with a Rust core.
 
 The cache is re-exported from the compiled extension ``radixcache._core`` (see
-``_core.pyi`` for its documented API); `Storage` and `TransferEngine` move the bytes.
+``_core.pyi`` for its documented API); `Storage` and `TransferEngine` move the bytes;
+`ObjectStore` is the L3 tier's store (Redis, Redis Cluster or files).
 """
 
 from radixcache._core import (
@@ -11,11 +12,13 @@ from radixcache._core import (
     HybridCache,
     Insert,
     InvariantError,
+    L3Error,
     LoadBack,
     Lock,
     LockError,
     Match,
     Node,
+    ObjectStore,
     Request,
     StaleNodeError,
     TransferBatch,
@@ -31,11 +34,13 @@ __all__ = [
     "HybridCache",
     "Insert",
     "InvariantError",
+    "L3Error",
     "LoadBack",
     "Lock",
     "LockError",
     "Match",
     "Node",
+    "ObjectStore",
     "Request",
     "StaleNodeError",
     "Storage",

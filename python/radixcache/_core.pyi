@@ -37,11 +37,13 @@ __all__ = [
     "HybridCache",
     "Insert",
     "InvariantError",
+    "L3Error",
     "LoadBack",
     "Lock",
     "LockError",
     "Match",
     "Node",
+    "ObjectStore",
     "Request",
     "StaleNodeError",
     "TransferBatch",
@@ -83,6 +85,13 @@ class StaleNodeError(CacheError):
 
 class LockError(CacheError):
     """A lock receipt released twice, or given to a cache it does not belong to."""
+
+class L3Error(CacheError):
+    """An L3 object store failed or timed out (the message says which).
+
+    A call that raised may have taken partial effect (some keys of a ``put`` stored):
+    every operation is idempotent, so retrying is safe.
+    """
 
 @final
 class Node:
@@ -908,3 +917,94 @@ class HybridCache:
 
         The cache is then broken: this and every later call raise ``CacheError``.
         """
+
+#: What ``ObjectStore.get_into`` found for one key.
+_Fetched: TypeAlias = Literal["ok", "missing", "corrupt"]
+
+@final
+class ObjectStore:
+    """An object store of the L3 tier, shared by every cache of a fleet.
+
+    Opened from a URL: ``redis://HOST:PORT[/DB]`` (one Redis server),
+    ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (a Redis Cluster, discovered from any
+    of the nodes listed) or ``file:///ABSOLUTE/DIR`` (one file per object, for one
+    machine). Redis stores connect on first use, so a store that is down opens fine and
+    its calls raise ``L3Error``; after an error the next call connects again.
+
+    Keys are byte strings (at most 127 bytes for the file store). Every object is framed:
+    a header holding a magic, a format version, the payload length, the 32-byte page hash
+    the object is for and a checksum of all of it, then the page's bytes; ``get_into``
+    verifies every field before a row counts as fetched. Puts are write-once: a key that
+    holds an object keeps it. Each call is one batch (one pipelined round trip per Redis
+    node) and runs with the GIL released.
+
+    Raises (every method):
+        ValueError: a bad argument (the message names it), including a URL that cannot
+            be parsed and a key too long for the backend.
+        TypeError: an argument of the wrong type (the message names it).
+        L3Error: the store failed, or did not answer within ``timeout_ms``.
+    """
+
+    def __new__(cls, url: str, *, timeout_ms: int = 200) -> ObjectStore:
+        """Open the store at ``url``.
+
+        ``timeout_ms`` (at least 1) bounds connecting and each read and write on a
+        connection, so a dead store fails a call quickly instead of holding it.
+        """
+    @staticmethod
+    def faulty(
+        url: str,
+        *,
+        seed: int,
+        fail: float = 0.0,
+        timeout: float = 0.0,
+        lose: float = 0.0,
+        corrupt: float = 0.0,
+        timeout_ms: int = 200,
+    ) -> ObjectStore:
+        """For tests: the store at ``url`` with faults drawn from ``seed``.
+
+        Each call fails (``L3Error``) with probability ``fail`` or times out
+        (``L3Error`` saying "timed out") with probability ``timeout``; half of those
+        take effect before the error, as a reply lost on the way would. Of the objects a
+        ``get_into`` finds, each is lost (reported ``"missing"`` although ``exists``
+        says it is there) with probability ``lose``, or comes back with one byte flipped
+        (so reported ``"corrupt"``, and deleted) with probability ``corrupt``. Rates are
+        in 0..=1; the same seed and calls give the same faults.
+        """
+    @property
+    def url(self) -> str:
+        """The URL it was opened with."""
+    @property
+    def timeout_ms(self) -> int:
+        """The timeout of connecting and of each read and write, in milliseconds."""
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key holds an object."""
+    def put(
+        self,
+        keys: Sequence[bytes],
+        hashes: Sequence[bytes],
+        data: npt.NDArray[np.uint8],
+    ) -> list[bool]:
+        """Store row ``i`` of ``data`` as the page whose hash is ``hashes[i]``, under ``keys[i]``.
+
+        ``data`` is a C-contiguous 2-D ``uint8`` array with one row per key (a page's
+        bytes); ``hashes`` are 32 bytes each. Write-once: a key that holds an object is
+        left alone. Returns, per key, whether this call stored it.
+        """
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        hashes: Sequence[bytes],
+        out: npt.NDArray[np.uint8],
+    ) -> list[_Fetched]:
+        """Fetch ``keys`` into the rows of ``out``, verifying each as page ``hashes[i]``.
+
+        ``out`` is a writable C-contiguous 2-D ``uint8`` array with one row per key, each
+        the page's size. One outcome per key: ``"ok"`` (the row holds the page, every
+        header field and the checksum verified), ``"missing"`` (no object), or
+        ``"corrupt"`` (the object failed verification, including one of another page or
+        size, and was deleted). Rows not ``"ok"`` are left untouched.
+        """
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove the objects under ``keys`` (absent ones are no error)."""

@@ -159,7 +159,7 @@ fn not_a_sequence(obj: &Bound<'_, PyAny>, arg: &str) -> PyErr {
     ))
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map_or_else(
         |_| "an object of unknown type".to_owned(),
         |n| n.to_string(),

@@ -5,6 +5,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use radixcache_core as core;
+use radixcache_l3 as l3;
 
 create_exception!(
     _core,
@@ -31,6 +32,13 @@ create_exception!(
     "A lock receipt released twice, or given to a cache it does not belong to."
 );
 
+create_exception!(
+    _core,
+    L3Error,
+    CacheError,
+    "An L3 object store failed or timed out (the message says which)."
+);
+
 /// Maps every core error to its Python exception. Exhaustive on purpose: a new core
 /// variant does not compile until it is mapped here.
 #[allow(clippy::needless_pass_by_value)] // by value so that it reads `.map_err(err)`
@@ -45,5 +53,27 @@ pub(crate) fn err(e: core::Error) -> PyErr {
         }
         core::Error::Invariant(_) => InvariantError::new_err(msg),
         core::Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
+    }
+}
+
+/// Maps a store error: inconsistent arguments are the caller's (`ValueError`), the rest
+/// the store's (`L3Error`). Exhaustive, as [`err`].
+#[allow(clippy::needless_pass_by_value)] // by value so that it reads `.map_err(l3_err)`
+pub(crate) fn l3_err(e: l3::StoreError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        l3::StoreError::Mismatch { .. } | l3::StoreError::KeyTooLong { .. } => {
+            PyValueError::new_err(format!("keys: {msg}"))
+        }
+        l3::StoreError::Timeout { .. } | l3::StoreError::Failed { .. } => L3Error::new_err(msg),
+    }
+}
+
+/// Maps an error of opening a store: a bad URL is the caller's (`ValueError`).
+#[allow(clippy::needless_pass_by_value)] // by value so that it reads `.map_err(open_err)`
+pub(crate) fn open_err(e: l3::OpenError) -> PyErr {
+    match e {
+        l3::OpenError::Url { .. } => PyValueError::new_err(format!("url: {e}")),
+        l3::OpenError::Store(e) => l3_err(e),
     }
 }

@@ -9,7 +9,8 @@
 //! One module per Python class, in the order the module registers them: [`cache`]
 //! (`HybridCache`), [`node`] (`Node`), [`results`] (`Match`, `Insert`, `Evicted`),
 //! [`lock`] (`Lock`), [`request`] (`Request`), [`load_back`] (`LoadBack`), [`batch`]
-//! (`Copy`, `TransferBatch`) and [`errors`] (the exceptions). What they share:
+//! (`Copy`, `TransferBatch`), [`l3`] (`ObjectStore`, the L3 tier's stores) and
+//! [`errors`] (the exceptions). What they share:
 //! [`convert`] reads arguments, [`gil`] holds the lock policy, [`grown`] the arrays a
 //! request hands out, [`layout`] the token lists read in place.
 
@@ -22,6 +23,7 @@ mod convert;
 mod errors;
 mod gil;
 mod grown;
+mod l3;
 mod layout;
 mod load_back;
 mod lock;
@@ -30,7 +32,8 @@ mod request;
 mod results;
 use batch::{PyCopy, PyTransferBatch};
 use cache::{constructor_signature, PyHybridCache};
-use errors::{CacheError, InvariantError, LockError, StaleNodeError};
+use errors::{CacheError, InvariantError, L3Error, LockError, StaleNodeError};
+use l3::PyObjectStore;
 use layout::_small_int_read;
 use load_back::PyLoadBack;
 use lock::PyLock;
@@ -54,10 +57,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLoadBack>()?;
     m.add_class::<PyCopy>()?;
     m.add_class::<PyTransferBatch>()?;
+    m.add_class::<PyObjectStore>()?;
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
     m.add("LockError", py.get_type::<LockError>())?;
+    m.add("L3Error", py.get_type::<L3Error>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The CUDA sources the engine compiles with CuPy: one source of truth, in the wheel
     // (set, not added: for radixcache._kernels, not part of `__all__`).

@@ -1,0 +1,34 @@
+//! radixcache-l3: the L3 tier's object stores, shared by every machine of a fleet.
+//!
+//! A page the host tier holds can be put into a store under a key derived from its page
+//! hash, and fetched back by any cache that computes the same hash. This crate is the
+//! client layer; it knows nothing of the cache:
+//!
+//! - [`frame`]: every object is a header (magic, version, length, page hash, checksum)
+//!   and the page's bytes; a fetched object is verified before it is used.
+//! - [`ObjectStore`]: batch `exists`/`put`/`get`/`delete` on byte-string keys, puts
+//!   write-once; backends [`RedisStore`], [`RedisClusterStore`] and [`FileStore`], chosen
+//!   by URL with [`open`]; timeouts in [`Options`].
+//! - [`pages`]: framing and verification around a store: [`put_pages`] and
+//!   [`get_pages_into`] (which deletes corrupt objects).
+//! - [`Faulty`]: a store wrapper that fails, times out, loses and corrupts on a seeded
+//!   schedule, for tests.
+//! - [`Breaker`]: the circuit breaker that turns the tier off after repeated errors.
+
+pub mod breaker;
+pub mod faulty;
+pub mod file;
+pub mod frame;
+pub mod open;
+pub mod pages;
+pub mod redis_store;
+pub mod store;
+
+pub use breaker::{Breaker, BreakerState};
+pub use faulty::{FaultRates, Faulty, RateError};
+pub use file::FileStore;
+pub use frame::Corrupt;
+pub use open::{open, OpenError};
+pub use pages::{get_pages_into, put_pages, Fetched};
+pub use redis_store::{RedisClusterStore, RedisStore};
+pub use store::{ObjectStore, Options, StoreError};

@@ -1,0 +1,393 @@
+//! The Redis stores against real `redis-server` processes, which each test starts on a
+//! free loopback port in a temporary directory and kills at the end.
+//!
+//! Without `redis-server` on PATH a test returns early (saying so on stderr), unless
+//! `RADIXCACHE_REQUIRE_REDIS=1` is set (as in CI), which turns that into a failure.
+
+// The helpers below are test code too (outside `#[test]` functions, which clippy's
+// test allowances do not reach): the skip notice is printed, and failures panic.
+#![allow(clippy::print_stderr, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use radixcache_l3::{
+    get_pages_into, open, put_pages, Fetched, ObjectStore, Options, RedisStore, StoreError,
+};
+
+/// Whether redis-server can be run here; panics when it cannot but must.
+fn redis_available() -> bool {
+    let found = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var("RADIXCACHE_REQUIRE_REDIS").as_deref() != Ok("1"),
+            "redis-server is not on PATH and RADIXCACHE_REQUIRE_REDIS=1"
+        );
+        eprintln!("skipped: redis-server is not on PATH");
+    }
+    found
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A redis-server on loopback, killed (and its directory removed) on drop.
+struct Server {
+    port: u16,
+    dir: PathBuf,
+    cluster: bool,
+    child: Option<Child>,
+}
+
+impl Server {
+    fn start(tag: &str, cluster: bool) -> Server {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("rcl3-redis-{tag}-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = Server {
+            port,
+            dir,
+            cluster,
+            child: None,
+        };
+        s.restart();
+        s
+    }
+
+    /// Starts the process (again, on the same port and directory); waits until it
+    /// accepts connections.
+    fn restart(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if self.cluster {
+            cmd.args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args(["--cluster-node-timeout", "2000"]);
+        }
+        self.child = Some(cmd.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on {} did not start",
+                self.port
+            );
+            sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Sends SIGSTOP or SIGCONT: a stopped server keeps its connections open and never
+    /// answers.
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id();
+        let ok = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `redis-cli -p PORT ARGS...`'s output.
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Three cluster nodes, all masters, the slots split between them.
+fn cluster(tag: &str) -> Vec<Server> {
+    let nodes: Vec<Server> = (0..3)
+        .map(|i| Server::start(&format!("{tag}{i}"), true))
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .arg("--cluster-yes")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    wait_cluster_ok(&nodes);
+    nodes
+}
+
+fn wait_cluster_ok(nodes: &[Server]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !nodes
+        .iter()
+        .all(|n| n.cli(&["cluster", "info"]).contains("cluster_state:ok"))
+    {
+        assert!(Instant::now() < deadline, "the cluster did not come up");
+        sleep(Duration::from_millis(100));
+    }
+}
+
+fn cluster_url(nodes: &[Server]) -> String {
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    format!("redis+cluster://{}", addrs.join(","))
+}
+
+fn keys(tag: &str, n: usize) -> Vec<Vec<u8>> {
+    (0..n).map(|i| format!("{tag}:{i}").into_bytes()).collect()
+}
+
+fn refs(v: &[Vec<u8>]) -> Vec<&[u8]> {
+    v.iter().map(Vec::as_slice).collect()
+}
+
+/// Write-once, exists, get and delete, as every backend must do them.
+fn round_trips(store: &dyn ObjectStore) {
+    let k = keys("rt", 64);
+    let v: Vec<Vec<u8>> = (0..64u8).map(|i| vec![i; 1000 + usize::from(i)]).collect();
+    assert_eq!(store.exists(&refs(&k)).unwrap(), vec![false; 64]);
+    assert_eq!(store.get(&refs(&k)).unwrap(), vec![None; 64]);
+    assert_eq!(store.put(&refs(&k), &refs(&v)).unwrap(), vec![true; 64]);
+    // Write-once: other bytes under the same keys leave the first.
+    let other = vec![0xEEu8; 10];
+    assert_eq!(
+        store.put(&refs(&k), &vec![other.as_slice(); 64]).unwrap(),
+        vec![false; 64]
+    );
+    assert_eq!(store.exists(&refs(&k)).unwrap(), vec![true; 64]);
+    assert_eq!(
+        store.get(&refs(&k)).unwrap(),
+        v.iter().cloned().map(Some).collect::<Vec<_>>()
+    );
+    store.delete(&refs(&k[..32])).unwrap();
+    let mut want = vec![false; 32];
+    want.extend([true; 32]);
+    assert_eq!(store.exists(&refs(&k)).unwrap(), want);
+    assert_eq!(store.get(&refs(&k[..1])).unwrap(), vec![None]);
+    // Absent keys delete fine; empty batches need no round trip.
+    store.delete(&refs(&k[..32])).unwrap();
+    assert_eq!(store.exists(&[]).unwrap(), Vec::<bool>::new());
+    assert_eq!(store.put(&[], &[]).unwrap(), Vec::<bool>::new());
+    assert_eq!(store.get(&[]).unwrap(), Vec::<Option<Vec<u8>>>::new());
+    store.delete(&[]).unwrap();
+    // A mismatched batch is refused before the store is called.
+    assert_eq!(
+        store.put(&refs(&k[..2]), &[b"x".as_slice()]).unwrap_err(),
+        StoreError::Mismatch {
+            what: "values",
+            len: 1,
+            keys: 2
+        }
+    );
+}
+
+/// Framed pages through the store: verified on the way back, corrupt ones deleted.
+fn framed_pages(store: &dyn ObjectStore) {
+    let k = keys("pg", 3);
+    let h = [[1u8; 32], [2; 32], [3; 32]];
+    let pages = [vec![1u8; 4096], vec![2; 4096], vec![3; 4096]];
+    let p: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+    assert_eq!(
+        put_pages(store, &refs(&k[..2]), &h[..2], &p[..2]).unwrap(),
+        [true, true]
+    );
+    store
+        .put(&refs(&k[2..]), &[b"not a frame".as_slice()])
+        .unwrap();
+    let mut out = vec![vec![0u8; 4096]; 3];
+    let mut rows: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+    let got = get_pages_into(store, &refs(&k), &h, &mut rows).unwrap();
+    assert_eq!(got[..2], [Fetched::Ok, Fetched::Ok]);
+    assert_eq!(got[2].as_str(), "corrupt");
+    assert_eq!(out[..2], pages[..2]);
+    assert_eq!(store.exists(&refs(&k)).unwrap(), [true, true, false]);
+}
+
+fn timeout_options() -> Options {
+    Options::with_timeout(Duration::from_millis(200))
+}
+
+/// Runs `f`, checks it failed within `limit`; the error.
+fn fails_within<T: std::fmt::Debug>(
+    limit: Duration,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> StoreError {
+    let t = Instant::now();
+    let e = f().unwrap_err();
+    let took = t.elapsed();
+    assert!(took < limit, "{e} after {took:?}");
+    e
+}
+
+#[test]
+fn redis_round_trips_and_write_once() {
+    if !redis_available() {
+        return;
+    }
+    let server = Server::start("rt", false);
+    let store = open(&server.url(), timeout_options()).unwrap();
+    round_trips(&*store);
+    framed_pages(&*store);
+    // The database number in the URL is used.
+    let db = open(&format!("{}/3", server.url()), timeout_options()).unwrap();
+    db.put(&[b"only-in-3".as_slice()], &[b"x".as_slice()])
+        .unwrap();
+    assert_eq!(store.exists(&[b"only-in-3".as_slice()]).unwrap(), [false]);
+    assert_eq!(server.cli(&["-n", "3", "exists", "only-in-3"]).trim(), "1");
+}
+
+#[test]
+fn redis_down_fails_fast_and_a_restart_is_picked_up() {
+    if !redis_available() {
+        return;
+    }
+    let mut server = Server::start("restart", false);
+    let store = RedisStore::new(&server.url(), timeout_options()).unwrap();
+    let k = keys("r", 4);
+    assert_eq!(store.put(&refs(&k), &refs(&k)).unwrap(), vec![true; 4]);
+    server.kill();
+    let e = fails_within(Duration::from_secs(1), || store.get(&refs(&k)));
+    assert!(matches!(e, StoreError::Failed { op: "get", .. }), "{e}");
+    // Still down: connecting fails fast too.
+    fails_within(Duration::from_secs(1), || store.exists(&refs(&k)));
+    server.restart();
+    // The data went with the process (no persistence); the store reconnects.
+    assert_eq!(store.exists(&refs(&k)).unwrap(), vec![false; 4]);
+    assert_eq!(store.put(&refs(&k), &refs(&k)).unwrap(), vec![true; 4]);
+}
+
+#[test]
+fn redis_that_stops_answering_times_out() {
+    if !redis_available() {
+        return;
+    }
+    let server = Server::start("stop", false);
+    let store = RedisStore::new(&server.url(), timeout_options()).unwrap();
+    let k = keys("s", 2);
+    store.put(&refs(&k), &refs(&k)).unwrap();
+    server.signal("-STOP");
+    let e = fails_within(Duration::from_secs(1), || store.get(&refs(&k)));
+    server.signal("-CONT");
+    assert!(e.is_timeout(), "{e}");
+    assert!(e.to_string().starts_with("get timed out"), "{e}");
+    // Answering again: the next call reconnects and works.
+    assert_eq!(
+        store.get(&refs(&k)).unwrap(),
+        k.iter().cloned().map(Some).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn redis_nothing_listening_fails_fast() {
+    let store = open(
+        &format!("redis://127.0.0.1:{}", free_port()),
+        timeout_options(),
+    )
+    .unwrap();
+    let e = fails_within(Duration::from_secs(1), || store.exists(&[b"k".as_slice()]));
+    assert!(matches!(e, StoreError::Failed { op: "exists", .. }), "{e}");
+}
+
+#[test]
+fn redis_cluster_round_trips_over_every_node() {
+    if !redis_available() {
+        return;
+    }
+    let nodes = cluster("crt");
+    let store = open(&cluster_url(&nodes), timeout_options()).unwrap();
+    round_trips(&*store);
+    framed_pages(&*store);
+    // Keys spread over the slots of all three nodes.
+    let k = keys("spread", 60);
+    store.put(&refs(&k), &refs(&k)).unwrap();
+    for n in &nodes {
+        let size: u64 = n.cli(&["dbsize"]).trim().parse().unwrap();
+        assert!(size > 5, "node {} holds {size} keys", n.port);
+    }
+    // One node is enough to find the others.
+    let one = open(
+        &format!("redis+cluster://127.0.0.1:{}", nodes[2].port),
+        timeout_options(),
+    )
+    .unwrap();
+    assert_eq!(one.exists(&refs(&k)).unwrap(), vec![true; 60]);
+}
+
+#[test]
+fn redis_cluster_node_down_fails_fast_and_recovers() {
+    if !redis_available() {
+        return;
+    }
+    let mut nodes = cluster("cdown");
+    let store = open(&cluster_url(&nodes), timeout_options()).unwrap();
+    let k = keys("d", 30);
+    assert_eq!(store.put(&refs(&k), &refs(&k)).unwrap(), vec![true; 30]);
+    nodes[1].kill();
+    // Some keys live on the dead node: the batch fails, within a few timeouts.
+    fails_within(Duration::from_secs(3), || store.get(&refs(&k)));
+    nodes[1].restart();
+    wait_cluster_ok(&nodes);
+    // The restarted node rejoined (its identity is in nodes.conf) without its data.
+    let got = store.get(&refs(&k)).unwrap();
+    let kept = got.iter().filter(|v| v.is_some()).count();
+    assert!(kept > 0 && kept < 30, "{kept} of 30 kept");
+    assert_eq!(
+        store
+            .put(&refs(&k), &refs(&k))
+            .unwrap()
+            .iter()
+            .filter(|&&s| s)
+            .count(),
+        30 - kept
+    );
+}

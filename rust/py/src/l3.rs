@@ -1,0 +1,285 @@
+//! `ObjectStore`: the L3 tier's object stores (`radixcache-l3`), for the Python L3
+//! engine. Converts arguments, releases the GIL around every store call, and maps
+//! errors; framing, verification and the deletion of corrupt objects are the crate's.
+
+use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString};
+use radixcache_l3 as l3;
+use radixcache_l3::frame::HASH_LEN;
+
+use crate::convert::type_name;
+use crate::errors::{l3_err, open_err};
+
+/// An object store of the L3 tier, opened from a URL: `redis://HOST:PORT[/DB]`,
+/// `redis+cluster://HOST:PORT[,HOST:PORT...]` or `file:///ABSOLUTE/DIR`.
+#[pyclass(frozen, module = "radixcache._core", name = "ObjectStore")]
+pub(crate) struct PyObjectStore {
+    store: Box<dyn l3::ObjectStore>,
+    url: String,
+    timeout_ms: i64,
+    /// The seed and rates of a `faulty` store.
+    faults: Option<(u64, l3::FaultRates)>,
+}
+
+/// The store options of `timeout_ms`, which must be at least 1.
+fn options(timeout_ms: i64) -> PyResult<l3::Options> {
+    match u64::try_from(timeout_ms) {
+        Ok(ms) if ms > 0 => Ok(l3::Options::with_timeout(std::time::Duration::from_millis(
+            ms,
+        ))),
+        _ => Err(PyValueError::new_err(format!(
+            "timeout_ms: must be at least 1, got {timeout_ms}"
+        ))),
+    }
+}
+
+/// Opens `url` with the GIL released (the file backend creates its directory).
+fn open(py: Python<'_>, url: &str, timeout_ms: i64) -> PyResult<Box<dyn l3::ObjectStore>> {
+    let options = options(timeout_ms)?;
+    py.detach(|| l3::open(url, options)).map_err(open_err)
+}
+
+/// The items of `obj`, a list or tuple of `bytes`, copied; errors name `arg`.
+fn byte_strings(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<Vec<u8>>> {
+    let not_a_list = || {
+        PyTypeError::new_err(format!(
+            "{arg}: expected a list of bytes, got {}",
+            type_name(obj)
+        ))
+    };
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
+        return Err(not_a_list());
+    }
+    let items = obj.try_iter().map_err(|_| not_a_list())?;
+    items
+        .enumerate()
+        .map(|(i, item)| {
+            let item = item?;
+            item.cast::<PyBytes>()
+                .map(|b| b.as_bytes().to_vec())
+                .map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "{arg}[{i}]: expected bytes, got {}",
+                        type_name(&item)
+                    ))
+                })
+        })
+        .collect()
+}
+
+/// The page hashes in `obj`, 32 bytes each, one per key.
+fn hashes(obj: &Bound<'_, PyAny>, keys: usize) -> PyResult<Vec<[u8; HASH_LEN]>> {
+    let raw = byte_strings(obj, "hashes")?;
+    if raw.len() != keys {
+        return Err(PyValueError::new_err(format!(
+            "hashes: {} given for {keys} keys",
+            raw.len()
+        )));
+    }
+    raw.iter()
+        .enumerate()
+        .map(|(i, h)| {
+            <[u8; HASH_LEN]>::try_from(h.as_slice()).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "hashes[{i}]: expected {HASH_LEN} bytes, got {}",
+                    h.len()
+                ))
+            })
+        })
+        .collect()
+}
+
+/// `obj` as a 2-D uint8 array of one row per key; errors name `arg`.
+fn rows<'py>(
+    obj: &Bound<'py, PyAny>,
+    arg: &str,
+    keys: usize,
+) -> PyResult<Bound<'py, PyArray2<u8>>> {
+    let arr = obj.cast::<PyArray2<u8>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{arg}: expected a 2-D numpy uint8 array, got {}",
+            describe(obj)
+        ))
+    })?;
+    let shape = arr.shape();
+    if shape[0] != keys {
+        return Err(PyValueError::new_err(format!(
+            "{arg}: {} rows for {keys} keys",
+            shape[0]
+        )));
+    }
+    if shape[1] == 0 {
+        return Err(PyValueError::new_err(format!("{arg}: rows of 0 bytes")));
+    }
+    if !arr.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{arg}: must be C-contiguous"
+        )));
+    }
+    Ok(arr.clone())
+}
+
+/// An object's type, with dtype and dimensions for a numpy array.
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    match obj.cast::<numpy::PyUntypedArray>() {
+        Ok(a) => match a.dtype().str() {
+            Ok(dtype) => format!("a {}-D array of {dtype}", a.ndim()),
+            Err(_) => format!("a {}-D array", a.ndim()),
+        },
+        Err(_) => type_name(obj),
+    }
+}
+
+fn as_refs(keys: &[Vec<u8>]) -> Vec<&[u8]> {
+    keys.iter().map(Vec::as_slice).collect()
+}
+
+#[pymethods]
+impl PyObjectStore {
+    /// Opens the store at `url`; connects on first use (a store that is down opens and
+    /// fails its calls). `timeout_ms` bounds connecting and each read and write.
+    #[new]
+    // The default (200 ms, also `faulty`'s) is written out: a constant would show as
+    // `...` in the signature Python sees.
+    #[pyo3(signature = (url, *, timeout_ms = 200))]
+    fn new(py: Python<'_>, url: &str, timeout_ms: i64) -> PyResult<Self> {
+        Ok(PyObjectStore {
+            store: open(py, url, timeout_ms)?,
+            url: url.to_owned(),
+            timeout_ms,
+            faults: None,
+        })
+    }
+
+    /// For tests: the store at `url` with faults drawn from `seed` (rates in 0..=1):
+    /// calls that fail or time out, objects lost or corrupted on `get`.
+    #[staticmethod]
+    #[pyo3(signature = (url, *, seed, fail = 0.0, timeout = 0.0, lose = 0.0, corrupt = 0.0, timeout_ms = 200))]
+    #[allow(clippy::too_many_arguments)] // the keyword arguments of the Python signature
+    fn faulty(
+        py: Python<'_>,
+        url: &str,
+        seed: u64,
+        fail: f64,
+        timeout: f64,
+        lose: f64,
+        corrupt: f64,
+        timeout_ms: i64,
+    ) -> PyResult<Self> {
+        let rates = l3::FaultRates {
+            fail,
+            timeout,
+            lose,
+            corrupt,
+        };
+        rates
+            .validate()
+            .map_err(|e| PyValueError::new_err(format!("{}: {e}", e.name)))?;
+        let inner = open(py, url, timeout_ms)?;
+        let store = l3::Faulty::new(inner, seed, rates)
+            .map_err(|e| PyValueError::new_err(format!("{}: {e}", e.name)))?;
+        Ok(PyObjectStore {
+            store: Box::new(store),
+            url: url.to_owned(),
+            timeout_ms,
+            faults: Some((seed, rates)),
+        })
+    }
+
+    /// The URL it was opened with.
+    #[getter]
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The timeout of connecting and of each read and write, in milliseconds.
+    #[getter]
+    fn timeout_ms(&self) -> i64 {
+        self.timeout_ms
+    }
+
+    /// Whether each key holds an object.
+    fn exists(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let keys = byte_strings(keys, "keys")?;
+        py.detach(|| self.store.exists(&as_refs(&keys)))
+            .map_err(l3_err)
+    }
+
+    /// Frames row `i` of `data` as the object of page `hashes[i]` and stores it under
+    /// `keys[i]`, unless the key holds an object already (write-once); per key, whether
+    /// this call stored it.
+    fn put(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        hashes: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
+        let keys = byte_strings(keys, "keys")?;
+        let hashes = self::hashes(hashes, keys.len())?;
+        let data = rows(data, "data", keys.len())?;
+        let size = data.shape()[1];
+        let data = data
+            .try_readonly()
+            .map_err(|e| PyValueError::new_err(format!("data: cannot be read ({e})")))?;
+        let bytes = data
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(format!("data: {e}")))?;
+        py.detach(|| {
+            let payloads: Vec<&[u8]> = bytes.chunks_exact(size).collect();
+            l3::put_pages(&*self.store, &as_refs(&keys), &hashes, &payloads)
+        })
+        .map_err(l3_err)
+    }
+
+    /// Fetches `keys` into the rows of `out` (one row per key, the page's size), each
+    /// verified as the object of page `hashes[i]`. One outcome per key: `"ok"` (the row
+    /// holds the page), `"missing"`, or `"corrupt"` (the object failed verification and
+    /// was deleted); rows not `"ok"` are left untouched.
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        hashes: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<&'static str>> {
+        let keys = byte_strings(keys, "keys")?;
+        let hashes = self::hashes(hashes, keys.len())?;
+        let out = rows(out, "out", keys.len())?;
+        let size = out.shape()[1];
+        let mut out = out
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("out: must be a writable array ({e})")))?;
+        let bytes = out
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        let fetched = py
+            .detach(|| {
+                let mut rows: Vec<&mut [u8]> = bytes.chunks_exact_mut(size).collect();
+                l3::get_pages_into(&*self.store, &as_refs(&keys), &hashes, &mut rows)
+            })
+            .map_err(l3_err)?;
+        Ok(fetched.iter().map(l3::Fetched::as_str).collect())
+    }
+
+    /// Removes the objects under `keys` (absent ones are no error).
+    fn delete(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = byte_strings(keys, "keys")?;
+        py.detach(|| self.store.delete(&as_refs(&keys)))
+            .map_err(l3_err)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let url = PyString::new(py, &self.url).repr()?;
+        Ok(match &self.faults {
+            None => format!("ObjectStore({url}, timeout_ms={})", self.timeout_ms),
+            Some((seed, r)) => format!(
+                "ObjectStore.faulty({url}, seed={seed}, fail={:?}, timeout={:?}, lose={:?}, \
+                 corrupt={:?}, timeout_ms={})",
+                r.fail, r.timeout, r.lose, r.corrupt, self.timeout_ms
+            ),
+        })
+    }
+}
