@@ -338,10 +338,10 @@ class Copy:
         ``0..swa_slots``, host SWA slots ``0..host_swa_slots``.
         """
     @property
-    def src_tier(self) -> Literal["device", "host"]:
+    def src_tier(self) -> Literal["device", "host", "external"]:
         """Where the data is read."""
     @property
-    def dst_tier(self) -> Literal["device", "host"]:
+    def dst_tier(self) -> Literal["device", "host", "external"]:
         """Where the data is written."""
     @property
     def src(self) -> npt.NDArray[np.int64]:
@@ -378,7 +378,7 @@ class TransferBatch:
         It names the cache too (its high bits): another cache refuses it.
         """
     @property
-    def kind(self) -> Literal["cow", "backup", "load_back"]:
+    def kind(self) -> Literal["cow", "backup", "load_back", "l3_put", "l3_get"]:
         """Why the batch exists."""
     @property
     def copies(self) -> list[Copy]:
@@ -403,6 +403,27 @@ class TransferBatch:
 
         Raises:
             ValueError: the batch ended already (``batch_id``).
+        """
+    @property
+    def keys(self) -> list[bytes]:
+        """The page hash naming each object in the L3 tier (``"l3_put"``, ``"l3_get"``).
+
+        Those of the KV copy's pages first (one per page), then those of the state
+        copy's states (a state is named by the hash of the page it ends); empty for the
+        other kinds. The slots of the ``"external"`` side of a copy are positions in
+        those objects: object ``k`` of a KV copy is slots ``k * page_size`` to
+        ``(k + 1) * page_size - 1``, of a state copy slot ``k``.
+        """
+    def complete_l3(self, pages: int, *, state: bool = False) -> None:
+        """Acknowledge an ``"l3_get"`` batch whose first ``pages`` pages landed.
+
+        ``state``: the state at their end landed too (a hybrid fetch lands only whole,
+        with its state; anything less is a miss). The pages that did not land are a
+        miss, and every slot the batch took and did not place goes back.
+
+        Raises:
+            ValueError: the batch is not an ``"l3_get"`` batch, or ended already
+                (``batch_id``); ``pages`` is negative.
         """
     def fail(self, reason: str | None = None) -> None:
         """Acknowledge the copies as failed: a failed copy is a miss, never a hit.
@@ -537,7 +558,11 @@ class HybridCache:
         swa_slots: int = 0,
         swa_window: int = 0,
         host_swa_slots: int = 0,
+        l3: bool = False,
     ) -> HybridCache: ...
+    @property
+    def l3(self) -> bool:
+        """Whether host pages go to, and come from, the L3 tier."""
     @property
     def page_size(self) -> int:
         """Tokens per page."""
@@ -616,6 +641,35 @@ class HybridCache:
             TypeError: ``target`` is neither a Node nor a Request.
             CacheError: the request is finished, its admission copy is pending, or it
                 has a load-back pending already.
+        """
+    def l3_fetch(
+        self, tokens: _Tokens, pages: int, *, namespace: str | None = None
+    ) -> TransferBatch | None:
+        """Fetch from the L3 tier what the cache lacks of the first ``pages`` pages of ``tokens``.
+
+        ``pages``: how many leading whole pages of ``tokens`` the store holds (found by
+        their hashes, ``prefix_hashes``). The pages past those whose KV the cache holds
+        (on either tier) are fetched, with the state at their end on a hybrid model.
+        Takes, all at once, a lock on the node where the cached prefix ends (a new root
+        for a namespace the cache holds nothing of), host KV pages and a host state
+        slot (evicting from the host tier if short), and returns an ``"l3_get"`` batch
+        (copies from ``"external"`` objects named by ``keys`` into those host slots)
+        owned by the caller: run it and end it with ``complete``, ``complete_l3`` (part
+        of it landed) or ``fail``; dropped or left before it ended, it fails. Once it
+        lands, the pages are host-only nodes (pages the cache gained meanwhile are not
+        placed twice) that a match finds on the host and ``load_back`` brings to the
+        device. None, having taken nothing: nothing to fetch, part of the prefix is
+        being loaded back, or no host room.
+
+        Raises:
+            ValueError: the cache has no L3 tier (``l3``), or ``pages`` goes past the
+                whole pages of ``tokens`` (``pages``).
+        """
+    def prefix_hashes(self, tokens: _Tokens, *, namespace: str | None = None) -> list[bytes]:
+        """Return the hash of each whole page of ``tokens``, as the cache hashes its pages.
+
+        Chained from ``namespace``'s seed (docs/design.md, "Page hashes"); an unaligned
+        tail is not hashed. A pure computation: works with page hashes off too.
         """
     def match_prefix(self, tokens: _Tokens, *, namespace: str | None = None) -> Match:
         """Longest cached prefix of ``tokens``, rounded down to whole pages.
@@ -824,7 +878,9 @@ class HybridCache:
         copy fills the request's state slot, and a checkpoint copy reads the request's
         live state, which its next step overwrites.
         """
-    def pending_batches(self) -> list[tuple[int, Literal["cow", "backup", "load_back"], bool]]:
+    def pending_batches(
+        self,
+    ) -> list[tuple[int, Literal["cow", "backup", "load_back", "l3_put", "l3_get"], bool]]:
         """Batches handed out and not yet acknowledged, as ``(id, kind, started)``.
 
         Oldest first. Handed out: taken with ``take_batches()`` or held by a ``LoadBack`` guard (its

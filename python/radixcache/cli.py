@@ -318,6 +318,28 @@ REPLAY_FLAGS = (
         "are then reported as null)",
         kind="switch",
     ),
+    Flag(
+        "--l3",
+        "an L3 store shared with other caches: redis://HOST:PORT, redis+cluster://HOST:PORT,"
+        "..., or file:///DIR (host pages are written there and fetched from there)",
+        kind="text",
+        shown="none",
+    ),
+    Flag(
+        "--servers",
+        "serve with N caches (own pools, tiers and engine each) behind a round-robin "
+        "router, sharing the --l3 store; reports the fleet and compares it with one server",
+        default=1,
+        lo=1,
+        hi=64,
+    ),
+    Flag(
+        "--shard",
+        "serve only requests K, K+N, K+2N, ... (K/N): one of N processes splitting the "
+        "workload as a round-robin router would",
+        kind="text",
+        shown="all requests",
+    ),
     Flag("--json", "print the report as one JSON object", kind="switch"),
     Flag(
         "--plot",
@@ -810,22 +832,61 @@ def _verdict(prog: str, r: dict[str, Any]) -> int:
     return 1 if why else 0
 
 
+def _shard(text: str | None) -> tuple[int, int] | None:
+    """Parse ``--shard K/N`` (0 <= K < N)."""
+    if text is None:
+        return None
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise InputError(f"--shard: expected K/N with 0 <= K < N, got {_short(text)}")
+    return int(k), int(n)
+
+
 def _replay_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
+    shard = _shard(args.shard)
+    servers = _value(args, "--servers")
+    if shard and servers > 1:
+        raise InputError("--shard: one process serves one shard; not with --servers")
+    if args.l3 is not None:
+        from . import ObjectStore
+
+        try:
+            ObjectStore(args.l3)
+        except ValueError as e:
+            raise InputError(f"--l3: {e}") from None
     jobs, config = _setup(
         args,
         inject_failures=_value(args, "--inject-failures"),
         timeline=10 if args.plot else 0,
         attention_only=not args.no_attention_only,
         offline_bound=args.offline_bound,
+        l3=args.l3,
     )
     workload = _value(args, "--workload")
+    if shard:
+        jobs = _replay.deal(jobs, shard[1], shard[0])
+    if servers > 1:
+        with _Interrupts() as stop, _progress(err, args.quiet) as bar:
+            task = bar.add_task(f"replay {workload} on {servers} servers", total=len(jobs))
+            fleet = _replay.replay_fleet(
+                jobs,
+                config,
+                servers,
+                progress=stop.between(bar, task),
+                compare=not args.no_attention_only,
+            )
+        fleet["workload"] = workload
+        fleet["rejected"] = 0
+        _emit(json.dumps(fleet, indent=2) if args.json else _render(_fleet_table(fleet)))
+        return _verdict("radixcache replay", fleet)
     with _Interrupts() as stop, _progress(err, args.quiet) as bar:
         task = bar.add_task(f"replay {workload}", total=len(jobs))
         report, timeline = _replay.replay(jobs, config, progress=stop.between(bar, task))
     report["workload"] = workload
+    report["shard"] = None if shard is None else f"{shard[0]}/{shard[1]}"
     if args.json:
         _emit(json.dumps(report, indent=2))
     else:
@@ -960,6 +1021,19 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("model", model, f"window {r['swa_window']} tokens" if swa else "")
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
+    if r["l3_breaker"] is not None:
+        row(
+            "L3 hit tokens",
+            r["l3_hit_tokens"],
+            f"{pct(r['l3_hit_rate'])} fetched, then loaded back; all tiers {pct(r['hit_rate'])}",
+        )
+        row(
+            "L3 store",
+            f"{r['l3_bytes_fetched'] / 1e6:.1f} MB fetched",
+            f"{r['l3_fetch_gbps']:.2f} GB/s; {r['l3_bytes_stored'] / 1e6:.1f} MB stored, "
+            f"{r['l3_put_gbps']:.2f} GB/s; breaker {r['l3_breaker']}, "
+            f"{r['l3_errors']} errors, {r['l3_corrupt_objects']} corrupt",
+        )
 
     def compared(name: str, rate: float | None, ratio: float | None, label: str) -> None:
         # A comparison replay's hit rate and the ratio to it ("not run" when skipped).
@@ -1034,6 +1108,53 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("audit", (good[0] if audit == "pass" else good[1]).format(escape(audit)))
     full = r["pools_full_at_end"]
     row("pools full at end", (good[0] if full else good[1]).format(full), "after clearing")
+    return t
+
+
+def _fleet_table(r: dict[str, Any]) -> Any:
+    """Return a fleet replay's report as a rich table."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    title = f"radixcache replay: {escape(str(r['workload']))} on {r['servers']} servers"
+    t = Table(title=title, show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column(style="dim")
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    t.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
+    t.add_row(
+        "fleet hit rate",
+        pct(r["hit_rate"]),
+        f"device {pct(r['device_hit_rate'])}, host {pct(r['host_hit_rate'])}, "
+        f"L3 {pct(r['l3_hit_rate'])}",
+    )
+    ratio = r["fleet_vs_single_ratio"]
+    t.add_row(
+        "one server, every request",
+        pct(r["single_server_hit_rate"]),
+        "same pools; fleet/one " + ("n/a" if ratio is None else f"{ratio:.3f}"),
+    )
+    t.add_row("fleet without L3", pct(r["fleet_without_l3_hit_rate"]), "the same servers")
+    if r["l3_breaker"] is not None:
+        t.add_row(
+            "L3 store",
+            f"{r['l3_bytes_fetched'] / 1e6:.1f} MB fetched",
+            f"{r['l3_fetch_gbps']:.2f} GB/s; {r['l3_bytes_stored'] / 1e6:.1f} MB stored; "
+            f"breakers {', '.join(r['l3_breaker'])}",
+        )
+    good = "[green]{}[/green]", "[red]{}[/red]"
+    t.add_row(
+        "oracle mismatches",
+        (good[0] if r["mismatches"] == 0 else good[1]).format(r["mismatches"]),
+        f"of {r['samples_checked']} samples",
+    )
+    t.add_row("audit", (good[0] if r["audit"] == "pass" else good[1]).format(escape(r["audit"])))
+    full = r["pools_full_at_end"]
+    t.add_row("pools full at end", (good[0] if full else good[1]).format(full), "every server")
     return t
 
 

@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _kernels
 from ._core import Copy, HybridCache, TransferBatch
 from .storage import Pool, Storage
+
+if TYPE_CHECKING:
+    from .l3 import L3Tier
 
 __all__ = ["TransferEngine"]
 
@@ -139,13 +142,17 @@ class TransferEngine:
         cache: The cache whose batches this engine runs.
         storage: The memory behind the cache's slots (checked against the cache).
         stream: On a GPU, the copy stream (default: a new non-blocking stream).
+        l3: The L3 tier (`radixcache.l3.L3Tier`) that writes the ``l3_put`` batches
+            this engine runs; None: such a batch fails.
 
     Raises:
         TypeError: `cache` is not a `HybridCache` or `storage` not a `Storage`.
         ValueError: The storage does not fit the cache (naming the cache's argument).
     """
 
-    def __init__(self, cache: HybridCache, storage: Storage, *, stream: Any = None) -> None:
+    def __init__(
+        self, cache: HybridCache, storage: Storage, *, stream: Any = None, l3: L3Tier | None = None
+    ) -> None:
         if not isinstance(cache, HybridCache):
             raise TypeError(f"cache: expected a HybridCache, got {type(cache).__name__}")
         if not isinstance(storage, Storage):
@@ -153,6 +160,7 @@ class TransferEngine:
         storage.check(cache)
         self.cache = cache
         self.storage = storage
+        self.l3 = l3
         self.on_gpu = storage.on_gpu
         self._stream = stream
         self._after: Any = None
@@ -449,10 +457,19 @@ class TransferEngine:
         `run` and `submit` call it between `start` and `complete`; a subclass may wrap it
         (to inject faults, or to time copies). An exception from it fails the batch.
 
+        An ``l3_put`` batch is written to the store by the engine's `l3` tier instead
+        (on the calling thread: the host arrays are read, the store is written).
+
         Raises:
             ValueError, IndexError: A copy names a pool or tier the storage lacks, slot
                 lists of different lengths, or a slot out of range (nothing enqueued).
+            L3Error: An ``l3_put`` batch's store call failed.
         """
+        if batch.kind == "l3_put":
+            if self.l3 is None:
+                raise ValueError("batch: an l3_put batch, and this engine has no L3 tier (l3=)")
+            self.l3.write(batch)
+            return
         checked = [self._check(c) for c in batch.copies]
         mark = self._enqueued()
         try:

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
-from ._core import CacheError, HybridCache, TransferBatch
+from ._core import HybridCache, L3Error, TransferBatch
 from .storage import Pool, Storage
 
 __all__ = ["Breaker", "L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix"]
@@ -42,11 +43,21 @@ __all__ = ["Breaker", "L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix"
 class ObjectStoreLike(Protocol):
     """What `L3Tier` needs of a store client (`radixcache.ObjectStore` is one)."""
 
-    def exists(self, keys: list[bytes]) -> list[bool]: ...
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key holds an object."""
+        ...
 
-    def put(self, keys: list[bytes], hashes: list[bytes], data: np.ndarray) -> list[bool]: ...
+    def put(
+        self, keys: Sequence[bytes], hashes: Sequence[bytes], data: npt.NDArray[np.uint8]
+    ) -> list[bool]:
+        """Store row ``i`` of `data` under ``keys[i]`` as page ``hashes[i]``, write-once."""
+        ...
 
-    def get_into(self, keys: list[bytes], hashes: list[bytes], out: np.ndarray) -> list[str]: ...
+    def get_into(
+        self, keys: Sequence[bytes], hashes: Sequence[bytes], out: npt.NDArray[np.uint8]
+    ) -> Sequence[str]:
+        """Read ``keys`` into the rows of `out`: ``"ok"``, ``"missing"`` or ``"corrupt"``."""
+        ...
 
 
 @dataclass
@@ -79,12 +90,12 @@ class Breaker:
         return self.state != "open"
 
     def success(self) -> None:
-        """A call succeeded: the breaker closes."""
+        """Record a call that succeeded: the breaker closes."""
         self.errors_in_a_row = 0
         self.opened_at = None
 
     def failure(self) -> None:
-        """A call failed: after enough in a row (or a failed probe) the breaker opens."""
+        """Record a failed call: after enough in a row (or a failed probe) it opens."""
         self.errors_in_a_row += 1
         probe = self.opened_at is not None
         if probe or self.errors_in_a_row >= self.failures:
@@ -197,113 +208,124 @@ class L3Tier:
         return [self.prefix + h.hex().encode() + tail for h in hashes]
 
     def _call(self, f: Any, *args: Any) -> Any:
-        """Call the store through the breaker; None when it is open or the call failed."""
+        """Call the store through the breaker.
+
+        Raises:
+            L3Error: the breaker is open (the call was not made), or the call failed.
+        """
         if not self.breaker.allow():
             self.counters.skipped_open += 1
-            return None
+            raise L3Error("the L3 store's circuit breaker is open")
         try:
             out = f(*args)
-        except (CacheError, OSError):
+        except L3Error:
             self.counters.errors += 1
             self.breaker.failure()
-            return None
+            raise
         self.breaker.success()
         return out
 
+    def _try(self, f: Any, *args: Any) -> Any:
+        """`_call`, None instead of an `L3Error` (a miss)."""
+        try:
+            return self._call(f, *args)
+        except L3Error:
+            return None
+
     # ------------------------------------------------------------------ puts
 
-    def run(self, batch: TransferBatch) -> None:
-        """Run an ``l3_put`` or ``l3_get`` batch and end it (a failed store call fails it)."""
-        if batch.kind == "l3_put":
-            self._put(batch)
-        elif batch.kind == "l3_get":
-            self._get(batch)
-        else:
-            raise ValueError(f"batch: an {batch.kind!r} batch is not the L3 tier's")
+    def run(self, batch: TransferBatch) -> bool:
+        """Start an ``l3_put`` batch, write it (`write`) and end it; whether it completed.
 
-    def _objects(self, batch: TransferBatch) -> list[tuple[str, Pool, np.ndarray, int, list[bytes]]]:
-        """Per copy: (pool, its host pool, host slots, slots per object, object keys)."""
-        out = []
+        A batch whose write raised `L3Error` fails (its pages are offered again with
+        the next backup on their path).
+        """
+        batch.start()
+        try:
+            self.write(batch)
+        except L3Error as e:
+            batch.fail(f"L3Error: {e}")
+            return False
+        batch.complete()
+        return True
+
+    def _objects(
+        self, batch: TransferBatch
+    ) -> list[tuple[str, Pool, np.ndarray, int, list[bytes]]]:
+        """Per copy: (pool, its host pool, host slots, slots per object, object hashes)."""
+        out: list[tuple[str, Pool, np.ndarray, int, list[bytes]]] = []
         keys = batch.keys
         at = 0
         for c in batch.copies:
             per = self.cache.page_size if c.pool == "kv" else 1
             host = np.asarray(c.src if c.src_tier == "host" else c.dst, dtype=np.int64)
             n = len(host) // per
-            hashes = keys[at : at + n]
+            out.append((c.pool, self.storage.pool(c.pool, "host"), host, per, keys[at : at + n]))
             at += n
-            out.append((c.pool, self.storage.pool(c.pool, "host"), host, per, hashes))
         return out
 
-    def _put(self, batch: TransferBatch) -> None:
-        batch.start()
+    def write(self, batch: TransferBatch) -> None:
+        """Write a started ``l3_put`` batch's objects the store lacks (without ending it).
+
+        `TransferEngine` calls it for the ``l3_put`` batches it runs.
+
+        Raises:
+            ValueError: `batch` is not an ``l3_put`` batch.
+            L3Error: a store call failed, or the breaker is open.
+        """
+        if batch.kind != "l3_put":
+            raise ValueError(f"batch: expected an l3_put batch, got {batch.kind!r}")
         start = time.perf_counter()
         try:
             for pool, host, slots, per, hashes in self._objects(batch):
                 keys = self._keys(hashes, pool == "mamba")
                 present = self._call(self.store.exists, keys)
-                if present is None:
-                    batch.fail("the store is unavailable")
-                    return
                 todo = [k for k, p in enumerate(present) if not p]
                 self.counters.present_objects += len(keys) - len(todo)
                 if not todo:
                     continue
                 rows = np.asarray(todo, dtype=np.int64)
-                sel = (slots.reshape(-1, per)[rows]).reshape(-1)
-                data = _gather(host, sel, per)
+                data = _gather(host, slots.reshape(-1, per)[rows].reshape(-1), per)
                 stored = self._call(
                     self.store.put, [keys[k] for k in todo], [hashes[k] for k in todo], data
                 )
-                if stored is None:
-                    batch.fail("the store is unavailable")
-                    return
                 self.counters.stored_objects += sum(1 for s in stored if s)
                 self.counters.bytes_stored += int(data.nbytes)
         finally:
             self.counters.put_seconds += time.perf_counter() - start
         self.counters.puts += 1
-        batch.complete()
-
-    def run_puts(self, batches: Sequence[TransferBatch]) -> list[TransferBatch]:
-        """Run the ``l3_put`` batches of `batches`; return the others, untouched."""
-        rest = []
-        for b in batches:
-            if b.kind == "l3_put":
-                self._put(b)
-            else:
-                rest.append(b)
-        return rest
 
     # ------------------------------------------------------------------ fetches
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
-        """Return how many whole pages of `tokens`, after what the cache holds, to fetch.
+        """Return how many leading whole pages of `tokens` the cache and the store hold.
 
-        The leading run of those pages the store has; for a hybrid model, cut back to
-        the deepest of them whose state the store has too (0 if none).
+        The pages the cache holds KV of (on either tier), then the run of the following
+        ones the store has; for a hybrid model cut back to the deepest of those whose
+        state the store has too. 0 when there is nothing to fetch: the uncached part is
+        under `min_tokens`, the store has none of it, or the breaker is open.
         """
         cache = self.cache
         ps = cache.page_size
         toks = np.asarray(tokens, dtype=np.int64)
-        device, host, _ = cache.peek_prefix(toks, namespace=namespace)
-        have = device + host
+        _, _, have = cache.peek_prefix(toks, namespace=namespace)
         whole = len(toks) // ps * ps
         if whole - have < max(self.min_tokens, ps):
             self.counters.lookups_skipped += 1
             return 0
         self.counters.lookups += 1
-        hashes = cache.prefix_hashes(toks[: whole], namespace=namespace)[have // ps :]
-        present = self._call(self.store.exists, self._keys(hashes))
+        hashes = cache.prefix_hashes(toks[:whole], namespace=namespace)[have // ps :]
+        present = self._try(self.store.exists, self._keys(hashes))
         if not present:
             return 0
         run = next((k for k, p in enumerate(present) if not p), len(present))
         if not self.hybrid or run == 0:
-            return run
-        states = self._call(self.store.exists, self._keys(hashes[:run], True))
+            return have // ps + run if run else 0
+        states = self._try(self.store.exists, self._keys(hashes[:run], True))
         if not states:
             return 0
-        return max((k + 1 for k, s in enumerate(states) if s), default=0)
+        deepest = max((k + 1 for k, s in enumerate(states) if s), default=0)
+        return have // ps + deepest if deepest else 0
 
     def fetch(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
         """Fetch what the store has after the cached part of `tokens`; return its tokens.
@@ -311,10 +333,10 @@ class L3Tier:
         The pages land as host-only nodes (a load-back brings them to the device);
         0 when the store has none, the breaker is open or the cache took nothing.
         """
-        pages = self.lookup(tokens, namespace=namespace)
-        if pages == 0:
+        upto = self.lookup(tokens, namespace=namespace)
+        if upto == 0:
             return 0
-        batch = self.cache.l3_fetch(tokens, pages, namespace=namespace)
+        batch = self.cache.l3_fetch(tokens, upto, namespace=namespace)
         if batch is None:
             return 0
         return self._get(batch) * self.cache.page_size
@@ -327,9 +349,9 @@ class L3Tier:
         try:
             for pool, host, slots, per, hashes in self._objects(batch):
                 keys = self._keys(hashes, pool == "mamba")
-                width = per * host_bytes(host)
+                width = per * host.bytes_per_slot
                 out = np.empty((len(keys), width), dtype=np.uint8)
-                got = self._call(self.store.get_into, keys, hashes, out)
+                got = self._try(self.store.get_into, keys, hashes, out)
                 if got is None:
                     break
                 ok = next((k for k, g in enumerate(got) if g != "ok"), len(got))
@@ -355,9 +377,8 @@ class L3Tier:
         return usable
 
     def report(self) -> dict[str, Any]:
-        """The tier's figures: counters, GB/s of fetches and puts, the breaker's state."""
+        """Return the tier's figures: counters, GB/s of fetches and puts, the breaker."""
         c = self.counters
-        gbps = (lambda b, s: b / s / 1e9 if s > 0 else 0.0)
         return {
             "l3_lookups": c.lookups,
             "l3_fetches": c.fetches,
@@ -367,14 +388,14 @@ class L3Tier:
             "l3_stored_objects": c.stored_objects,
             "l3_bytes_fetched": c.bytes_fetched,
             "l3_bytes_stored": c.bytes_stored,
-            "l3_fetch_gbps": gbps(c.bytes_fetched, c.fetch_seconds),
-            "l3_put_gbps": gbps(c.bytes_stored, c.put_seconds),
+            "l3_fetch_gbps": _gbps(c.bytes_fetched, c.fetch_seconds),
+            "l3_put_gbps": _gbps(c.bytes_stored, c.put_seconds),
             "l3_errors": c.errors,
             "l3_breaker": self.breaker.state,
             "l3_breaker_trips": self.breaker.trips,
         }
 
 
-def host_bytes(pool: Pool) -> int:
-    """Bytes one slot of `pool` holds over every layer and array."""
-    return pool.bytes_per_slot
+def _gbps(nbytes: int, seconds: float) -> float:
+    """`nbytes` over `seconds`, in GB/s (0 for no time)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0

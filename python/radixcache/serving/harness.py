@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union
 
-from .._core import HybridCache, InvariantError
+from .._core import HybridCache, InvariantError, ObjectStore
 from ..engine import TransferEngine
+from ..l3 import L3Tier
 from .flops import ModelShape, compute_saved_ratio
 from .model import ChecksumModel, model_name
 from .offline import Event, StateTrace, bound
@@ -24,12 +25,16 @@ from .workloads import Job
 
 __all__ = [
     "ReplayConfig",
+    "Server",
     "attention_only",
     "attention_only_hit_rate",
     "clear",
     "compute_saved",
+    "deal",
     "full_attention",
+    "l3_report",
     "replay",
+    "replay_fleet",
     "without",
 ]
 
@@ -69,6 +74,12 @@ class ReplayConfig:
     with ``mamba_slots > 0``, sliding-window attention (SWA) layers of window
     `swa_window` tokens with ``swa_slots > 0`` (both or neither; `swa_layers` of them),
     whose host tier is `host_swa_slots` (with a host tier; dropped without one).
+
+    `l3` is the URL of an L3 store (``redis://HOST:PORT``, ``redis+cluster://...``,
+    ``file:///DIR``; `radixcache.ObjectStore`) shared with other caches: the cache
+    writes its host pages there and fetches what a prompt's admission finds there beyond
+    both tiers (`radixcache.l3.L3Tier`, skipping an uncached part under `l3_min_tokens`).
+    It needs the oracle (the bytes are the checksum model's).
     """
 
     kv_slots: int = 262_144
@@ -100,6 +111,8 @@ class ReplayConfig:
     schedule_policy: SchedulePolicy = "fcfs"
     schedule_window: int = 128
     max_overtakes: int = 128
+    l3: str | None = None
+    l3_min_tokens: int = 64
 
     def model_shape(self) -> ModelShape:
         """Return the shape whose compute ``compute_saved_ratio`` counts for this model.
@@ -114,11 +127,12 @@ class ReplayConfig:
         share = self.swa_layers / (self.layers + self.swa_layers)
         return self.shape.with_swa(self.swa_window, share)
 
-    def cache(self, *, hybrid: bool = True, swa: bool = True) -> HybridCache:
+    def cache(self, *, hybrid: bool = True, swa: bool = True, l3: bool = True) -> HybridCache:
         """Make a cache with these settings.
 
         `hybrid=False`: the same without states; `swa=False`: the same with the SWA
-        layers as full attention (no SWA pool: every token's KV stays).
+        layers as full attention (no SWA pool: every token's KV stays); `l3=False`:
+        without the L3 tier even when `l3` is set.
         """
         host = self.host_kv_slots
         return HybridCache(
@@ -133,6 +147,7 @@ class ReplayConfig:
             swa_slots=self.swa_slots if swa else 0,
             swa_window=self.swa_window if swa else 0,
             host_swa_slots=self.host_swa_slots if (swa and host and self.swa_slots) else 0,
+            l3=l3 and self.l3 is not None,
         )
 
     def scheduler(
@@ -202,7 +217,7 @@ def without(jobs: Sequence[Job], config: ReplayConfig, *, states: bool, swa: boo
     `states=False` drops the Mamba layers, `swa=False` makes the SWA layers full
     attention (see `ReplayConfig.cache`). Returns its counters.
     """
-    cache = config.cache(hybrid=states, swa=swa)
+    cache = config.cache(hybrid=states, swa=swa, l3=False)
     sched = config.scheduler(cache, InstantEngine(cache), None)
     sched.add(jobs)
     return sched.run()
@@ -228,6 +243,84 @@ def compute_saved(c: Counters, shape: ModelShape) -> float:
     return compute_saved_ratio(((p, d + h) for p, d, h in c.served), shape)
 
 
+class Server:
+    """One serving machine of a replay: its cache, storage, engine, model and scheduler.
+
+    With ``config.l3`` it has an L3 tier on its own client of the store; the store
+    is shared with every other server opened on the same URL.
+    """
+
+    def __init__(self, config: ReplayConfig, *, seed_offset: int = 0) -> None:
+        self.config = config
+        self.cache = cache = config.cache()
+        self.model: ChecksumModel | None = None
+        self.l3: L3Tier | None = None
+        self.engine: FaultyEngine | InstantEngine
+        if config.oracle:
+            storage = ChecksumModel.storage_for(
+                cache,
+                layers=config.layers,
+                mamba_layers=config.mamba_layers,
+                swa_layers=config.swa_layers,
+            )
+            if config.l3 is not None:
+                store = ObjectStore(config.l3)
+                self.l3 = L3Tier(cache, storage, store, min_tokens=config.l3_min_tokens)
+            self.engine = FaultyEngine(
+                cache,
+                storage,
+                config.inject_failures,
+                seed=config.seed + 1 + seed_offset,
+                l3=self.l3,
+            )
+            self.model = ChecksumModel(cache, storage, seed=config.seed)
+        elif config.l3 is not None:
+            raise ValueError(
+                "l3: the L3 tier moves the checksum model's bytes; it needs oracle=True"
+            )
+        else:
+            self.engine = InstantEngine(cache)
+        trace = StateTrace(cache) if config.offline_bound and cache.mamba_slots else None
+        self.sched = config.scheduler(cache, self.engine, self.model, trace=trace, l3=self.l3)
+
+
+def l3_report(tier: L3Tier | None, c: Counters) -> dict[str, Any]:
+    """Return the L3 tier's keys of the report (zeros and None without one).
+
+    ``l3_hit_tokens``: tokens loaded back that an L3 fetch had just brought to the
+    host tier; ``hit_rate``: device, host and L3 hit tokens over prompt tokens.
+    """
+    p = c.prompt_tokens
+    out: dict[str, Any] = {
+        "l3_hit_tokens": c.l3_hit_tokens,
+        "l3_hit_rate": c.l3_hit_tokens / p if p else 0.0,
+        "hit_rate": (c.device_hit_tokens + c.host_hit_tokens + c.l3_hit_tokens) / p if p else 0.0,
+    }
+    if tier is None:
+        out.update(dict.fromkeys(L3_KEYS))
+    else:
+        out.update(tier.report())
+    return out
+
+
+#: The L3 tier's report keys (`L3Tier.report`), None without an L3 tier.
+L3_KEYS = (
+    "l3_lookups",
+    "l3_fetches",
+    "l3_landed_pages",
+    "l3_missed_pages",
+    "l3_corrupt_objects",
+    "l3_stored_objects",
+    "l3_bytes_fetched",
+    "l3_bytes_stored",
+    "l3_fetch_gbps",
+    "l3_put_gbps",
+    "l3_errors",
+    "l3_breaker",
+    "l3_breaker_trips",
+)
+
+
 def replay(
     jobs: Sequence[Job],
     config: ReplayConfig | None = None,
@@ -244,22 +337,9 @@ def replay(
         The report (the ``replay --json`` keys of docs/contract.md and more) and the timeline.
     """
     config = config or ReplayConfig()
-    cache = config.cache()
-    engine: FaultyEngine | InstantEngine
-    model: ChecksumModel | None = None
-    if config.oracle:
-        storage = ChecksumModel.storage_for(
-            cache,
-            layers=config.layers,
-            mamba_layers=config.mamba_layers,
-            swa_layers=config.swa_layers,
-        )
-        engine = FaultyEngine(cache, storage, config.inject_failures, seed=config.seed + 1)
-        model = ChecksumModel(cache, storage, seed=config.seed)
-    else:
-        engine = InstantEngine(cache)
-    trace = StateTrace(cache) if config.offline_bound and cache.mamba_slots else None
-    sched = config.scheduler(cache, engine, model, trace=trace)
+    server = Server(config)
+    cache, engine, model, sched = server.cache, server.engine, server.model, server.sched
+    trace = sched.trace
     sched.add(jobs)
     start = time.perf_counter()
     c = sched.run(progress)
@@ -289,6 +369,7 @@ def replay(
         full_attn = full_attention(jobs, config) if cache.mamba_slots else attn
     shapes = (config.model_shape(), config.shape)
     out = report(c, s, engine, model, seconds, audit, full, attn, shapes)
+    out.update(l3_report(server.l3, c))
     out["eviction_policy"] = cache.eviction_policy
     out.update(schedule_report(config, c))
     out.update(swa_report(cache, s, c, full_attn))
@@ -296,6 +377,173 @@ def replay(
     if trace is not None and events is not None:
         events.extend(trace.events)
     return out, c.timeline
+
+
+def deal(jobs: Sequence[Job], servers: int, k: int) -> list[Job]:
+    """Return the jobs a round-robin router sends to server `k` of `servers`."""
+    return list(jobs[k::servers])
+
+
+def _run_fleet(scheds: Sequence[Scheduler], progress: Callable[[int], None] | None) -> None:
+    """Step every scheduler in turn until all are done, as machines running side by side.
+
+    Raises:
+        RuntimeError: No request of any server made progress in 1000 rounds (a bug).
+    """
+    idle = 0
+
+    def mark() -> tuple[int, ...]:
+        return tuple(
+            x
+            for s in scheds
+            for x in (s.counters.finished, s.counters.rejected, s.counters.forwards)
+        )
+
+    while any(s.waiting or s.running for s in scheds):
+        before = mark()
+        for s in scheds:
+            if s.waiting or s.running:
+                s.step()
+        idle = idle + 1 if mark() == before else 0
+        if idle > 1000:
+            raise RuntimeError("no progress in 1000 rounds of the fleet")
+        if progress is not None:
+            progress(sum(s.counters.finished + s.counters.rejected for s in scheds))
+    for s in scheds:
+        s.drain()
+
+
+def _fleet_rate(jobs: Sequence[Job], config: ReplayConfig, servers: int) -> float:
+    """Return the hit rate of `servers` caches behind a round-robin router (no model)."""
+    scheds = []
+    for k in range(servers):
+        cache = config.cache(l3=False)
+        sched = config.scheduler(cache, InstantEngine(cache), None)
+        sched.add(deal(jobs, servers, k))
+        scheds.append(sched)
+    _run_fleet(scheds, None)
+    hit = sum(s.counters.device_hit_tokens + s.counters.host_hit_tokens for s in scheds)
+    prompt = sum(s.counters.prompt_tokens for s in scheds)
+    return hit / prompt if prompt else 0.0
+
+
+#: Counters of `L3Tier.report` a fleet's report sums over its servers.
+_L3_SUMS = (
+    "l3_lookups",
+    "l3_fetches",
+    "l3_landed_pages",
+    "l3_missed_pages",
+    "l3_corrupt_objects",
+    "l3_stored_objects",
+    "l3_bytes_fetched",
+    "l3_bytes_stored",
+    "l3_errors",
+    "l3_breaker_trips",
+)
+
+
+def replay_fleet(
+    jobs: Sequence[Job],
+    config: ReplayConfig,
+    servers: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+    compare: bool = True,
+) -> dict[str, Any]:
+    """Serve `jobs` with `servers` machines behind a round-robin router.
+
+    Each server has its own cache, pools, tiers, engine and checksum model, as a
+    machine would; job ``i`` goes to server ``i % servers``, and the servers take
+    scheduling steps in turn (in one process), so a server finds in the L3 store
+    (``config.l3``, shared) what the others put there meanwhile. `compare` also replays
+    (without a model) one server serving every job with the same pools, and the fleet
+    without the L3 tier.
+
+    Returns:
+        The report: the fleet's totals (``hit_rate`` is device, host and L3 hit tokens
+        over prompt tokens), ``per_server`` (each server's own), the comparisons
+        (``single_server_hit_rate``, ``fleet_without_l3_hit_rate``,
+        ``fleet_vs_single_ratio``) and the L3 tier's figures summed over the servers
+        (``l3_breaker``: each server's breaker state).
+
+    Raises:
+        ValueError: `servers` is not at least 1.
+    """
+    if servers < 1:
+        raise ValueError(f"servers: must be at least 1, got {servers}")
+    fleet = [Server(config, seed_offset=k) for k in range(servers)]
+    for k, server in enumerate(fleet):
+        server.sched.add(deal(jobs, servers, k))
+    start = time.perf_counter()
+    _run_fleet([f.sched for f in fleet], progress)
+    seconds = time.perf_counter() - start
+    per_server = []
+    for server in fleet:
+        c, cache = server.sched.counters, server.cache
+        try:
+            cache.audit()
+            audit = "pass"
+        except InvariantError as e:
+            audit = str(e)
+        leftover = len(cache.pending_batches())
+        if isinstance(server.engine, FaultyEngine):
+            server.engine.rate = 0.0
+        full = clear(cache, server.engine) and leftover == 0
+        one = l3_report(server.l3, c)
+        one.update(
+            {
+                "requests": c.finished,
+                "prompt_tokens": c.prompt_tokens,
+                "device_hit_tokens": c.device_hit_tokens,
+                "host_hit_tokens": c.host_hit_tokens,
+                "samples_checked": server.model.samples if server.model else 0,
+                "mismatches": server.model.mismatches if server.model else 0,
+                "audit": audit,
+                "pools_full_at_end": full,
+            }
+        )
+        per_server.append(one)
+    total = {
+        k: sum(s[k] for s in per_server)
+        for k in (
+            "requests",
+            "prompt_tokens",
+            "device_hit_tokens",
+            "host_hit_tokens",
+            "l3_hit_tokens",
+            "samples_checked",
+            "mismatches",
+        )
+    }
+    p = total["prompt_tokens"]
+    hits = total["device_hit_tokens"] + total["host_hit_tokens"] + total["l3_hit_tokens"]
+    out: dict[str, Any] = {"servers": servers, **total}
+    out["hit_rate"] = hits / p if p else 0.0
+    out["device_hit_rate"] = total["device_hit_tokens"] / p if p else 0.0
+    out["host_hit_rate"] = total["host_hit_tokens"] / p if p else 0.0
+    out["l3_hit_rate"] = total["l3_hit_tokens"] / p if p else 0.0
+    out["audit"] = next((s["audit"] for s in per_server if s["audit"] != "pass"), "pass")
+    out["pools_full_at_end"] = all(s["pools_full_at_end"] for s in per_server)
+    out["seconds"] = seconds
+    if config.l3 is not None:
+        for key in _L3_SUMS:
+            out[key] = sum(s[key] for s in per_server)
+        fetched = sum(f.l3.counters.fetch_seconds for f in fleet if f.l3)
+        stored = sum(f.l3.counters.put_seconds for f in fleet if f.l3)
+        out["l3_fetch_gbps"] = out["l3_bytes_fetched"] / fetched / 1e9 if fetched else 0.0
+        out["l3_put_gbps"] = out["l3_bytes_stored"] / stored / 1e9 if stored else 0.0
+        out["l3_breaker"] = [s["l3_breaker"] for s in per_server]
+    else:
+        out.update(dict.fromkeys(L3_KEYS))
+    single = without_l3 = None
+    if compare:
+        single = _fleet_rate(jobs, config, 1)
+        without_l3 = _fleet_rate(jobs, config, servers)
+    out["single_server_hit_rate"] = single
+    out["fleet_without_l3_hit_rate"] = without_l3
+    out["fleet_vs_single_ratio"] = out["hit_rate"] / single if single else None
+    out["per_server"] = per_server
+    return out
 
 
 def _spread(values: Sequence[int]) -> dict[str, float]:

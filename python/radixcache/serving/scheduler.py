@@ -64,6 +64,7 @@ import numpy as np
 
 from .._core import HybridCache, Request, TransferBatch
 from ..engine import TransferEngine
+from ..l3 import L3Tier
 from ..storage import Storage
 from .model import ChecksumModel, ComputeEvent
 from .offline import StateTrace
@@ -151,10 +152,18 @@ class FaultyEngine(TransferEngine):
         seed: Seeds the choices.
     """
 
-    def __init__(self, cache: HybridCache, storage: Storage, rate: float, seed: int = 0) -> None:
+    def __init__(
+        self,
+        cache: HybridCache,
+        storage: Storage,
+        rate: float,
+        seed: int = 0,
+        *,
+        l3: L3Tier | None = None,
+    ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate: must be in [0, 1], got {rate}")
-        super().__init__(cache, storage)
+        super().__init__(cache, storage, l3=l3)
         self.rate = rate
         self.rng = random.Random(seed)
         self.injected = dict.fromkeys(("refused", "copy_failed", "failed_late", "reordered"), 0)
@@ -241,6 +250,8 @@ class _Live:
     loading: int | None = None  # id of its committed, unacknowledged load-back batch
     device_hit: int = 0
     host_hit: int = 0
+    #: Tokens an L3 fetch landed on the host tier for it at its admission.
+    l3_landed: int = 0
 
 
 @dataclass
@@ -251,7 +262,10 @@ class Counters:
     prompt_tokens: int = 0
     output_tokens: int = 0
     device_hit_tokens: int = 0
+    #: Tokens loaded back from the host tier that were there before the admission.
     host_hit_tokens: int = 0
+    #: Tokens loaded back that an L3 fetch had just brought to the host tier.
+    l3_hit_tokens: int = 0
     retractions: int = 0
     #: ``extend`` calls refused after one round of the batches the cache emitted that a
     #: second round served: one round is always enough (docs/contract.md rule 11), so
@@ -298,6 +312,9 @@ class Scheduler:
             first ones in arrival order).
         max_overtakes: Under ``"lpm"``, a waiting request overtaken this many times
             goes next.
+        l3: The L3 tier: before each admission, what the store holds of the prompt
+            beyond both tiers is fetched to the host tier (`L3Tier.fetch`), and the
+            admission loads it back like any host hit; None: no L3 tier.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -320,6 +337,7 @@ class Scheduler:
         schedule_policy: SchedulePolicy = "fcfs",
         schedule_window: int = 128,
         max_overtakes: int = 128,
+        l3: L3Tier | None = None,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
@@ -355,6 +373,7 @@ class Scheduler:
         self.token_lists = token_lists
         self.branch_checkpoints = branch_checkpoints
         self.trace = trace
+        self.l3 = l3
         self._prepared: dict[int, tuple[Any, Any]] = {}
         self.schedule_policy = schedule_policy
         self.schedule_window = schedule_window
@@ -503,6 +522,9 @@ class Scheduler:
             if self.running and need > room:
                 return
             tokens, seq = self._prepare(index, job)
+            landed = 0
+            if self.l3 is not None:  # what the store has beyond both tiers lands on the host
+                landed = self.l3.fetch(tokens, namespace=job.namespace)
             req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None and not self.running:
                 cache.evict(mamba_states=1)
@@ -520,6 +542,7 @@ class Scheduler:
                 expected = self.model.ref.samples(job.prompt, len(job.output), job.output)
             ps = cache.page_size
             live = _Live(index, job, seq, req, expected, last_page=len(seq) // ps * ps)
+            live.l3_landed = landed
             self.running.append(live)
             self._run_batches()  # the state's copy-on-write, before any compute reads it
             live.fed = live.device_hit = req.prefix_len  # a failed copy-on-write drops it
@@ -712,7 +735,9 @@ class Scheduler:
         c.prompt_tokens += len(live.job.prompt)
         c.output_tokens += len(live.job.output)
         c.device_hit_tokens += live.device_hit
-        c.host_hit_tokens += live.host_hit
+        l3 = min(live.l3_landed, live.host_hit)  # the deepest part of what was loaded
+        c.l3_hit_tokens += l3
+        c.host_hit_tokens += live.host_hit - l3
         c.served.append((len(live.job.prompt), live.device_hit, live.host_hit))
 
     def _run_batches(self) -> int:
