@@ -6,11 +6,11 @@ use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict, PyList};
 use radixcache_core as core;
 
 use crate::batch::{copies, PyTransferBatch};
-use crate::convert::{indices_arg, tokens_arg, BatchArg, Int};
+use crate::convert::{hash_list, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
 use crate::errors::err;
 use crate::gil::{self, run, settle};
 use crate::load_back::PyLoadBack;
@@ -125,8 +125,8 @@ impl PyHybridCache {
                         write_through_threshold=None, pools=core::PoolOwner::Cache,
                         eviction_policy=core::EvictionPolicies::default(),
                         swa_slots=Int::Value(0), swa_window=Int::Value(0),
-                        host_swa_slots=Int::Value(0)),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0)")]
+                        host_swa_slots=Int::Value(0), page_hashes=false, hash_seed=None),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -140,6 +140,8 @@ impl PyHybridCache {
         swa_slots: Int,
         swa_window: Int,
         host_swa_slots: Int,
+        page_hashes: bool,
+        hash_seed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -164,6 +166,8 @@ impl PyHybridCache {
             swa_slots: swa_slots.count("swa_slots")?,
             swa_window: swa_window.count("swa_window")?,
             host_swa_slots: host_swa_slots.count("host_swa_slots")?,
+            page_hashes,
+            hash_seed: opt_hash_arg(hash_seed, "hash_seed")?,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -256,6 +260,37 @@ impl PyHybridCache {
         self.config.pools.as_str()
     }
 
+    /// The SHA-256 of each page of `node`, in order (a root: none). `ValueError`
+    /// naming `page_hashes` when the cache was built without them.
+    fn page_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        node: &Bound<'_, PyNode>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = node.get().id;
+        let hashes = run(py, &self.inner, 0, |c| c.node_hashes(id).map(<[_]>::to_vec))?;
+        hash_list(py, &hashes)
+    }
+
+    /// The hashes of the whole pages of `tokens` as this cache chains them in
+    /// `namespace`: from `parent_hash` (the page before `tokens`, e.g.
+    /// `Match.last_hash`), or from the namespace's seed when None.
+    #[pyo3(signature = (tokens, *, namespace=None, parent_hash=None))]
+    fn chain_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let parent = opt_hash_arg(parent_hash, "parent_hash")?;
+        let hashes = run(py, &self.inner, tokens.len(), |c| {
+            Ok(c.chain_hashes(namespace, parent, &tokens))
+        })?;
+        hash_list(py, &hashes)
+    }
+
     /// Inserts before a selective backup (None unless the policy is selective).
     #[getter]
     fn write_through_threshold(&self) -> Option<u32> {
@@ -326,6 +361,7 @@ impl PyHybridCache {
             host_node: self.node(py, m.host_node)?,
             mamba_slot: m.mamba_slot,
             kv_len: m.kv_len,
+            last_hash: m.last_hash.map(|h| PyBytes::new(py, &h).unbind()),
         })
     }
 
@@ -695,7 +731,8 @@ impl PyHybridCache {
 const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
-    eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0";
+    eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, \
+    page_hashes=False, hash_seed=None";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {
