@@ -20,6 +20,8 @@
 //! (`Throughput::Elements(len)`), so ns per token is `time / len`, or `1e9 / thrpt`. For
 //! inserts `len` counts the new tokens only: the shared system prompt (walked, and its
 //! slots checked against the tree's) adds a fixed cost per call on top.
+//! `radix/insert_hashed{suffix}/{len}` is the same on the same trees built with page
+//! hashes on: each new page's SHA-256 is computed by the timed insert.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -30,6 +32,9 @@ use radixcache_core::{Cache, Config};
 
 /// Prompt lengths measured.
 const LENS: [usize; 3] = [512, 2048, 8192];
+
+/// New-token lengths of the insert benches (4k: the page-hash goal's length).
+const INSERT_LENS: [usize; 4] = [512, 2048, 4096, 8192];
 
 /// Page sizes measured, with the suffix of their bench ids.
 const PAGE_SIZES: [(usize, &str); 2] = [(1, ""), (16, "_p16")];
@@ -121,17 +126,21 @@ fn timed_inserts(built: &mut Built, system: &mut usize, len: usize, iters: u64) 
 fn bench_insert(criterion: &mut Criterion) {
     for (page_size, suffix) in PAGE_SIZES {
         let mut group = configure(criterion);
-        for len in LENS {
-            // A fresh tree per length: each bench churns its own.
-            let mut built = Built::new(page_size, SEED);
-            let mut system = 0;
-            group.throughput(elements(len));
-            group.bench_function(
-                BenchmarkId::new(format!("insert{suffix}"), len),
-                |bencher| {
-                    bencher.iter_custom(|iters| timed_inserts(&mut built, &mut system, len, iters));
-                },
-            );
+        for (hashed, name) in [(false, "insert"), (true, "insert_hashed")] {
+            for len in INSERT_LENS {
+                // A fresh tree per length: each bench churns its own.
+                let mut built = Built::hashed(page_size, SEED, hashed);
+                let mut system = 0;
+                group.throughput(elements(len));
+                group.bench_function(
+                    BenchmarkId::new(format!("{name}{suffix}"), len),
+                    |bencher| {
+                        bencher.iter_custom(|iters| {
+                            timed_inserts(&mut built, &mut system, len, iters)
+                        });
+                    },
+                );
+            }
         }
         group.finish();
     }

@@ -343,8 +343,22 @@ impl Built {
     ///
     /// When the cache cannot be created or refuses a request (see [`serve`]).
     pub fn new(page_size: usize, seed: u64) -> Built {
+        Built::hashed(page_size, seed, false)
+    }
+
+    /// [`Built::new`], with page hashes on or off (`page_hashes`): the same tree, each
+    /// page also carrying its chained SHA-256.
+    ///
+    /// # Panics
+    ///
+    /// As [`Built::new`].
+    pub fn hashed(page_size: usize, seed: u64, page_hashes: bool) -> Built {
         let slots = pages_for(TARGET_TOKENS, page_size);
-        let mut cache = match Cache::new(Config::kv(slots, page_size)) {
+        let config = Config {
+            page_hashes,
+            ..Config::kv(slots, page_size)
+        };
+        let mut cache = match Cache::new(config) {
             Ok(c) => c,
             Err(e) => panic!("bad bench configuration: {e}"),
         };

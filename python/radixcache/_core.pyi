@@ -16,6 +16,19 @@ KERNEL_SOURCES: Final[dict[str, str]]
 #: off). Results and errors are the same either way; only the speed differs.
 _int_fast_path: Final[bool]
 
+def chain_hashes(tokens: _Tokens, page_size: int, prior: bytes | None = None) -> list[bytes]:
+    """The SHA-256 chain of the whole pages of ``tokens`` (no cache needed).
+
+    Each page's hash is ``sha256(prior || the page's tokens as uint32 little-endian)``,
+    the previous page's hash being the next prior; the first page is chained from
+    ``prior`` (None: no prior, SGLang HiCache's chain without a namespace). An unaligned
+    tail is not hashed. ``tokens`` in any form the cache's calls accept.
+
+    Raises:
+        ValueError: ``page_size`` below 1, ``prior`` not 32 bytes (names them).
+        TypeError: ``prior`` not bytes or None.
+    """
+
 def _small_int_read(obj: int) -> tuple[int | None, int] | None:
     """For tests of the fast path: what it reads of an exact int ``obj``.
 
@@ -48,6 +61,7 @@ __all__ = [
     "StaleNodeError",
     "TransferBatch",
     "__version__",
+    "chain_hashes",
 ]
 
 #: A token sequence, ids in [0, 2**32): a list or tuple (the fast path: exact ints, or
@@ -128,6 +142,15 @@ class Match:
     @property
     def kv_len(self) -> int:
         """Deepest page-aligned KV match on any tier, ignoring states (the branch point)."""
+    @property
+    def last_hash(self) -> bytes | None:
+        """With ``page_hashes``: the SHA-256 of the last page of the match counting host
+        data (the page ending at ``device_len + host_len``, the end of ``host_node``).
+
+        ``HybridCache.chain_hashes(rest, parent_hash=last_hash)`` hashes the rest of the
+        prompt from there (the L3 lookup). None when nothing matched or without page
+        hashes. Read from the node: a match hashes nothing.
+        """
 
 @final
 class Insert:
@@ -526,6 +549,17 @@ class HybridCache:
             back (host to device). A match through host-only nodes is cut by the same
             window rule, a host-only page counting as live when it has its host SWA
             page.
+        page_hashes: every cached page carries a chained SHA-256 (docs/design.md, "Page
+            hashes"): ``H_i = sha256(H_{i-1} || the page's tokens as uint32
+            little-endian)``, the first page chained from its namespace's seed. Computed
+            once when a page is cached (an insert, a request's pages), kept by splits and
+            on the host tier, never computed by a match. Off by default, at no cost.
+        hash_seed: 32 bytes, the default namespace's seed (the prior of its first
+            page), from which named namespaces' seeds are derived too. None (the
+            default): SGLang HiCache's chains: no prior in the default namespace, and a
+            named namespace seeded as SGLang seeds an ``extra_key``. Only with
+            ``page_hashes=True``; anything but None or 32 ``bytes`` raises
+            (``TypeError``/``ValueError`` naming ``hash_seed``).
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -558,8 +592,34 @@ class HybridCache:
         swa_slots: int = 0,
         swa_window: int = 0,
         host_swa_slots: int = 0,
+        page_hashes: bool = False,
+        hash_seed: bytes | None = None,
         l3: bool = False,
     ) -> HybridCache: ...
+    def page_hashes(self, node: Node) -> list[bytes]:
+        """The SHA-256 of each page of ``node``, in order (a root has none).
+
+        Raises:
+            ValueError: the cache was built without ``page_hashes`` (names it).
+            StaleNodeError: the node was evicted.
+        """
+    def chain_hashes(
+        self,
+        tokens: _Tokens,
+        *,
+        namespace: str | None = None,
+        parent_hash: bytes | None = None,
+    ) -> list[bytes]:
+        """The hashes of the whole pages of ``tokens`` as this cache chains them.
+
+        From ``parent_hash`` (the hash of the page just before ``tokens``, such as
+        ``Match.last_hash``), or from ``namespace``'s seed when None (the tokens start
+        at the root). An unaligned tail is not hashed. Works without ``page_hashes``
+        too (it reads nothing from the tree).
+
+        Raises:
+            TypeError, ValueError: ``parent_hash`` not None or 32 bytes (names it).
+        """
     @property
     def l3(self) -> bool:
         """Whether host pages go to, and come from, the L3 tier."""
@@ -648,7 +708,7 @@ class HybridCache:
         """Fetch from the L3 tier what the cache lacks of the first ``pages`` pages of ``tokens``.
 
         ``pages``: how many leading whole pages of ``tokens`` the store holds (found by
-        their hashes, ``prefix_hashes``). The pages past those whose KV the cache holds
+        their hashes, ``chain_hashes``). The pages past those whose KV the cache holds
         (on either tier) are fetched, with the state at their end on a hybrid model.
         Takes, all at once, a lock on the node where the cached prefix ends (a new root
         for a namespace the cache holds nothing of), host KV pages and a host state
@@ -664,12 +724,6 @@ class HybridCache:
         Raises:
             ValueError: the cache has no L3 tier (``l3``), or ``pages`` goes past the
                 whole pages of ``tokens`` (``pages``).
-        """
-    def prefix_hashes(self, tokens: _Tokens, *, namespace: str | None = None) -> list[bytes]:
-        """Return the hash of each whole page of ``tokens``, as the cache hashes its pages.
-
-        Chained from ``namespace``'s seed (docs/design.md, "Page hashes"); an unaligned
-        tail is not hashed. A pure computation: works with page hashes off too.
         """
     def match_prefix(self, tokens: _Tokens, *, namespace: str | None = None) -> Match:
         """Longest cached prefix of ``tokens``, rounded down to whole pages.

@@ -314,7 +314,7 @@ class L3Tier:
             self.counters.lookups_skipped += 1
             return 0
         self.counters.lookups += 1
-        hashes = cache.prefix_hashes(toks[:whole], namespace=namespace)[have // ps :]
+        hashes = cache.chain_hashes(toks[:whole], namespace=namespace)[have // ps :]
         present = self._try(self.store.exists, self._keys(hashes))
         if not present:
             return 0

@@ -147,6 +147,7 @@ class ReplayConfig:
             swa_slots=self.swa_slots if swa else 0,
             swa_window=self.swa_window if swa else 0,
             host_swa_slots=self.host_swa_slots if (swa and host and self.swa_slots) else 0,
+            page_hashes=l3 and self.l3 is not None,
             l3=l3 and self.l3 is not None,
         )
 

@@ -14,7 +14,7 @@ use crate::cache::{Cache, PoolKind, Tier};
 use crate::config::EvictionPolicy;
 use crate::error::{Error, Result};
 use crate::pool::{PageState, PoolCounts};
-use crate::tree::{StateMark, Tree, NONE};
+use crate::tree::{Announced, StateMark, Tree, NONE};
 
 impl Cache {
     /// Checks every invariant of docs/contract.md that applies (slot conservation,
@@ -142,7 +142,32 @@ fn audit(c: &Cache) -> Result<()> {
     check_pins(c)?;
     check_loads(c)?;
     check_sums(c, &sums)?;
-    check_hashes(c)
+    check_hashes(c)?;
+    check_announced(c)
+}
+
+/// KV events: with them on, what was announced of every node is what it holds (every
+/// change was announced); with them off, nothing was.
+fn check_announced(c: &Cache) -> Result<()> {
+    let tree = c.tree();
+    for (_, root) in c.roots().all() {
+        for i in tree.preorder(root).into_iter().skip(1) {
+            let n = tree.node(i);
+            let want = if c.config().events {
+                Announced::of(n)
+            } else {
+                Announced::default()
+            };
+            if n.announced != want {
+                return broken(format!(
+                    "node {}: events announced {:?}, it holds {want:?}",
+                    tree.id(i),
+                    n.announced
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Page hashes: with them on, every root holds its namespace's seed and every node one

@@ -290,6 +290,11 @@ pub struct Config {
     /// namespaces' seeds are derived too; `None`: `SGLang` `HiCache`'s seeds (no prior in
     /// the default namespace). Only with `page_hashes`.
     pub hash_seed: Option<[u8; 32]>,
+    /// Whether the cache queues KV events for routers (docs/design.md, "KV events
+    /// (core)"), drained by `Cache::take_events`. Needs `page_hashes` (events name
+    /// pages by their hashes): refused without it rather than turning it on behind the
+    /// caller's back.
+    pub events: bool,
     /// Whether host pages go to the L3 tier (a store shared by many caches) once backed
     /// up, and can be fetched from it (`cache::l3`): needs a host tier (with host state
     /// slots for a hybrid model), page hashes, and no SWA layers.
@@ -313,6 +318,7 @@ impl Default for Config {
             host_swa_slots: 0,
             page_hashes: false,
             hash_seed: None,
+            events: false,
             l3: false,
         }
     }
@@ -417,6 +423,12 @@ impl Config {
             ));
         }
         self.validate_swa()?;
+        if self.events && !self.page_hashes {
+            return Err(Error::arg(
+                "events",
+                "needs page_hashes=True: events name pages by their hashes",
+            ));
+        }
         if self.hash_seed.is_some() && !self.page_hashes {
             return Err(Error::arg(
                 "hash_seed",
@@ -593,6 +605,23 @@ mod tests {
                 arg: "hash_seed",
                 ..
             })
+        ));
+        let c = Config {
+            page_hashes: true,
+            ..c
+        };
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
+    fn events_without_page_hashes_are_refused_naming_events() {
+        let c = Config {
+            events: true,
+            ..Config::kv(16, 1)
+        };
+        assert!(matches!(
+            c.validate(),
+            Err(Error::InvalidArgument { arg: "events", .. })
         ));
         let c = Config {
             page_hashes: true,

@@ -25,9 +25,9 @@ mod stats;
 mod tree;
 
 pub use cache::{
-    Abandoned, BatchKind, Cache, CallOff, ComponentKind, Evicted, Grown, Insert, LoadRecord,
-    LoadTarget, LockReceipt, Match, Model, NodeInfo, Peek, PoolKind, RequestView, SlotCopy, Tier,
-    TransferBatch,
+    Abandoned, BatchKind, Cache, CallOff, ComponentKind, EventContents, Evicted, Grown, Insert,
+    KvEvent, LoadRecord, LoadTarget, LockReceipt, Match, Medium, Model, NodeInfo, Peek, PoolKind,
+    RequestView, SlotCopy, Tier, TransferBatch,
 };
 pub use config::{Config, EvictionPolicies, EvictionPolicy, PoolOwner, WritePolicy};
 pub use error::{Error, Result};

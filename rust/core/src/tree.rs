@@ -251,6 +251,36 @@ pub(crate) struct SwaNode {
     pub queued: bool,
 }
 
+/// What KV events have announced of a node (`cache::events`): per tier, whether its
+/// pages are there and whether its state is. Kept equal to [`Announced::of`] the node
+/// by `Cache::edit`, which emits an event for each difference.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[allow(clippy::struct_excessive_bools)] // four independent facts, compared as one value
+pub(crate) struct Announced {
+    /// Device KV, landed (not a committed load-back's pages in flight).
+    pub device: bool,
+    /// Host KV (a backup's pages only once it landed).
+    pub host: bool,
+    /// A device state, landed.
+    pub device_state: bool,
+    /// A host state.
+    pub host_state: bool,
+}
+
+impl Announced {
+    /// What a router may be told of node `n` now: data that is there and not in flight
+    /// towards it.
+    pub fn of(n: &Node) -> Announced {
+        let landed = !n.kv.state.loading();
+        Announced {
+            device: landed && n.kv.device.is_some(),
+            host: n.kv.host.is_some(),
+            device_state: landed && n.mamba.device.is_some(),
+            host_state: n.mamba.host.is_some(),
+        }
+    }
+}
+
 /// One node of the tree.
 pub(crate) struct Node {
     pub generation: u64,
@@ -273,6 +303,8 @@ pub(crate) struct Node {
     /// parent's last (`crate::hashes`); a root holds its namespace's seed (none without
     /// one). Empty with page hashes off.
     pub hashes: Vec<PageHash>,
+    /// What KV events have announced of the node (all false with events off).
+    pub announced: Announced,
     /// Logical time of the last access (larger is more recent).
     pub last_access: u64,
     /// Inserts through this node (write-through-selective backs a node up after enough).
@@ -299,6 +331,7 @@ impl Node {
             mamba: MambaNode::default(),
             swa: SwaNode::default(),
             hashes: Vec::new(),
+            announced: Announced::default(),
             last_access: 0,
             hits: 0,
             matches: 0,
@@ -499,9 +532,9 @@ impl Tree {
                 n.kv.device.is_some(),
             )
         };
-        let (lock, state, l3) = {
+        let (lock, state, l3, announced) = {
             let n = &self.nodes[i as usize];
-            (n.kv.lock, n.kv.state, n.kv.l3)
+            (n.kv.lock, n.kv.state, n.kv.l3, n.announced)
         };
         let (last_access, hits, matches, priority) = {
             let n = &self.nodes[i as usize];
@@ -513,6 +546,12 @@ impl Tree {
             un.kv.device = upper_device;
             un.kv.host = upper_host;
             un.hashes = upper_hashes;
+            // Its pages are where the lower part's are; the state stays below.
+            un.announced = Announced {
+                device_state: false,
+                host_state: false,
+                ..announced
+            };
             un.kv.lock = lock;
             un.kv.state = state.for_upper();
             un.kv.l3 = l3;

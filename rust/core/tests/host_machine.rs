@@ -550,6 +550,8 @@ impl Frozen {
 
 struct Machine {
     cache: Cache,
+    /// A router's index rebuilt from the cache's KV events alone.
+    events: common::EventIndex,
     ps: usize,
     hybrid: bool,
     store: Store,
@@ -583,8 +585,14 @@ fn page_of_slot(slot: i64, ps: usize) -> i64 {
 
 impl Machine {
     fn new(config: &Config, seed: u64) -> Machine {
-        let cache = Cache::new(config.clone()).unwrap();
+        let cache = Cache::new(Config {
+            page_hashes: true,
+            events: true,
+            ..config.clone()
+        })
+        .unwrap();
         Machine {
+            events: common::EventIndex::default(),
             ps: config.page_size,
             hybrid: config.mamba_slots > 0,
             store: Store {
@@ -698,9 +706,11 @@ impl Machine {
     // -----------------------------------------------------------------------------------
     // Checks
 
-    /// Everything that must hold after every step.
-    fn check(&self) {
+    /// Everything that must hold after every step (the index rebuilt from the events
+    /// equals the tree's contents, per tier, with states, among them).
+    fn check(&mut self) {
         self.cache.audit().unwrap();
+        self.events.check(&mut self.cache);
         assert_pool_sums(&self.cache);
         // Handed out and not ended: exactly the batches the test holds (taken, and load
         // guards' batches), with their kinds and whether they were started.

@@ -857,6 +857,8 @@ impl Model {
 struct Machine {
     cache: Cache,
     m: Model,
+    /// A router's index rebuilt from the cache's KV events alone.
+    events: common::EventIndex,
     /// The tree as read at the end of the last step.
     read: Read,
 }
@@ -869,9 +871,12 @@ impl Machine {
                 page_size: ps,
                 mamba_slots,
                 eviction_policy: EvictionPolicies::uniform(policy),
+                page_hashes: true,
+                events: true,
                 ..Config::default()
             })
             .unwrap(),
+            events: common::EventIndex::default(),
             m: Model {
                 ps,
                 kv_pages: kv_slots / ps,
@@ -922,6 +927,7 @@ impl Machine {
     #[allow(clippy::too_many_lines)]
     fn check(&mut self) {
         self.cache.audit().unwrap();
+        self.events.check(&mut self.cache);
         assert_pool_sums(&self.cache);
         let retired = self.m.reqs.iter().fold((0, 0), |(k, s), q| {
             (k + q.retired_kv.len(), s + q.retired_mamba.len())

@@ -351,6 +351,8 @@ impl Model {
 struct Machine {
     cache: Cache,
     m: Model,
+    /// A router's index rebuilt from the cache's KV events alone.
+    events: common::EventIndex,
 }
 
 impl Machine {
@@ -358,6 +360,8 @@ impl Machine {
         Machine {
             cache: Cache::new(Config {
                 eviction_policy,
+                page_hashes: true,
+                events: true,
                 ..Config::kv(slots, ps)
             })
             .unwrap(),
@@ -373,12 +377,15 @@ impl Machine {
                 empty_root: None,
                 history: Vec::new(),
             },
+            events: common::EventIndex::default(),
         }
     }
 
-    /// After every step: audit, model == tree, sizes exact.
-    fn check(&self) {
+    /// After every step: audit, the index rebuilt from the events == the tree, model ==
+    /// tree, sizes exact.
+    fn check(&mut self) {
         self.cache.audit().unwrap();
+        self.events.check(&mut self.cache);
         assert_pool_sums(&self.cache);
         let ps = self.m.ps;
         let (tree, tree_locks) = tree_pages(&self.cache.snapshot(), ps);

@@ -6,11 +6,11 @@ use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use radixcache_core as core;
 
 use crate::batch::{copies, PyTransferBatch};
-use crate::convert::{indices_arg, tokens_arg, BatchArg, Int};
+use crate::convert::{hash_list, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
 use crate::errors::err;
 use crate::gil::{self, run, settle};
 use crate::load_back::PyLoadBack;
@@ -125,8 +125,9 @@ impl PyHybridCache {
                         write_through_threshold=None, pools=core::PoolOwner::Cache,
                         eviction_policy=core::EvictionPolicies::default(),
                         swa_slots=Int::Value(0), swa_window=Int::Value(0),
-                        host_swa_slots=Int::Value(0), l3=false),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, l3=False)")]
+                        host_swa_slots=Int::Value(0), page_hashes=false, hash_seed=None,
+                        l3=false),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None, l3=False)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -140,6 +141,8 @@ impl PyHybridCache {
         swa_slots: Int,
         swa_window: Int,
         host_swa_slots: Int,
+        page_hashes: bool,
+        hash_seed: Option<&Bound<'_, PyAny>>,
         l3: bool,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
@@ -165,9 +168,9 @@ impl PyHybridCache {
             swa_slots: swa_slots.count("swa_slots")?,
             swa_window: swa_window.count("swa_window")?,
             host_swa_slots: host_swa_slots.count("host_swa_slots")?,
-            // The L3 tier names its objects by page hash.
-            page_hashes: l3,
-            hash_seed: None,
+            page_hashes,
+            hash_seed: opt_hash_arg(hash_seed, "hash_seed")?,
+            events: false,
             l3,
         };
         Ok(PyHybridCache {
@@ -267,6 +270,37 @@ impl PyHybridCache {
         self.config.pools.as_str()
     }
 
+    /// The SHA-256 of each page of `node`, in order (a root: none). `ValueError`
+    /// naming `page_hashes` when the cache was built without them.
+    fn page_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        node: &Bound<'_, PyNode>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = node.get().id;
+        let hashes = run(py, &self.inner, 0, |c| c.node_hashes(id).map(<[_]>::to_vec))?;
+        hash_list(py, &hashes)
+    }
+
+    /// The hashes of the whole pages of `tokens` as this cache chains them in
+    /// `namespace`: from `parent_hash` (the page before `tokens`, e.g.
+    /// `Match.last_hash`), or from the namespace's seed when None.
+    #[pyo3(signature = (tokens, *, namespace=None, parent_hash=None))]
+    fn chain_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let parent = opt_hash_arg(parent_hash, "parent_hash")?;
+        let hashes = run(py, &self.inner, tokens.len(), |c| {
+            Ok(c.chain_hashes(namespace, parent, &tokens))
+        })?;
+        hash_list(py, &hashes)
+    }
+
     /// Inserts before a selective backup (None unless the policy is selective).
     #[getter]
     fn write_through_threshold(&self) -> Option<u32> {
@@ -350,22 +384,6 @@ impl PyHybridCache {
             .map(|handle| PyTransferBatch::new(&self.inner, handle, copies)))
     }
 
-    /// The hash of each whole page of `tokens` in `namespace`, chained from the
-    /// namespace's seed, as the cache hashes the pages it holds (page hashes on or off).
-    #[pyo3(signature = (tokens, *, namespace=None))]
-    fn prefix_hashes<'py>(
-        &self,
-        py: Python<'py>,
-        tokens: &Bound<'_, PyAny>,
-        namespace: Option<&str>,
-    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let tokens = tokens_arg(tokens, "tokens")?;
-        let hashes = run(py, &self.inner, tokens.len(), |c| {
-            Ok(c.chain_hashes(namespace, None, &tokens))
-        })?;
-        Ok(hashes.iter().map(|h| PyBytes::new(py, h)).collect())
-    }
-
     /// Longest cached prefix of `tokens` (whole pages); refreshes LRU on the path.
     #[pyo3(signature = (tokens, *, namespace=None))]
     fn match_prefix(
@@ -386,6 +404,7 @@ impl PyHybridCache {
             host_node: self.node(py, m.host_node)?,
             mamba_slot: m.mamba_slot,
             kv_len: m.kv_len,
+            last_hash: m.last_hash.map(|h| PyBytes::new(py, &h).unbind()),
         })
     }
 
@@ -755,7 +774,8 @@ impl PyHybridCache {
 const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0, \
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
-    eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0";
+    eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, \
+    page_hashes=False, hash_seed=None";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -804,3 +804,37 @@ impl BatchArg {
         self.0
     }
 }
+
+/// A page hash (`hash_seed`, a prior): exactly 32 `bytes`; the error names `arg`.
+pub(crate) fn hash_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<core::PageHash> {
+    let Ok(bytes) = obj.cast::<PyBytes>() else {
+        return Err(PyTypeError::new_err(format!(
+            "{arg}: expected 32 bytes or None, got {}",
+            type_name(obj)
+        )));
+    };
+    core::PageHash::try_from(bytes.as_bytes()).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{arg}: expected 32 bytes (a SHA-256 digest), got {}",
+            bytes.as_bytes().len()
+        ))
+    })
+}
+
+/// An optional page hash (`None` or 32 bytes), see [`hash_arg`].
+pub(crate) fn opt_hash_arg(
+    obj: Option<&Bound<'_, PyAny>>,
+    arg: &str,
+) -> PyResult<Option<core::PageHash>> {
+    obj.filter(|o| !o.is_none())
+        .map(|o| hash_arg(o, arg))
+        .transpose()
+}
+
+/// Page hashes as a list of `bytes`.
+pub(crate) fn hash_list<'py>(
+    py: Python<'py>,
+    hashes: &[core::PageHash],
+) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h)))
+}

@@ -23,6 +23,7 @@ mod convert;
 mod errors;
 mod gil;
 mod grown;
+mod hashing;
 mod l3;
 mod layout;
 mod load_back;
@@ -72,6 +73,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Private (not in `__all__`): set, not added.
     m.setattr("_int_fast_path", layout::init(py)?)?;
     m.setattr("_small_int_read", wrap_pyfunction!(_small_int_read, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::chain_hashes, m)?)?;
     constructor_signature(m)?;
     Ok(())
 }

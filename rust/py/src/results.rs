@@ -2,6 +2,7 @@
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use radixcache_core as core;
 
 use crate::node::PyNode;
@@ -20,6 +21,7 @@ pub(crate) struct PyMatch {
     pub(crate) host_node: Py<PyNode>,
     pub(crate) mamba_slot: Option<u32>,
     pub(crate) kv_len: usize,
+    pub(crate) last_hash: Option<Py<PyBytes>>,
 }
 
 #[pymethods]

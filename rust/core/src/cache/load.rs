@@ -627,11 +627,13 @@ impl Cache {
         let mut cur = j;
         while self.tree.node(cur).kv.state.loading() {
             let parent = self.tree.node(cur).parent;
-            self.mark_kv(cur, |s| s.with_loading(false));
             if !ok {
                 // Locked, no device child: nothing is cached below a load in flight.
+                // Freed while still marked loading, so that no event ever announces
+                // the pages of a failed load.
                 self.take_device_pages(cur);
             }
+            self.mark_kv(cur, |s| s.with_loading(false));
             self.refresh(cur);
             cur = parent;
         }

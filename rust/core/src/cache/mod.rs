@@ -19,6 +19,7 @@
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
 //! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
 //! | `hashing.rs` | — | page hashes of new nodes, `node_hashes`, `chain_hashes` |
+//! | `events.rs` | the KV event queue | events for routers, emitted from `edit` |
 //! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
 //! | `alloc.rs` | — | allocation, evicting first when short |
 //! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
@@ -33,6 +34,9 @@ pub(crate) mod batch;
 pub(crate) mod component;
 #[cfg(test)]
 mod engine_tests;
+mod events;
+#[cfg(test)]
+mod events_tests;
 mod evict;
 mod hashing;
 pub(crate) mod host;
@@ -70,6 +74,7 @@ use std::sync::Arc;
 
 pub use batch::{Abandoned, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
 pub use component::{ComponentKind, Model};
+pub use events::{EventContents, KvEvent, Medium};
 pub use load::{CallOff, LoadRecord, LoadTarget};
 pub use locks::LockReceipt;
 pub use request::{Grown, RequestView};
@@ -137,6 +142,8 @@ pub struct Cache {
     state_nodes: Vec<u32>,
     /// Scratch space of walks (kept to avoid an allocation per call).
     probe: Probe,
+    /// KV events not yet taken (with `config.events`).
+    events: events::Events,
 }
 
 impl std::fmt::Debug for Cache {
@@ -203,6 +210,7 @@ impl Cache {
             fault,
             state_nodes: Vec::new(),
             probe: Probe::default(),
+            events: events::Events::default(),
         })
     }
 
@@ -331,12 +339,16 @@ impl Cache {
 
     /// Changes node `i` with `f`, keeping the size tallies right: the node's
     /// contribution is taken out before and put back after. Every change to what a node
-    /// holds or to its lock counts goes through here.
+    /// holds or to its lock counts goes through here; with events on, so does every KV
+    /// event (`events.rs`).
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
         let n = self.tree.node_mut(i);
         self.sizes -= sizes::Sizes::of(n);
         let out = f(n);
         self.sizes += sizes::Sizes::of(n);
+        if self.config.events {
+            self.announce(i);
+        }
         out
     }
 

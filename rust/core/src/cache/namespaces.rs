@@ -55,6 +55,11 @@ impl Namespaces {
         self.empty
     }
 
+    /// The name of root `r` (`None`: the default or the empty root).
+    pub fn name_of(&self, r: u32) -> Option<&str> {
+        self.names.get(&r).map(|n| &**n)
+    }
+
     /// Named namespaces.
     pub fn named(&self) -> usize {
         self.named.len()

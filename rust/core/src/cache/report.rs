@@ -168,6 +168,8 @@ impl Cache {
             ("live_requests", self.requests.live() as u64),
             ("batches_in_flight", self.batches.len() as u64),
             ("batches_draining", self.draining_batches() as u64),
+            ("events_emitted", self.event_counts().0),
+            ("events_pending", self.event_counts().1 as u64),
             ("load_backs_pending", self.loads.len() as u64),
             // Each pool: free + cached + caller + request + draining = capacity.
             ("kv_free_slots", kv[0]),

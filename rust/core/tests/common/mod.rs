@@ -15,7 +15,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
-use radixcache_core::{Cache, Error, EvictionPolicies, EvictionPolicy, NodeInfo};
+use radixcache_core::{
+    Cache, Error, EvictionPolicies, EvictionPolicy, KvEvent, Medium, NodeInfo, PageHash,
+};
 
 pub type Ns = Option<String>;
 /// A cached page-prefix or node end: namespace and every token from the root.
@@ -457,4 +459,73 @@ pub fn foreign_receipt() -> (Cache, radixcache_core::LockReceipt) {
     let node = other.insert(None, &[1], &slots, 0).unwrap().node;
     let receipt = other.lock(node).unwrap();
     (other, receipt)
+}
+
+/// A router's index rebuilt only from the cache's KV events: per medium and namespace,
+/// the page hashes present and the node ends with a state. [`EventIndex::check`] takes
+/// the events, applies them (a page stored twice, or removed while absent, fails) and
+/// compares the index with what the cache holds (`Cache::event_contents`).
+#[derive(Default)]
+pub struct EventIndex {
+    pages: BTreeSet<(Medium, Ns, PageHash)>,
+    states: BTreeSet<(Medium, Ns, PageHash)>,
+}
+
+impl EventIndex {
+    /// Applies the events taken from `c` and checks the index against it.
+    pub fn check(&mut self, c: &mut Cache) {
+        for e in c.take_events() {
+            match &e {
+                KvEvent::Stored {
+                    medium,
+                    namespace,
+                    hashes,
+                    token_ids,
+                    block_size,
+                    ..
+                } => {
+                    assert_eq!(token_ids.len(), hashes.len() * block_size, "{e:?}");
+                    for h in hashes {
+                        let fresh = self.pages.insert((*medium, namespace.clone(), *h));
+                        assert!(fresh, "stored twice: {e:?}");
+                    }
+                }
+                KvEvent::Removed {
+                    medium,
+                    namespace,
+                    hashes,
+                } => {
+                    for h in hashes {
+                        let was = self.pages.remove(&(*medium, namespace.clone(), *h));
+                        assert!(was, "removed while absent: {e:?}");
+                    }
+                }
+                KvEvent::Cleared => {
+                    self.pages.clear();
+                    self.states.clear();
+                }
+                KvEvent::StateStored {
+                    medium,
+                    namespace,
+                    hash,
+                } => {
+                    let fresh = self.states.insert((*medium, namespace.clone(), *hash));
+                    assert!(fresh, "state stored twice: {e:?}");
+                }
+                KvEvent::StateRemoved {
+                    medium,
+                    namespace,
+                    hash,
+                } => {
+                    let was = self.states.remove(&(*medium, namespace.clone(), *hash));
+                    assert!(was, "state removed while absent: {e:?}");
+                }
+            }
+        }
+        let want = c.event_contents();
+        let pages: Vec<_> = self.pages.iter().cloned().collect();
+        assert_eq!(pages, want.pages, "pages: events and cache disagree");
+        let states: Vec<_> = self.states.iter().cloned().collect();
+        assert_eq!(states, want.states, "states: events and cache disagree");
+    }
 }
