@@ -217,6 +217,40 @@ impl Cache {
         self.roots.name_of(i).map(str::to_owned)
     }
 
+    /// With events on, what a landed `l3_put` of node `i`'s pages (`kv`) or of the state
+    /// at its end (else) will announce on the `EXTERNAL` medium: taken when the put is
+    /// emitted, so that a split or eviction meanwhile does not change it.
+    pub(crate) fn external_event(&self, i: u32, kv: bool) -> Option<KvEvent> {
+        if !self.config.events {
+            return None;
+        }
+        let n = self.tree.node(i);
+        let namespace = self.namespace_of(i);
+        if kv {
+            Some(KvEvent::Stored {
+                medium: Medium::External,
+                namespace,
+                hashes: n.hashes.clone(),
+                parent_hash: self.tree.node(n.parent).hashes.last().copied(),
+                token_ids: n.key.clone(),
+                block_size: self.config.page_size,
+            })
+        } else {
+            Some(KvEvent::StateStored {
+                medium: Medium::External,
+                namespace,
+                hash: *n.hashes.last()?,
+            })
+        }
+    }
+
+    /// Queues events prepared by [`Cache::external_event`] (a put landed).
+    pub(crate) fn push_events(&mut self, events: Vec<KvEvent>) {
+        for e in events {
+            self.events.push(e);
+        }
+    }
+
     /// Refuses an external note when events are off.
     fn events_on(&self, call: &str) -> Result<()> {
         if self.config.events {

@@ -29,6 +29,7 @@ use crate::pool::{as_i64, Pages};
 use crate::tree::{KvState, NONE};
 
 use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::events::KvEvent;
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -40,6 +41,8 @@ pub(crate) struct Put {
     kv_nodes: Vec<NodeId>,
     /// Nodes whose state (at their end) it writes.
     state_nodes: Vec<NodeId>,
+    /// With events on, what landing announces on the `EXTERNAL` medium.
+    events: Vec<KvEvent>,
 }
 
 /// What an `l3_get` batch carries until it ends.
@@ -102,12 +105,14 @@ impl Cache {
                 kv_dst.extend(as_i64(start)..as_i64(start + host.len() * ps));
                 keys.extend_from_slice(&n.hashes);
                 put.kv_nodes.push(self.tree.id(i));
+                put.events.extend(self.external_event(i, true));
             }
             if let (Some(slot), Some(&last), false) = (n.mamba.host, n.hashes.last(), n.mamba.l3) {
                 st_src.push(i64::from(slot));
                 st_dst.push(as_i64(st_dst.len()));
                 state_keys.push(last);
                 put.state_nodes.push(self.tree.id(i));
+                put.events.extend(self.external_event(i, false));
             }
         }
         if keys.is_empty() && state_keys.is_empty() {
@@ -141,6 +146,7 @@ impl Cache {
             return;
         }
         self.stats.l3_puts_done += 1;
+        self.push_events(put.events);
         for id in put.kv_nodes {
             if let Ok(i) = self.tree.resolve(id) {
                 self.edit(i, |n| n.kv.l3 = true);

@@ -368,3 +368,69 @@ fn the_l3_tier_is_refused_where_it_cannot_work_naming_l3() {
         "{err}"
     );
 }
+
+#[test]
+fn a_landed_put_announces_its_pages_and_state_on_the_external_medium() {
+    use super::events::{KvEvent, Medium};
+    let mut c = Cache::new(Config {
+        events: true,
+        ..l3_cache(true).config().clone()
+    })
+    .unwrap();
+    cached(&mut c, &toks());
+    complete_kind(&mut c, BatchKind::Backup);
+    let put = c.take_batches().pop().unwrap();
+    let external = |events: &[KvEvent]| {
+        events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    KvEvent::Stored {
+                        medium: Medium::External,
+                        ..
+                    } | KvEvent::StateStored {
+                        medium: Medium::External,
+                        ..
+                    }
+                )
+            })
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        external(&c.take_events()).is_empty(),
+        "nothing before it lands"
+    );
+    c.start(put.id).unwrap();
+    c.complete(put.id).unwrap();
+    let hashes = chain(None, &toks(), 2);
+    assert_eq!(
+        external(&c.take_events()),
+        vec![
+            KvEvent::Stored {
+                medium: Medium::External,
+                namespace: None,
+                hashes: hashes.clone(),
+                parent_hash: None,
+                token_ids: toks(),
+                block_size: 2,
+            },
+            KvEvent::StateStored {
+                medium: Medium::External,
+                namespace: None,
+                hash: hashes[3],
+            },
+        ]
+    );
+    // A failed put announces nothing.
+    let mut longer = toks();
+    longer.extend([9, 10]);
+    cached(&mut c, &longer);
+    complete_kind(&mut c, BatchKind::Backup);
+    let put = c.take_batches().pop().unwrap();
+    c.start(put.id).unwrap();
+    c.fail(put.id).unwrap();
+    assert!(external(&c.take_events()).is_empty());
+    c.audit().unwrap();
+}
