@@ -1,0 +1,372 @@
+"""The L3 tier from Python: `L3Tier` writing a cache's host pages to a store and another
+cache fetching them, byte for byte; a partial, failed or corrupt fetch; the breaker; the
+replay's ``--l3``, ``--servers`` and ``--shard``; and every argument refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from radixcache import HybridCache, ObjectStore, Storage
+from radixcache.engine import TransferEngine
+from radixcache.l3 import Breaker, L3Tier, layout_prefix
+from radixcache.serving import workloads
+from radixcache.serving.harness import ReplayConfig, deal, replay, replay_fleet
+
+PS = 4
+
+
+class Machine:
+    """One cache with its storage, L3 tier and engine."""
+
+    def __init__(self, store: Any, *, hybrid: bool, host_kv: int = 128) -> None:
+        self.cache = HybridCache(
+            kv_slots=64,
+            page_size=PS,
+            mamba_slots=4 if hybrid else 0,
+            host_kv_slots=host_kv,
+            host_mamba_slots=4 if hybrid else 0,
+            page_hashes=True,
+            l3=True,
+        )
+        self.storage = Storage.for_cache(
+            self.cache,
+            layers=2,
+            mamba_layers=2,
+            kv_heads=2,
+            head_dim=4,
+            conv_shape=(3,),
+            ssm_shape=(2, 2),
+            dtype="float32",
+            device="cpu",
+        )
+        self.tier = L3Tier(self.cache, self.storage, store, min_tokens=0)
+        self.engine = TransferEngine(self.cache, self.storage, l3=self.tier)
+
+    def compute(self, tokens: list[int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Cache `tokens` with random KV (and a random state); return what was written."""
+        cache = self.cache
+        slots = np.asarray(cache.alloc_kv(len(tokens)), dtype=np.int64)
+        k, v = self.storage.kv["device"]
+        k[:, slots] = rng.standard_normal(k[:, slots].shape)
+        v[:, slots] = rng.standard_normal(v[:, slots].shape)
+        wrote = {"k": k[:, slots].copy(), "v": v[:, slots].copy()}
+        state = None
+        if cache.mamba_slots:
+            state = cache.alloc_mamba()
+            conv, ssm = self.storage.mamba["device"]
+            conv[:, state] = rng.standard_normal(conv[:, state].shape)
+            ssm[:, state] = rng.standard_normal(ssm[:, state].shape)
+            wrote["conv"], wrote["ssm"] = conv[:, state].copy(), ssm[:, state].copy()
+        cache.insert(tokens, slots, mamba_slot=state)
+        return wrote
+
+    def settle(self) -> None:
+        """Run every batch, twice: backups, then the l3_puts their landing emits."""
+        self.engine.run_pending()
+        self.engine.run_pending()
+
+    def loaded(self, tokens: list[int]) -> dict[str, np.ndarray]:
+        """Load `tokens` back to the device; what the device then holds for them."""
+        m = self.cache.match_prefix(tokens)
+        assert (m.device_len, m.host_len) == (0, len(tokens))
+        lb = self.cache.load_back(m.host_node)
+        assert lb is not None
+        with lb:
+            assert self.engine.run(lb.batch)
+            lb.commit()
+        m = self.cache.match_prefix(tokens)
+        assert m.device_len == len(tokens)
+        k, v = self.storage.kv["device"]
+        out = {"k": k[:, m.kv_indices], "v": v[:, m.kv_indices]}
+        if self.cache.mamba_slots:
+            conv, ssm = self.storage.mamba["device"]
+            out["conv"], out["ssm"] = conv[:, m.mamba_slot], ssm[:, m.mamba_slot]
+        return out
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'store'}"
+
+
+TOKENS = list(range(100, 124))  # six pages
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_prefix_one_cache_wrote_is_fetched_by_another_byte_for_byte(
+    url: str, hybrid: bool
+) -> None:
+    rng = np.random.default_rng(0)
+    a, b = Machine(ObjectStore(url), hybrid=hybrid), Machine(ObjectStore(url), hybrid=hybrid)
+    wrote = a.compute(TOKENS, rng)
+    a.settle()
+    assert a.cache.stats()["l3_puts_done"] == 1
+    assert a.tier.counters.stored_objects == 6 + hybrid
+    assert b.tier.lookup(TOKENS) == 6
+    assert b.tier.fetch(TOKENS) == len(TOKENS)
+    assert b.cache.stats()["l3_landed_pages"] == 6
+    got = b.loaded(TOKENS)
+    for name, want in wrote.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    b.cache.audit()
+    # Pages that came from the store are not offered to it again.
+    b.settle()
+    assert b.cache.stats()["l3_puts"] == 0
+    # Written once: a third cache computing the same prompt writes nothing new.
+    c = Machine(ObjectStore(url), hybrid=hybrid)
+    c.compute(TOKENS, rng)
+    c.settle()
+    assert c.tier.counters.stored_objects == 0
+    assert c.tier.counters.present_objects == 6 + hybrid
+
+
+def test_a_fetch_continues_what_the_cache_holds_and_skips_a_short_rest(url: str) -> None:
+    rng = np.random.default_rng(1)
+    a, b = Machine(ObjectStore(url), hybrid=False), Machine(ObjectStore(url), hybrid=False)
+    a.compute(TOKENS, rng)
+    a.settle()
+    b.compute(TOKENS[:8], rng)  # b holds two pages of its own
+    assert b.tier.lookup(TOKENS) == 6
+    assert b.tier.fetch(TOKENS) == 16, "the four pages b lacks"
+    assert b.cache.match_prefix(TOKENS).host_len == 16
+    b.tier.min_tokens = 1000
+    assert b.tier.lookup(list(range(100, 200))) == 0
+    assert b.tier.counters.lookups_skipped == 1
+    b.cache.audit()
+
+
+def test_a_hybrid_fetch_goes_only_as_far_as_a_stored_state(url: str) -> None:
+    rng = np.random.default_rng(2)
+    a, b = Machine(ObjectStore(url), hybrid=True), Machine(ObjectStore(url), hybrid=True)
+    a.compute(TOKENS[:8], rng)  # a state after two pages
+    a.settle()
+    a.compute(TOKENS, rng)  # and after six
+    a.settle()
+    store = ObjectStore(url)
+    last = a.cache.chain_hashes(TOKENS)[-1]
+    state_key = a.tier.prefix + last.hex().encode() + b".s"
+    store.delete([state_key])
+    assert b.tier.lookup(TOKENS) == 2, "the deepest page with a state"
+    assert b.tier.fetch(TOKENS) == 8
+    b.cache.audit()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_lost_and_corrupt_objects_are_misses_never_wrong_bytes(url: str, hybrid: bool) -> None:
+    rng = np.random.default_rng(3)
+    a = Machine(ObjectStore(url), hybrid=hybrid)
+    a.compute(TOKENS, rng)
+    a.settle()
+    for fault in ("lose", "corrupt"):
+        b = Machine(ObjectStore.faulty(url, seed=7, **{fault: 1.0}), hybrid=hybrid)
+        assert b.tier.fetch(TOKENS) == 0
+        assert b.cache.match_prefix(TOKENS).host_len == 0
+        assert b.cache.stats()["l3_fetches_failed"] == 1
+        stats = b.cache.stats()
+        assert stats["host_kv_free_slots"] == b.cache.host_kv_slots, "every host slot back"
+        b.cache.audit()
+        if fault == "corrupt":
+            assert b.tier.counters.corrupt_objects >= 1
+    # The corrupt first page was deleted: the store's leading run now starts missing.
+    c = Machine(ObjectStore(url), hybrid=hybrid)
+    assert c.tier.lookup(TOKENS) == 0
+
+
+def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
+    rng = np.random.default_rng(4)
+    a, b = Machine(ObjectStore(url), hybrid=False), Machine(ObjectStore(url), hybrid=False)
+    a.compute(TOKENS, rng)
+    a.settle()
+    hashes = a.cache.chain_hashes(TOKENS)
+    ObjectStore(url).delete([a.tier.prefix + hashes[3].hex().encode()])
+    assert b.tier.lookup(TOKENS) == 3
+    batch = b.cache.l3_fetch(TOKENS, 6)
+    assert batch is not None
+    assert batch.kind == "l3_get"
+    assert b.tier._get(batch) == 3, "pages 0-2 landed, 3 missing, 4-5 not used"
+    assert b.cache.match_prefix(TOKENS).host_len == 12
+    assert b.tier.counters.missed_pages == 3
+    b.cache.audit()
+
+
+def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(tmp_path: Path) -> None:
+    clock = [0.0]
+    down = ObjectStore("redis://127.0.0.1:1", timeout_ms=50)
+    a = Machine(down, hybrid=False)
+    a.tier.breaker = Breaker(failures=2, cooldown=5.0, clock=lambda: clock[0])
+    rng = np.random.default_rng(5)
+    for n in range(3):
+        a.compute([7, n, 7, n, *TOKENS[: 4 * (n + 1)]], rng)
+        a.settle()
+    assert a.tier.breaker.state == "open"
+    assert a.tier.breaker.trips == 1
+    assert a.tier.counters.errors == 2, "after two errors in a row no call goes out"
+    assert a.tier.counters.skipped_open >= 1
+    assert a.cache.stats()["l3_puts_failed"] == 3
+    assert a.tier.fetch([9, 9, 9, 9, *TOKENS]) == 0
+    clock[0] = 6.0
+    assert a.tier.breaker.state == "half_open"
+    a.tier.store = ObjectStore(f"file://{tmp_path / 'back'}")
+    a.compute([8, 8, 8, 8, *TOKENS], rng)
+    a.settle()
+    assert a.tier.breaker.state == "closed", "the probe succeeded"
+    a.cache.audit()
+
+
+def test_breaker_opens_after_failures_in_a_row_and_a_failed_probe_reopens() -> None:
+    clock = [0.0]
+    b = Breaker(failures=3, cooldown=1.0, clock=lambda: clock[0])
+    b.failure()
+    b.failure()
+    b.success()
+    b.failure()
+    b.failure()
+    assert (b.state, b.allow()) == ("closed", True)
+    b.failure()
+    assert (b.state, b.allow(), b.trips) == ("open", False, 1)
+    clock[0] = 1.0
+    assert (b.state, b.allow()) == ("half_open", True)
+    b.failure()
+    assert (b.state, b.trips) == ("open", 1), "a failed probe reopens, not a new trip"
+    clock[0] = 2.5
+    b.success()
+    assert b.state == "closed"
+
+
+def test_layouts_that_differ_name_objects_differently(url: str) -> None:
+    a = Machine(ObjectStore(url), hybrid=False)
+    other = HybridCache(kv_slots=64, page_size=8, host_kv_slots=128, page_hashes=True, l3=True)
+    storage = Storage.for_cache(other, layers=2, kv_heads=2, head_dim=4, dtype="float32")
+    assert layout_prefix(a.storage, PS) != layout_prefix(storage, 8)
+    assert layout_prefix(a.storage, PS).startswith(b"rc1-")
+
+
+def test_bad_arguments_are_refused_naming_them(url: str) -> None:
+    store = ObjectStore(url)
+    plain = HybridCache(kv_slots=64, page_size=PS, host_kv_slots=128)
+    storage = Storage.for_cache(plain, layers=1, kv_heads=1, head_dim=1)
+    with pytest.raises(ValueError, match=r"^cache: .*l3=True"):
+        L3Tier(plain, storage, store)
+    a = Machine(store, hybrid=False)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"^min_tokens"):
+            L3Tier(a.cache, a.storage, store, min_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^l3: needs"):
+        HybridCache(kv_slots=64, page_size=PS, host_kv_slots=128, l3=True)
+    with pytest.raises(ValueError, match=r"^l3: needs a host tier"):
+        HybridCache(kv_slots=64, page_size=PS, page_hashes=True, l3=True)
+    with pytest.raises(ValueError, match=r"^l3"):
+        plain.l3_fetch(TOKENS, 1)
+    with pytest.raises(ValueError, match=r"^pages"):
+        a.cache.l3_fetch(TOKENS, 7)
+    a.compute(TOKENS[:8], np.random.default_rng(6))
+    batch = a.cache.take_batches()[0]
+    with pytest.raises(ValueError, match=r"^batch: expected an l3_put"):
+        a.tier.write(batch)
+    with pytest.raises(ValueError, match=r"batch_id"):
+        batch.complete_l3(1)
+    batch.start()
+    batch.complete()
+    a.cache.audit()
+
+
+def test_an_engine_without_an_l3_tier_fails_l3_puts_and_nothing_leaks(url: str) -> None:
+    a = Machine(ObjectStore(url), hybrid=False)
+    engine = TransferEngine(a.cache, a.storage)
+    a.compute(TOKENS, np.random.default_rng(7))
+    engine.run_pending()  # the backup
+    puts = a.cache.take_batches()
+    assert [b.kind for b in puts] == ["l3_put"]
+    assert not engine.run(puts[0])
+    assert puts[0].outcome == "failed"
+    assert "no L3 tier" in (engine.last_error or "")
+    a.cache.audit()
+
+
+def test_a_fetch_left_before_it_ended_gives_its_slots_back(url: str) -> None:
+    a, b = Machine(ObjectStore(url), hybrid=True), Machine(ObjectStore(url), hybrid=True)
+    a.compute(TOKENS, np.random.default_rng(8))
+    a.settle()
+    for started in (False, True):
+        batch = b.cache.l3_fetch(TOKENS, 6)
+        assert batch is not None
+        assert b.cache.stats()["host_kv_free_slots"] < b.cache.host_kv_slots
+        if started:
+            batch.start()
+        with batch:  # left without an ending: failed
+            pass
+        assert batch.outcome == "failed"
+        assert b.cache.stats()["host_kv_free_slots"] == b.cache.host_kv_slots
+        assert b.cache.match_prefix(TOKENS).host_len == 0
+        b.cache.audit()
+
+
+# ---------------------------------------------------------------------- the replay
+
+
+def _config(url: str | None, **kw: Any) -> ReplayConfig:
+    return ReplayConfig(l3=url, attention_only=False, **kw)
+
+
+def test_a_replay_with_l3_checks_every_sample(url: str) -> None:
+    jobs = workloads.WORKLOADS["multiturn"](120, 0)
+    r, _ = replay(jobs, _config(url))
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert r["l3_stored_objects"] > 0
+    assert r["l3_breaker"] == "closed"
+    assert r["hit_rate"] == pytest.approx(
+        (r["device_hit_tokens"] + r["host_hit_tokens"] + r["l3_hit_tokens"]) / r["prompt_tokens"]
+    )
+
+
+def test_a_fleet_with_l3_reaches_most_of_one_servers_hit_rate(url: str) -> None:
+    jobs = workloads.WORKLOADS["multiturn"](240, 0)
+    r = replay_fleet(jobs, _config(url), 2)
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert (r["requests"], len(r["per_server"])) == (240, 2)
+    assert r["l3_hit_tokens"] > 0
+    assert r["fleet_vs_single_ratio"] >= 0.9
+    assert r["fleet_without_l3_hit_rate"] < r["hit_rate"]
+
+
+def test_two_shards_split_the_workload_as_a_router_would() -> None:
+    jobs = list(range(7))
+    assert deal(jobs, 2, 0) == [0, 2, 4, 6]  # type: ignore[arg-type]
+    assert deal(jobs, 2, 1) == [1, 3, 5]  # type: ignore[arg-type]
+
+
+def test_l3_needs_the_oracle(url: str) -> None:
+    with pytest.raises(ValueError, match=r"^l3: .*oracle"):
+        replay(workloads.WORKLOADS["multiturn"](4, 0), _config(url, oracle=False))
+
+
+def test_cli_refuses_bad_l3_flags_naming_them(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from radixcache.cli import main
+
+    for argv, match in (
+        (["--shard", "2/2"], "--shard: expected K/N"),
+        (["--shard", "x"], "--shard: expected K/N"),
+        (["--shard", "0/2", "--servers", "2"], "--shard: one process serves one shard"),
+        (["--l3", "ftp://nowhere"], "--l3: "),
+    ):
+        assert main(["replay", "--requests", "4", *argv]) == 2, argv
+        assert match in capsys.readouterr().err
+
+
+def test_cli_serves_a_shard_and_a_fleet(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from radixcache.cli import main
+
+    base = ["replay", "--workload", "multiturn", "--requests", "40", "--quiet", "--json"]
+    assert main([*base, "--l3", url, "--shard", "1/2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["shard"], r["requests"], r["mismatches"]) == ("1/2", 20, 0)
+    assert main([*base, "--l3", url, "--servers", "2", "--no-attention-only"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["servers"], r["requests"], r["mismatches"]) == (2, 40, 0)
+    assert r["single_server_hit_rate"] is None
