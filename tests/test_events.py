@@ -488,6 +488,18 @@ def test_usable_prefix_needs_the_run_and_a_state_at_its_end() -> None:
     assert vllm_index.usable_prefix(a, "GPU") == (4, 2)
 
 
+def test_index_reset_forgets_and_moves_on() -> None:
+    index = ev.RouterIndex()
+    index.apply(0, ev.decode_batch(ev.encode_batch([stored(A), state("state_stored", A)])))
+    index.reset(7)
+    assert index.snapshot() == {}
+    assert index.next_seq == 7
+    assert index.apply(7, ev.decode_batch(ev.encode_batch([stored(C)])))
+    assert index.snapshot() == model([[stored(C)]], "sglang")
+    with pytest.raises(ValueError, match="next_seq must be an integer >= 0"):
+        index.reset(-1)
+
+
 def test_index_refuses_unknown_kinds_and_formats() -> None:
     with pytest.raises(ValueError, match="format must be one of"):
         ev.RouterIndex("tgi")  # type: ignore[arg-type]
@@ -582,9 +594,18 @@ def test_gap_past_the_replay_buffer_is_detected() -> None:
                 sub.catch_up()
             assert (info.value.expected, info.value.received) == (0, 3)
             assert sub.index.next_seq == 0
-            # The replay was read to its end: the next request gets a clean answer.
-            sub.index.next_seq = 3
-            assert sub.catch_up() == 2
+            # Start over from what the publisher still holds: the index knows less than
+            # the worker holds (batches 0-2 are gone), never more.
+            assert sub.resync() == 2
+            assert sub.index.next_seq == 5
+            partial, truth = sub.index.snapshot(), model(BATCHES[:5], "sglang")
+            assert partial == model(BATCHES[3:5], "sglang")
+            for medium, (pages, states) in partial.items():
+                assert pages <= truth.get(medium, (frozenset(), frozenset()))[0]
+                assert states <= truth.get(medium, (frozenset(), frozenset()))[1]
+            pub.publish(BATCHES[5])
+            drain(sub, 6)
+            assert sub.index.snapshot() == model(BATCHES[:6], "sglang")
 
 
 def test_gap_without_replay_is_detected_live() -> None:
@@ -603,6 +624,13 @@ def test_gap_without_replay_is_detected_live() -> None:
                     gap = exc
             assert gap.expected == 0
             assert gap.received >= 1
+            # Without replay a router starts over after the batch that showed the gap.
+            sub.index.reset(gap.received + 1)
+            pub.publish([stored(C)])
+            while sub.index.next_seq < pub.next_seq:
+                assert time.monotonic() < deadline
+                sub.poll(0.1)
+            assert sub.index.pages("GPU") == {sglang_int(h) for h in chain(C, PAGE)}
             with pytest.raises(RuntimeError, match="no replay_endpoint"):
                 sub.catch_up()
 
@@ -702,6 +730,54 @@ def test_subscriber_refuses_bad_arguments_and_times_out() -> None:
         finally:
             silent.close(linger=0)
             ctx.term()
+
+
+def test_malformed_replay_answer_raises_and_leaves_no_leftovers() -> None:
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.RCVTIMEO, 20_000)  # a broken subscriber fails the test, not hangs it
+    server.bind(LOOPBACK)
+    address = server.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def serve() -> None:
+        client, _, _ = server.recv_multipart()
+        server.send_multipart([client, b"", b"not a replay message"])
+        server.send_multipart([client, b"", b"t", (0).to_bytes(8, "big"), b"leftover"])
+        client, _, _ = server.recv_multipart()
+        server.send_multipart([client, b"", b"", b"\xff" * 8, b""])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with ev.KvEventSubscriber("tcp://127.0.0.1:1", address) as sub:
+            with pytest.raises(ev.EventDecodeError, match="replay message: expected"):
+                sub.catch_up()
+            assert sub.catch_up() == 0  # a fresh socket: the leftover is not read
+    finally:
+        thread.join()
+        server.close(linger=0)
+        ctx.term()
+
+
+def test_malformed_live_message_raises() -> None:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(LOOPBACK)
+    try:
+        with ev.KvEventSubscriber(pub.getsockopt(zmq.LAST_ENDPOINT).decode()) as sub:
+            deadline = time.monotonic() + 20
+            error: ev.EventDecodeError | None = None
+            while error is None:
+                assert time.monotonic() < deadline
+                pub.send_multipart([b"", b"short"])
+                try:
+                    sub.poll(0.1)
+                except ev.EventDecodeError as exc:
+                    error = exc
+            assert "live message: expected [topic, seq (8 bytes), payload]" in str(error)
+    finally:
+        pub.close(linger=0)
+        ctx.term()
 
 
 def test_importing_radixcache_needs_neither_zmq_nor_msgpack() -> None:

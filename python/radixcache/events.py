@@ -575,6 +575,14 @@ class RouterIndex:
             else:
                 raise ValueError(f"events: unknown kind {event.kind!r}")
 
+    def reset(self, next_seq: int = 0) -> None:
+        """Forget everything and expect batch `next_seq` next (a router starting over)."""
+        if isinstance(next_seq, bool) or not isinstance(next_seq, int) or next_seq < 0:
+            raise ValueError(f"next_seq must be an integer >= 0, got {next_seq!r}")
+        self._pages.clear()
+        self._states.clear()
+        self.next_seq = next_seq
+
     def pages(self, medium: str) -> frozenset[int]:
         """Return the page hashes present on `medium`."""
         return frozenset(self._pages.get(medium, ()))
@@ -873,18 +881,17 @@ class KvEventSubscriber:
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             _open(self._sub, endpoint, "endpoint", bind=False)
             if replay_endpoint is not None:
-                self._replay = self._dealer()
+                self._replay = self._dealer(replay_endpoint)
         except BaseException:
             self._close_sockets()
             raise
 
-    def _dealer(self) -> zmq.Socket[bytes]:
+    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         import zmq
 
         sock = self._ctx.socket(zmq.DEALER)
         try:
-            assert self.replay_endpoint is not None
-            _open(sock, self.replay_endpoint, "replay_endpoint", bind=False)
+            _open(sock, endpoint, "replay_endpoint", bind=False)
         except BaseException:
             sock.close(linger=0)
             raise
@@ -894,39 +901,53 @@ class KvEventSubscriber:
         """Replay every buffered batch from ``index.next_seq`` on; return how many applied.
 
         Raises `SequenceGap` when the oldest batch the publisher still holds is past the
-        one needed, TimeoutError when the end marker does not come within `timeout`
-        seconds, RuntimeError without a replay endpoint.
+        one needed (nothing past the gap is applied), TimeoutError when the end marker
+        does not come within `timeout` seconds, RuntimeError without a replay endpoint.
         """
-        if self._replay is None:
-            raise RuntimeError("catch_up: this subscriber has no replay_endpoint")
+        return self._replay_from(self.index.next_seq, timeout, "catch_up")
+
+    def resync(self, timeout: float = 5.0) -> int:
+        """Rebuild the index from every batch the publisher still buffers, after a gap.
+
+        Clears the index and applies the buffered batches from the oldest on (the index
+        continues from there). Pages and states stored before the oldest buffered batch
+        are unknown to it: the index may under-report a worker's cache, never over-report
+        it. Returns how many batches were applied; raises as `catch_up`.
+        """
+        self.index.reset()
+        return self._replay_from(0, timeout, "resync")
+
+    def _replay_from(self, start: int, timeout: float, caller: str) -> int:
+        endpoint = self.replay_endpoint
+        if self._replay is None or endpoint is None:
+            raise RuntimeError(f"{caller}: this subscriber has no replay_endpoint")
         sock = self._replay
-        sock.send_multipart([b"", self.index.next_seq.to_bytes(8, "big")])
-        deadline = time.monotonic() + timeout
+        rebase = caller == "resync"
         applied = 0
-        gap: SequenceGap | None = None
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms):
-                # A late answer must not be read as the next request's: start a new socket.
-                sock.close(linger=0)
-                self._replay = self._dealer()
-                raise TimeoutError(
-                    f"catch_up: no end of replay from {self.replay_endpoint} within {timeout} s"
-                )
-            seq, payload = _replay_frames(sock.recv_multipart())
-            if seq == -1:
-                break
-            if gap is not None or seq < self.index.next_seq:
-                continue  # drain to the end marker after a gap; skip what is applied
-            try:
+        try:
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + timeout
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not sock.poll(left_ms):
+                    raise TimeoutError(
+                        f"{caller}: no end of replay from {endpoint} within {timeout} s"
+                    )
+                seq, payload = _replay_frames(sock.recv_multipart())
+                if seq == -1:
+                    return applied
+                if rebase:
+                    self.index.reset(seq)
+                    rebase = False
                 if self.index.apply(seq, decode_batch(payload, format=self.format)):
                     applied += 1
                     self.replayed_batches += 1
-            except SequenceGap as exc:
-                gap = exc
-        if gap is not None:
-            raise gap
-        return applied
+        except BaseException:
+            # The rest of this answer must not be read as the next request's: a new socket.
+            sock.close(linger=0)
+            self._replay = None
+            self._replay = self._dealer(endpoint)
+            raise
 
     def poll(self, timeout: float = 0.0) -> int:
         """Apply the live batches that arrived (waiting up to `timeout` s for the first).
