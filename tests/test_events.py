@@ -525,21 +525,26 @@ def test_round_trip_through_zmq(fmt: str) -> None:
     with (
         ev.KvEventPublisher(LOOPBACK, LOOPBACK, topic="kv", format=fmt, dp_rank=1) as pub,
         ev.KvEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv", format=fmt) as sub,
-    ):  # type: ignore[arg-type]
+    ):
         assert pub.endpoint.startswith("tcp://127.0.0.1:")
         assert not pub.endpoint.endswith("*")
-        time.sleep(0.2)  # let the subscription reach the publisher
-        sent = 0
-        for _ in range(4):  # the run several times over, spaced: most batches arrive live
+        # Clears until one arrives live: the subscription has reached the publisher.
+        warm_up: list[list[Event]] = []
+        deadline = time.monotonic() + 20
+        while sub.live_batches == 0:
+            assert time.monotonic() < deadline
+            warm_up.append([Event("cleared")])
+            pub.publish(warm_up[-1])
+            sub.poll(0.05)
+        sent = len(warm_up)
+        for _ in range(4):  # the run several times over
             for batch in BATCHES:
                 assert pub.publish(batch) == sent
                 sent += 1
-                time.sleep(0.005)
         assert pub.publish([]) is None  # nothing to say: nothing sent
         assert pub.next_seq == sent
         drain(sub, sent)
-        assert sub.index.snapshot() == model(BATCHES * 4, fmt)
-        assert sub.live_batches > 0
+        assert sub.index.snapshot() == model(warm_up + BATCHES * 4, fmt)
         assert sub.live_batches + sub.replayed_batches == sent
 
 
@@ -824,7 +829,7 @@ def sglang_kv_events() -> types.ModuleType:
         warnings.simplefilter("ignore")
         try:
             return importlib.import_module("sglang.srt.disaggregation.kv_events")
-        except ImportError:
+        except Exception:  # SGLang's import chain needs what this machine lacks
             pass
     spec = importlib.util.find_spec("sglang")
     assert spec is not None

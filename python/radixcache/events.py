@@ -767,9 +767,7 @@ class KvEventPublisher:
             self._closed = True
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        elif self._replay is not None:  # pragma: no cover - the thread exists with the socket
-            self._replay.close(linger=0)
+            self._thread.join()  # it closes the replay socket
         # Unsent messages get a moment to leave (a subscriber mid-read keeps its batches).
         self._pub.close(linger=_CLOSE_LINGER_MS)
         self._ctx.term()
