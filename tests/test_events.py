@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 msgpack = pytest.importorskip("msgpack", reason='needs msgpack: pip install "radixcache[events]"')
 zmq = pytest.importorskip("zmq", reason='needs pyzmq: pip install "radixcache[events]"')
@@ -450,6 +452,46 @@ def test_index_after_a_run_equals_the_model() -> None:
             assert index.apply(seq, ev.decode_batch(payload, format=fmt))  # type: ignore[arg-type]
             assert index.snapshot() == model(BATCHES[: seq + 1], fmt)
         assert index.next_seq == len(BATCHES)
+
+
+#: Page hashes for random runs: few, so that events hit the same pages often.
+POOL = [hashlib.sha256(bytes([i])).digest() for i in range(12)]
+
+
+@st.composite
+def events_strategy(draw: st.DrawFn) -> Event:
+    kind = draw(st.sampled_from(ev.KINDS))
+    medium = draw(st.sampled_from(ev.MEDIA))
+    if kind == "cleared":
+        return Event("cleared")
+    if kind.startswith("state_"):
+        return Event(kind, medium, None, (draw(st.sampled_from(POOL)),))
+    hashes = tuple(draw(st.lists(st.sampled_from(POOL), min_size=1, max_size=4)))
+    if kind == "removed":
+        return Event("removed", medium, None, hashes)
+    size = draw(st.integers(1, 3))
+    tokens = draw(
+        st.lists(
+            st.integers(0, 2**32 - 1), min_size=size * len(hashes), max_size=size * len(hashes)
+        )
+    )
+    namespace = draw(st.sampled_from([None, "a", "b"]))
+    parent = draw(st.sampled_from([None, *POOL]))
+    return Event("stored", medium, namespace, hashes, parent, tuple(tokens), size)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(events_strategy(), max_size=6), max_size=8),
+    st.sampled_from(["sglang", "vllm"]),
+)
+def test_index_equals_the_model_after_every_batch(batches: list[list[Event]], fmt: str) -> None:
+    index = ev.RouterIndex(fmt)  # type: ignore[arg-type]
+    for seq, batch in enumerate(batches):
+        decoded = ev.decode_batch(ev.encode_batch(batch, format=fmt), format=fmt)  # type: ignore[arg-type]
+        assert [e.kind for e in decoded.events] == [e.kind for e in batch]
+        assert index.apply(seq, decoded)
+        assert index.snapshot() == model(batches[: seq + 1], fmt)
 
 
 def test_index_skips_repeats_and_detects_gaps() -> None:
