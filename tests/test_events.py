@@ -806,6 +806,33 @@ def test_malformed_replay_answer_raises_and_leaves_no_leftovers() -> None:
         ctx.term()
 
 
+def test_catch_up_reads_older_vllm_replay_answers() -> None:
+    """Older vLLM answers replay without the topic frame: [b"", seq, payload]."""
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.RCVTIMEO, 20_000)
+    server.bind(LOOPBACK)
+    payload = ev.encode_batch([stored(A)], format="vllm")
+
+    def serve() -> None:
+        client, _, start = server.recv_multipart()
+        assert start == (0).to_bytes(8, "big")
+        server.send_multipart([client, b"", (0).to_bytes(8, "big"), payload])
+        server.send_multipart([client, b"", b"\xff" * 8, b""])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        address = server.getsockopt(zmq.LAST_ENDPOINT).decode()
+        with ev.KvEventSubscriber("tcp://127.0.0.1:1", address, format="vllm") as sub:
+            assert sub.catch_up() == 1
+            assert sub.index.pages("GPU") == {vllm_int(h) for h in chain(A, PAGE)}
+    finally:
+        thread.join()
+        server.close(linger=0)
+        ctx.term()
+
+
 def test_malformed_live_message_raises() -> None:
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -940,6 +967,19 @@ def test_sglangs_decoder_reads_every_batch(sgl: types.ModuleType) -> None:
             else:  # a state event: a removal of no blocks to SGLang, a no-op for its routers
                 assert isinstance(wire, sgl.BlockRemoved)
                 assert (wire.block_hashes, wire.medium) == ([], sent.medium)
+
+
+def test_sglangs_decoder_refuses_a_new_event_type(sgl: types.ModuleType) -> None:
+    """Why state events ride on a known type: SGLang's decoder drops a whole batch with an
+    unknown one, while it ignores unknown keys of a known one."""
+    import msgspec
+
+    decoder = msgspec.msgpack.Decoder(sgl.KVEventBatch)
+    new_type = msgpack.packb([1.0, [{"type": "StateStored", "block_hashes": [1]}], 0])
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(new_type)
+    extra_key = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [], "x": 1}], 0])
+    assert decoder.decode(extra_key).events == [sgl.BlockRemoved(block_hashes=[])]
 
 
 def test_our_bytes_are_sglangs_bytes(sgl: types.ModuleType) -> None:
