@@ -12,6 +12,7 @@ use radixcache_core as core;
 use crate::batch::{copies, PyTransferBatch};
 use crate::convert::{hash_list, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
 use crate::errors::err;
+use crate::events::PyKvEvent;
 use crate::gil::{self, run, settle};
 use crate::load_back::PyLoadBack;
 use crate::lock::PyLock;
@@ -125,8 +126,9 @@ impl PyHybridCache {
                         write_through_threshold=None, pools=core::PoolOwner::Cache,
                         eviction_policy=core::EvictionPolicies::default(),
                         swa_slots=Int::Value(0), swa_window=Int::Value(0),
-                        host_swa_slots=Int::Value(0), page_hashes=false, hash_seed=None),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None)")]
+                        host_swa_slots=Int::Value(0), page_hashes=false, hash_seed=None,
+                        events=false),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None, events=False)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -142,6 +144,7 @@ impl PyHybridCache {
         host_swa_slots: Int,
         page_hashes: bool,
         hash_seed: Option<&Bound<'_, PyAny>>,
+        events: bool,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
             .map(|t| {
@@ -168,6 +171,7 @@ impl PyHybridCache {
             host_swa_slots: host_swa_slots.count("host_swa_slots")?,
             page_hashes,
             hash_seed: opt_hash_arg(hash_seed, "hash_seed")?,
+            events,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -270,6 +274,33 @@ impl PyHybridCache {
         let id = node.get().id;
         let hashes = run(py, &self.inner, 0, |c| c.node_hashes(id).map(<[_]>::to_vec))?;
         hash_list(py, &hashes)
+    }
+
+    /// The KV events emitted since the last call, oldest first (empty with events off).
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<PyKvEvent>> {
+        let events = run(py, &self.inner, 0, |c| Ok(c.take_events()))?;
+        let ps = self.config.page_size;
+        Ok(events.into_iter().map(|e| PyKvEvent::new(e, ps)).collect())
+    }
+
+    /// For tests: what the tree holds as a router's index of the events would, computed
+    /// from the nodes: `(pages, states)`, each a sorted list of `(medium, namespace,
+    /// hash)`.
+    #[allow(clippy::type_complexity)] // the plain tuples the tests compare
+    fn _event_contents<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Vec<(&'static str, Option<String>, Bound<'py, PyBytes>)>,
+        Vec<(&'static str, Option<String>, Bound<'py, PyBytes>)>,
+    )> {
+        let contents = run(py, &self.inner, 0, |c| Ok(c.event_contents()))?;
+        let entries = |v: Vec<(core::Medium, Option<String>, core::PageHash)>| {
+            v.into_iter()
+                .map(|(m, ns, h)| (m.as_str(), ns, PyBytes::new(py, &h)))
+                .collect::<Vec<_>>()
+        };
+        Ok((entries(contents.pages), entries(contents.states)))
     }
 
     /// The hashes of the whole pages of `tokens` as this cache chains them in
@@ -732,7 +763,7 @@ const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
     eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, \
-    page_hashes=False, hash_seed=None";
+    page_hashes=False, hash_seed=None, events=False";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {
