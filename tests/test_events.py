@@ -145,3 +145,28 @@ def test_with_events_off_nothing_is_queued() -> None:
 def test_events_without_page_hashes_are_refused_naming_events() -> None:
     with pytest.raises(ValueError, match="events"):
         rc.HybridCache(kv_slots=64, events=True)
+
+
+def test_the_l3_tier_announces_external_pages_through_the_cache() -> None:
+    c = evented()
+    hashes = chain([1, 2, 3, 4], 2)
+    c.note_external_stored(hashes, [1, 2, 3, 4], namespace="t", parent_hash=None)
+    c.note_external_removed(hashes[:1], namespace="t")
+    stored, removed = c.take_events()
+    assert (stored.kind, stored.medium, stored.namespace) == ("stored", "EXTERNAL", "t")
+    assert (stored.hashes, stored.token_ids, stored.block_size) == (hashes, [1, 2, 3, 4], 2)
+    assert (removed.kind, removed.medium, removed.hashes) == ("removed", "EXTERNAL", hashes[:1])
+
+
+def test_external_notes_refuse_bad_arguments_naming_them() -> None:
+    c = evented()
+    with pytest.raises(ValueError, match="token_ids"):
+        c.note_external_stored([bytes(32)], [1])
+    with pytest.raises(ValueError, match=r"hashes\[1\]"):
+        c.note_external_removed([bytes(32), b"x"])
+    with pytest.raises(TypeError, match="hashes"):
+        c.note_external_removed(bytes(32))  # type: ignore[arg-type]
+    off = rc.HybridCache(kv_slots=64, page_size=2, page_hashes=True)
+    with pytest.raises(ValueError, match="events"):
+        off.note_external_removed([bytes(32)])
+    assert c.take_events() == []

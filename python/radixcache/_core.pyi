@@ -619,6 +619,31 @@ class HybridCache:
     def take_events(self) -> list[KvEvent]:
         """The KV events emitted since the last call, oldest first (empty with events
         off)."""
+    def note_external_stored(
+        self,
+        hashes: Sequence[bytes],
+        token_ids: _Tokens,
+        *,
+        namespace: str | None = None,
+        parent_hash: bytes | None = None,
+    ) -> None:
+        """Announce pages written to an external store (the L3 tier): a ``"stored"`` event
+        on ``"EXTERNAL"``.
+
+        ``hashes``: one 32-byte hash per page of ``token_ids`` (pages of ``page_size``),
+        chained from ``parent_hash``. The cache keeps no books of the external tier: what
+        is announced is the caller's to get right.
+
+        Raises:
+            ValueError: events are off (names ``events``); ``token_ids`` is not one page
+                per hash; a hash is not 32 bytes (names ``hashes[k]``).
+            TypeError: ``hashes`` is not a list or tuple of bytes.
+        """
+    def note_external_removed(
+        self, hashes: Sequence[bytes], *, namespace: str | None = None
+    ) -> None:
+        """Announce pages gone from the external store: a ``"removed"`` event on
+        ``"EXTERNAL"``. Raises as ``note_external_stored``."""
     def _event_contents(
         self,
     ) -> tuple[list[tuple[str, str | None, bytes]], list[tuple[str, str | None, bytes]]]:

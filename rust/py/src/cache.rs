@@ -10,7 +10,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use radixcache_core as core;
 
 use crate::batch::{copies, PyTransferBatch};
-use crate::convert::{hash_list, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
+use crate::convert::{hash_list, hashes_arg, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
 use crate::errors::err;
 use crate::events::PyKvEvent;
 use crate::gil::{self, run, settle};
@@ -281,6 +281,40 @@ impl PyHybridCache {
         let events = run(py, &self.inner, 0, |c| Ok(c.take_events()))?;
         let ps = self.config.page_size;
         Ok(events.into_iter().map(|e| PyKvEvent::new(e, ps)).collect())
+    }
+
+    /// Announce pages written to the L3 tier (medium `"EXTERNAL"`): `hashes`, one per
+    /// page of `token_ids`, chained from `parent_hash`. The cache keeps no books of the
+    /// external tier; `ValueError` naming `events` when events are off.
+    #[pyo3(signature = (hashes, token_ids, *, namespace=None, parent_hash=None))]
+    fn note_external_stored(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let hashes = hashes_arg(hashes, "hashes")?;
+        let tokens = tokens_arg(token_ids, "token_ids")?;
+        let parent = opt_hash_arg(parent_hash, "parent_hash")?;
+        run(py, &self.inner, 0, |c| {
+            c.note_external_stored(namespace, hashes, parent, tokens)
+        })
+    }
+
+    /// Announce pages gone from the L3 tier (medium `"EXTERNAL"`).
+    #[pyo3(signature = (hashes, *, namespace=None))]
+    fn note_external_removed(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<()> {
+        let hashes = hashes_arg(hashes, "hashes")?;
+        run(py, &self.inner, 0, |c| {
+            c.note_external_removed(namespace, hashes)
+        })
     }
 
     /// For tests: what the tree holds as a router's index of the events would, computed
