@@ -248,3 +248,37 @@ def load_bench_script(name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up while being made
     spec.loader.exec_module(module)
     return module
+
+
+class EventIndex:
+    """A router's index rebuilt only from a cache's KV events: per medium and namespace,
+    the page hashes present and the node ends with a state. ``check`` takes the events,
+    applies them (a page stored twice, or removed while absent, fails) and compares the
+    index with what the cache holds (``_event_contents()``, computed from the nodes)."""
+
+    def __init__(self) -> None:
+        self.pages: set[tuple[str, str | None, bytes]] = set()
+        self.states: set[tuple[str, str | None, bytes]] = set()
+
+    def check(self, cache: rc.HybridCache) -> None:
+        for e in cache.take_events():
+            if e.kind == "cleared":
+                self.pages.clear()
+                self.states.clear()
+                continue
+            keys = {(e.medium, e.namespace, h) for h in e.hashes}
+            assert len(keys) == len(e.hashes), e
+            target = self.states if e.kind.startswith("state_") else self.pages
+            if e.kind in ("stored", "state_stored"):
+                assert not keys & target, f"stored twice: {e!r}"
+                target |= keys
+            else:
+                assert keys <= target, f"removed while absent: {e!r}"
+                target -= keys
+            if e.kind == "stored":
+                assert len(e.token_ids) == len(e.hashes) * e.block_size, e
+        pages, states = cache._event_contents()
+        assert len(set(pages)) == len(pages)
+        assert len(set(states)) == len(states)
+        assert self.pages == set(pages), "pages: events and cache disagree"
+        assert self.states == set(states), "states: events and cache disagree"

@@ -50,7 +50,14 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import EVICTION_POLICIES, assert_pool_sums, examples, fingerprint, priority_of
+from conftest import (
+    EVICTION_POLICIES,
+    EventIndex,
+    assert_pool_sums,
+    examples,
+    fingerprint,
+    priority_of,
+)
 
 SYSTEM = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12]]
 NAMESPACES = st.sampled_from([None, None, None, "a"])
@@ -211,7 +218,10 @@ class HostMachine(RuleBasedStateMachine):
             host_mamba_slots=self.host_states,
             write_policy=self.policy,
             eviction_policy=policy,
+            page_hashes=True,
+            events=True,
         )
+        self.events = EventIndex()
 
     # ------------------------------------------------------------------ helpers
 
@@ -1268,6 +1278,7 @@ class HostMachine(RuleBasedStateMachine):
         c = self.cache
         assert_pool_sums(c)
         c.audit()
+        self.events.check(c)
         s = c.stats()
         live = self.live()
         assert s["live_requests"] == len(live)

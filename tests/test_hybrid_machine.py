@@ -27,7 +27,14 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import EVICTION_POLICIES, assert_pool_sums, examples, fingerprint, priority_of
+from conftest import (
+    EVICTION_POLICIES,
+    EventIndex,
+    assert_pool_sums,
+    examples,
+    fingerprint,
+    priority_of,
+)
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 NAMESPACES = st.sampled_from([None, "a"])
@@ -102,8 +109,14 @@ class HybridMachine(RuleBasedStateMachine):
         self.kv_slots = page_size * pages
         self.states = states
         self.cache = rc.HybridCache(
-            kv_slots=self.kv_slots, page_size=page_size, mamba_slots=states, eviction_policy=policy
+            kv_slots=self.kv_slots,
+            page_size=page_size,
+            mamba_slots=states,
+            eviction_policy=policy,
+            page_hashes=True,
+            events=True,
         )
+        self.events = EventIndex()
         self.kv_mem = np.full(self.kv_slots, GARBAGE, dtype=np.int64)
         self.mamba_mem = np.full(states, GARBAGE, dtype=np.int64)
 
@@ -598,6 +611,7 @@ class HybridMachine(RuleBasedStateMachine):
         c = self.cache
         assert_pool_sums(c)
         c.audit()
+        self.events.check(c)
         s = c.stats()
         ps = self.ps
         live = self.live()

@@ -16,7 +16,14 @@ from hypothesis.stateful import (
 
 import radixcache as rc
 
-from conftest import EVICTION_POLICIES, assert_pool_sums, examples, fingerprint, priority_of
+from conftest import (
+    EVICTION_POLICIES,
+    EventIndex,
+    assert_pool_sums,
+    examples,
+    fingerprint,
+    priority_of,
+)
 from model import Key, Model
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
@@ -45,8 +52,13 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def build(self, page_size: int, pages: int, policy: str | dict[str, str]) -> None:
         self.cache = rc.HybridCache(
-            kv_slots=page_size * pages, page_size=page_size, eviction_policy=policy
+            kv_slots=page_size * pages,
+            page_size=page_size,
+            eviction_policy=policy,
+            page_hashes=True,
+            events=True,
         )
+        self.events = EventIndex()
         self.model = Model(kv_slots=page_size * pages, page_size=page_size)
 
     # ------------------------------------------------------------------ helpers
@@ -247,6 +259,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.audit()
+        self.events.check(self.cache)
         assert_pool_sums(self.cache)
         assert self.cache.evictable_size() == self.model.evictable()
         assert self.cache.protected_size() == self.model.protected()

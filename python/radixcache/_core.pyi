@@ -60,6 +60,7 @@ __all__ = [
     "Request",
     "StaleNodeError",
     "TransferBatch",
+    "KvEvent",
     "__version__",
     "chain_hashes",
 ]
@@ -151,6 +152,51 @@ class Match:
         prompt from there (the L3 lookup). None when nothing matched or without page
         hashes. Read from the node: a match hashes nothing.
         """
+
+@final
+class KvEvent:
+    """One KV event (docs/design.md, "KV events (core)"), oldest first from
+    ``HybridCache.take_events()``.
+
+    ``"stored"``: one node's pages became available on ``medium`` (``hashes``, one per
+    page, chained from ``parent_hash``, the page before them, None at the first page of a
+    chain; ``token_ids``: every token of the pages, in pages of ``block_size``).
+    ``"removed"``: those pages are gone from ``medium``. ``"state_stored"`` /
+    ``"state_removed"``: a Mamba state for the prefix ending with page ``hashes[0]``
+    (a node's last page) became available on, or left, ``medium``: a router predicts a
+    hybrid model's *usable* hit as the deepest stored page that has a state.
+    ``"cleared"``: everything is gone (no call of the cache emits it today).
+
+    Emitted where the tree changes, per tier: pages published (an insert, a request's
+    pages), device pages freed (eviction, demotion; under write-back when the eviction
+    settles), a backup landing (``"CPU_PINNED"``), a host eviction, a load-back's copies
+    landing (``"GPU"``). Never for pages in flight: a committed load-back still landing,
+    or one that failed, emits nothing. Splits emit nothing. SWA pages are not announced.
+    """
+
+    @property
+    def kind(self) -> Literal["stored", "removed", "cleared", "state_stored", "state_removed"]:
+        """What happened."""
+    @property
+    def medium(self) -> Literal["GPU", "CPU_PINNED", "EXTERNAL", ""]:
+        """Where: device memory, the host tier, or an external store (L3); ``""`` for
+        ``"cleared"`` (every medium)."""
+    @property
+    def namespace(self) -> str | None:
+        """The namespace (None: the default one)."""
+    @property
+    def hashes(self) -> list[bytes]:
+        """The pages' SHA-256 hashes (a state kind: the one hash of its last page)."""
+    @property
+    def parent_hash(self) -> bytes | None:
+        """``"stored"``: the hash of the page before the first (None: the first of its
+        chain, or another kind)."""
+    @property
+    def token_ids(self) -> list[int]:
+        """``"stored"``: the pages' tokens; empty for the other kinds."""
+    @property
+    def block_size(self) -> int:
+        """Tokens per page (the cache's ``page_size``)."""
 
 @final
 class Insert:
@@ -560,6 +606,10 @@ class HybridCache:
             named namespace seeded as SGLang seeds an ``extra_key``. Only with
             ``page_hashes=True``; anything but None or 32 ``bytes`` raises
             (``TypeError``/``ValueError`` naming ``hash_seed``).
+        events: queue KV events for cache-aware routers (``take_events()``,
+            ``KvEvent``; ``stats()["events_emitted"]``, ``["events_pending"]``). Needs
+            ``page_hashes=True`` (events name pages by their hashes): ``ValueError``
+            naming ``events`` otherwise. The queue grows until taken.
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -594,8 +644,47 @@ class HybridCache:
         host_swa_slots: int = 0,
         page_hashes: bool = False,
         hash_seed: bytes | None = None,
+        events: bool = False,
         l3: bool = False,
     ) -> HybridCache: ...
+    def take_events(self) -> list[KvEvent]:
+        """The KV events emitted since the last call, oldest first (empty with events
+        off)."""
+    def note_external_stored(
+        self,
+        hashes: Sequence[bytes],
+        token_ids: _Tokens,
+        *,
+        namespace: str | None = None,
+        parent_hash: bytes | None = None,
+    ) -> None:
+        """Announce pages written to an external store (the L3 tier): a ``"stored"`` event
+        on ``"EXTERNAL"``.
+
+        ``hashes``: one 32-byte hash per page of ``token_ids`` (pages of ``page_size``),
+        chained from ``parent_hash``. The cache keeps no books of the external tier: what
+        is announced is the caller's to get right.
+
+        Raises:
+            ValueError: events are off (names ``events``); ``token_ids`` is not one page
+                per hash; a hash is not 32 bytes (names ``hashes[k]``).
+            TypeError: ``hashes`` is not a list or tuple of bytes.
+        """
+    def note_external_removed(
+        self, hashes: Sequence[bytes], *, namespace: str | None = None
+    ) -> None:
+        """Announce pages gone from the external store: a ``"removed"`` event on
+        ``"EXTERNAL"``. Raises as ``note_external_stored``."""
+    def _event_contents(
+        self,
+    ) -> tuple[list[tuple[str, str | None, bytes]], list[tuple[str, str | None, bytes]]]:
+        """For tests: what the tree holds, as an index rebuilt from the events would.
+
+        ``(pages, states)``, each a sorted list of ``(medium, namespace, hash)``: the
+        hashes of the pages on each tier (``"GPU"``: landed device KV; ``"CPU_PINNED"``:
+        host KV), and of the last pages of the nodes with a state there. Computed from
+        the nodes, not from the events.
+        """
     def page_hashes(self, node: Node) -> list[bytes]:
         """The SHA-256 of each page of ``node``, in order (a root has none).
 

@@ -171,6 +171,8 @@ impl Books {
 
 struct Machine {
     cache: Cache,
+    /// A router's index rebuilt from the cache's KV events alone.
+    events: common::EventIndex,
     ps: usize,
     kv: Books,
     mamba: Books,
@@ -222,11 +224,14 @@ impl Machine {
             mamba_slots,
             eviction_policy,
             pools: PoolOwner::Engine,
+            page_hashes: true,
+            events: true,
             ..Config::kv(kv_pages * ps, ps)
         })
         .unwrap();
         Machine {
             cache,
+            events: common::EventIndex::default(),
             ps,
             kv: Books::new(kv_pages),
             mamba: Books::new(mamba_slots),
@@ -247,8 +252,9 @@ impl Machine {
 
     /// `audit()`, then conservation on both pools against the tree read back and the
     /// cache's own gauges.
-    fn check(&self) {
+    fn check(&mut self) {
         self.cache.audit().unwrap();
+        self.events.check(&mut self.cache);
         assert_pool_sums(&self.cache);
         let (tree_kv, tree_states) = tree_of(&self.cache);
         for (name, books, tree, all) in [

@@ -168,6 +168,8 @@ fn stat(c: &Cache, name: &str) -> u64 {
 
 struct Machine {
     c: Cache,
+    /// A router's index rebuilt from the cache's KV events alone.
+    events: common::EventIndex,
     window: usize,
     /// Batches taken (started or not) and not acknowledged yet, with whether started.
     flight: Vec<(BatchId, bool)>,
@@ -179,11 +181,17 @@ struct Machine {
 }
 
 impl Machine {
-    fn new(config: Config) -> Self {
+    fn new(config: &Config) -> Self {
         let window = config.swa_window;
-        let c = Cache::new(config).unwrap();
+        let c = Cache::new(Config {
+            page_hashes: true,
+            events: true,
+            ..config.clone()
+        })
+        .unwrap();
         Machine {
             c,
+            events: common::EventIndex::default(),
             window,
             flight: Vec::new(),
             reqs: Vec::new(),
@@ -451,7 +459,8 @@ impl Machine {
         }
     }
 
-    fn check(&self) {
+    fn check(&mut self) {
+        self.events.check(&mut self.c);
         let c = &self.c;
         c.audit().unwrap();
         assert_eq!(c.fault(), None);
@@ -533,7 +542,7 @@ proptest! {
         config in config(),
         ops in prop::collection::vec(op(), 1..=120),
     ) {
-        let mut m = Machine::new(config);
+        let mut m = Machine::new(&config);
         m.check();
         for op in &ops {
             m.step(op);

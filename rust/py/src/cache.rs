@@ -10,8 +10,9 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use radixcache_core as core;
 
 use crate::batch::{copies, PyTransferBatch};
-use crate::convert::{hash_list, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
+use crate::convert::{hash_list, hashes_arg, indices_arg, opt_hash_arg, tokens_arg, BatchArg, Int};
 use crate::errors::err;
+use crate::events::PyKvEvent;
 use crate::gil::{self, run, settle};
 use crate::load_back::PyLoadBack;
 use crate::lock::PyLock;
@@ -126,8 +127,8 @@ impl PyHybridCache {
                         eviction_policy=core::EvictionPolicies::default(),
                         swa_slots=Int::Value(0), swa_window=Int::Value(0),
                         host_swa_slots=Int::Value(0), page_hashes=false, hash_seed=None,
-                        l3=false),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None, l3=False)")]
+                        events=false, l3=false),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None, events=False, l3=False)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -143,6 +144,7 @@ impl PyHybridCache {
         host_swa_slots: Int,
         page_hashes: bool,
         hash_seed: Option<&Bound<'_, PyAny>>,
+        events: bool,
         l3: bool,
     ) -> PyResult<Self> {
         let threshold = write_through_threshold
@@ -170,7 +172,7 @@ impl PyHybridCache {
             host_swa_slots: host_swa_slots.count("host_swa_slots")?,
             page_hashes,
             hash_seed: opt_hash_arg(hash_seed, "hash_seed")?,
-            events: false,
+            events,
             l3,
         };
         Ok(PyHybridCache {
@@ -280,6 +282,67 @@ impl PyHybridCache {
         let id = node.get().id;
         let hashes = run(py, &self.inner, 0, |c| c.node_hashes(id).map(<[_]>::to_vec))?;
         hash_list(py, &hashes)
+    }
+
+    /// The KV events emitted since the last call, oldest first (empty with events off).
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<PyKvEvent>> {
+        let events = run(py, &self.inner, 0, |c| Ok(c.take_events()))?;
+        let ps = self.config.page_size;
+        Ok(events.into_iter().map(|e| PyKvEvent::new(e, ps)).collect())
+    }
+
+    /// Announce pages written to the L3 tier (medium `"EXTERNAL"`): `hashes`, one per
+    /// page of `token_ids`, chained from `parent_hash`. The cache keeps no books of the
+    /// external tier; `ValueError` naming `events` when events are off.
+    #[pyo3(signature = (hashes, token_ids, *, namespace=None, parent_hash=None))]
+    fn note_external_stored(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+        parent_hash: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let hashes = hashes_arg(hashes, "hashes")?;
+        let tokens = tokens_arg(token_ids, "token_ids")?;
+        let parent = opt_hash_arg(parent_hash, "parent_hash")?;
+        run(py, &self.inner, 0, |c| {
+            c.note_external_stored(namespace, hashes, parent, tokens)
+        })
+    }
+
+    /// Announce pages gone from the L3 tier (medium `"EXTERNAL"`).
+    #[pyo3(signature = (hashes, *, namespace=None))]
+    fn note_external_removed(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<()> {
+        let hashes = hashes_arg(hashes, "hashes")?;
+        run(py, &self.inner, 0, |c| {
+            c.note_external_removed(namespace, hashes)
+        })
+    }
+
+    /// For tests: what the tree holds as a router's index of the events would, computed
+    /// from the nodes: `(pages, states)`, each a sorted list of `(medium, namespace,
+    /// hash)`.
+    #[allow(clippy::type_complexity)] // the plain tuples the tests compare
+    fn _event_contents<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Vec<(&'static str, Option<String>, Bound<'py, PyBytes>)>,
+        Vec<(&'static str, Option<String>, Bound<'py, PyBytes>)>,
+    )> {
+        let contents = run(py, &self.inner, 0, |c| Ok(c.event_contents()))?;
+        let entries = |v: Vec<(core::Medium, Option<String>, core::PageHash)>| {
+            v.into_iter()
+                .map(|(m, ns, h)| (m.as_str(), ns, PyBytes::new(py, &h)))
+                .collect::<Vec<_>>()
+        };
+        Ok((entries(contents.pages), entries(contents.states)))
     }
 
     /// The hashes of the whole pages of `tokens` as this cache chains them in
@@ -775,7 +838,7 @@ const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
     eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, \
-    page_hashes=False, hash_seed=None";
+    page_hashes=False, hash_seed=None, events=False";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -838,3 +838,22 @@ pub(crate) fn hash_list<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h)))
 }
+
+/// Page hashes: a list or tuple of 32-byte `bytes`; errors name `arg` and the position.
+pub(crate) fn hashes_arg(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<core::PageHash>> {
+    let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = obj.cast::<PyList>() {
+        list.iter().collect()
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        tuple.iter().collect()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "{arg}: expected a list of 32-byte hashes, got {}",
+            type_name(obj)
+        )));
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(k, h)| hash_arg(h, &format!("{arg}[{k}]")))
+        .collect()
+}

@@ -21,6 +21,7 @@ mod batch;
 mod cache;
 mod convert;
 mod errors;
+mod events;
 mod gil;
 mod grown;
 mod hashing;
@@ -59,6 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCopy>()?;
     m.add_class::<PyTransferBatch>()?;
     m.add_class::<PyObjectStore>()?;
+    m.add_class::<events::PyKvEvent>()?;
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
