@@ -574,7 +574,7 @@ def test_help_gives_every_flags_default_and_meaning(
     assert cli.main([command, "--help"]) == 0
     text = capsys.readouterr().out
     usage = text.split("\n\n")[0]
-    given = set(re.findall(r"--[a-z-]+", usage))
+    given = set(re.findall(r"--[a-z0-9-]+", usage))
     assert given == {f.name for f in cli.FLAGS[command]}, "every flag is in the table"
     # One entry per option (its help may start on the next line), whitespace joined.
     entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", text)]

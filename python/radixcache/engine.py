@@ -465,7 +465,7 @@ class TransferEngine:
                 lists of different lengths, or a slot out of range (nothing enqueued).
             L3Error: An ``l3_put`` batch's store call failed.
         """
-        if batch.kind == "l3_put":
+        if getattr(batch, "kind", None) == "l3_put":
             if self.l3 is None:
                 raise ValueError("batch: an l3_put batch, and this engine has no L3 tier (l3=)")
             self.l3.write(batch)

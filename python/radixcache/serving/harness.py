@@ -285,6 +285,36 @@ class Server:
         self.sched = config.scheduler(cache, self.engine, self.model, trace=trace, l3=self.l3)
 
 
+def _sampling(
+    server: Server, out: list[dict[str, Any]], progress: Callable[[int], None] | None
+) -> Callable[[int], None]:
+    """Wrap `progress` to record the L3 tier's state at most every 0.2 s into `out`.
+
+    Each sample: ``time`` (Unix seconds), ``finished``, ``l3_hit_tokens``,
+    ``l3_errors`` and ``l3_breaker``, so that a run whose store went away and came
+    back shows when hits stopped and resumed.
+    """
+    last = [0.0]
+
+    def sample(done: int) -> None:
+        now = time.time()
+        if now - last[0] >= 0.2 and server.l3 is not None:
+            last[0] = now
+            out.append(
+                {
+                    "time": now,
+                    "finished": done,
+                    "l3_hit_tokens": server.sched.counters.l3_hit_tokens,
+                    "l3_errors": server.l3.counters.errors,
+                    "l3_breaker": server.l3.breaker.state,
+                }
+            )
+        if progress is not None:
+            progress(done)
+
+    return sample
+
+
 def l3_report(tier: L3Tier | None, c: Counters) -> dict[str, Any]:
     """Return the L3 tier's keys of the report (zeros and None without one).
 
@@ -342,6 +372,9 @@ def replay(
     cache, engine, model, sched = server.cache, server.engine, server.model, server.sched
     trace = sched.trace
     sched.add(jobs)
+    l3_timeline: list[dict[str, Any]] = []
+    if server.l3 is not None:
+        progress = _sampling(server, l3_timeline, progress)
     start = time.perf_counter()
     c = sched.run(progress)
     seconds = time.perf_counter() - start
@@ -371,6 +404,7 @@ def replay(
     shapes = (config.model_shape(), config.shape)
     out = report(c, s, engine, model, seconds, audit, full, attn, shapes)
     out.update(l3_report(server.l3, c))
+    out["l3_timeline"] = l3_timeline if server.l3 is not None else None
     out["eviction_policy"] = cache.eviction_policy
     out.update(schedule_report(config, c))
     out.update(swa_report(cache, s, c, full_attn))
