@@ -1004,7 +1004,8 @@ class ObjectStore:
         the page's size. One outcome per key: ``"ok"`` (the row holds the page, every
         header field and the checksum verified), ``"missing"`` (no object), or
         ``"corrupt"`` (the object failed verification, including one of another page or
-        size, and was deleted). Rows not ``"ok"`` are left untouched.
+        size, and was deleted). Rows not ``"ok"`` are left untouched. When it raises,
+        any row may hold part of what was read: treat none of them as fetched.
         """
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove the objects under ``keys`` (absent ones are no error)."""

@@ -59,7 +59,8 @@ pub fn put_pages(
 
 /// Gets `keys`, verifies each object as page `hashes[i]` with `outs[i].len()` payload
 /// bytes, and copies each verified payload into `outs[i]`; deletes the objects that fail
-/// verification. One outcome per key.
+/// verification. One outcome per key. After an error, some buffers may hold what was
+/// read: treat every one of them as not fetched.
 pub fn get_pages_into(
     store: &dyn ObjectStore,
     keys: &[&[u8]],
@@ -68,22 +69,19 @@ pub fn get_pages_into(
 ) -> Result<Vec<Fetched>, StoreError> {
     StoreError::check_len("hashes", hashes.len(), keys.len())?;
     StoreError::check_len("outs", outs.len(), keys.len())?;
-    let got = store.get(keys)?;
-    let mut outcomes = Vec::with_capacity(keys.len());
+    let mut outcomes = vec![Fetched::Missing; keys.len()];
     let mut corrupt = Vec::new();
-    for (i, object) in got.iter().enumerate() {
-        let outcome = match object {
-            None => Fetched::Missing,
-            Some(bytes) => match frame::decode_into(&hashes[i], bytes, outs[i]) {
+    store.get_each(keys, &mut |i, object| {
+        if let Some(bytes) = object {
+            outcomes[i] = match frame::decode_into(&hashes[i], bytes, outs[i]) {
                 Ok(()) => Fetched::Ok,
                 Err(e) => {
                     corrupt.push(keys[i]);
                     Fetched::Corrupt(e)
                 }
-            },
-        };
-        outcomes.push(outcome);
-    }
+            };
+        }
+    })?;
     if !corrupt.is_empty() {
         store.delete(&corrupt)?;
     }

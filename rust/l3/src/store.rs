@@ -110,6 +110,21 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
 
     /// Removes the objects under `keys` (absent ones are no error).
     fn delete(&self, keys: &[&[u8]]) -> Result<(), StoreError>;
+
+    /// [`ObjectStore::get`] without handing out the objects: calls `visit(i, object)`
+    /// for each key in order, the object borrowed for the call only, so that a store
+    /// can read every object into one buffer it reuses (no allocation, and no page
+    /// faults, per object). After an error, `visit` may have seen some of the keys.
+    fn get_each(
+        &self,
+        keys: &[&[u8]],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>),
+    ) -> Result<(), StoreError> {
+        for (i, object) in self.get(keys)?.iter().enumerate() {
+            visit(i, object.as_deref());
+        }
+        Ok(())
+    }
 }
 
 /// Forwards the trait to a store behind a pointer.
@@ -131,10 +146,18 @@ macro_rules! forward {
             fn delete(&self, keys: &[&[u8]]) -> Result<(), StoreError> {
                 (**self).delete(keys)
             }
+
+            fn get_each(
+                &self,
+                keys: &[&[u8]],
+                visit: &mut dyn FnMut(usize, Option<&[u8]>),
+            ) -> Result<(), StoreError> {
+                (**self).get_each(keys, visit)
+            }
         }
     )*};
 }
 
-// A boxed store (what [`crate::open`] returns) and a borrowed one are stores, so that
+// A boxed store (what [`crate::open()`] returns) and a borrowed one are stores, so that
 // [`crate::Faulty`] wraps either.
 forward!(Box<S>, &S);

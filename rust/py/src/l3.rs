@@ -237,7 +237,8 @@ impl PyObjectStore {
     /// Fetches `keys` into the rows of `out` (one row per key, the page's size), each
     /// verified as the object of page `hashes[i]`. One outcome per key: `"ok"` (the row
     /// holds the page), `"missing"`, or `"corrupt"` (the object failed verification and
-    /// was deleted); rows not `"ok"` are left untouched.
+    /// was deleted); rows not `"ok"` are left untouched. When it raises, any row may hold
+    /// part of what was read.
     fn get_into(
         &self,
         py: Python<'_>,
