@@ -23,7 +23,12 @@ def need_redis_tools() -> None:
 
 def test_tiny_run_reports_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
     need_redis_tools()
-    assert bench.main(["--sizes", "4096,8192", "--batch", "4", "--mib", "1", "--json"]) == 0
+    assert (
+        bench.main(
+            ["--sizes", "4096,8192", "--batch", "4", "--mib", "1", "--repeat", "2", "--json"]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["size"] for r in rows] == [4096, 8192]
     for r in rows:
@@ -50,7 +55,9 @@ def test_table_has_one_line_per_size() -> None:
     assert " ".join(lines[2].split()) == "65536 64 | 1.00 2.00 0.50 | 2.00 2.50 0.80 | ok"
 
 
-@pytest.mark.parametrize("args", [["--batch", "0"], ["--mib", "0"], ["--sizes", "0"]])
+@pytest.mark.parametrize(
+    "args", [["--batch", "0"], ["--mib", "0"], ["--sizes", "0"], ["--repeat", "0"]]
+)
 def test_bad_arguments(args: list[str]) -> None:
     need_redis_tools()
     with pytest.raises(SystemExit) as e:

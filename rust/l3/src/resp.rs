@@ -203,20 +203,25 @@ impl Resp {
         })
     }
 
-    /// Reads a bulk string's `n` bytes and CRLF into `buf` (its capacity reused).
+    /// Reads a bulk string's `n` bytes and CRLF into the start of `buf`, which grows
+    /// (zeroed) where it is shorter but is never cleared: a reused buffer costs no
+    /// memset. The string is `buf[..n]`.
     fn bulk_into(
         &mut self,
         op: &'static str,
         n: usize,
         buf: &mut Vec<u8>,
     ) -> Result<(), StoreError> {
-        buf.clear();
-        buf.resize(n + 2, 0);
-        self.reader.read_exact(buf).map_err(|e| io_error(op, &e))?;
-        if !buf.ends_with(b"\r\n") {
+        if buf.len() < n + 2 {
+            buf.resize(n + 2, 0);
+        }
+        let bytes = &mut buf[..n + 2];
+        self.reader
+            .read_exact(bytes)
+            .map_err(|e| io_error(op, &e))?;
+        if !bytes.ends_with(b"\r\n") {
             return Err(protocol(op, "a bulk string without CRLF"));
         }
-        buf.truncate(n);
         Ok(())
     }
 
@@ -228,6 +233,7 @@ impl Resp {
             Head::Bulk(n) => {
                 let mut v = Vec::new();
                 self.bulk_into(op, n, &mut v)?;
+                v.truncate(n);
                 Ok(Value::BulkString(v))
             }
         })
@@ -249,7 +255,7 @@ impl Resp {
             match self.head(op)? {
                 Head::Bulk(n) => {
                     self.bulk_into(op, n, &mut buf)?;
-                    visit(i, Some(&buf));
+                    visit(i, Some(&buf[..n]));
                 }
                 Head::Value(Value::Nil) => visit(i, None),
                 Head::Value(v) => {
