@@ -32,4 +32,4 @@ pub use frame::Corrupt;
 pub use open::{open, OpenError};
 pub use pages::{get_pages_into, put_pages, Fetched};
 pub use redis_store::{RedisClusterStore, RedisStore};
-pub use store::{ObjectStore, Options, StoreError};
+pub use store::{ObjectStore, Options, Parts, StoreError};

@@ -15,8 +15,8 @@ use redis::cluster::{ClusterClient, ClusterConnection, ClusterPipeline};
 use redis::{Client, Cmd, ConnectionAddr, RedisError, RedisResult, Value};
 
 use crate::open::OpenError;
-use crate::resp::Resp;
-use crate::store::{ObjectStore, Options, StoreError};
+use crate::resp::{one, Resp};
+use crate::store::{ObjectStore, Options, Parts, StoreError};
 
 /// A store error from a client error of operation `op`.
 fn store_error(op: &'static str, e: &RedisError) -> StoreError {
@@ -73,9 +73,9 @@ fn unexpected(op: &'static str, v: &Value) -> StoreError {
 /// A client that runs a batch of commands as pipelines: the one thing the two Redis
 /// stores do differently.
 trait Pipelined {
-    /// Runs `cmds` (one a key, each its arguments, the command's name first); their
-    /// replies, in order.
-    fn run(&self, op: &'static str, cmds: &[Vec<&[u8]>]) -> Result<Vec<Value>, StoreError>;
+    /// Runs `cmds` (one a key, each its arguments, the command's name first; each
+    /// argument the concatenation of its two parts); their replies, in order.
+    fn run(&self, op: &'static str, cmds: &[Vec<Parts<'_>>]) -> Result<Vec<Value>, StoreError>;
 }
 
 /// Runs one `build(i)` command for each of `n` keys; checks that each got a reply.
@@ -83,12 +83,12 @@ fn batch<'a>(
     store: &impl Pipelined,
     op: &'static str,
     n: usize,
-    build: impl FnMut(usize) -> Vec<&'a [u8]>,
+    build: impl FnMut(usize) -> Vec<Parts<'a>>,
 ) -> Result<Vec<Value>, StoreError> {
     if n == 0 {
         return Ok(Vec::new());
     }
-    let cmds: Vec<Vec<&[u8]>> = (0..n).map(build).collect();
+    let cmds: Vec<Vec<Parts<'_>>> = (0..n).map(build).collect();
     let replies = store.run(op, &cmds)?;
     if replies.len() == n {
         Ok(replies)
@@ -101,19 +101,25 @@ fn batch<'a>(
 }
 
 fn exists(store: &impl Pipelined, keys: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
-    batch(store, "exists", keys.len(), |i| vec![b"EXISTS", keys[i]])?
-        .into_iter()
-        .map(|v| match v {
-            Value::Int(n) => Ok(n != 0),
-            other => Err(unexpected("exists", &other)),
-        })
-        .collect()
+    batch(store, "exists", keys.len(), |i| {
+        vec![one(b"EXISTS"), one(keys[i])]
+    })?
+    .into_iter()
+    .map(|v| match v {
+        Value::Int(n) => Ok(n != 0),
+        other => Err(unexpected("exists", &other)),
+    })
+    .collect()
 }
 
-fn put(store: &impl Pipelined, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+fn put(
+    store: &impl Pipelined,
+    keys: &[&[u8]],
+    values: &[Parts<'_>],
+) -> Result<Vec<bool>, StoreError> {
     StoreError::check_len("values", values.len(), keys.len())?;
     batch(store, "put", keys.len(), |i| {
-        vec![b"SET", keys[i], values[i], b"NX"]
+        vec![one(b"SET"), one(keys[i]), values[i], one(b"NX")]
     })?
     .into_iter()
     .map(|v| match v {
@@ -125,18 +131,22 @@ fn put(store: &impl Pipelined, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<b
 }
 
 fn get(store: &impl Pipelined, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
-    batch(store, "get", keys.len(), |i| vec![b"GET", keys[i]])?
-        .into_iter()
-        .map(|v| match v {
-            Value::BulkString(b) => Ok(Some(b)),
-            Value::Nil => Ok(None),
-            other => Err(unexpected("get", &other)),
-        })
-        .collect()
+    batch(store, "get", keys.len(), |i| {
+        vec![one(b"GET"), one(keys[i])]
+    })?
+    .into_iter()
+    .map(|v| match v {
+        Value::BulkString(b) => Ok(Some(b)),
+        Value::Nil => Ok(None),
+        other => Err(unexpected("get", &other)),
+    })
+    .collect()
 }
 
 fn delete(store: &impl Pipelined, keys: &[&[u8]]) -> Result<(), StoreError> {
-    let replies = batch(store, "delete", keys.len(), |i| vec![b"DEL", keys[i]])?;
+    let replies = batch(store, "delete", keys.len(), |i| {
+        vec![one(b"DEL"), one(keys[i])]
+    })?;
     match replies.iter().find(|v| !matches!(v, Value::Int(_))) {
         None => Ok(()),
         Some(other) => Err(unexpected("delete", other)),
@@ -208,7 +218,7 @@ impl RedisStore {
 }
 
 impl Pipelined for RedisStore {
-    fn run(&self, op: &'static str, cmds: &[Vec<&[u8]>]) -> Result<Vec<Value>, StoreError> {
+    fn run(&self, op: &'static str, cmds: &[Vec<Parts<'_>>]) -> Result<Vec<Value>, StoreError> {
         self.link
             .with(|| self.connect(op), |con| con.pipeline(op, cmds))
     }
@@ -227,7 +237,7 @@ impl ObjectStore for RedisStore {
         if keys.is_empty() {
             return Ok(());
         }
-        let cmds: Vec<Vec<&[u8]>> = keys.iter().map(|k| vec![b"GET".as_slice(), k]).collect();
+        let cmds: Vec<Vec<Parts<'_>>> = keys.iter().map(|k| vec![one(b"GET"), one(k)]).collect();
         self.link.with(
             || self.connect("get"),
             |con| con.get_each("get", &cmds, visit),
@@ -235,6 +245,11 @@ impl ObjectStore for RedisStore {
     }
 
     fn put(&self, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+        let parts: Vec<Parts<'_>> = values.iter().map(|v| one(v)).collect();
+        put(self, keys, &parts)
+    }
+
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
         put(self, keys, values)
     }
 
@@ -297,12 +312,16 @@ impl RedisClusterStore {
 }
 
 impl Pipelined for RedisClusterStore {
-    fn run(&self, op: &'static str, cmds: &[Vec<&[u8]>]) -> Result<Vec<Value>, StoreError> {
+    fn run(&self, op: &'static str, cmds: &[Vec<Parts<'_>>]) -> Result<Vec<Value>, StoreError> {
         let mut pipe = ClusterPipeline::with_capacity(cmds.len());
         for args in cmds {
             let mut c = Cmd::new();
-            for a in args {
-                c.arg(*a);
+            for [a, b] in args {
+                if b.is_empty() {
+                    c.arg(*a);
+                } else {
+                    c.arg([*a, *b].concat());
+                }
             }
             pipe.add_command(c);
         }
@@ -322,6 +341,11 @@ impl ObjectStore for RedisClusterStore {
     }
 
     fn put(&self, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+        let parts: Vec<Parts<'_>> = values.iter().map(|v| one(v)).collect();
+        put(self, keys, &parts)
+    }
+
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
         put(self, keys, values)
     }
 

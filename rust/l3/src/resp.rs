@@ -15,11 +15,16 @@ use std::time::Duration;
 
 use redis::Value;
 
-use crate::store::StoreError;
+use crate::store::{Parts, StoreError};
 
 /// Buffer sizes: headers and small replies are buffered; a value larger than this goes
 /// between the socket and the caller's memory directly.
 const BUF: usize = 64 * 1024;
+
+/// An argument in one part.
+pub(crate) fn one(a: &[u8]) -> Parts<'_> {
+    [a, &[]]
+}
 
 /// A connection to one Redis server.
 pub(crate) struct Resp {
@@ -91,14 +96,14 @@ impl Resp {
             scratch: Vec::new(),
         };
         let db_arg = db.to_string();
-        let mut setup_cmds: Vec<Vec<&[u8]>> = Vec::new();
+        let mut setup_cmds: Vec<Vec<Parts<'_>>> = Vec::new();
         if !auth.is_empty() {
-            let mut c: Vec<&[u8]> = vec![b"AUTH"];
-            c.extend_from_slice(auth);
+            let mut c = vec![one(b"AUTH")];
+            c.extend(auth.iter().map(|a| one(a)));
             setup_cmds.push(c);
         }
         if db != 0 {
-            setup_cmds.push(vec![b"SELECT", db_arg.as_bytes()]);
+            setup_cmds.push(vec![one(b"SELECT"), one(db_arg.as_bytes())]);
         }
         if !setup_cmds.is_empty() {
             for reply in con.pipeline(op, &setup_cmds)? {
@@ -110,12 +115,13 @@ impl Resp {
         Ok(con)
     }
 
-    /// Sends `cmds` (each a list of arguments, the command's name first) in one write
-    /// and reads one reply each. A server error reply fails the call.
+    /// Sends `cmds` (each a list of arguments, the command's name first, each argument
+    /// the concatenation of its two parts) in one write and reads one reply each. A
+    /// server error reply fails the call.
     pub(crate) fn pipeline(
         &mut self,
         op: &'static str,
-        cmds: &[Vec<&[u8]>],
+        cmds: &[Vec<Parts<'_>>],
     ) -> Result<Vec<Value>, StoreError> {
         self.send(cmds).map_err(|e| io_error(op, &e))?;
         let mut replies = Vec::with_capacity(cmds.len());
@@ -139,13 +145,15 @@ impl Resp {
         }
     }
 
-    fn send(&mut self, cmds: &[Vec<&[u8]>]) -> io::Result<()> {
+    /// Writes `cmds`; a part larger than the buffer goes to the socket directly.
+    fn send(&mut self, cmds: &[Vec<Parts<'_>>]) -> io::Result<()> {
         let w = &mut self.writer;
         for args in cmds {
             write!(w, "*{}\r\n", args.len())?;
-            for a in args {
-                write!(w, "${}\r\n", a.len())?;
+            for [a, b] in args {
+                write!(w, "${}\r\n", a.len() + b.len())?;
                 w.write_all(a)?;
+                w.write_all(b)?;
                 w.write_all(b"\r\n")?;
             }
         }
@@ -245,7 +253,7 @@ impl Resp {
     pub(crate) fn get_each(
         &mut self,
         op: &'static str,
-        cmds: &[Vec<&[u8]>],
+        cmds: &[Vec<Parts<'_>>],
         visit: &mut dyn FnMut(usize, Option<&[u8]>),
     ) -> Result<(), StoreError> {
         self.send(cmds).map_err(|e| io_error(op, &e))?;

@@ -15,7 +15,7 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use radixcache_l3::{
-    get_pages_into, open, put_pages, Fetched, ObjectStore, Options, RedisStore, StoreError,
+    get_pages_into, open, put_pages, Fetched, ObjectStore, Options, Parts, RedisStore, StoreError,
 };
 
 /// Whether redis-server can be run here; panics when it cannot but must.
@@ -231,6 +231,19 @@ fn round_trips(store: &dyn ObjectStore) {
     want.extend([true; 32]);
     assert_eq!(store.exists(&refs(&k)).unwrap(), want);
     assert_eq!(store.get(&refs(&k[..1])).unwrap(), vec![None]);
+    // Objects in two parts are stored joined, write-once as well.
+    let pk = keys("parts", 3);
+    let parts: [Parts<'_>; 3] = [[b"ab", b"cd"], [b"", b"x"], [b"y", b""]];
+    assert_eq!(store.put_parts(&refs(&pk), &parts).unwrap(), [true; 3]);
+    assert_eq!(store.put_parts(&refs(&pk), &parts).unwrap(), [false; 3]);
+    assert_eq!(
+        store.get(&refs(&pk)).unwrap(),
+        [
+            Some(b"abcd".to_vec()),
+            Some(b"x".to_vec()),
+            Some(b"y".to_vec())
+        ]
+    );
     // Absent keys delete fine; empty batches need no round trip.
     store.delete(&refs(&k[..32])).unwrap();
     assert_eq!(store.exists(&[]).unwrap(), Vec::<bool>::new());
