@@ -114,6 +114,7 @@ def test_exported() -> None:
 
 def test_put_get_into_round_trip(store: ObjectStore) -> None:
     keys, hashes, data = batch(16)
+    data.flags.writeable = False  # put only reads
     assert store.exists(keys) == [False] * 16
     assert store.put(keys, hashes, data) == [True] * 16
     assert store.exists(keys) == [True] * 16
