@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import radixcache as rc
-from radixcache import L3Error, ObjectStore
+from radixcache import Breaker, L3Error, ObjectStore
 
 SIZE = 4096
 
@@ -108,10 +108,13 @@ def test_exported() -> None:
     assert issubclass(rc.L3Error, rc.CacheError)
     assert "ObjectStore" in rc.__all__
     assert "L3Error" in rc.__all__
+    assert rc.Breaker is rc._core.Breaker
+    assert "Breaker" in rc.__all__
 
 
 def test_put_get_into_round_trip(store: ObjectStore) -> None:
     keys, hashes, data = batch(16)
+    data.flags.writeable = False  # put only reads
     assert store.exists(keys) == [False] * 16
     assert store.put(keys, hashes, data) == [True] * 16
     assert store.exists(keys) == [True] * 16
@@ -433,3 +436,91 @@ def test_calls_release_the_gil(redis_server: RedisServer) -> None:
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
     assert ticks > 50
+
+
+# ----------------------------------------------------------------------- breaker
+
+
+def state(b: Breaker) -> str:
+    """``b.state``, read afresh (mypy would narrow the property across calls)."""
+    return b.state
+
+
+def test_breaker_opens_after_threshold_consecutive_failures() -> None:
+    b = Breaker(threshold=3, cooldown_ms=60_000)
+    assert (state(b), b.errors, b.trips) == ("closed", 0, 0)
+    b.failure()
+    b.failure()
+    b.success()  # resets the run
+    b.failure()
+    b.failure()
+    assert state(b) == "closed"
+    assert b.allow()
+    b.failure()
+    assert (state(b), b.errors, b.trips) == ("open", 5, 1)
+    assert not b.allow()
+
+
+def test_breaker_probes_after_the_cooldown() -> None:
+    b = Breaker(threshold=1, cooldown_ms=50)
+    b.failure()
+    assert not b.allow()
+    time.sleep(0.06)
+    assert b.allow()
+    assert state(b) == "half_open"
+    assert not b.allow()  # one probe only
+    b.failure()  # the probe failed: open again, a new cooldown
+    assert (state(b), b.trips) == ("open", 2)
+    assert not b.allow()
+    time.sleep(0.06)
+    assert b.allow()
+    b.success()
+    assert state(b) == "closed"
+    assert b.allow()
+
+
+def test_breaker_zero_cooldown_probes_at_once() -> None:
+    b = Breaker(threshold=2, cooldown_ms=0)
+    b.failure()
+    b.failure()
+    assert state(b) == "open"
+    assert b.allow()
+    assert state(b) == "half_open"
+
+
+def test_breaker_repr_and_defaults() -> None:
+    b = Breaker()
+    assert (b.threshold, b.cooldown_ms) == (5, 1000)
+    assert repr(b) == 'Breaker(state="closed", errors=0, trips=0, threshold=5, cooldown_ms=1000)'
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"threshold": 0}, "threshold: must be in 1..=4294967295, got 0"),
+        ({"threshold": -1}, "threshold: must be in 1..=4294967295, got -1"),
+        ({"threshold": 1 << 32}, "threshold: must be in 1..=4294967295, got 4294967296"),
+        ({"cooldown_ms": -1}, "cooldown_ms: must be at least 0, got -1"),
+    ],
+)
+def test_breaker_bad_arguments(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Breaker(**kwargs)
+
+
+def test_breaker_with_a_dead_store(tmp_path: Path) -> None:
+    """The pattern the L3 engine follows: ask, call, report."""
+    store = ObjectStore.faulty(f"file://{tmp_path}", seed=0, fail=1.0)
+    b = Breaker(threshold=3, cooldown_ms=60_000)
+    calls = 0
+    for _ in range(10):
+        if not b.allow():
+            continue
+        calls += 1
+        try:
+            store.exists([b"k"])
+        except L3Error:
+            b.failure()
+        else:
+            b.success()
+    assert (calls, state(b), b.errors, b.trips) == (3, "open", 3, 1)

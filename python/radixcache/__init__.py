@@ -2,10 +2,12 @@
 
 The cache is re-exported from the compiled extension ``radixcache._core`` (see
 ``_core.pyi`` for its documented API); `Storage` and `TransferEngine` move the bytes;
-`ObjectStore` is the L3 tier's store (Redis, Redis Cluster or files).
+`ObjectStore` is the L3 tier's store (Redis, Redis Cluster or files), `Breaker` its
+circuit breaker.
 """
 
 from radixcache._core import (
+    Breaker,
     CacheError,
     Copy,
     Evicted,
@@ -28,6 +30,7 @@ from radixcache.engine import TransferEngine
 from radixcache.storage import Storage
 
 __all__ = [
+    "Breaker",
     "CacheError",
     "Copy",
     "Evicted",

@@ -44,6 +44,7 @@ def _small_int_read(obj: int) -> tuple[int | None, int] | None:
 #: <class ...>"). While the interpreter exits nothing is emitted, and everything is
 #: still given back.
 __all__ = [
+    "Breaker",
     "CacheError",
     "Copy",
     "Evicted",
@@ -1203,7 +1204,46 @@ class ObjectStore:
         the page's size. One outcome per key: ``"ok"`` (the row holds the page, every
         header field and the checksum verified), ``"missing"`` (no object), or
         ``"corrupt"`` (the object failed verification, including one of another page or
-        size, and was deleted). Rows not ``"ok"`` are left untouched.
+        size, and was deleted). Rows not ``"ok"`` are left untouched. When it raises,
+        any row may hold part of what was read: treat none of them as fetched.
         """
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove the objects under ``keys`` (absent ones are no error)."""
+
+@final
+class Breaker:
+    """The L3 tier's circuit breaker, on the monotonic clock.
+
+    Closed, calls go through; ``threshold`` consecutive failures open it. Open, ``allow()``
+    refuses calls until ``cooldown_ms`` have passed since it opened; the first caller
+    after that is let through as the probe and the state is ``"half_open"`` (others are
+    still refused). The probe's ``success()`` closes it; its ``failure()`` opens it again
+    for a new cooldown. So a dead store costs one timeout per cooldown, not one per call.
+    Thread-safe.
+
+    Raises:
+        ValueError: ``threshold`` below 1 or ``cooldown_ms`` below 0.
+    """
+
+    def __new__(cls, *, threshold: int = 5, cooldown_ms: int = 1000) -> Breaker: ...
+    def allow(self) -> bool:
+        """Whether a call may go to the store now (see the class docs)."""
+    def success(self) -> None:
+        """Report that a call let through succeeded."""
+    def failure(self) -> None:
+        """Report that a call let through failed (an ``L3Error``)."""
+    @property
+    def state(self) -> Literal["closed", "open", "half_open"]:
+        """The state (an open breaker whose cooldown passed stays "open" until asked)."""
+    @property
+    def errors(self) -> int:
+        """Failures reported, in all."""
+    @property
+    def trips(self) -> int:
+        """Times it opened."""
+    @property
+    def threshold(self) -> int:
+        """Consecutive failures that open it."""
+    @property
+    def cooldown_ms(self) -> int:
+        """How long it stays open before a probe, in milliseconds."""

@@ -12,7 +12,7 @@
 use parking_lot::Mutex;
 use thiserror::Error;
 
-use crate::store::{ObjectStore, StoreError};
+use crate::store::{ObjectStore, Parts, StoreError};
 
 /// A rate outside `0..=1`.
 #[derive(Debug, Clone, Error, PartialEq)]
@@ -151,6 +151,10 @@ impl<S: ObjectStore> ObjectStore for Faulty<S> {
 
     fn put(&self, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
         self.call("put", || self.inner.put(keys, values))
+    }
+
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
+        self.call("put", || self.inner.put_parts(keys, values))
     }
 
     fn get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::store::{ObjectStore, StoreError};
+use crate::store::{ObjectStore, Parts, StoreError};
 
 /// The longest key: its name (`k` and two hex digits a byte) must fit the usual 255-byte
 /// limit of a file name.
@@ -75,14 +75,17 @@ impl FileStore {
     }
 
     /// Stores `value` at `file` (in directory `fan`) unless it exists; whether it stored.
-    fn put_one(&self, fan: &Path, file: &Path, value: &[u8]) -> Result<bool, StoreError> {
+    fn put_one(&self, fan: &Path, file: &Path, value: Parts<'_>) -> Result<bool, StoreError> {
         if file.exists() {
             return Ok(false);
         }
         fs::create_dir_all(fan).map_err(|e| failed("put", fan, &e))?;
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let tmp = fan.join(format!(".tmp-{}-{n}", std::process::id()));
-        let written = fs::File::create(&tmp).and_then(|mut f| f.write_all(value));
+        let written = fs::File::create(&tmp).and_then(|mut f| {
+            f.write_all(value[0])?;
+            f.write_all(value[1])
+        });
         let linked = written.and_then(|()| fs::hard_link(&tmp, file));
         // The temporary name goes in every case; a failure to remove it leaves a stray
         // file, never a wrong object.
@@ -116,11 +119,16 @@ impl ObjectStore for FileStore {
     }
 
     fn put(&self, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+        let parts: Vec<Parts<'_>> = values.iter().map(|v| [*v, &[][..]]).collect();
+        self.put_parts(keys, &parts)
+    }
+
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
         StoreError::check_len("values", values.len(), keys.len())?;
         self.paths(keys)?
             .iter()
             .zip(values)
-            .map(|((fan, file), v)| self.put_one(fan, file, v))
+            .map(|((fan, file), v)| self.put_one(fan, file, *v))
             .collect()
     }
 
@@ -222,6 +230,22 @@ mod tests {
             vec![false; 3]
         );
         assert_eq!(s.get(&refs(&k)).unwrap(), vec![Some(b"first".to_vec()); 3]);
+    }
+
+    #[test]
+    fn objects_in_parts_are_stored_joined() {
+        let t = temp("parts");
+        let s = &t.0;
+        let k = keys(2);
+        let parts: [Parts<'_>; 2] = [[b"head", b"body"], [b"", b""]];
+        assert_eq!(s.put_parts(&refs(&k), &parts).unwrap(), [true, true]);
+        assert_eq!(s.put_parts(&refs(&k), &parts).unwrap(), [false, false]);
+        assert_eq!(
+            s.get(&refs(&k)).unwrap(),
+            [Some(b"headbody".to_vec()), Some(Vec::new())]
+        );
+        let e = s.put_parts(&refs(&k), &parts[..1]).unwrap_err();
+        assert_eq!(e.to_string(), "values: 1 given for 2 keys");
     }
 
     #[test]

@@ -95,18 +95,25 @@ pub fn encode(hash: &[u8; HASH_LEN], payload: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The header of the object framing `payload` for page `hash`: the object is this
+/// followed by the payload.
+pub fn header(hash: &[u8; HASH_LEN], payload: &[u8]) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    // 6..8: flags, 0.
+    h[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    h[16..FIELDS_END].copy_from_slice(hash);
+    let sum = checksum(&h[..FIELDS_END], payload);
+    h[FIELDS_END..].copy_from_slice(&sum.to_le_bytes());
+    h
+}
+
 /// [`encode`], appended to `out` (so one buffer holds a whole batch, object after
 /// object, and a cleared buffer is reused without allocating again).
 pub fn encode_into(hash: &[u8; HASH_LEN], payload: &[u8], out: &mut Vec<u8>) {
-    let start = out.len();
     out.reserve(encoded_len(payload.len()));
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(hash);
-    let sum = checksum(&out[start..start + FIELDS_END], payload);
-    out.extend_from_slice(&sum.to_le_bytes());
+    out.extend_from_slice(&header(hash, payload));
     out.extend_from_slice(payload);
 }
 
@@ -198,6 +205,12 @@ mod tests {
         let mut out = vec![0u8; p.len()];
         decode_into(&H, &obj, &mut out).unwrap();
         assert_eq!(out, p);
+    }
+
+    #[test]
+    fn header_is_the_start_of_the_object() {
+        let p = payload();
+        assert_eq!(header(&H, &p)[..], encode(&H, &p)[..HEADER_LEN]);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //!   and the page's bytes; a fetched object is verified before it is used.
 //! - [`ObjectStore`]: batch `exists`/`put`/`get`/`delete` on byte-string keys, puts
 //!   write-once; backends [`RedisStore`], [`RedisClusterStore`] and [`FileStore`], chosen
-//!   by URL with [`open`]; timeouts in [`Options`].
+//!   by URL with [`open()`]; timeouts in [`Options`].
 //! - [`pages`]: framing and verification around a store: [`put_pages`] and
 //!   [`get_pages_into`] (which deletes corrupt objects).
 //! - [`Faulty`]: a store wrapper that fails, times out, loses and corrupts on a seeded
@@ -22,6 +22,7 @@ pub mod frame;
 pub mod open;
 pub mod pages;
 pub mod redis_store;
+mod resp;
 pub mod store;
 
 pub use breaker::{Breaker, BreakerState};
@@ -31,4 +32,4 @@ pub use frame::Corrupt;
 pub use open::{open, OpenError};
 pub use pages::{get_pages_into, put_pages, Fetched};
 pub use redis_store::{RedisClusterStore, RedisStore};
-pub use store::{ObjectStore, Options, StoreError};
+pub use store::{ObjectStore, Options, Parts, StoreError};

@@ -6,7 +6,7 @@
 //! payloads that pass into the caller's buffers, and delete the objects that fail.
 
 use crate::frame::{self, Corrupt, HASH_LEN};
-use crate::store::{ObjectStore, StoreError};
+use crate::store::{ObjectStore, Parts, StoreError};
 
 /// What [`get_pages_into`] found for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,26 +40,24 @@ pub fn put_pages(
 ) -> Result<Vec<bool>, StoreError> {
     StoreError::check_len("hashes", hashes.len(), keys.len())?;
     StoreError::check_len("payloads", payloads.len(), keys.len())?;
-    // One buffer for the whole batch, framed object after object.
-    let total = payloads.iter().map(|p| frame::encoded_len(p.len())).sum();
-    let mut buf = Vec::with_capacity(total);
-    let mut ends = Vec::with_capacity(keys.len());
-    for (hash, payload) in hashes.iter().zip(payloads) {
-        frame::encode_into(hash, payload, &mut buf);
-        ends.push(buf.len());
-    }
-    let mut values = Vec::with_capacity(keys.len());
-    let mut start = 0;
-    for end in ends {
-        values.push(&buf[start..end]);
-        start = end;
-    }
-    store.put(keys, &values)
+    // Headers here, payloads where they are: no copy of a page before the store's.
+    let headers: Vec<[u8; frame::HEADER_LEN]> = hashes
+        .iter()
+        .zip(payloads)
+        .map(|(h, p)| frame::header(h, p))
+        .collect();
+    let values: Vec<Parts<'_>> = headers
+        .iter()
+        .zip(payloads)
+        .map(|(h, p)| [h.as_slice(), *p])
+        .collect();
+    store.put_parts(keys, &values)
 }
 
 /// Gets `keys`, verifies each object as page `hashes[i]` with `outs[i].len()` payload
 /// bytes, and copies each verified payload into `outs[i]`; deletes the objects that fail
-/// verification. One outcome per key.
+/// verification. One outcome per key. After an error, some buffers may hold what was
+/// read: treat every one of them as not fetched.
 pub fn get_pages_into(
     store: &dyn ObjectStore,
     keys: &[&[u8]],
@@ -68,22 +66,19 @@ pub fn get_pages_into(
 ) -> Result<Vec<Fetched>, StoreError> {
     StoreError::check_len("hashes", hashes.len(), keys.len())?;
     StoreError::check_len("outs", outs.len(), keys.len())?;
-    let got = store.get(keys)?;
-    let mut outcomes = Vec::with_capacity(keys.len());
+    let mut outcomes = vec![Fetched::Missing; keys.len()];
     let mut corrupt = Vec::new();
-    for (i, object) in got.iter().enumerate() {
-        let outcome = match object {
-            None => Fetched::Missing,
-            Some(bytes) => match frame::decode_into(&hashes[i], bytes, outs[i]) {
+    store.get_each(keys, &mut |i, object| {
+        if let Some(bytes) = object {
+            outcomes[i] = match frame::decode_into(&hashes[i], bytes, outs[i]) {
                 Ok(()) => Fetched::Ok,
                 Err(e) => {
                     corrupt.push(keys[i]);
                     Fetched::Corrupt(e)
                 }
-            },
-        };
-        outcomes.push(outcome);
-    }
+            };
+        }
+    })?;
     if !corrupt.is_empty() {
         store.delete(&corrupt)?;
     }

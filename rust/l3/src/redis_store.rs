@@ -1,5 +1,5 @@
-//! [`RedisStore`] (one Redis server) and [`RedisClusterStore`] (a Redis Cluster), on the
-//! `redis` crate's synchronous clients.
+//! [`RedisStore`] (one Redis server, over the crate's own RESP client, `resp.rs`) and
+//! [`RedisClusterStore`] (a Redis Cluster, on the `redis` crate's synchronous cluster client).
 //!
 //! Each store holds one connection (to each node, for a cluster) behind a mutex, made on
 //! first use. Every batch is one pipeline: `EXISTS k`, `SET k v NX` (write-once: an
@@ -12,10 +12,11 @@ use std::fmt;
 
 use parking_lot::Mutex;
 use redis::cluster::{ClusterClient, ClusterConnection, ClusterPipeline};
-use redis::{Client, Cmd, Connection, Pipeline, RedisError, RedisResult, Value};
+use redis::{Client, Cmd, ConnectionAddr, RedisError, RedisResult, Value};
 
 use crate::open::OpenError;
-use crate::store::{ObjectStore, Options, StoreError};
+use crate::resp::{one, Resp};
+use crate::store::{ObjectStore, Options, Parts, StoreError};
 
 /// A store error from a client error of operation `op`.
 fn store_error(op: &'static str, e: &RedisError) -> StoreError {
@@ -43,20 +44,16 @@ impl<C> Link<C> {
     /// connection when either fails.
     fn with<T>(
         &self,
-        op: &'static str,
-        connect: impl FnOnce() -> RedisResult<C>,
-        f: impl FnOnce(&mut C) -> RedisResult<T>,
+        connect: impl FnOnce() -> Result<C, StoreError>,
+        f: impl FnOnce(&mut C) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let mut guard = self.con.lock();
         let con = match guard.take() {
             Some(con) => con,
-            None => connect().map_err(|e| store_error(op, &e))?,
+            None => connect()?,
         };
         let con = guard.insert(con);
-        f(con).map_err(|e| {
-            *guard = None;
-            store_error(op, &e)
-        })
+        f(con).inspect_err(|_| *guard = None)
     }
 }
 
@@ -76,21 +73,23 @@ fn unexpected(op: &'static str, v: &Value) -> StoreError {
 /// A client that runs a batch of commands as pipelines: the one thing the two Redis
 /// stores do differently.
 trait Pipelined {
-    /// Runs `cmds` (one a key); their replies, in order.
-    fn run(&self, op: &'static str, cmds: Vec<Cmd>) -> Result<Vec<Value>, StoreError>;
+    /// Runs `cmds` (one a key, each its arguments, the command's name first; each
+    /// argument the concatenation of its two parts); their replies, in order.
+    fn run(&self, op: &'static str, cmds: &[Vec<Parts<'_>>]) -> Result<Vec<Value>, StoreError>;
 }
 
 /// Runs one `build(i)` command for each of `n` keys; checks that each got a reply.
-fn batch(
+fn batch<'a>(
     store: &impl Pipelined,
     op: &'static str,
     n: usize,
-    build: impl FnMut(usize) -> Cmd,
+    build: impl FnMut(usize) -> Vec<Parts<'a>>,
 ) -> Result<Vec<Value>, StoreError> {
     if n == 0 {
         return Ok(Vec::new());
     }
-    let replies = store.run(op, (0..n).map(build).collect())?;
+    let cmds: Vec<Vec<Parts<'_>>> = (0..n).map(build).collect();
+    let replies = store.run(op, &cmds)?;
     if replies.len() == n {
         Ok(replies)
     } else {
@@ -101,29 +100,26 @@ fn batch(
     }
 }
 
-/// A command on one key.
-fn key_cmd(name: &str, key: &[u8]) -> Cmd {
-    let mut c = redis::cmd(name);
-    c.arg(key);
-    c
-}
-
 fn exists(store: &impl Pipelined, keys: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
-    batch(store, "exists", keys.len(), |i| key_cmd("EXISTS", keys[i]))?
-        .into_iter()
-        .map(|v| match v {
-            Value::Int(n) => Ok(n != 0),
-            other => Err(unexpected("exists", &other)),
-        })
-        .collect()
+    batch(store, "exists", keys.len(), |i| {
+        vec![one(b"EXISTS"), one(keys[i])]
+    })?
+    .into_iter()
+    .map(|v| match v {
+        Value::Int(n) => Ok(n != 0),
+        other => Err(unexpected("exists", &other)),
+    })
+    .collect()
 }
 
-fn put(store: &impl Pipelined, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+fn put(
+    store: &impl Pipelined,
+    keys: &[&[u8]],
+    values: &[Parts<'_>],
+) -> Result<Vec<bool>, StoreError> {
     StoreError::check_len("values", values.len(), keys.len())?;
     batch(store, "put", keys.len(), |i| {
-        let mut c = key_cmd("SET", keys[i]);
-        c.arg(values[i]).arg("NX");
-        c
+        vec![one(b"SET"), one(keys[i]), values[i], one(b"NX")]
     })?
     .into_iter()
     .map(|v| match v {
@@ -135,75 +131,96 @@ fn put(store: &impl Pipelined, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<b
 }
 
 fn get(store: &impl Pipelined, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
-    batch(store, "get", keys.len(), |i| key_cmd("GET", keys[i]))?
-        .into_iter()
-        .map(|v| match v {
-            Value::BulkString(b) => Ok(Some(b)),
-            Value::Nil => Ok(None),
-            other => Err(unexpected("get", &other)),
-        })
-        .collect()
+    batch(store, "get", keys.len(), |i| {
+        vec![one(b"GET"), one(keys[i])]
+    })?
+    .into_iter()
+    .map(|v| match v {
+        Value::BulkString(b) => Ok(Some(b)),
+        Value::Nil => Ok(None),
+        other => Err(unexpected("get", &other)),
+    })
+    .collect()
 }
 
 fn delete(store: &impl Pipelined, keys: &[&[u8]]) -> Result<(), StoreError> {
-    let replies = batch(store, "delete", keys.len(), |i| key_cmd("DEL", keys[i]))?;
+    let replies = batch(store, "delete", keys.len(), |i| {
+        vec![one(b"DEL"), one(keys[i])]
+    })?;
     match replies.iter().find(|v| !matches!(v, Value::Int(_))) {
         None => Ok(()),
         Some(other) => Err(unexpected("delete", other)),
     }
 }
 
-/// Objects on one Redis server (`redis://HOST:PORT[/DB]`).
+/// Objects on one Redis server (`redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`).
 pub struct RedisStore {
-    client: Client,
+    host: String,
+    port: u16,
+    db: i64,
+    /// `AUTH`'s arguments (none, the password, or the user and password).
+    auth: Vec<Vec<u8>>,
     options: Options,
-    link: Link<Connection>,
+    link: Link<Resp>,
 }
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
-            .field(
-                "addr",
-                &self.client.get_connection_info().addr().to_string(),
-            )
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("db", &self.db)
             .field("options", &self.options)
             .finish_non_exhaustive()
     }
 }
 
 impl RedisStore {
-    /// A store on the server at `url` (`redis://HOST:PORT[/DB]`); connects on first use.
+    /// A store on the server at `url` (`redis://HOST:PORT[/DB]`, with `USER:PASSWORD@`
+    /// or `:PASSWORD@` before the host where the server needs it); connects on first use.
     pub fn new(url: &str, options: Options) -> Result<RedisStore, OpenError> {
-        let client = Client::open(url).map_err(|e| OpenError::Url {
+        let bad = |reason: String| OpenError::Url {
             url: url.to_owned(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let client = Client::open(url).map_err(|e| bad(e.to_string()))?;
+        let info = client.get_connection_info();
+        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+            return Err(bad("only plain TCP (redis://) is supported".to_owned()));
+        };
+        let settings = info.redis_settings();
+        let auth = match (settings.username(), settings.password()) {
+            (_, None) => Vec::new(),
+            (None, Some(p)) => vec![p.as_bytes().to_vec()],
+            (Some(u), Some(p)) => vec![u.as_bytes().to_vec(), p.as_bytes().to_vec()],
+        };
         Ok(RedisStore {
-            client,
+            host: host.clone(),
+            port: *port,
+            db: settings.db(),
+            auth,
             options,
             link: Link::new(),
         })
     }
 
-    fn connect(&self) -> RedisResult<Connection> {
-        let con = self
-            .client
-            .get_connection_with_timeout(self.options.connect_timeout)?;
-        con.set_read_timeout(Some(self.options.io_timeout))?;
-        con.set_write_timeout(Some(self.options.io_timeout))?;
-        Ok(con)
+    fn connect(&self, op: &'static str) -> Result<Resp, StoreError> {
+        let auth: Vec<&[u8]> = self.auth.iter().map(Vec::as_slice).collect();
+        Resp::connect(
+            op,
+            (&self.host, self.port),
+            self.options.connect_timeout,
+            self.options.io_timeout,
+            &auth,
+            self.db,
+        )
     }
 }
 
 impl Pipelined for RedisStore {
-    fn run(&self, op: &'static str, cmds: Vec<Cmd>) -> Result<Vec<Value>, StoreError> {
-        let mut pipe = Pipeline::with_capacity(cmds.len());
-        for c in cmds {
-            pipe.add_command(c);
-        }
+    fn run(&self, op: &'static str, cmds: &[Vec<Parts<'_>>]) -> Result<Vec<Value>, StoreError> {
         self.link
-            .with(op, || self.connect(), |con| pipe.query::<Vec<Value>>(con))
+            .with(|| self.connect(op), |con| con.pipeline(op, cmds))
     }
 }
 
@@ -212,7 +229,27 @@ impl ObjectStore for RedisStore {
         exists(self, keys)
     }
 
+    fn get_each(
+        &self,
+        keys: &[&[u8]],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>),
+    ) -> Result<(), StoreError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let cmds: Vec<Vec<Parts<'_>>> = keys.iter().map(|k| vec![one(b"GET"), one(k)]).collect();
+        self.link.with(
+            || self.connect("get"),
+            |con| con.get_each("get", &cmds, visit),
+        )
+    }
+
     fn put(&self, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+        let parts: Vec<Parts<'_>> = values.iter().map(|v| one(v)).collect();
+        put(self, keys, &parts)
+    }
+
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
         put(self, keys, values)
     }
 
@@ -275,13 +312,26 @@ impl RedisClusterStore {
 }
 
 impl Pipelined for RedisClusterStore {
-    fn run(&self, op: &'static str, cmds: Vec<Cmd>) -> Result<Vec<Value>, StoreError> {
+    fn run(&self, op: &'static str, cmds: &[Vec<Parts<'_>>]) -> Result<Vec<Value>, StoreError> {
         let mut pipe = ClusterPipeline::with_capacity(cmds.len());
-        for c in cmds {
+        for args in cmds {
+            let mut c = Cmd::new();
+            for [a, b] in args {
+                if b.is_empty() {
+                    c.arg(*a);
+                } else {
+                    c.arg([*a, *b].concat());
+                }
+            }
             pipe.add_command(c);
         }
-        self.link
-            .with(op, || self.connect(), |con| pipe.query::<Vec<Value>>(con))
+        self.link.with(
+            || self.connect().map_err(|e| store_error(op, &e)),
+            |con| {
+                pipe.query::<Vec<Value>>(con)
+                    .map_err(|e| store_error(op, &e))
+            },
+        )
     }
 }
 
@@ -291,6 +341,11 @@ impl ObjectStore for RedisClusterStore {
     }
 
     fn put(&self, keys: &[&[u8]], values: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
+        let parts: Vec<Parts<'_>> = values.iter().map(|v| one(v)).collect();
+        put(self, keys, &parts)
+    }
+
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
         put(self, keys, values)
     }
 

@@ -92,6 +92,10 @@ impl Default for Options {
     }
 }
 
+/// An object given in two parts, stored as their concatenation (a frame's header and
+/// its payload, written without first copying them together).
+pub type Parts<'a> = [&'a [u8]; 2];
+
 /// A store of immutable objects under byte-string keys, called in batches.
 ///
 /// Writes are write-once: `put` never replaces an existing object (so concurrent
@@ -110,6 +114,30 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
 
     /// Removes the objects under `keys` (absent ones are no error).
     fn delete(&self, keys: &[&[u8]]) -> Result<(), StoreError>;
+
+    /// [`ObjectStore::put`] of objects given in two parts each: `values[i][0]` followed
+    /// by `values[i][1]`. The default joins the parts and calls `put`; a backend that
+    /// can write parts one after the other overrides it to save that copy.
+    fn put_parts(&self, keys: &[&[u8]], values: &[Parts<'_>]) -> Result<Vec<bool>, StoreError> {
+        let joined: Vec<Vec<u8>> = values.iter().map(|p| p.concat()).collect();
+        let refs: Vec<&[u8]> = joined.iter().map(Vec::as_slice).collect();
+        self.put(keys, &refs)
+    }
+
+    /// [`ObjectStore::get`] without handing out the objects: calls `visit(i, object)`
+    /// for each key in order, the object borrowed for the call only, so that a store
+    /// can read every object into one buffer it reuses (no allocation, and no page
+    /// faults, per object). After an error, `visit` may have seen some of the keys.
+    fn get_each(
+        &self,
+        keys: &[&[u8]],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>),
+    ) -> Result<(), StoreError> {
+        for (i, object) in self.get(keys)?.iter().enumerate() {
+            visit(i, object.as_deref());
+        }
+        Ok(())
+    }
 }
 
 /// Forwards the trait to a store behind a pointer.
@@ -131,10 +159,26 @@ macro_rules! forward {
             fn delete(&self, keys: &[&[u8]]) -> Result<(), StoreError> {
                 (**self).delete(keys)
             }
+
+            fn get_each(
+                &self,
+                keys: &[&[u8]],
+                visit: &mut dyn FnMut(usize, Option<&[u8]>),
+            ) -> Result<(), StoreError> {
+                (**self).get_each(keys, visit)
+            }
+
+            fn put_parts(
+                &self,
+                keys: &[&[u8]],
+                values: &[Parts<'_>],
+            ) -> Result<Vec<bool>, StoreError> {
+                (**self).put_parts(keys, values)
+            }
         }
     )*};
 }
 
-// A boxed store (what [`crate::open`] returns) and a borrowed one are stores, so that
+// A boxed store (what [`crate::open()`] returns) and a borrowed one are stores, so that
 // [`crate::Faulty`] wraps either.
 forward!(Box<S>, &S);

@@ -15,7 +15,7 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use radixcache_l3::{
-    get_pages_into, open, put_pages, Fetched, ObjectStore, Options, RedisStore, StoreError,
+    get_pages_into, open, put_pages, Fetched, ObjectStore, Options, Parts, RedisStore, StoreError,
 };
 
 /// Whether redis-server can be run here; panics when it cannot but must.
@@ -48,11 +48,16 @@ struct Server {
     port: u16,
     dir: PathBuf,
     cluster: bool,
+    extra: Vec<String>,
     child: Option<Child>,
 }
 
 impl Server {
     fn start(tag: &str, cluster: bool) -> Server {
+        Server::start_with(tag, cluster, &[])
+    }
+
+    fn start_with(tag: &str, cluster: bool, extra: &[&str]) -> Server {
         let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("rcl3-redis-{tag}-{}-{port}", std::process::id()));
@@ -62,6 +67,7 @@ impl Server {
             port,
             dir,
             cluster,
+            extra: extra.iter().map(ToString::to_string).collect(),
             child: None,
         };
         s.restart();
@@ -76,6 +82,7 @@ impl Server {
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         if self.cluster {
@@ -126,6 +133,14 @@ impl Server {
     fn cli(&self, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
             .args(["-p", &self.port.to_string()])
+            .args(
+                self.extra
+                    .iter()
+                    .any(|a| a == "--requirepass")
+                    .then_some(["-a", PASSWORD])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(args)
             .output()
             .unwrap();
@@ -139,6 +154,8 @@ impl Drop for Server {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+const PASSWORD: &str = "sekret";
 
 /// Three cluster nodes, all masters, the slots split between them.
 fn cluster(tag: &str) -> Vec<Server> {
@@ -214,6 +231,19 @@ fn round_trips(store: &dyn ObjectStore) {
     want.extend([true; 32]);
     assert_eq!(store.exists(&refs(&k)).unwrap(), want);
     assert_eq!(store.get(&refs(&k[..1])).unwrap(), vec![None]);
+    // Objects in two parts are stored joined, write-once as well.
+    let pk = keys("parts", 3);
+    let parts: [Parts<'_>; 3] = [[b"ab", b"cd"], [b"", b"x"], [b"y", b""]];
+    assert_eq!(store.put_parts(&refs(&pk), &parts).unwrap(), [true; 3]);
+    assert_eq!(store.put_parts(&refs(&pk), &parts).unwrap(), [false; 3]);
+    assert_eq!(
+        store.get(&refs(&pk)).unwrap(),
+        [
+            Some(b"abcd".to_vec()),
+            Some(b"x".to_vec()),
+            Some(b"y".to_vec())
+        ]
+    );
     // Absent keys delete fine; empty batches need no round trip.
     store.delete(&refs(&k[..32])).unwrap();
     assert_eq!(store.exists(&[]).unwrap(), Vec::<bool>::new());
@@ -229,6 +259,35 @@ fn round_trips(store: &dyn ObjectStore) {
             keys: 2
         }
     );
+}
+
+/// `get_each` hands out each object exactly, whatever the order of sizes (the single
+/// server reads them into one buffer it reuses).
+fn get_each_sizes(store: &dyn ObjectStore) {
+    let sizes = [300_000usize, 10, 0, 70_000, 300_001, 1];
+    let k = keys("each", sizes.len());
+    let v: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| vec![u8::try_from(i).unwrap() + 1; n])
+        .collect();
+    store.put(&refs(&k), &refs(&v)).unwrap();
+    let mut absent = k.clone();
+    absent.insert(2, b"each:absent".to_vec());
+    let mut seen = Vec::new();
+    store
+        .get_each(&refs(&absent), &mut |i, object| {
+            seen.push((i, object.map(<[u8]>::to_vec)));
+        })
+        .unwrap();
+    let mut want: Vec<(usize, Option<Vec<u8>>)> = Vec::new();
+    for (i, value) in v.iter().enumerate() {
+        want.push((want.len(), Some(value.clone())));
+        if i == 1 {
+            want.push((want.len(), None));
+        }
+    }
+    assert_eq!(seen, want);
 }
 
 /// Framed pages through the store: verified on the way back, corrupt ones deleted.
@@ -278,6 +337,7 @@ fn redis_round_trips_and_write_once() {
     let store = open(&server.url(), timeout_options()).unwrap();
     round_trips(&*store);
     framed_pages(&*store);
+    get_each_sizes(&*store);
     // The database number in the URL is used.
     let db = open(&format!("{}/3", server.url()), timeout_options()).unwrap();
     db.put(&[b"only-in-3".as_slice()], &[b"x".as_slice()])
@@ -347,6 +407,7 @@ fn redis_cluster_round_trips_over_every_node() {
     let store = open(&cluster_url(&nodes), timeout_options()).unwrap();
     round_trips(&*store);
     framed_pages(&*store);
+    get_each_sizes(&*store);
     // Keys spread over the slots of all three nodes.
     let k = keys("spread", 60);
     store.put(&refs(&k), &refs(&k)).unwrap();
@@ -390,4 +451,101 @@ fn redis_cluster_node_down_fails_fast_and_recovers() {
             .count(),
         30 - kept
     );
+}
+
+#[test]
+fn redis_password_in_the_url_authenticates() {
+    if !redis_available() {
+        return;
+    }
+    let server = Server::start_with("auth", false, &["--requirepass", PASSWORD]);
+    let port = server.port;
+    let k = keys("a", 2);
+    for url in [
+        format!("redis://:{PASSWORD}@127.0.0.1:{port}"),
+        format!("redis://default:{PASSWORD}@127.0.0.1:{port}/2"),
+    ] {
+        let store = open(&url, timeout_options()).unwrap();
+        store.put(&refs(&k), &refs(&k)).unwrap();
+        assert_eq!(store.exists(&refs(&k)).unwrap(), [true, true], "{url}");
+    }
+    // No password: the server's error reply fails the call, naming it.
+    let store = open(&server.url(), timeout_options()).unwrap();
+    let e = store.exists(&refs(&k)).unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Failed { op: "exists", detail } if detail.contains("NOAUTH")),
+        "{e}"
+    );
+    // A wrong one: refused while connecting.
+    let store = open(
+        &format!("redis://:wrong@127.0.0.1:{port}"),
+        timeout_options(),
+    )
+    .unwrap();
+    let e = store.get(&refs(&k)).unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Failed { op: "get", detail } if detail.contains("WRONGPASS")),
+        "{e}"
+    );
+}
+
+/// A server on loopback that answers every connection with `reply` once it read a
+/// command, then closes it.
+fn fake_server(reply: &'static [u8]) -> u16 {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let mut buf = [0u8; 256];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(reply);
+        }
+    });
+    port
+}
+
+#[test]
+fn replies_that_break_the_protocol_are_errors() {
+    for (reply, want) in [
+        (
+            &b"?what\r\n"[..],
+            "protocol error: unexpected reply type '?'",
+        ),
+        (b":12x\r\n", "protocol error: \"12x\" is not a number"),
+        (
+            b"$5\r\nabcdefg",
+            "protocol error: a bulk string without CRLF",
+        ),
+        (b":1", "protocol error: a reply line without CRLF"),
+        (b"", "connection closed by the server"),
+    ] {
+        let port = fake_server(reply);
+        let store = open(&format!("redis://127.0.0.1:{port}"), timeout_options()).unwrap();
+        let e = store.exists(&[b"k".as_slice()]).unwrap_err();
+        assert!(e.to_string().contains(want), "{e} for {reply:?}");
+        let e = store
+            .get_each(&[b"k".as_slice()], &mut |_, _| {})
+            .unwrap_err();
+        assert!(e.to_string().contains(want), "{e} for {reply:?}");
+    }
+}
+
+#[test]
+fn get_each_reports_replies_other_than_values() {
+    let port = fake_server(b":1\r\n");
+    let store = open(&format!("redis://127.0.0.1:{port}"), timeout_options()).unwrap();
+    let e = store
+        .get_each(&[b"k".as_slice()], &mut |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.to_string(), "get failed: unexpected reply: int(1)");
+    let port = fake_server(b"-ERR no\r\n");
+    let store = open(&format!("redis://127.0.0.1:{port}"), timeout_options()).unwrap();
+    let e = store
+        .get_each(&[b"k".as_slice()], &mut |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.to_string(), "get failed: server error: ERR no");
+    let e = store.get(&[b"k".as_slice()]).unwrap_err();
+    assert_eq!(e.to_string(), "get failed: server error: ERR no");
 }

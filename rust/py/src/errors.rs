@@ -62,9 +62,9 @@ pub(crate) fn err(e: core::Error) -> PyErr {
 pub(crate) fn l3_err(e: l3::StoreError) -> PyErr {
     let msg = e.to_string();
     match e {
-        l3::StoreError::Mismatch { .. } | l3::StoreError::KeyTooLong { .. } => {
-            PyValueError::new_err(format!("keys: {msg}"))
-        }
+        // The binding checks lengths itself, so a mismatch names its argument already.
+        l3::StoreError::Mismatch { .. } => PyValueError::new_err(msg),
+        l3::StoreError::KeyTooLong { .. } => PyValueError::new_err(format!("keys: {msg}")),
         l3::StoreError::Timeout { .. } | l3::StoreError::Failed { .. } => L3Error::new_err(msg),
     }
 }

@@ -1,8 +1,12 @@
-//! `ObjectStore`: the L3 tier's object stores (`radixcache-l3`), for the Python L3
-//! engine. Converts arguments, releases the GIL around every store call, and maps
+//! `ObjectStore`: the L3 tier's object stores (`radixcache-l3`), and `Breaker`, its
+//! circuit breaker, for the Python L3 engine. Converts arguments, releases the GIL around every store call, and maps
 //! errors; framing, verification and the deletion of corrupt objects are the crate's.
 
+use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
+
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
@@ -11,6 +15,7 @@ use radixcache_l3::frame::HASH_LEN;
 
 use crate::convert::type_name;
 use crate::errors::{l3_err, open_err};
+use crate::gil::lock;
 
 /// An object store of the L3 tier, opened from a URL: `redis://HOST:PORT[/DB]`,
 /// `redis+cluster://HOST:PORT[,HOST:PORT...]` or `file:///ABSOLUTE/DIR`.
@@ -237,7 +242,8 @@ impl PyObjectStore {
     /// Fetches `keys` into the rows of `out` (one row per key, the page's size), each
     /// verified as the object of page `hashes[i]`. One outcome per key: `"ok"` (the row
     /// holds the page), `"missing"`, or `"corrupt"` (the object failed verification and
-    /// was deleted); rows not `"ok"` are left untouched.
+    /// was deleted); rows not `"ok"` are left untouched. When it raises, any row may hold
+    /// part of what was read.
     fn get_into(
         &self,
         py: Python<'_>,
@@ -281,5 +287,99 @@ impl PyObjectStore {
                 r.fail, r.timeout, r.lose, r.corrupt, self.timeout_ms
             ),
         })
+    }
+}
+
+/// The L3 tier's circuit breaker (`radixcache-l3`'s `Breaker`) on the monotonic clock:
+/// opens after `threshold` consecutive failures, refuses calls for `cooldown_ms`, then
+/// lets one probe through (half-open) whose outcome closes or re-opens it.
+#[pyclass(frozen, module = "radixcache._core", name = "Breaker")]
+pub(crate) struct PyBreaker {
+    breaker: Mutex<l3::Breaker>,
+    threshold: u32,
+    cooldown_ms: u64,
+}
+
+#[pymethods]
+impl PyBreaker {
+    #[new]
+    #[pyo3(signature = (*, threshold = 5, cooldown_ms = 1000))]
+    fn new(threshold: i64, cooldown_ms: i64) -> PyResult<Self> {
+        let t = u32::try_from(threshold)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "threshold: must be in 1..=4294967295, got {threshold}"
+                ))
+            })?;
+        let c = u64::try_from(cooldown_ms).map_err(|_| {
+            PyValueError::new_err(format!(
+                "cooldown_ms: must be at least 0, got {cooldown_ms}"
+            ))
+        })?;
+        Ok(PyBreaker {
+            breaker: Mutex::new(l3::Breaker::new(t, Duration::from_millis(c))),
+            threshold: t.get(),
+            cooldown_ms: c,
+        })
+    }
+
+    /// Whether a call may go to the store now. After the cooldown, the first caller is
+    /// let through as the probe (the state becomes `"half_open"`).
+    fn allow(&self, py: Python<'_>) -> bool {
+        lock(py, &self.breaker).allow(Instant::now())
+    }
+
+    /// A call that was let through succeeded.
+    fn success(&self, py: Python<'_>) {
+        lock(py, &self.breaker).success();
+    }
+
+    /// A call that was let through failed.
+    fn failure(&self, py: Python<'_>) {
+        lock(py, &self.breaker).failure(Instant::now());
+    }
+
+    /// `"closed"`, `"open"` or `"half_open"`.
+    #[getter]
+    fn state(&self, py: Python<'_>) -> &'static str {
+        lock(py, &self.breaker).state().as_str()
+    }
+
+    /// Failures reported, in all.
+    #[getter]
+    fn errors(&self, py: Python<'_>) -> u64 {
+        lock(py, &self.breaker).errors()
+    }
+
+    /// Times it opened.
+    #[getter]
+    fn trips(&self, py: Python<'_>) -> u64 {
+        lock(py, &self.breaker).trips()
+    }
+
+    /// Consecutive failures that open it.
+    #[getter]
+    fn threshold(&self) -> u32 {
+        self.threshold
+    }
+
+    /// How long it stays open before a probe, in milliseconds.
+    #[getter]
+    fn cooldown_ms(&self) -> u64 {
+        self.cooldown_ms
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (state, errors, trips) = {
+            let b = lock(py, &self.breaker);
+            (b.state().as_str(), b.errors(), b.trips())
+        };
+        format!(
+            "Breaker(state={state:?}, errors={errors}, trips={trips}, threshold={}, \
+             cooldown_ms={})",
+            self.threshold, self.cooldown_ms
+        )
     }
 }

@@ -9,7 +9,7 @@
 //! One module per Python class, in the order the module registers them: [`cache`]
 //! (`HybridCache`), [`node`] (`Node`), [`results`] (`Match`, `Insert`, `Evicted`),
 //! [`lock`] (`Lock`), [`request`] (`Request`), [`load_back`] (`LoadBack`), [`batch`]
-//! (`Copy`, `TransferBatch`), [`l3`] (`ObjectStore`, the L3 tier's stores) and
+//! (`Copy`, `TransferBatch`), [`l3`] (`ObjectStore` and `Breaker`, the L3 tier's stores) and
 //! [`errors`] (the exceptions). What they share:
 //! [`convert`] reads arguments, [`gil`] holds the lock policy, [`grown`] the arrays a
 //! request hands out, [`layout`] the token lists read in place.
@@ -35,7 +35,7 @@ mod results;
 use batch::{PyCopy, PyTransferBatch};
 use cache::{constructor_signature, PyHybridCache};
 use errors::{CacheError, InvariantError, L3Error, LockError, StaleNodeError};
-use l3::PyObjectStore;
+use l3::{PyBreaker, PyObjectStore};
 use layout::_small_int_read;
 use load_back::PyLoadBack;
 use lock::PyLock;
@@ -61,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTransferBatch>()?;
     m.add_class::<PyObjectStore>()?;
     m.add_class::<events::PyKvEvent>()?;
+    m.add_class::<PyBreaker>()?;
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
