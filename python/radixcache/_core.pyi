@@ -616,6 +616,12 @@ class HybridCache:
         hash_seed: bytes | None = None,
         events: bool = False,
     ) -> HybridCache: ...
+    @property
+    def hash_seed(self) -> bytes | None:
+        """The seed of the page-hash chains (None: SGLang HiCache's seeds)."""
+    @property
+    def events(self) -> bool:
+        """Whether the cache queues KV events (``take_events()``)."""
     def take_events(self) -> list[KvEvent]:
         """The KV events emitted since the last call, oldest first (empty with events
         off)."""
