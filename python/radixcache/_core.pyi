@@ -1050,6 +1050,9 @@ class HybridCache:
         ``mamba_engine_slots`` and ``mamba_queued_slots`` say so by name (0 with
         ``pools="cache"``), and ``kv_slots_returned`` / ``mamba_slots_returned`` count
         the slots handed back to the engine by ``evict`` and ``take_freed``.
+
+        ``events_emitted`` counts the KV events queued since the cache was built
+        (``events=True``), ``events_pending`` those ``take_events()`` has not taken yet.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""
