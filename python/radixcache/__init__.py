@@ -11,6 +11,7 @@ from radixcache._core import (
     HybridCache,
     Insert,
     InvariantError,
+    KvEvent,
     LoadBack,
     Lock,
     LockError,
@@ -20,6 +21,7 @@ from radixcache._core import (
     StaleNodeError,
     TransferBatch,
     __version__,
+    chain_hashes,
 )
 from radixcache.engine import TransferEngine
 from radixcache.storage import Storage
@@ -31,6 +33,7 @@ __all__ = [
     "HybridCache",
     "Insert",
     "InvariantError",
+    "KvEvent",
     "LoadBack",
     "Lock",
     "LockError",
@@ -42,4 +45,5 @@ __all__ = [
     "TransferBatch",
     "TransferEngine",
     "__version__",
+    "chain_hashes",
 ]
