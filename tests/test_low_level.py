@@ -121,6 +121,9 @@ CONSTRUCTOR = [
     ("swa_slots", 0),
     ("swa_window", 0),
     ("host_swa_slots", 0),
+    ("page_hashes", False),
+    ("hash_seed", None),
+    ("events", False),
 ]
 
 
@@ -138,7 +141,12 @@ def test_the_constructor_signature_is_known_at_runtime() -> None:
         assert f"  {name}: " in text, f"help() does not explain {name}"
     # The defaults it shows are the constructor's ("lru" applies to every component).
     c = rc.HybridCache()
-    plain = [(name, default) for name, default in CONSTRUCTOR if name != "eviction_policy"]
+    # page_hashes names the method that lists a node's hashes, not a property.
+    plain = [
+        (name, default)
+        for name, default in CONSTRUCTOR
+        if name not in ("eviction_policy", "page_hashes")
+    ]
     assert [(name, getattr(c, name)) for name, _ in plain] == plain
     assert c.eviction_policy == {"kv": "lru", "mamba": "lru"}
 

@@ -84,7 +84,7 @@ struct Cfg {
     policy: u8,
     threshold: u8,
     /// The eviction policy of each component (KV and SWA: lru, lfu, priority; states:
-    /// any).
+    /// any); bit 7: page hashes, bits 7 and 6: KV events too.
     eviction: u8,
     /// Odd without a host tier: SWA layers (pool size and window drawn from the rest).
     swa: u8,
@@ -540,6 +540,10 @@ fn config_of(c: &Cfg) -> Config {
         swa_slots,
         swa_window,
         host_swa_slots,
+        // The high bits of `eviction` (its policies use the value below 36): page hashes
+        // and KV events, which audit() checks (chains, what was announced).
+        page_hashes: c.eviction & 0x80 != 0,
+        events: c.eviction & 0xc0 == 0xc0,
         ..Config::default()
     }
 }

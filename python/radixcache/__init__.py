@@ -14,6 +14,7 @@ from radixcache._core import (
     HybridCache,
     Insert,
     InvariantError,
+    KvEvent,
     L3Error,
     LoadBack,
     Lock,
@@ -25,6 +26,7 @@ from radixcache._core import (
     StaleNodeError,
     TransferBatch,
     __version__,
+    chain_hashes,
 )
 from radixcache.engine import TransferEngine
 from radixcache.storage import Storage
@@ -37,6 +39,7 @@ __all__ = [
     "HybridCache",
     "Insert",
     "InvariantError",
+    "KvEvent",
     "L3Error",
     "LoadBack",
     "Lock",
@@ -50,4 +53,5 @@ __all__ = [
     "TransferBatch",
     "TransferEngine",
     "__version__",
+    "chain_hashes",
 ]

@@ -17,7 +17,7 @@ KERNEL_SOURCES: Final[dict[str, str]]
 _int_fast_path: Final[bool]
 
 def chain_hashes(tokens: _Tokens, page_size: int, prior: bytes | None = None) -> list[bytes]:
-    """The SHA-256 chain of the whole pages of ``tokens`` (no cache needed).
+    """Hash the whole pages of ``tokens`` into a SHA-256 chain (no cache needed).
 
     Each page's hash is ``sha256(prior || the page's tokens as uint32 little-endian)``,
     the previous page's hash being the next prior; the first page is chained from
@@ -51,6 +51,7 @@ __all__ = [
     "HybridCache",
     "Insert",
     "InvariantError",
+    "KvEvent",
     "L3Error",
     "LoadBack",
     "Lock",
@@ -61,7 +62,6 @@ __all__ = [
     "Request",
     "StaleNodeError",
     "TransferBatch",
-    "KvEvent",
     "__version__",
     "chain_hashes",
 ]
@@ -146,9 +146,9 @@ class Match:
         """Deepest page-aligned KV match on any tier, ignoring states (the branch point)."""
     @property
     def last_hash(self) -> bytes | None:
-        """With ``page_hashes``: the SHA-256 of the last page of the match counting host
-        data (the page ending at ``device_len + host_len``, the end of ``host_node``).
+        """The SHA-256 of the last matched page, counting host data (``page_hashes``).
 
+        The page ending at ``device_len + host_len``, the end of ``host_node``.
         ``HybridCache.chain_hashes(rest, parent_hash=last_hash)`` hashes the rest of the
         prompt from there (the L3 lookup). None when nothing matched or without page
         hashes. Read from the node: a match hashes nothing.
@@ -156,8 +156,9 @@ class Match:
 
 @final
 class KvEvent:
-    """One KV event (docs/design.md, "KV events (core)"), oldest first from
-    ``HybridCache.take_events()``.
+    """One KV event (docs/design.md, "KV events (core)").
+
+    Oldest first from ``HybridCache.take_events()``.
 
     ``"stored"``: one node's pages became available on ``medium`` (``hashes``, one per
     page, chained from ``parent_hash``, the page before them, None at the first page of a
@@ -180,8 +181,10 @@ class KvEvent:
         """What happened."""
     @property
     def medium(self) -> Literal["GPU", "CPU_PINNED", "EXTERNAL", ""]:
-        """Where: device memory, the host tier, or an external store (L3); ``""`` for
-        ``"cleared"`` (every medium)."""
+        """Where: device memory, the host tier, or an external store (L3).
+
+        ``""`` for ``"cleared"`` (every medium).
+        """
     @property
     def namespace(self) -> str | None:
         """The namespace (None: the default one)."""
@@ -190,8 +193,10 @@ class KvEvent:
         """The pages' SHA-256 hashes (a state kind: the one hash of its last page)."""
     @property
     def parent_hash(self) -> bytes | None:
-        """``"stored"``: the hash of the page before the first (None: the first of its
-        chain, or another kind)."""
+        """``"stored"``: the hash of the page before the first.
+
+        None: the first page of its chain, or another kind.
+        """
     @property
     def token_ids(self) -> list[int]:
         """``"stored"``: the pages' tokens; empty for the other kinds."""
@@ -648,9 +653,17 @@ class HybridCache:
         events: bool = False,
         l3: bool = False,
     ) -> HybridCache: ...
+    @property
+    def hash_seed(self) -> bytes | None:
+        """The seed of the page-hash chains (None: SGLang HiCache's seeds)."""
+    @property
+    def events(self) -> bool:
+        """Whether the cache queues KV events (``take_events()``)."""
     def take_events(self) -> list[KvEvent]:
-        """The KV events emitted since the last call, oldest first (empty with events
-        off)."""
+        """Return the KV events emitted since the last call, oldest first.
+
+        Always empty with events off.
+        """
     def note_external_stored(
         self,
         hashes: Sequence[bytes],
@@ -659,12 +672,12 @@ class HybridCache:
         namespace: str | None = None,
         parent_hash: bytes | None = None,
     ) -> None:
-        """Announce pages written to an external store (the L3 tier): a ``"stored"`` event
-        on ``"EXTERNAL"``.
+        """Announce pages written to an external store (the L3 tier).
 
-        ``hashes``: one 32-byte hash per page of ``token_ids`` (pages of ``page_size``),
-        chained from ``parent_hash``. The cache keeps no books of the external tier: what
-        is announced is the caller's to get right.
+        A ``"stored"`` event on ``"EXTERNAL"``. ``hashes``: one 32-byte hash per page of
+        ``token_ids`` (pages of ``page_size``), chained from ``parent_hash``. The cache
+        keeps no books of the external tier: what is announced is the caller's to get
+        right.
 
         Raises:
             ValueError: events are off (names ``events``); ``token_ids`` is not one page
@@ -674,8 +687,10 @@ class HybridCache:
     def note_external_removed(
         self, hashes: Sequence[bytes], *, namespace: str | None = None
     ) -> None:
-        """Announce pages gone from the external store: a ``"removed"`` event on
-        ``"EXTERNAL"``. Raises as ``note_external_stored``."""
+        """Announce pages gone from the external store.
+
+        A ``"removed"`` event on ``"EXTERNAL"``. Raises as ``note_external_stored``.
+        """
     def _event_contents(
         self,
     ) -> tuple[list[tuple[str, str | None, bytes]], list[tuple[str, str | None, bytes]]]:
@@ -687,7 +702,7 @@ class HybridCache:
         the nodes, not from the events.
         """
     def page_hashes(self, node: Node) -> list[bytes]:
-        """The SHA-256 of each page of ``node``, in order (a root has none).
+        """Return the SHA-256 of each page of ``node``, in order (a root has none).
 
         Raises:
             ValueError: the cache was built without ``page_hashes`` (names it).
@@ -700,7 +715,7 @@ class HybridCache:
         namespace: str | None = None,
         parent_hash: bytes | None = None,
     ) -> list[bytes]:
-        """The hashes of the whole pages of ``tokens`` as this cache chains them.
+        """Hash the whole pages of ``tokens`` as this cache chains them.
 
         From ``parent_hash`` (the hash of the page just before ``tokens``, such as
         ``Match.last_hash``), or from ``namespace``'s seed when None (the tokens start
@@ -1104,6 +1119,9 @@ class HybridCache:
         ``mamba_engine_slots`` and ``mamba_queued_slots`` say so by name (0 with
         ``pools="cache"``), and ``kv_slots_returned`` / ``mamba_slots_returned`` count
         the slots handed back to the engine by ``evict`` and ``take_freed``.
+
+        ``events_emitted`` counts the KV events queued since the cache was built
+        (``events=True``), ``events_pending`` those ``take_events()`` has not taken yet.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""

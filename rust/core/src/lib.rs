@@ -6,6 +6,9 @@
 //!   ownership of the caller's slots), path locks held by owned [`LockReceipt`]s, LRU
 //!   eviction, the host tier, load-backs owned by [`LoadRecord`]s, the request API, and
 //!   `audit()` of every invariant.
+//! * With `page_hashes`, every cached page carries a chained SHA-256 ([`hashes`],
+//!   interoperable with `SGLang` `HiCache`'s), and with `events` the cache queues
+//!   [`KvEvent`]s for cache-aware routers ([`Cache::take_events`]).
 //! * [`HybridCache`] shares a [`Cache`] between owners and gives owned handles
 //!   ([`Lock`], [`Request`], [`LoadBack`]) that give back what they hold when dropped.
 //!

@@ -108,6 +108,16 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///     slot; insert claims the slots it is passed, what the tree gives up is queued
 ///     for take_freed() (evict returns what it frees directly); no host tier, and the
 ///     calls that allocate from the cache's pools raise CacheError.
+///   page_hashes: every cached page carries a chained SHA-256 (sha256(previous page's
+///     hash + the page's tokens as uint32 little-endian)), computed once when cached,
+///     never by a match; page_hashes(node), Match.last_hash, chain_hashes(). Default
+///     False: no cost.
+///   hash_seed: 32 bytes seeding the chains (the default namespace's prior; named
+///     namespaces' seeds derive from it), or None (the default): SGLang HiCache's
+///     chains. Only with page_hashes=True.
+///   events: queue KV events for cache-aware routers (take_events(), KvEvent): pages
+///     and states stored on or removed from "GPU" and "CPU_PINNED". Needs
+///     page_hashes=True.
 #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 pub(crate) struct PyHybridCache {
@@ -362,6 +372,18 @@ impl PyHybridCache {
             Ok(c.chain_hashes(namespace, parent, &tokens))
         })?;
         hash_list(py, &hashes)
+    }
+
+    /// The seed of the page-hash chains (None: the seeds of `SGLang` `HiCache`).
+    #[getter]
+    fn hash_seed<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.config.hash_seed.map(|h| PyBytes::new(py, &h))
+    }
+
+    /// Whether the cache queues KV events (`take_events()`).
+    #[getter]
+    fn events(&self) -> bool {
+        self.config.events
     }
 
     /// Inserts before a selective backup (None unless the policy is selective).

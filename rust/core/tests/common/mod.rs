@@ -527,5 +527,40 @@ impl EventIndex {
         assert_eq!(pages, want.pages, "pages: events and cache disagree");
         let states: Vec<_> = self.states.iter().cloned().collect();
         assert_eq!(states, want.states, "states: events and cache disagree");
+        // The same contents read back through the public snapshot, independently of
+        // how the core decides what to announce: KV on each tier (device KV of a node a
+        // load-back is still landing does not count), states at node ends.
+        let (mut pages, mut states) = (BTreeSet::new(), BTreeSet::new());
+        for n in c.snapshot() {
+            if n.key_len == 0 {
+                continue;
+            }
+            let hashes = c.node_hashes(n.id).unwrap();
+            assert_eq!(hashes.len() * c.page_size(), n.key_len);
+            let last = *hashes.last().unwrap();
+            let ns = n.namespace.clone();
+            let on_device = n.kv_indices.is_some() && !n.loading;
+            for (medium, kv, state) in [
+                (
+                    Medium::Device,
+                    on_device,
+                    on_device && n.mamba_slot.is_some(),
+                ),
+                (
+                    Medium::Host,
+                    n.host_kv_indices.is_some(),
+                    n.host_mamba_slot.is_some(),
+                ),
+            ] {
+                if kv {
+                    pages.extend(hashes.iter().map(|&h| (medium, ns.clone(), h)));
+                }
+                if state {
+                    states.insert((medium, ns.clone(), last));
+                }
+            }
+        }
+        assert_eq!(self.pages, pages, "pages: events and snapshot disagree");
+        assert_eq!(self.states, states, "states: events and snapshot disagree");
     }
 }
