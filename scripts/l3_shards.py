@@ -40,27 +40,48 @@ def free_port() -> int:
         return port
 
 
+def _answers(port: int) -> bool:
+    """Whether something accepts connections on loopback `port`."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
 def start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
     """Start a redis-server without persistence on `port`; wait until it answers."""
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
+        if _answers(port):
+            return proc
+        time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis-server did not start on port {port}")
 
 
-def phases(timeline: list[dict[str, Any]], killed: float | None, back: float | None) -> dict[str, int]:
+def phases(
+    timeline: list[dict[str, Any]], killed: float | None, back: float | None
+) -> dict[str, int]:
     """Return the L3 hit tokens a shard gained before the kill, while down, and after."""
+
     def at(t: float | None) -> int:
         before = [s["l3_hit_tokens"] for s in timeline if t is None or s["time"] <= t]
         return before[-1] if before else 0
@@ -72,6 +93,7 @@ def phases(timeline: list[dict[str, Any]], killed: float | None, back: float | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the two shards against one Redis (see the module docstring); the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="multiturn")
     ap.add_argument("--requests", type=int, default=None)
@@ -81,9 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if shutil.which("redis-server") is None:
-        print("l3_shards: redis-server is not on PATH (apt-get install redis-server)", file=sys.stderr)
+        print(
+            "l3_shards: redis-server is not on PATH (apt-get install redis-server)", file=sys.stderr
+        )
         return 2
-    radixcache = [sys.executable, "-c", "import sys; from radixcache.cli import main; sys.exit(main())"]
+    radixcache = [
+        sys.executable,
+        "-c",
+        "import sys; from radixcache.cli import main; sys.exit(main())",
+    ]
     workdir = Path(tempfile.mkdtemp(prefix="l3-shards-"))
     port = free_port()
     redis = start_redis(port, workdir)
@@ -128,12 +156,21 @@ def main(argv: list[str] | None = None) -> int:
             why.append(f"shard {k}/2 printed no report (exit {code})")
             continue
         ph = phases(r["l3_timeline"] or [], killed, back)
-        rows.append({"shard": r["shard"], "exit": code, "requests": r["requests"],
-                     "mismatches": r["mismatches"], "audit": r["audit"],
-                     "pools_full_at_end": r["pools_full_at_end"],
-                     "l3_hit_tokens": r["l3_hit_tokens"], "hits": ph,
-                     "l3_errors": r["l3_errors"], "l3_breaker_trips": r["l3_breaker_trips"],
-                     "l3_breaker": r["l3_breaker"]})
+        rows.append(
+            {
+                "shard": r["shard"],
+                "exit": code,
+                "requests": r["requests"],
+                "mismatches": r["mismatches"],
+                "audit": r["audit"],
+                "pools_full_at_end": r["pools_full_at_end"],
+                "l3_hit_tokens": r["l3_hit_tokens"],
+                "hits": ph,
+                "l3_errors": r["l3_errors"],
+                "l3_breaker_trips": r["l3_breaker_trips"],
+                "l3_breaker": r["l3_breaker"],
+            }
+        )
         if code != 0 or r["mismatches"] or r["audit"] != "pass" or not r["pools_full_at_end"]:
             why.append(f"shard {k}/2 failed its checks (exit {code})")
         if r["l3_hit_tokens"] == 0:
@@ -149,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for row in rows:
             h = row["hits"]
-            print(f"shard {row['shard']}: exit {row['exit']}, {row['requests']} requests, "
-                  f"{row['mismatches']} mismatches, audit {row['audit']}; L3 hit tokens "
-                  f"{row['l3_hit_tokens']} (before the kill {h['before']}, while down "
-                  f"{h['down']}, after the restart {h['after']}); {row['l3_errors']} store "
-                  f"errors, {row['l3_breaker_trips']} breaker trips, breaker {row['l3_breaker']}")
+            print(
+                f"shard {row['shard']}: exit {row['exit']}, {row['requests']} requests, "
+                f"{row['mismatches']} mismatches, audit {row['audit']}; L3 hit tokens "
+                f"{row['l3_hit_tokens']} (before the kill {h['before']}, while down "
+                f"{h['down']}, after the restart {h['after']}); {row['l3_errors']} store "
+                f"errors, {row['l3_breaker_trips']} breaker trips, breaker {row['l3_breaker']}"
+            )
     for w in why:
         print(f"l3_shards: {w}", file=sys.stderr)
     return 1 if why else 0

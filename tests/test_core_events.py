@@ -1,6 +1,6 @@
-"""KV events from the core, seen from Python (docs/design.md, "KV events (core)"): `take_events()` and the
-shape of `KvEvent` the events publisher reads, per tier and kind, the counters, and the
-`events=` argument's errors. Hashes are computed here with `hashlib`."""
+"""KV events from the core, seen from Python (docs/design.md, "KV events (core)"):
+`take_events()` and the shape of `KvEvent` the events publisher reads, per tier and
+kind, the counters, and the `events=` argument's errors. Hashes are computed here with `hashlib`."""
 
 from __future__ import annotations
 

@@ -4,15 +4,16 @@ replay's ``--l3``, ``--servers`` and ``--shard``; and every argument refused."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from radixcache import HybridCache, ObjectStore, Storage
+from radixcache import Breaker, HybridCache, ObjectStore, Storage
 from radixcache.engine import TransferEngine
-from radixcache.l3 import Breaker, L3Tier, layout_prefix
+from radixcache.l3 import L3Tier, layout_prefix
 from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, deal, replay, replay_fleet
 
@@ -194,10 +195,9 @@ def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
 
 
 def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(tmp_path: Path) -> None:
-    clock = [0.0]
     down = ObjectStore("redis://127.0.0.1:1", timeout_ms=50)
     a = Machine(down, hybrid=False)
-    a.tier.breaker = Breaker(failures=2, cooldown=5.0, clock=lambda: clock[0])
+    a.tier.breaker = Breaker(threshold=2, cooldown_ms=300)
     rng = np.random.default_rng(5)
     for n in range(3):
         a.compute([7, n, 7, n, *TOKENS[: 4 * (n + 1)]], rng)
@@ -208,33 +208,14 @@ def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(tmp_path: Pa
     assert a.tier.counters.skipped_open >= 1
     assert a.cache.stats()["l3_puts_failed"] == 3
     assert a.tier.fetch([9, 9, 9, 9, *TOKENS]) == 0
-    clock[0] = 6.0
-    assert a.tier.breaker.state == "half_open"
+    assert a.tier.report()["l3_breaker"] == "open"
+    time.sleep(0.35)
     a.tier.store = ObjectStore(f"file://{tmp_path / 'back'}")
     a.compute([8, 8, 8, 8, *TOKENS], rng)
     a.settle()
     assert a.tier.breaker.state == "closed", "the probe succeeded"
+    assert a.tier.counters.stored_objects > 0
     a.cache.audit()
-
-
-def test_breaker_opens_after_failures_in_a_row_and_a_failed_probe_reopens() -> None:
-    clock = [0.0]
-    b = Breaker(failures=3, cooldown=1.0, clock=lambda: clock[0])
-    b.failure()
-    b.failure()
-    b.success()
-    b.failure()
-    b.failure()
-    assert (b.state, b.allow()) == ("closed", True)
-    b.failure()
-    assert (b.state, b.allow(), b.trips) == ("open", False, 1)
-    clock[0] = 1.0
-    assert (b.state, b.allow()) == ("half_open", True)
-    b.failure()
-    assert (b.state, b.trips) == ("open", 1), "a failed probe reopens, not a new trip"
-    clock[0] = 2.5
-    b.success()
-    assert b.state == "closed"
 
 
 def test_layouts_that_differ_name_objects_differently(url: str) -> None:

@@ -18,9 +18,9 @@ host, and holds no cache logic:
 Each object is named by the page hash the core gives it (its ``keys``), prefixed by a
 name of the storage layout (``key_prefix``: dtypes, shapes and page size, so that caches
 of another layout never read these bytes), KV pages as ``{prefix}{hex}`` and states as
-``{prefix}{hex}.s``. A circuit breaker stops asking the store after `failures` errors in
-a row, for `cooldown` seconds, then lets one call through; serving goes on from the
-device and host tiers meanwhile.
+``{prefix}{hex}.s``. A circuit breaker (`radixcache.Breaker`) stops asking the store
+after 3 errors in a row, for 2 seconds, then lets one call through; serving goes on
+from the device and host tiers meanwhile.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from ._core import HybridCache, L3Error, TransferBatch
+from ._core import Breaker, HybridCache, L3Error, TransferBatch
 from .storage import Pool, Storage
 
-__all__ = ["Breaker", "L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix"]
+__all__ = ["L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix"]
 
 
 class ObjectStoreLike(Protocol):
@@ -58,50 +58,6 @@ class ObjectStoreLike(Protocol):
     ) -> Sequence[str]:
         """Read ``keys`` into the rows of `out`: ``"ok"``, ``"missing"`` or ``"corrupt"``."""
         ...
-
-
-@dataclass
-class Breaker:
-    """A circuit breaker: open after `failures` errors in a row, for `cooldown` seconds.
-
-    ``state`` is ``"closed"`` (calls go through), ``"open"`` (calls are skipped) or
-    ``"half_open"`` (the cooldown passed: the next call is a probe, whose success closes
-    it and whose failure opens it again).
-    """
-
-    failures: int = 3
-    cooldown: float = 2.0
-    errors_in_a_row: int = 0
-    trips: int = 0
-    opened_at: float | None = None
-    clock: Any = field(default=time.monotonic, repr=False)
-
-    @property
-    def state(self) -> str:
-        """``"closed"``, ``"open"`` or ``"half_open"``."""
-        if self.opened_at is None:
-            return "closed"
-        if self.clock() - self.opened_at >= self.cooldown:
-            return "half_open"
-        return "open"
-
-    def allow(self) -> bool:
-        """Whether a call may go to the store now."""
-        return self.state != "open"
-
-    def success(self) -> None:
-        """Record a call that succeeded: the breaker closes."""
-        self.errors_in_a_row = 0
-        self.opened_at = None
-
-    def failure(self) -> None:
-        """Record a failed call: after enough in a row (or a failed probe) it opens."""
-        self.errors_in_a_row += 1
-        probe = self.opened_at is not None
-        if probe or self.errors_in_a_row >= self.failures:
-            if not probe:
-                self.trips += 1
-            self.opened_at = self.clock()
 
 
 @dataclass
@@ -174,7 +130,8 @@ class L3Tier:
         store: The store client (`radixcache.ObjectStore`, or anything with its
             ``exists``/``put``/``get_into``).
         min_tokens: A prompt whose uncached part is shorter is not looked up.
-        breaker: The circuit breaker (a new one by default).
+        breaker: The circuit breaker (`radixcache.Breaker`; by default one that opens
+            after 3 errors in a row, for 2 seconds).
         key_prefix: Prepended to every object's key (`layout_prefix` by default).
     """
 
@@ -196,7 +153,7 @@ class L3Tier:
         self.storage = storage
         self.store = store
         self.min_tokens = min_tokens
-        self.breaker = breaker or Breaker()
+        self.breaker = breaker or Breaker(threshold=3, cooldown_ms=2000)
         self.prefix = layout_prefix(storage, cache.page_size) if key_prefix is None else key_prefix
         self.counters = L3Counters()
         self.hybrid = cache.mamba_slots > 0
