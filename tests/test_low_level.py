@@ -124,6 +124,7 @@ CONSTRUCTOR = [
     ("page_hashes", False),
     ("hash_seed", None),
     ("events", False),
+    ("l3", False),
 ]
 
 

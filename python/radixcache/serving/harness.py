@@ -79,7 +79,9 @@ class ReplayConfig:
     ``file:///DIR``; `radixcache.ObjectStore`) shared with other caches: the cache
     writes its host pages there and fetches what a prompt's admission finds there beyond
     both tiers (`radixcache.l3.L3Tier`, skipping an uncached part under `l3_min_tokens`).
-    It needs the oracle (the bytes are the checksum model's).
+    It needs the oracle (the bytes are the checksum model's). `events` turns the
+    cache's KV events on (with page hashes), for a caller that takes them
+    (`radixcache.events`).
     """
 
     kv_slots: int = 262_144
@@ -113,6 +115,7 @@ class ReplayConfig:
     max_overtakes: int = 128
     l3: str | None = None
     l3_min_tokens: int = 64
+    events: bool = False
 
     def model_shape(self) -> ModelShape:
         """Return the shape whose compute ``compute_saved_ratio`` counts for this model.
@@ -147,7 +150,8 @@ class ReplayConfig:
             swa_slots=self.swa_slots if swa else 0,
             swa_window=self.swa_window if swa else 0,
             host_swa_slots=self.host_swa_slots if (swa and host and self.swa_slots) else 0,
-            page_hashes=l3 and self.l3 is not None,
+            page_hashes=self.events or (l3 and self.l3 is not None),
+            events=self.events,
             l3=l3 and self.l3 is not None,
         )
 

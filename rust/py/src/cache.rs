@@ -118,6 +118,11 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///   events: queue KV events for cache-aware routers (take_events(), KvEvent): pages
 ///     and states stored on or removed from "GPU" and "CPU_PINNED". Needs
 ///     page_hashes=True.
+///   l3: share host pages with other caches through an L3 store, by page hash:
+///     "l3_put" batches write what a landed backup put on the host, l3_fetch() takes
+///     host slots for what the store holds beyond both tiers ("l3_get" batches;
+///     radixcache.l3.L3Tier runs both). Needs a host tier (with host state slots on a
+///     hybrid model), page_hashes=True and no SWA layers.
 #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 pub(crate) struct PyHybridCache {
