@@ -12,8 +12,11 @@ and its store errors and breaker trips. Exits 1 unless both shards saw 0 mismatc
 audit pass, every pool full at the end and L3 hits; with a kill, also unless a breaker
 opened and L3 hits grew again after the restart.
 
-    python scripts/l3_shards.py [--workload multiturn] [--requests N]
-                                [--kill-after 1.5] [--down 1.5] [--no-kill] [--json]
+    python scripts/l3_shards.py [--workload multiturn] [--copies 3] [--requests N]
+                                [--kill-after 3] [--down 1] [--no-kill] [--json]
+
+The workload is ``--copies`` copies of the built-in one (seeds 0, 1, ...: different
+conversations) served back to back, so that the run lasts well past the restart.
 """
 
 from __future__ import annotations
@@ -96,9 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the two shards against one Redis (see the module docstring); the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="multiturn")
+    ap.add_argument(
+        "--copies",
+        type=int,
+        default=3,
+        help="serve this many copies of the workload (seeds 0, 1, ...), back to back, so "
+        "that the run lasts well past the restart",
+    )
     ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--kill-after", type=float, default=1.5)
-    ap.add_argument("--down", type=float, default=1.5)
+    ap.add_argument("--kill-after", type=float, default=3.0)
+    ap.add_argument("--down", type=float, default=1.0)
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -116,9 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     redis = start_redis(port, workdir)
     url = f"redis://127.0.0.1:{port}"
-    base = ["replay", "--workload", args.workload, "--l3", url, "--json", "--quiet"]
-    if args.requests:
-        base += ["--requests", str(args.requests)]
+    workload = workdir / "workload.jsonl"
+    with workload.open("wb") as out:
+        for seed in range(args.copies):
+            part = workdir / f"part{seed}.jsonl"
+            cmd = ["workload", args.workload, "--out", str(part), "--seed", str(seed)]
+            if args.requests:
+                cmd += ["--requests", str(args.requests)]
+            subprocess.run([*radixcache, *cmd], check=True, stderr=subprocess.DEVNULL)
+            out.write(part.read_bytes())
+    base = ["replay", "--workload", str(workload), "--l3", url, "--json", "--quiet"]
     outs = [open(workdir / f"shard{k}.json", "w+b") for k in range(2)]  # noqa: SIM115
     shards = [
         subprocess.Popen([*radixcache, *base, "--shard", f"{k}/2"], stdout=outs[k], env=os.environ)

@@ -3,11 +3,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -282,3 +285,68 @@ class EventIndex:
         assert len(set(states)) == len(states)
         assert self.pages == set(pages), "pages: events and cache disagree"
         assert self.states == set(states), "states: events and cache disagree"
+
+
+# ---------------------------------------------------------------------- redis-server
+# The L3 tests start a real redis-server on a free loopback port; they skip without one
+# unless RADIXCACHE_REQUIRE_REDIS=1 (CI), which makes its absence a failure.
+
+
+def free_port() -> int:
+    """Return a loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A redis-server on loopback in ``dir``; ``stop()`` kills it, ``start()`` again."""
+
+    def __init__(self, dir: Path) -> None:
+        self.dir = dir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                *("redis-server", "--bind", "127.0.0.1", "--port", str(self.port)),
+                *("--save", "", "--appendonly", "no", "--dir", str(self.dir)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while not self.listening():
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+    def listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        if os.environ.get("RADIXCACHE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is not on PATH and RADIXCACHE_REQUIRE_REDIS=1")
+        pytest.skip("redis-server is not on PATH")
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()

@@ -4,6 +4,11 @@ replay's ``--l3``, ``--servers`` and ``--shard``; and every argument refused."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,8 @@ from radixcache.engine import TransferEngine
 from radixcache.l3 import L3Tier, layout_prefix
 from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, deal, replay, replay_fleet
+
+from conftest import RedisServer
 
 PS = 4
 
@@ -351,3 +358,35 @@ def test_cli_serves_a_shard_and_a_fleet(url: str, capsys: pytest.CaptureFixture[
     r = json.loads(capsys.readouterr().out)
     assert (r["servers"], r["requests"], r["mismatches"]) == (2, 40, 0)
     assert r["single_server_hit_rate"] is None
+
+
+def test_a_fleet_over_redis_serves_every_sample_right(redis_server: RedisServer) -> None:
+    jobs = workloads.WORKLOADS["gsp"](96, 0)
+    r = replay_fleet(jobs, _config(redis_server.url), 2, compare=False)
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert r["l3_stored_objects"] > 0
+    assert r["l3_breaker"] == ["closed", "closed"]
+
+
+def test_two_shard_processes_share_a_redis_that_dies_and_comes_back() -> None:
+    # Three copies of multiturn, so that both processes run well past the restart.
+    if shutil.which("redis-server") is None:
+        if os.environ.get("RADIXCACHE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is not on PATH and RADIXCACHE_REQUIRE_REDIS=1")
+        pytest.skip("redis-server is not on PATH")
+    script = Path(__file__).parent.parent / "scripts" / "l3_shards.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert r["killed"]
+    for shard in r["shards"]:
+        assert (shard["mismatches"], shard["audit"]) == (0, "pass")
+        assert shard["l3_hit_tokens"] > 0
+    assert any(s["l3_breaker_trips"] for s in r["shards"])
+    assert any(s["hits"]["after"] for s in r["shards"]), "hits resumed after the restart"

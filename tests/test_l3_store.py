@@ -7,14 +7,10 @@ free loopback port in a temporary directory, and are skipped when it is not on P
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,66 +19,9 @@ import pytest
 import radixcache as rc
 from radixcache import Breaker, L3Error, ObjectStore
 
+from conftest import RedisServer
+
 SIZE = 4096
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class RedisServer:
-    """A redis-server on loopback in ``dir``; ``stop()`` kills it, ``start()`` again."""
-
-    def __init__(self, dir: Path) -> None:
-        self.dir = dir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                *("redis-server", "--bind", "127.0.0.1", "--port", str(self.port)),
-                *("--save", "", "--appendonly", "no", "--dir", str(self.dir)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not self.listening():
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.02)
-
-    def listening(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-        except OSError:
-            return False
-        return True
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("RADIXCACHE_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server is not on PATH and RADIXCACHE_REQUIRE_REDIS=1")
-        pytest.skip("redis-server is not on PATH")
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["file", "redis"])
