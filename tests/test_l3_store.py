@@ -232,8 +232,10 @@ def test_bad_rates(tmp_path: Path, rate: str, value: float) -> None:
 
 
 def test_bad_seed(tmp_path: Path) -> None:
-    with pytest.raises(OverflowError, match="seed"):
+    with pytest.raises(ValueError, match=r"^seed: must be >= 0"):
         ObjectStore.faulty(f"file://{tmp_path}", seed=-1)
+    with pytest.raises(TypeError, match=r"^seed: expected an integer"):
+        ObjectStore.faulty(f"file://{tmp_path}", seed=1.5)  # type: ignore[arg-type]
 
 
 def test_bad_keys(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ use pyo3::types::{PyBytes, PyString};
 use radixcache_l3 as l3;
 use radixcache_l3::frame::HASH_LEN;
 
-use crate::convert::type_name;
+use crate::convert::{type_name, Int};
 use crate::errors::{l3_err, open_err};
 use crate::gil::lock;
 
@@ -166,13 +166,14 @@ impl PyObjectStore {
     fn faulty(
         py: Python<'_>,
         url: &str,
-        seed: u64,
+        seed: Int,
         fail: f64,
         timeout: f64,
         lose: f64,
         corrupt: f64,
         timeout_ms: i64,
     ) -> PyResult<Self> {
+        let seed = seed.count("seed")? as u64;
         let rates = l3::FaultRates {
             fail,
             timeout,
