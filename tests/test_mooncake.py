@@ -123,7 +123,7 @@ def test_a_mooncake_url_names_the_master_and_its_defaults() -> None:
     )
     assert (c.segment, c.buffer, c.protocol, c.device, c.timeout_ms) == (
         0,
-        64 << 20,
+        128 << 20,
         "tcp",
         "",
         1000,

@@ -18,11 +18,12 @@ on the way back; a corrupt object is reported ``"corrupt"`` and removed. Puts ar
 write-once (``exists`` first, then ``put`` of what is missing).
 
 Memory: one staging buffer per store, allocated and registered with Mooncake once
-(``buffer=``, 64 MiB by default) and reused by every call, batches larger than it split
-into several round trips. `L3Tier` hands over arrays it gathers from the host pools
-(``data``/``out``), not the pools themselves, so the objects are framed into, and
-verified out of, the staging buffer: registering the host pools instead would save that
-copy but not the framing pass, and would tie the store to one `Storage`.
+(``buffer=``, 128 MiB by default, touched only as far as a batch fills it) and reused
+by every call, batches larger than it split into several round trips. `L3Tier` hands
+over arrays it gathers from the host pools (``data``/``out``), not the pools
+themselves, so the objects are framed into, and verified out of, the staging buffer:
+registering the host pools instead would save that copy but not the framing pass, and
+would tie the store to one `Storage`.
 
 Errors: a store call that fails, or does not answer within ``timeout_ms`` (Mooncake's
 RPC timeout), raises `radixcache.L3Error`, so the tier's circuit breaker counts it.
@@ -109,7 +110,7 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
     * ``segment``: bytes of memory this client contributes to the store (default 0: the
       memory is the standalone store daemons'; a cache that contributes a segment takes
       its objects with it when it exits).
-    * ``buffer``: the registered staging buffer (default 64MiB; a batch larger than it is
+    * ``buffer``: the registered staging buffer (default 128MiB; a batch larger than it is
       split into several round trips, an object larger than it grows it).
     * ``protocol``: the transfer engine's (default ``tcp``; ``rdma`` with ``device``).
     * ``device``: the RDMA device names (default none).
@@ -148,7 +149,7 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
     if not metadata:
         raise ValueError("metadata: must not be empty")
     segment = _size("segment", query.get("segment", "0"))
-    buffer = _size("buffer", query.get("buffer", "64MiB"))
+    buffer = _size("buffer", query.get("buffer", "128MiB"))
     if buffer < FRAME_HEADER_LEN + 1:
         raise ValueError(f"buffer: must be at least {FRAME_HEADER_LEN + 1} bytes, got {buffer}")
     timeout = query.get("timeout_ms", "1000")
