@@ -42,11 +42,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
@@ -70,6 +72,8 @@ _NO_SPACE = (-10, -200)  # BUFFER_OVERFLOW, NO_AVAILABLE_HANDLE: the segments ar
 #: A get of an object that is there but not readable (being written, or its replica
 #: gone): a miss, not an error.
 _NOT_READY = (-703, -710, -712)
+
+_T = TypeVar("_T")
 
 _UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -238,13 +242,29 @@ def _rows(arr: Any, name: str, n: int) -> npt.NDArray[np.uint8]:
     return arr
 
 
+class _Call:
+    """A ``get_into`` in flight, and whether its caller gave up on it.
+
+    Once given up on, it must not write the caller's array; the decode holds `lock`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+
+
 class MooncakeStore:
     """An L3 object store on Mooncake Store, opened from a ``mooncake://`` URL.
 
     The URL is parsed when the store is made (`parse_mooncake_url` lists its query
     parameters); the client connects to the master on first use, so a master that is
     down makes the calls raise `L3Error` (each later call tries to connect again).
-    Thread-safe: calls are serialised on the one staging buffer.
+    Thread-safe: calls run one at a time on a worker thread of the store's (the one
+    staging buffer), and each caller waits for its call at most three RPC timeouts
+    (``3 * timeout_ms``) before it raises `L3Error`: Mooncake's client holds a call to a
+    master that went away for about 4 s whatever its timeouts, and a serving thread
+    must not. A call given up on finishes on the worker (a later call waits for it, or
+    gives up too); a ``get_into`` given up on never writes the caller's ``out``.
 
     Mooncake reads its RPC timeouts from the process environment when a client connects
     (``MC_RPC_TIMEOUT_MS``, ``MC_RPC_CONNECT_TIMEOUT_MS``; ``MC_STORE_CLIENT_SETUP_RETRIES``
@@ -259,9 +279,10 @@ class MooncakeStore:
     def __init__(self, url: str) -> None:
         self._config = parse_mooncake_url(url)
         self._url = url
-        self._lock = threading.Lock()
         self._store: Any = None
         self._staging: npt.NDArray[np.uint8] | None = None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixcache-mooncake")
+        self._deadline_s = 3 * self._config.timeout_ms / 1000
 
     @property
     def url(self) -> str:
@@ -291,11 +312,27 @@ class MooncakeStore:
                 server) or its staging buffer not registered.
             ModuleNotFoundError: the ``mooncake`` package is not installed.
         """
-        with self._lock:
-            self._connected()
+        self._run(self._connected)
+
+    def _run(self, job: Callable[..., _T], *args: Any) -> _T:
+        """Run `job(*args)` on the worker; wait for it at most the call deadline.
+
+        Raises:
+            L3Error: what the job raised, or no answer within the deadline (a job not
+                started yet is called off).
+        """
+        fut: Future[_T] = self._worker.submit(job, *args)
+        try:
+            return fut.result(timeout=self._deadline_s)
+        except FutureTimeout:
+            fut.cancel()
+            raise L3Error(
+                f"mooncake: no answer from master {self._config.master} within "
+                f"{self._deadline_s * 1000:.0f} ms"
+            ) from None
 
     def _connected(self) -> Any:
-        """Return the set-up client, connecting first if needed; the lock is held."""
+        """Return the set-up client, connecting first if needed (on the worker)."""
         if self._store is not None:
             return self._store
         try:
@@ -327,7 +364,7 @@ class MooncakeStore:
         return store
 
     def _grow(self, size: int) -> npt.NDArray[np.uint8]:
-        """Return a registered staging buffer of at least `size` bytes; the lock is held."""
+        """Return a registered staging buffer of at least `size` bytes (on the worker)."""
         if self._staging is not None and self._staging.nbytes >= size:
             return self._staging
         if self._staging is not None:
@@ -343,15 +380,18 @@ class MooncakeStore:
     def close(self) -> None:
         """Disconnect (a later call connects again).
 
-        Objects in a segment of this client (``segment=``) go with it.
+        Objects in a segment of this client (``segment=``) go with it. Waits for a call
+        still running on the worker (one its caller gave up on) to end: no deadline.
         """
-        with self._lock:
-            if self._store is not None:
-                if self._staging is not None:
-                    self._store.unregister_buffer(self._staging.ctypes.data)
-                    self._staging = None
-                self._store.close()
-                self._store = None
+        self._worker.submit(self._close).result()
+
+    def _close(self) -> None:
+        if self._store is not None:
+            if self._staging is not None:
+                self._store.unregister_buffer(self._staging.ctypes.data)
+                self._staging = None
+            self._store.close()
+            self._store = None
 
     def _chunks(self, n: int, width: int) -> list[tuple[int, int]]:
         """`(start, end)` runs of objects of `width` bytes that fit the staging buffer."""
@@ -370,8 +410,7 @@ class MooncakeStore:
         names = _keys(keys)
         if not names:
             return []
-        with self._lock:
-            return _exist(self._connected(), names)
+        return self._run(lambda: _exist(self._connected(), names))
 
     def put(
         self, keys: Sequence[bytes], hashes: Sequence[bytes], data: npt.NDArray[np.uint8]
@@ -393,31 +432,35 @@ class MooncakeStore:
             raise ValueError(f"hashes: {len(hashes)} given for {len(names)} keys")
         if not names:
             return []
+        return self._run(self._put, names, hashes, data)
+
+    def _put(
+        self, names: list[str], hashes: Sequence[bytes], data: npt.NDArray[np.uint8]
+    ) -> list[bool]:
         width = FRAME_HEADER_LEN + data.shape[1]
-        with self._lock:
-            store = self._connected()
-            todo = [k for k, there in enumerate(_exist(store, names)) if not there]
-            stored = [False] * len(names)
-            for lo, hi in self._chunks(len(todo), width):
-                rows = todo[lo:hi]
-                staging = self._grow(width)
-                objects = staging[: len(rows) * width].reshape(len(rows), width)
-                # Rows lo..hi of `data` as they are when no key of them was present
-                # (the usual case): no gather.
-                run = rows == list(range(rows[0], rows[0] + len(rows)))
-                payloads = data[rows[0] : rows[0] + len(rows)] if run else data[rows]
-                frame_encode([hashes[k] for k in rows], payloads, objects)
-                base = objects.ctypes.data
-                results = store.batch_put_from(
-                    [names[k] for k in rows],
-                    [base + j * width for j in range(len(rows))],
-                    [width] * len(rows),
-                )
-                for k, rc in zip(rows, results, strict=True):
-                    if rc == 0:
-                        stored[k] = True
-                    elif rc != _ALREADY_EXISTS and rc not in _NO_SPACE:
-                        raise L3Error(f"mooncake: put of {names[k]!r} failed: error {rc}")
+        store = self._connected()
+        todo = [k for k, there in enumerate(_exist(store, names)) if not there]
+        stored = [False] * len(names)
+        for lo, hi in self._chunks(len(todo), width):
+            rows = todo[lo:hi]
+            staging = self._grow(width)
+            objects = staging[: len(rows) * width].reshape(len(rows), width)
+            # Rows lo..hi of `data` as they are when no key of them was present
+            # (the usual case): no gather.
+            run = rows == list(range(rows[0], rows[0] + len(rows)))
+            payloads = data[rows[0] : rows[0] + len(rows)] if run else data[rows]
+            frame_encode([hashes[k] for k in rows], payloads, objects)
+            base = objects.ctypes.data
+            results = store.batch_put_from(
+                [names[k] for k in rows],
+                [base + j * width for j in range(len(rows))],
+                [width] * len(rows),
+            )
+            for k, rc in zip(rows, results, strict=True):
+                if rc == 0:
+                    stored[k] = True
+                elif rc != _ALREADY_EXISTS and rc not in _NO_SPACE:
+                    raise L3Error(f"mooncake: put of {names[k]!r} failed: error {rc}")
         return stored
 
     def get_into(
@@ -438,44 +481,61 @@ class MooncakeStore:
         out = _rows(out, "out", len(names))
         if len(hashes) != len(names):
             raise ValueError(f"hashes: {len(hashes)} given for {len(names)} keys")
+        call = _Call()
+        try:
+            return self._run(self._get, names, hashes, out, call)
+        except L3Error:
+            with call.lock:  # waits for a decode into `out` under way; none starts after
+                call.abandoned = True
+            raise
+
+    def _get(
+        self,
+        names: list[str],
+        hashes: Sequence[bytes],
+        out: npt.NDArray[np.uint8],
+        call: _Call,
+    ) -> list[str]:
         width = FRAME_HEADER_LEN + out.shape[1]
         result = ["missing"] * len(names)
-        with self._lock:
-            store = self._connected()
-            corrupt: list[str] = []
-            for lo, hi in self._chunks(len(names), width):
-                staging = self._grow(width)
-                objects = staging[: (hi - lo) * width].reshape(hi - lo, width)
-                base = objects.ctypes.data
-                sizes = store.batch_get_into(
-                    names[lo:hi],
-                    [base + j * width for j in range(hi - lo)],
-                    [width] * (hi - lo),
-                )
-                lengths = []
-                for j, n in enumerate(sizes):
-                    if n >= 0:
-                        lengths.append(min(n, width))
-                        continue
-                    lengths.append(0)
-                    if n == _INVALID_PARAMS:
-                        corrupt.append(names[lo + j])
-                        result[lo + j] = "corrupt"
-                    elif n != _NOT_FOUND and n not in _NOT_READY:
-                        raise L3Error(f"mooncake: get of {names[lo + j]!r} failed: error {n}")
-                # Rows of missing objects (length 0) fail verification and stay as
-                # they are; their verdicts are not read.
+        store = self._connected()
+        corrupt: list[str] = []
+        for lo, hi in self._chunks(len(names), width):
+            staging = self._grow(width)
+            objects = staging[: (hi - lo) * width].reshape(hi - lo, width)
+            base = objects.ctypes.data
+            sizes = store.batch_get_into(
+                names[lo:hi],
+                [base + j * width for j in range(hi - lo)],
+                [width] * (hi - lo),
+            )
+            lengths = []
+            for j, n in enumerate(sizes):
+                if n >= 0:
+                    lengths.append(min(n, width))
+                    continue
+                lengths.append(0)
+                if n == _INVALID_PARAMS:
+                    corrupt.append(names[lo + j])
+                    result[lo + j] = "corrupt"
+                elif n != _NOT_FOUND and n not in _NOT_READY:
+                    raise L3Error(f"mooncake: get of {names[lo + j]!r} failed: error {n}")
+            # Rows of missing objects (length 0) fail verification and stay as they
+            # are; their verdicts are not read.
+            with call.lock:
+                if call.abandoned:
+                    raise L3Error("mooncake: get given up on by its caller")
                 verdicts = frame_decode(list(hashes[lo:hi]), objects, lengths, out[lo:hi])
-                for j, why in enumerate(verdicts):
-                    if sizes[j] < 0:
-                        continue
-                    if why is None:
-                        result[lo + j] = "ok"
-                    else:
-                        corrupt.append(names[lo + j])
-                        result[lo + j] = "corrupt"
-            if corrupt:
-                _remove(store, corrupt)
+            for j, why in enumerate(verdicts):
+                if sizes[j] < 0:
+                    continue
+                if why is None:
+                    result[lo + j] = "ok"
+                else:
+                    corrupt.append(names[lo + j])
+                    result[lo + j] = "corrupt"
+        if corrupt:
+            _remove(store, corrupt)
         return result
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -487,8 +547,7 @@ class MooncakeStore:
         names = _keys(keys)
         if not names:
             return
-        with self._lock:
-            _remove(self._connected(), names)
+        self._run(lambda: _remove(self._connected(), names))
 
 
 # ---------------------------------------------------------------------- one machine
