@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -313,7 +314,7 @@ def test_bad_arguments_are_refused_naming_them(store: MooncakeStore) -> None:
     with pytest.raises(TypeError, match=r"^keys\[0\]: expected bytes, got str"):
         store.exists(["x"])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"^keys: expected a list of bytes"):
-        store.exists(b"x")
+        store.exists(b"x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^keys\[0\]: must be ASCII"):
         store.exists([b"\xff"])
     with pytest.raises(ValueError, match=r"^hashes: 2 given for 1 keys"):
@@ -453,3 +454,25 @@ def test_the_cli_replays_a_fleet_on_mooncake(
     r = json.loads(capsys.readouterr().out)
     assert (r["servers"], r["requests"], r["mismatches"]) == (2, 40, 0)
     assert r["l3_stored_objects"] > 0
+
+
+def test_two_shard_processes_share_a_mooncake_whose_master_dies_and_comes_back(
+    mc: LocalMooncake,
+) -> None:
+    # The script starts a store of its own (`mc` only makes the test skip without one).
+    script = Path(__file__).parent.parent / "scripts" / "l3_shards.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--store", "mooncake", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    r = json.loads(run.stdout)
+    assert (r["store"], r["killed"]) == ("mooncake", True)
+    for shard in r["shards"]:
+        assert (shard["mismatches"], shard["audit"]) == (0, "pass")
+        assert shard["l3_hit_tokens"] > 0
+    assert any(s["l3_breaker_trips"] for s in r["shards"])
+    assert any(s["hits"]["after"] for s in r["shards"]), "hits resumed after the restart"
