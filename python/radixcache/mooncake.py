@@ -178,16 +178,22 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
 
 
 def _route_to(host: str, port: int) -> str:
-    """Return the local address of the route to ``host`` (no packet is sent)."""
+    """Return the local address of the route to ``host`` (no packet is sent).
+
+    A loopback `host` is its own answer; without a route, the machine's host name.
+    """
     try:
         if ipaddress.ip_address(host).is_loopback:
             return host
     except ValueError:
         pass
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return str(s.getsockname()[0])
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError:  # no route (or no such name): the machine's name, as SGLang's default
+        return socket.gethostname()
 
 
 def _keys(keys: Sequence[bytes]) -> list[str]:
