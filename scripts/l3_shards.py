@@ -5,9 +5,10 @@ Store, `radixcache.mooncake.LocalMooncake`, whose master is what is killed and s
 again, its index lost as Redis's data is; the store daemon stays and mounts its memory
 again), then two processes at once:
 ``radixcache replay --shard 0/2 --l3 redis://...`` and ``--shard 1/2`` (each serves every
-other request of the workload, as two machines behind a round-robin router would). After
-``--kill-after`` seconds it kills the server (SIGKILL: nothing is saved), and
-``--down`` seconds later starts a new, empty one on the same port. Each process keeps
+other request of the workload, as two machines behind a round-robin router would). Once
+the store holds ``--kill-at`` objects (the shards are under way, however slow the
+machine) it kills the server (SIGKILL: nothing is saved), and ``--down`` seconds later
+starts a new, empty one on the same port. Each process keeps
 serving from its device and host tiers while its breaker is open, and uses the store
 again once it is back. Prints, per shard: the oracle's verdict, its L3 hit tokens before
 the kill, during the outage and after the restart (from the report's ``l3_timeline``),
@@ -16,7 +17,7 @@ audit pass, every pool full at the end and L3 hits; with a kill, also unless a b
 opened and L3 hits grew again after the restart.
 
     python scripts/l3_shards.py [--workload multiturn] [--copies 3] [--requests N]
-                                [--kill-after 3] [--down 1] [--no-kill] [--json]
+                                [--kill-at 20000] [--down 2] [--no-kill] [--json]
                                 [--store redis|mooncake]
 
 The workload is ``--copies`` copies of the built-in one (seeds 0, 1, ...: different
@@ -54,6 +55,17 @@ def _answers(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def objects(port: int) -> int:
+    """Return how many keys the redis-server on `port` holds (-1 when it does not answer)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as c:
+            c.sendall(b"*1\r\n$6\r\nDBSIZE\r\n")
+            reply = c.recv(64)
+    except OSError:
+        return -1
+    return int(reply[1:].split(b"\r\n")[0]) if reply.startswith(b":") else -1
 
 
 def start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
@@ -112,21 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument(
-        "--kill-after",
-        type=float,
-        default=None,
-        help="seconds (default 3 for Redis; 8 for Mooncake, whose processes start serving later)",
+        "--kill-at",
+        type=int,
+        default=20000,
+        help="kill the store once it holds this many objects (the shards are well under way)",
     )
-    ap.add_argument("--down", type=float, default=None, help="seconds (default 1; 3 Mooncake)")
+    ap.add_argument("--down", type=float, default=2.0)
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--store", choices=("redis", "mooncake"), default="redis")
     args = ap.parse_args(argv)
-    mc = args.store == "mooncake"
-    if args.kill_after is None:
-        args.kill_after = 8.0 if mc else 3.0
-    if args.down is None:
-        args.down = 3.0 if mc else 1.0
     if args.store == "redis" and shutil.which("redis-server") is None:
         print(
             "l3_shards: redis-server is not on PATH (apt-get install redis-server)", file=sys.stderr
@@ -144,9 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
         mooncake = LocalMooncake(segment=2 << 30)
         url = mooncake.url + "&timeout_ms=200"  # as the Redis store's default
+        count = mooncake.keys
     else:
         redis = start_redis(port, workdir)
         url = f"redis://127.0.0.1:{port}"
+
+        def count() -> int:
+            return objects(port)
+
     workload = workdir / "workload.jsonl"
     with workload.open("wb") as out:
         for seed in range(args.copies):
@@ -165,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     killed = back = None
     try:
         if not args.no_kill:
-            time.sleep(args.kill_after)
+            while all(p.poll() is None for p in shards) and count() < args.kill_at:
+                time.sleep(0.05)
             if all(p.poll() is None for p in shards):
                 if args.store == "mooncake":
                     mooncake.stop_master()  # SIGKILL

@@ -682,15 +682,23 @@ class LocalMooncake:
 
     def capacity(self) -> int:
         """Return the bytes of memory mounted in the store (0 when the master is down)."""
+        m = re.search(r"^master_total_capacity_bytes (\d+)", self._metrics(), re.MULTILINE)
+        return int(m.group(1)) if m else 0
+
+    def keys(self) -> int:
+        """Return how many objects the master indexes (-1 when it does not answer)."""
+        m = re.search(r"^master_key_count (\d+)", self._metrics(), re.MULTILINE)
+        return int(m.group(1)) if m else -1
+
+    def _metrics(self) -> str:
+        """Return the master's Prometheus metrics ("" when it does not answer)."""
         try:
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=0.5
             ) as r:
-                text = r.read().decode()
+                return str(r.read().decode())
         except OSError:
-            return 0
-        m = re.search(r"^master_total_capacity_bytes (\d+)", text, re.MULTILINE)
-        return int(m.group(1)) if m else 0
+            return ""
 
     def _wait(self, ready: Any, what: str) -> None:
         deadline = time.monotonic() + self.ready_s
