@@ -1,6 +1,9 @@
 """Two `radixcache replay --shard` processes sharing one Redis, which dies and comes back.
 
-Starts a ``redis-server`` on a free loopback port, then two processes at once:
+Starts a ``redis-server`` on a free loopback port (``--store mooncake``: a Mooncake
+Store, `radixcache.mooncake.LocalMooncake`, whose master is what is killed and started
+again, its index lost as Redis's data is; the store daemon stays and mounts its memory
+again), then two processes at once:
 ``radixcache replay --shard 0/2 --l3 redis://...`` and ``--shard 1/2`` (each serves every
 other request of the workload, as two machines behind a round-robin router would). Once
 the store holds ``--kill-at`` objects (the shards are under way, however slow the
@@ -15,6 +18,7 @@ opened and L3 hits grew again after the restart.
 
     python scripts/l3_shards.py [--workload multiturn] [--copies 3] [--requests N]
                                 [--kill-at 20000] [--down 2] [--no-kill] [--json]
+                                [--store redis|mooncake]
 
 The workload is ``--copies`` copies of the built-in one (seeds 0, 1, ...: different
 conversations) served back to back, so that the run lasts well past the restart.
@@ -108,7 +112,7 @@ def phases(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the two shards against one Redis (see the module docstring); the exit status."""
+    """Run the two shards against one store (see the module docstring); the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="multiturn")
     ap.add_argument(
@@ -128,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down", type=float, default=2.0)
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--store", choices=("redis", "mooncake"), default="redis")
     args = ap.parse_args(argv)
-    if shutil.which("redis-server") is None:
+    if args.store == "redis" and shutil.which("redis-server") is None:
         print(
             "l3_shards: redis-server is not on PATH (apt-get install redis-server)", file=sys.stderr
         )
@@ -141,8 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     workdir = Path(tempfile.mkdtemp(prefix="l3-shards-"))
     port = free_port()
-    redis = start_redis(port, workdir)
-    url = f"redis://127.0.0.1:{port}"
+    if args.store == "mooncake":
+        from radixcache.mooncake import LocalMooncake
+
+        mooncake = LocalMooncake(segment=2 << 30)
+        url = mooncake.url + "&timeout_ms=200"  # as the Redis store's default
+        count = mooncake.keys
+    else:
+        redis = start_redis(port, workdir)
+        url = f"redis://127.0.0.1:{port}"
+
+        def count() -> int:
+            return objects(port)
+
     workload = workdir / "workload.jsonl"
     with workload.open("wb") as out:
         for seed in range(args.copies):
@@ -161,22 +177,31 @@ def main(argv: list[str] | None = None) -> int:
     killed = back = None
     try:
         if not args.no_kill:
-            while all(p.poll() is None for p in shards) and objects(port) < args.kill_at:
+            while all(p.poll() is None for p in shards) and count() < args.kill_at:
                 time.sleep(0.05)
             if all(p.poll() is None for p in shards):
-                redis.send_signal(signal.SIGKILL)
-                redis.wait()
+                if args.store == "mooncake":
+                    mooncake.stop_master()  # SIGKILL
+                else:
+                    redis.send_signal(signal.SIGKILL)
+                    redis.wait()
                 killed = time.time()
                 time.sleep(args.down)
-                redis = start_redis(port, workdir)
+                if args.store == "mooncake":
+                    mooncake.start_master()
+                else:
+                    redis = start_redis(port, workdir)
                 back = time.time()
         codes = [p.wait(timeout=1800) for p in shards]
     finally:
         for p in shards:
             if p.poll() is None:
                 p.kill()
-        redis.kill()
-        redis.wait()
+        if args.store == "mooncake":
+            mooncake.stop()
+        else:
+            redis.kill()
+            redis.wait()
     reports = []
     for f in outs:
         f.seek(0)
@@ -215,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             why.append("no breaker opened while the store was down")
         if not any(row["hits"]["after"] for row in rows):
             why.append("no L3 hit after the store came back")
-    result = {"workload": args.workload, "killed": killed is not None, "shards": rows}
+    result = {
+        "workload": args.workload,
+        "store": args.store,
+        "killed": killed is not None,
+        "shards": rows,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -29,6 +29,45 @@ def chain_hashes(tokens: _Tokens, page_size: int, prior: bytes | None = None) ->
         TypeError: ``prior`` not bytes or None.
     """
 
+#: The length of the header that frames every L3 object (``frame_encode``).
+FRAME_HEADER_LEN: Final[int]
+
+def frame_encode(
+    hashes: Sequence[bytes], data: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8]
+) -> None:
+    """Frame row ``i`` of ``data`` as the L3 object of page ``hashes[i]`` into ``out``.
+
+    The bytes ``ObjectStore.put`` stores (a ``FRAME_HEADER_LEN``-byte header: magic,
+    format version, payload length, the page hash and a checksum of all of it; then the
+    payload), for store clients written in Python. ``data`` is ``uint8 [n, size]``,
+    ``out`` ``uint8 [n, FRAME_HEADER_LEN + size]``, both C-contiguous; runs with the GIL
+    released.
+
+    Raises:
+        ValueError: a hash not 32 bytes, or arrays of the wrong shape (names them).
+        TypeError: an argument of the wrong type (names it).
+    """
+
+def frame_decode(
+    hashes: Sequence[bytes],
+    objects: npt.NDArray[np.uint8],
+    lengths: Sequence[int],
+    out: npt.NDArray[np.uint8],
+) -> list[str | None]:
+    """Verify and unframe the objects ``frame_encode`` made.
+
+    Row ``i`` of ``objects`` (``uint8 [n, FRAME_HEADER_LEN + size]``) holds an object of
+    ``lengths[i]`` bytes read from a store for page ``hashes[i]``; each is checked (size,
+    magic, version, flags, hash, length, checksum) and its payload copied into row ``i``
+    of ``out`` (``uint8 [n, size]``). Per row: None (verified and copied), or why the
+    object is corrupt (that row of ``out`` untouched). Runs with the GIL released.
+
+    Raises:
+        ValueError: a hash not 32 bytes, a length outside ``0..=FRAME_HEADER_LEN + size``,
+            or arrays of the wrong shape (names them).
+        TypeError: an argument of the wrong type (names it).
+    """
+
 def _small_int_read(obj: int) -> tuple[int | None, int] | None:
     """For tests of the fast path: what it reads of an exact int ``obj``.
 
@@ -44,6 +83,7 @@ def _small_int_read(obj: int) -> tuple[int | None, int] | None:
 #: <class ...>"). While the interpreter exits nothing is emitted, and everything is
 #: still given back.
 __all__ = [
+    "FRAME_HEADER_LEN",
     "Breaker",
     "CacheError",
     "Copy",
@@ -64,6 +104,8 @@ __all__ = [
     "TransferBatch",
     "__version__",
     "chain_hashes",
+    "frame_decode",
+    "frame_encode",
 ]
 
 #: A token sequence, ids in [0, 2**32): a list or tuple (the fast path: exact ints, or

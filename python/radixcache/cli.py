@@ -321,7 +321,8 @@ REPLAY_FLAGS = (
     Flag(
         "--l3",
         "an L3 store shared with other caches: redis://HOST:PORT, redis+cluster://HOST:PORT,"
-        "..., or file:///DIR (host pages are written there and fetched from there)",
+        "..., file:///DIR or mooncake://MASTER_HOST:PORT?... (host pages are written there "
+        "and fetched from there)",
         kind="text",
         shown="none",
     ),
@@ -851,10 +852,10 @@ def _replay_cmd(args: argparse.Namespace) -> int:
     if shard and servers > 1:
         raise InputError("--shard: one process serves one shard; not with --servers")
     if args.l3 is not None:
-        from . import ObjectStore
+        from .l3 import open_store
 
         try:
-            ObjectStore(args.l3)
+            open_store(args.l3)
         except ValueError as e:
             raise InputError(f"--l3: {e}") from None
     jobs, config = _setup(

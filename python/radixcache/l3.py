@@ -34,10 +34,10 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ._core import Breaker, HybridCache, L3Error, TransferBatch
+from ._core import Breaker, HybridCache, L3Error, ObjectStore, TransferBatch
 from .storage import Pool, Storage
 
-__all__ = ["L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix"]
+__all__ = ["L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix", "open_store"]
 
 
 class ObjectStoreLike(Protocol):
@@ -58,6 +58,25 @@ class ObjectStoreLike(Protocol):
     ) -> Sequence[str]:
         """Read ``keys`` into the rows of `out`: ``"ok"``, ``"missing"`` or ``"corrupt"``."""
         ...
+
+
+def open_store(url: str) -> ObjectStoreLike:
+    """Open the L3 store `url` names, by its scheme.
+
+    ``mooncake://MASTER_HOST:PORT?...``: a `radixcache.mooncake.MooncakeStore` (Mooncake
+    Store; the query parameters are `radixcache.mooncake.parse_mooncake_url`'s); any
+    other URL (``redis://``, ``redis+cluster://``, ``file://``): a
+    `radixcache.ObjectStore`. Neither connects here: a store that is down opens and
+    fails its calls with `L3Error`.
+
+    Raises:
+        ValueError: a bad URL (the message names the part).
+    """
+    if url.startswith("mooncake://"):
+        from .mooncake import MooncakeStore
+
+        return MooncakeStore(url)
+    return ObjectStore(url)
 
 
 @dataclass

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union
 
-from .._core import HybridCache, InvariantError, ObjectStore
+from .._core import HybridCache, InvariantError
 from ..engine import TransferEngine
-from ..l3 import L3Tier
+from ..l3 import L3Tier, open_store
 from .flops import ModelShape, compute_saved_ratio
 from .model import ChecksumModel, model_name
 from .offline import Event, StateTrace, bound
@@ -76,9 +76,10 @@ class ReplayConfig:
     whose host tier is `host_swa_slots` (with a host tier; dropped without one).
 
     `l3` is the URL of an L3 store (``redis://HOST:PORT``, ``redis+cluster://...``,
-    ``file:///DIR``; `radixcache.ObjectStore`) shared with other caches: the cache
-    writes its host pages there and fetches what a prompt's admission finds there beyond
-    both tiers (`radixcache.l3.L3Tier`, skipping an uncached part under `l3_min_tokens`).
+    ``file:///DIR``, ``mooncake://HOST:PORT?...``; `radixcache.l3.open_store`) shared
+    with other caches: the cache writes its host pages there and fetches what a prompt's
+    admission finds there beyond both tiers (`radixcache.l3.L3Tier`, skipping an uncached
+    part under `l3_min_tokens`).
     It needs the oracle (the bytes are the checksum model's). `events` turns the
     cache's KV events on (with page hashes), for a caller that takes them
     (`radixcache.events`).
@@ -269,7 +270,7 @@ class Server:
                 swa_layers=config.swa_layers,
             )
             if config.l3 is not None:
-                store = ObjectStore(config.l3)
+                store = open_store(config.l3)
                 self.l3 = L3Tier(cache, storage, store, min_tokens=config.l3_min_tokens)
             self.engine = FaultyEngine(
                 cache,

@@ -1,6 +1,8 @@
 //! `ObjectStore`: the L3 tier's object stores (`radixcache-l3`), and `Breaker`, its
 //! circuit breaker, for the Python L3 engine. Converts arguments, releases the GIL around every store call, and maps
 //! errors; framing, verification and the deletion of corrupt objects are the crate's.
+//! `frame_encode`/`frame_decode` expose the crate's framing to store clients written in
+//! Python (`radixcache.mooncake`), so that every backend stores the same bytes.
 
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
@@ -11,7 +13,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use radixcache_l3 as l3;
-use radixcache_l3::frame::HASH_LEN;
+use radixcache_l3::frame::{self, HASH_LEN, HEADER_LEN};
 
 use crate::convert::{type_name, Int};
 use crate::errors::{l3_err, open_err};
@@ -383,4 +385,118 @@ impl PyBreaker {
             self.threshold, self.cooldown_ms
         )
     }
+}
+
+/// `objects`, a 2-D uint8 array of one framed object per row, each `HEADER_LEN` bytes
+/// wider than a row of `payloads`; errors name `arg`.
+fn framed_rows<'py>(
+    obj: &Bound<'py, PyAny>,
+    arg: &str,
+    keys: usize,
+    payload: usize,
+) -> PyResult<Bound<'py, PyArray2<u8>>> {
+    let arr = rows(obj, arg, keys)?;
+    let width = arr.shape()[1];
+    if width != HEADER_LEN + payload {
+        return Err(PyValueError::new_err(format!(
+            "{arg}: rows of {width} bytes, expected {} (a {HEADER_LEN}-byte header and \
+             {payload} bytes of payload)",
+            HEADER_LEN + payload
+        )));
+    }
+    Ok(arr)
+}
+
+/// Frames row `i` of `data` as the object of page `hashes[i]` into row `i` of `out`
+/// (`HEADER_LEN` bytes wider than `data`): the bytes `ObjectStore.put` stores.
+#[pyfunction]
+pub(crate) fn frame_encode(
+    py: Python<'_>,
+    hashes: &Bound<'_, PyAny>,
+    data: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let count = byte_strings(hashes, "hashes")?.len();
+    let hashes = self::hashes(hashes, count)?;
+    let data = rows(data, "data", count)?;
+    let size = data.shape()[1];
+    let out = framed_rows(out, "out", hashes.len(), size)?;
+    let data = data
+        .try_readonly()
+        .map_err(|e| PyValueError::new_err(format!("data: cannot be read ({e})")))?;
+    let payloads = data
+        .as_slice()
+        .map_err(|e| PyValueError::new_err(format!("data: {e}")))?;
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out: must be a writable array ({e})")))?;
+    let objects = out
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| {
+        let rows = payloads
+            .chunks_exact(size)
+            .zip(objects.chunks_exact_mut(HEADER_LEN + size));
+        for (hash, (payload, object)) in hashes.iter().zip(rows) {
+            let (head, body) = object.split_at_mut(HEADER_LEN);
+            head.copy_from_slice(&frame::header(hash, payload));
+            body.copy_from_slice(payload);
+        }
+    });
+    Ok(())
+}
+
+/// Verifies the first `lengths[i]` bytes of row `i` of `objects` as the object of page
+/// `hashes[i]` and copies its payload into row `i` of `out`; per row, None (verified and
+/// copied) or why it is corrupt (the row of `out` left untouched).
+#[pyfunction]
+pub(crate) fn frame_decode(
+    py: Python<'_>,
+    hashes: &Bound<'_, PyAny>,
+    objects: &Bound<'_, PyAny>,
+    lengths: Vec<i64>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<Vec<Option<String>>> {
+    let hashes = self::hashes(hashes, lengths.len())?;
+    let out = rows(out, "out", hashes.len())?;
+    let size = out.shape()[1];
+    let objects = framed_rows(objects, "objects", hashes.len(), size)?;
+    let width = HEADER_LEN + size;
+    let lengths = lengths
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| match usize::try_from(n) {
+            Ok(n) if n <= width => Ok(n),
+            _ => Err(PyValueError::new_err(format!(
+                "lengths[{i}]: must be in 0..={width}, got {n}"
+            ))),
+        })
+        .collect::<PyResult<Vec<usize>>>()?;
+    let objects = objects
+        .try_readonly()
+        .map_err(|e| PyValueError::new_err(format!("objects: cannot be read ({e})")))?;
+    let objects = objects
+        .as_slice()
+        .map_err(|e| PyValueError::new_err(format!("objects: {e}")))?;
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out: must be a writable array ({e})")))?;
+    let payloads = out
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    Ok(py.detach(|| {
+        let rows = objects
+            .chunks_exact(width)
+            .zip(payloads.chunks_exact_mut(size));
+        hashes
+            .iter()
+            .zip(&lengths)
+            .zip(rows)
+            .map(|((hash, &n), (object, payload))| {
+                frame::decode_into(hash, &object[..n], payload)
+                    .err()
+                    .map(|e| e.to_string())
+            })
+            .collect()
+    }))
 }

@@ -77,6 +77,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.setattr("_int_fast_path", layout::init(py)?)?;
     m.setattr("_small_int_read", wrap_pyfunction!(_small_int_read, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::chain_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(l3::frame_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(l3::frame_decode, m)?)?;
+    m.add("FRAME_HEADER_LEN", radixcache_l3::frame::HEADER_LEN)?;
     constructor_signature(m)?;
     Ok(())
 }

@@ -1,0 +1,206 @@
+"""L3 throughput on Mooncake Store: `MooncakeStore.put`/``get_into`` against Mooncake's own.
+
+What is measured, on a Mooncake Store this script starts on loopback
+(`radixcache.mooncake.LocalMooncake`: ``mooncake_master`` and one store daemon holding
+``--segment-mib`` MiB, over TCP; killed at the end), for each value size (a page of KV:
+64 KiB, 256 KiB and 1 MiB by default):
+
+- ``ours put``: ``MooncakeStore(url).put(keys, hashes, data)`` of batches of ``--batch``
+  pages (a ``[batch, size]`` uint8 array), fresh keys for every batch (puts are
+  write-once: each call asks which keys exist, frames the rows into its registered
+  staging buffer and puts them), until ``--mib`` MiB were put;
+- ``ours get``: ``get_into`` of one stored batch into a ``[batch, size]`` array, again
+  and again until ``--mib`` MiB were fetched (every outcome must be ``"ok"`` and the rows
+  must equal what was put, checked once): a get into the staging buffer, then each
+  object verified and its payload copied out;
+- ``mooncake put``/``get``: Mooncake's own client (``MooncakeDistributedStore``, set up
+  as ours is) doing the same with ``batch_put_from``/``batch_get_into`` straight from
+  and into a registered buffer of ``batch`` values: no existence check, no framing, no
+  verification, no copy; what the store itself does with these sizes.
+
+GB/s counts payload bytes (1e9 bytes a second): ours moves a 56-byte frame header more
+per object. Each figure is the best of ``--repeat`` runs, the two sides taking turns;
+the store is emptied between measurements. ``ratio`` is ours over Mooncake's (the
+issue's goal: at least 0.7 for ``get``).
+
+Usage::
+
+    python benches/l3_mooncake_throughput.py [--sizes 65536,262144,1048576] [--batch 64]
+                                             [--mib 128] [--repeat 3] [--json]
+
+Needs the ``mooncake`` package (``pip install "radixcache[mooncake]"``). Output: a
+table (or, with ``--json``, one JSON object); exit status 1 when a fetched row was
+wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from radixcache.mooncake import LocalMooncake, MooncakeStore
+
+MIB = 1 << 20
+
+
+@dataclass
+class Row:
+    """One value size: GB/s of each side, and ours over Mooncake's."""
+
+    size: int
+    batch: int
+    ours_put: float
+    ours_get: float
+    mooncake_put: float
+    mooncake_get: float
+    put_ratio: float
+    get_ratio: float
+    rows_ok: bool
+
+
+def measure_ours(url: str, size: int, batch: int, total: int) -> tuple[float, float, bool]:
+    """GB/s of put and of get_into, and whether the fetched rows were right."""
+    store = MooncakeStore(url)
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 256, size=(batch, size), dtype=np.uint8)
+    hashes = [i.to_bytes(32, "little") for i in range(batch)]
+    rounds = max(1, total // (batch * size))
+
+    def keys(r: int) -> list[bytes]:
+        return [f"ours:{size}:{r}:{i}".encode() for i in range(batch)]
+
+    try:
+        store.put(keys(-1), hashes, data)  # warm-up (connects, registers the buffer)
+        t = time.perf_counter()
+        for r in range(rounds):
+            stored = store.put(keys(r), hashes, data)
+            assert all(stored), "the store is full: raise --segment-mib"
+        put_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
+        out = np.zeros_like(data)
+        got = store.get_into(keys(0), hashes, out)
+        rows_ok = got == ["ok"] * batch and np.array_equal(out, data)
+        t = time.perf_counter()
+        for _ in range(rounds):
+            store.get_into(keys(0), hashes, out)
+        get_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
+    finally:
+        store.close()
+    return put_gbs, get_gbs, rows_ok
+
+
+def measure_mooncake(client: Any, size: int, batch: int, total: int) -> tuple[float, float]:
+    """GB/s of Mooncake's own batch_put_from and batch_get_into with ``size``-byte values."""
+    buf = np.random.default_rng(size).integers(0, 256, size=batch * size, dtype=np.uint8)
+    assert client.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+    ptrs = [buf.ctypes.data + i * size for i in range(batch)]
+    sizes = [size] * batch
+    rounds = max(1, total // (batch * size))
+
+    def keys(r: int) -> list[str]:
+        return [f"own:{size}:{r}:{i}" for i in range(batch)]
+
+    try:
+        client.batch_put_from(keys(-1), ptrs, sizes)  # warm-up
+        t = time.perf_counter()
+        for r in range(rounds):
+            codes = client.batch_put_from(keys(r), ptrs, sizes)
+            assert all(c == 0 for c in codes), f"put failed: {set(codes)}"
+        put_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
+        t = time.perf_counter()
+        for _ in range(rounds):
+            got = client.batch_get_into(keys(0), ptrs, sizes)
+            assert got == sizes, f"get failed: {set(got)}"
+        get_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
+    finally:
+        client.unregister_buffer(buf.ctypes.data)
+    return put_gbs, get_gbs
+
+
+def run(sizes: list[int], batch: int, mib: int, repeat: int, segment_mib: int) -> list[Row]:
+    """One row per value size, each figure the best of ``repeat`` runs."""
+    from mooncake.store import MooncakeDistributedStore
+
+    rows = []
+    with LocalMooncake(segment=segment_mib * MIB) as m:
+        client = MooncakeDistributedStore()
+        master = f"127.0.0.1:{m.rpc_port}"
+        assert client.setup("127.0.0.1", m.metadata, 0, 0, "tcp", "", master) == 0
+        try:
+            for size in sizes:
+                print(f"size {size}...", file=sys.stderr)
+                put_gbs = get_gbs = own_put = own_get = 0.0
+                ok = True
+                for _ in range(repeat):
+                    put, get, right = measure_ours(m.url, size, batch, mib * MIB)
+                    client.remove_all(True)
+                    mput, mget = measure_mooncake(client, size, batch, mib * MIB)
+                    client.remove_all(True)
+                    put_gbs, get_gbs = max(put_gbs, put), max(get_gbs, get)
+                    own_put, own_get = max(own_put, mput), max(own_get, mget)
+                    ok = ok and right
+                rows.append(
+                    Row(
+                        size=size,
+                        batch=batch,
+                        ours_put=put_gbs,
+                        ours_get=get_gbs,
+                        mooncake_put=own_put,
+                        mooncake_get=own_get,
+                        put_ratio=put_gbs / own_put,
+                        get_ratio=get_gbs / own_get,
+                        rows_ok=ok,
+                    )
+                )
+        finally:
+            client.close()
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """Format the rows as a text table."""
+    head = (
+        f"{'size':>9} {'batch':>5} | {'ours put':>8} {'mc put':>8} {'ratio':>5} | "
+        f"{'ours get':>8} {'mc get':>8} {'ratio':>5} | rows"
+    )
+    lines = [
+        "GB/s of payload (1e9 B/s, best run); mc = Mooncake's batch_put_from/batch_get_into",
+        head,
+    ]
+    lines.extend(
+        f"{r.size:>9} {r.batch:>5} | {r.ours_put:>8.2f} {r.mooncake_put:>8.2f} "
+        f"{r.put_ratio:>5.2f} | {r.ours_get:>8.2f} {r.mooncake_get:>8.2f} "
+        f"{r.get_ratio:>5.2f} | {'ok' if r.rows_ok else 'WRONG'}"
+        for r in rows
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the measurements and print them; 1 when a fetched row was wrong."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="65536,262144,1048576", help="value sizes, bytes")
+    p.add_argument("--batch", type=int, default=64, help="keys per call")
+    p.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure (the best counts)")
+    p.add_argument("--segment-mib", type=int, default=1024, help="the store daemon's memory")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if min(args.batch, args.mib, args.repeat, args.segment_mib, *sizes) < 1:
+        p.error("--sizes, --batch, --mib, --repeat and --segment-mib must be positive")
+    rows = run(sizes, args.batch, args.mib, args.repeat, args.segment_mib)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows]}))
+    else:
+        print(table(rows))
+    return 0 if all(r.rows_ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
