@@ -212,9 +212,8 @@ def test_the_cli_refuses_a_bad_mooncake_url(capsys: pytest.CaptureFixture[str]) 
 # ---------------------------------------------------------------------- a real store
 
 
-@pytest.fixture(scope="module")
-def mc() -> Iterator[LocalMooncake]:
-    """A ``mooncake_master`` and one store daemon (256 MiB) on free loopback ports."""
+def need_mooncake() -> None:
+    """Skip (or fail, with ``RADIXCACHE_REQUIRE_MOONCAKE=1``) without Mooncake here."""
     missing = None
     if importlib.util.find_spec("mooncake") is None:
         missing = 'the mooncake package is not installed (pip install "radixcache[mooncake]")'
@@ -224,6 +223,12 @@ def mc() -> Iterator[LocalMooncake]:
         if os.environ.get("RADIXCACHE_REQUIRE_MOONCAKE") == "1":
             pytest.fail(f"{missing}, and RADIXCACHE_REQUIRE_MOONCAKE=1")
         pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def mc() -> Iterator[LocalMooncake]:
+    """A ``mooncake_master`` and one store daemon (256 MiB) on free loopback ports."""
+    need_mooncake()
     with LocalMooncake(segment=256 << 20) as m:
         yield m
 
@@ -344,6 +349,7 @@ def test_bad_arguments_are_refused_naming_them(store: MooncakeStore) -> None:
 
 def test_a_master_that_is_down_fails_calls_with_l3error_and_a_new_one_serves() -> None:
     # A store of its own: the master is stopped and started again.
+    need_mooncake()
     with LocalMooncake(segment=64 << 20) as m:
         s = MooncakeStore(m.url + "&timeout_ms=300")
         try:
