@@ -141,7 +141,6 @@ fn audit(c: &Cache) -> Result<()> {
         conserve(names[k], counts[k], in_tree[k], owned[k])?;
     }
     check_pins(c)?;
-    check_host_draining(c)?;
     check_loads(c)?;
     check_sums(c, &sums)?;
     check_hashes(c)?;
@@ -441,8 +440,10 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
     Ok(owned)
 }
 
-/// Every pin on a page belongs to a batch in flight.
+/// Every pin on a page belongs to a batch in flight, and the host room on its way is
+/// what the eviction puts in flight hold.
 fn check_pins(c: &Cache) -> Result<()> {
+    check_host_draining(c)?;
     for pool in [PoolKind::Kv, PoolKind::Mamba] {
         for tier in [Tier::Device, Tier::Host] {
             let Some(p) = c.pools().of(pool, tier) else {
