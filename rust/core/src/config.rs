@@ -339,8 +339,8 @@ pub struct Config {
     /// pages by their hashes): refused without it rather than turning it on behind the
     /// caller's back.
     pub events: bool,
-    /// Whether host pages go to the L3 tier (a store shared by many caches) once backed
-    /// up, and can be fetched from it (`cache::l3`): needs a host tier (with host state
+    /// Whether host pages go to the L3 tier (a store shared by many caches), once
+    /// backed up or on host eviction (`l3_write`), and can be fetched from it (`cache::l3`): needs a host tier (with host state
     /// slots for a hybrid model), page hashes, and no SWA layers.
     pub l3: bool,
     /// When host pages go to the L3 tier: once backed up (the default) or only when

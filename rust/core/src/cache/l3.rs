@@ -11,7 +11,10 @@
 //!   the page's hash) and the state at a node's end (keyed by the hash of the node's last
 //!   page). The batch pins the host pages it reads (host eviction meanwhile leaves them
 //!   draining) and holds nothing else. It may fail: nothing changes but that the nodes
-//!   are offered again with their next backup.
+//!   are offered again with their next backup. Under [`L3Write::HostEviction`] nothing
+//!   is offered then: host eviction writes what it deletes (and the store lacks) just
+//!   before it frees it, and those pages drain under the put, counted as host room on
+//!   its way until it ends (`Cache::host_draining`, docs/design.md "The L3 tier").
 //! * **Get** (`l3_get` batches, store to host): [`Cache::l3_fetch`] takes, all at once,
 //!   a lock on the node where the cached prefix ends (it keeps the path from eviction),
 //!   host pages for the pages to fetch and, with Mamba states, a host state slot for the
