@@ -182,6 +182,7 @@ def test_l3_write_is_refused_without_l3_or_by_another_name() -> None:
     assert HybridCache(kv_slots=64, host_kv_slots=128, page_hashes=True, l3=True).l3_write == (
         "backup"
     )
+    assert HybridCache(kv_slots=64).l3_write is None
     with pytest.raises(ValueError, match=r"^l3_write: 'host_eviction' given without an L3"):
         replay([], ReplayConfig(l3_write="host_eviction"))
 

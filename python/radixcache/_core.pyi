@@ -742,8 +742,11 @@ class HybridCache:
     def l3(self) -> bool:
         """Whether host pages go to, and come from, the L3 tier."""
     @property
-    def l3_write(self) -> Literal["backup", "host_eviction"]:
-        """When host pages go to the L3 tier: once backed up, or on host eviction."""
+    def l3_write(self) -> Literal["backup", "host_eviction"] | None:
+        """When host pages go to the L3 tier: once backed up, or on host eviction.
+
+        None without an L3 tier.
+        """
     @property
     def page_size(self) -> int:
         """Tokens per page."""

@@ -224,11 +224,12 @@ impl PyHybridCache {
         self.config.l3
     }
 
-    /// When host pages go to the L3 tier: "backup" or "host_eviction".
+    /// When host pages go to the L3 tier: "backup" or "host_eviction"; None without an
+    /// L3 tier.
     #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
     #[getter]
-    fn l3_write(&self) -> &'static str {
-        self.config.l3_write.as_str()
+    fn l3_write(&self) -> Option<&'static str> {
+        self.config.l3.then(|| self.config.l3_write.as_str())
     }
 
     /// Tokens per page.
