@@ -30,7 +30,9 @@ PS = 4
 class Machine:
     """One cache with its storage, L3 tier and engine."""
 
-    def __init__(self, store: Any, *, hybrid: bool, host_kv: int = 128) -> None:
+    def __init__(
+        self, store: Any, *, hybrid: bool, host_kv: int = 128, l3_write: str = "backup"
+    ) -> None:
         self.cache = HybridCache(
             kv_slots=64,
             page_size=PS,
@@ -39,6 +41,7 @@ class Machine:
             host_mamba_slots=4 if hybrid else 0,
             page_hashes=True,
             l3=True,
+            l3_write=l3_write,  # type: ignore[arg-type]
         )
         self.storage = Storage.for_cache(
             self.cache,
@@ -130,6 +133,58 @@ def test_a_prefix_one_cache_wrote_is_fetched_by_another_byte_for_byte(
     c.settle()
     assert c.tier.counters.stored_objects == 0
     assert c.tier.counters.present_objects == 6 + hybrid
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_under_host_eviction_pages_go_to_the_store_only_when_evicted_from_the_host(
+    url: str, hybrid: bool
+) -> None:
+    rng = np.random.default_rng(1)
+    a = Machine(ObjectStore(url), hybrid=hybrid, l3_write="host_eviction")
+    b = Machine(ObjectStore(url), hybrid=hybrid)
+    assert a.cache.l3_write == "host_eviction"
+    wrote = a.compute(TOKENS, rng)
+    a.settle()
+    assert a.cache.stats()["l3_puts"] == 0
+    assert b.tier.lookup(TOKENS) == 0, "nothing in the store yet"
+    a.cache.evict(kv_tokens=a.cache.kv_slots, mamba_states=a.cache.mamba_slots)
+    a.engine.run_pending()
+    assert a.cache.match_prefix(TOKENS).host_len == len(TOKENS), "demoted to the host"
+    assert a.cache.stats()["l3_puts"] == 0
+    a.cache.evict_host(kv_tokens=a.cache.host_kv_slots, mamba_states=4)
+    s = a.cache.stats()
+    assert (s["l3_eviction_puts"], s["host_kv_draining_slots"]) == (1, len(TOKENS))
+    a.cache.audit()
+    a.engine.run_pending()
+    s = a.cache.stats()
+    assert (s["l3_puts_done"], s["host_kv_draining_slots"]) == (1, 0)
+    assert s["host_kv_free_slots"] == a.cache.host_kv_slots
+    assert a.tier.counters.stored_objects == 6 + hybrid
+    # What the first cache gave up, the second fetches byte for byte.
+    assert b.tier.fetch(TOKENS) == len(TOKENS)
+    got = b.loaded(TOKENS)
+    for name, want in wrote.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    b.cache.audit()
+
+
+def test_l3_write_is_refused_without_l3_or_by_another_name() -> None:
+    with pytest.raises(ValueError, match=r"^l3_write: .*without an L3 tier"):
+        HybridCache(kv_slots=64, host_kv_slots=128, page_hashes=True, l3_write="backup")
+    with pytest.raises(ValueError, match=r'^l3_write: unknown setting "eviction"'):
+        HybridCache(
+            kv_slots=64,
+            host_kv_slots=128,
+            page_hashes=True,
+            l3=True,
+            l3_write="eviction",  # type: ignore[arg-type]
+        )
+    assert HybridCache(kv_slots=64, host_kv_slots=128, page_hashes=True, l3=True).l3_write == (
+        "backup"
+    )
+    assert HybridCache(kv_slots=64).l3_write is None
+    with pytest.raises(ValueError, match=r"^l3_write: 'host_eviction' given without an L3"):
+        replay([], ReplayConfig(l3_write="host_eviction"))
 
 
 def test_a_fetch_continues_what_the_cache_holds_and_skips_a_short_rest(url: str) -> None:
@@ -321,6 +376,47 @@ def test_a_fleet_with_l3_reaches_most_of_one_servers_hit_rate(url: str) -> None:
     assert r["fleet_without_l3_hit_rate"] < r["hit_rate"]
 
 
+def _evicting(url: str) -> ReplayConfig:
+    """Small pools writing to `url` on host eviction: the host tier evicts while serving."""
+    return _config(
+        url,
+        l3_write="host_eviction",
+        kv_slots=8192,
+        mamba_slots=64,
+        host_kv_slots=16384,
+        host_mamba_slots=64,
+    )
+
+
+def test_a_fleet_writing_on_host_eviction_hits_what_the_other_server_evicted(url: str) -> None:
+    jobs = workloads.WORKLOADS["multiturn"](240, 0)
+    r = replay_fleet(jobs, _evicting(url), 2, compare=False)
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert r["samples_checked"] > 0
+    for one in r["per_server"]:
+        assert one["l3_eviction_puts"] > 0
+    assert r["l3_eviction_puts"] == sum(one["l3_eviction_puts"] for one in r["per_server"])
+    # Only host eviction writes: every L3 hit is of pages one server evicted.
+    assert r["l3_hit_tokens"] > 0
+
+
+def test_a_server_hits_what_another_wrote_when_it_cleared_its_host_tier(url: str) -> None:
+    # Large pools: nothing is evicted while serving, so the store is filled only when
+    # the first server's pools are cleared at the end (host eviction of everything).
+    jobs = workloads.WORKLOADS["multiturn"](40, 0)
+    config = _config(url, l3_write="host_eviction")
+    first, _ = replay(jobs, config)
+    assert (first["mismatches"], first["pools_full_at_end"]) == (0, True)
+    assert (first["l3_hit_tokens"], first["l3_eviction_puts"] > 0) == (0, True)
+    second, _ = replay(jobs, config)
+    assert (second["mismatches"], second["audit"], second["pools_full_at_end"]) == (
+        0,
+        "pass",
+        True,
+    )
+    assert second["l3_hit_tokens"] > 0
+
+
 def test_two_shards_split_the_workload_as_a_router_would() -> None:
     jobs = list(range(7))
     assert deal(jobs, 2, 0) == [0, 2, 4, 6]  # type: ignore[arg-type]
@@ -340,6 +436,8 @@ def test_cli_refuses_bad_l3_flags_naming_them(url: str, capsys: pytest.CaptureFi
         (["--shard", "x"], "--shard: expected K/N"),
         (["--shard", "0/2", "--servers", "2"], "--shard: one process serves one shard"),
         (["--l3", "ftp://nowhere"], "--l3: "),
+        (["--l3-write", "host_eviction"], "--l3-write: only with --l3"),
+        (["--l3", url, "--l3-write", "evict"], "--l3-write"),
     ):
         assert main(["replay", "--requests", "4", *argv]) == 2, argv
         assert match in capsys.readouterr().err
@@ -358,6 +456,13 @@ def test_cli_serves_a_shard_and_a_fleet(url: str, capsys: pytest.CaptureFixture[
     r = json.loads(capsys.readouterr().out)
     assert (r["servers"], r["requests"], r["mismatches"]) == (2, 40, 0)
     assert r["single_server_hit_rate"] is None
+    small = ["--kv-slots", "8192", "--mamba-slots", "64", "--host-kv-slots", "16384"]
+    small += ["--host-mamba-slots", "64", "--requests", "120"]
+    argv = [*base, *small, "--l3", url, "--l3-write", "host_eviction", "--servers", "2"]
+    assert main([*argv, "--no-attention-only"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["mismatches"], r["audit"]) == (0, "pass")
+    assert r["l3_eviction_puts"] > 0
 
 
 def test_a_fleet_over_redis_serves_every_sample_right(redis_server: RedisServer) -> None:

@@ -125,6 +125,7 @@ CONSTRUCTOR = [
     ("hash_seed", None),
     ("events", False),
     ("l3", False),
+    ("l3_write", None),
 ]
 
 

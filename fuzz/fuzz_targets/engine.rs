@@ -559,6 +559,17 @@ impl E {
             Op::Report { .. } => {
                 let _ = (self.c.stats(), self.c.pretty(64, 8));
             }
+            // No host tier, so no L3 tier: a fetch is refused naming `l3`.
+            Op::L3Fetch { .. } | Op::L3Ack { .. } => {
+                let r = self.c.l3_fetch(None, &[1, 2], 1);
+                assert!(
+                    matches!(
+                        r,
+                        Err(radixcache_core::Error::InvalidArgument { arg: "l3", .. })
+                    ),
+                    "l3_fetch without an L3 tier: {r:?}"
+                );
+            }
         }
     }
 

@@ -26,6 +26,21 @@
 //!   pages, or free + tree != capacity; after evicting everything, device pages left in
 //!   the tree.
 //!
+//! With the L3 tier (`Cfg::threshold` bits 7 and 6; bit 5: written on host eviction;
+//! bits 4 and 3: the store's faults) the harness models memory: the value of every host
+//! KV slot and host state slot (what a landed backup wrote there, read from the tree's
+//! device slots when the batch was taken, or what a landed fetch read from the store;
+//! a failed backup poisons its slots), and a store of objects keyed by page hash. An
+//! `l3_put` runs when it is acknowledged as done: it reads the host slots it names
+//! (pinned since it was emitted, so they still hold what the put was emitted for; a
+//! store call may fail and then the batch fails); `L3Fetch` asks the store for the
+//! leading pages past what the cache holds (as an engine does), calls `l3_fetch`, reads
+//! the objects into the host slots of the batch (an object may be lost, or come back
+//! corrupt: caught by its checksum, a miss) and ends it (`complete`, `complete_l3` of
+//! what came back whole or less, `fail`, `abandon`, or later, by `L3Ack`). Findings
+//! besides the above: a host slot of the tree that does not hold its tokens' data, a put
+//! that writes an object other bytes than its page's.
+//!
 //! An input whose first byte is `engine::ENGINE_MODE` runs the rest with engine-owned
 //! pools instead (module `engine`, which lists its own findings).
 //!
@@ -35,13 +50,14 @@
 
 mod engine;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use radixcache_core::{
-    BatchId, Cache, Config, Error, EvictionPolicies, EvictionPolicy, LoadRecord, LoadTarget,
-    LockReceipt, NodeId, Pool, RequestId, WritePolicy,
+    Abandoned, BatchId, BatchKind, Cache, Config, Error, EvictionPolicies, EvictionPolicy, L3Write,
+    LoadRecord, LoadTarget, LockReceipt, NodeId, PageHash, Pool, PoolKind, RequestId, Tier,
+    TransferBatch, WritePolicy,
 };
 
 /// Operations run per input at most.
@@ -55,6 +71,10 @@ const MAX_GONE: usize = 8;
 /// Receipts and load records the harness holds at most (beyond: the oldest is given back).
 const MAX_RECEIPTS: usize = 8;
 const MAX_LOADS: usize = 6;
+/// Fetches held to be acknowledged later at most.
+const MAX_GETS: usize = 4;
+/// What a failed copy leaves in a host slot.
+const POISON: u64 = u64::MAX;
 
 /// Shared prefixes: the first two share four tokens, the first and the last three (a
 /// divergence inside a page of 2 or 4), the third shares nothing.
@@ -82,6 +102,9 @@ struct Cfg {
     host: u8,
     host_mamba: u8,
     policy: u8,
+    /// Bits 0-2: the selective policy's threshold; bits 7 and 6 both: the L3 tier (page
+    /// hashes on, no SWA layers); bit 5: written on host eviction; bits 4-3: the store's
+    /// faults (none, failed calls, lost and corrupt objects, all three).
     threshold: u8,
     /// The eviction policy of each component (KV and SWA: lru, lfu, priority; states:
     /// any); bit 7: page hashes, bits 7 and 6: KV events too.
@@ -258,6 +281,18 @@ enum Op {
     Foreign {
         what: u8,
     },
+    /// Fetches what the store holds of the tokens past what the cache holds; `end` says
+    /// how the batch ends (and, one time in eight, how many pages are asked for).
+    L3Fetch {
+        ns: u8,
+        toks: Toks,
+        end: u8,
+    },
+    /// Acknowledges a fetch held for later (`fail`: failed).
+    L3Ack {
+        pick: u8,
+        fail: bool,
+    },
 }
 
 impl<'a> Arbitrary<'a> for Target {
@@ -313,9 +348,11 @@ enum Kind {
     Reap,
     Report,
     Foreign,
+    L3Fetch,
+    L3Ack,
 }
 
-const WEIGHTS: [(Kind, u8); 27] = [
+const WEIGHTS: [(Kind, u8); 29] = [
     (Kind::Match, 5),
     (Kind::Insert, 10),
     (Kind::AllocKv, 2),
@@ -343,6 +380,8 @@ const WEIGHTS: [(Kind, u8); 27] = [
     (Kind::Report, 1),
     (Kind::Foreign, 1),
     (Kind::ExtendBatch, 3),
+    (Kind::L3Fetch, 4),
+    (Kind::L3Ack, 1),
 ];
 
 fn kind_of(k: u8) -> Kind {
@@ -459,6 +498,15 @@ impl<'a> Arbitrary<'a> for Op {
             Kind::Foreign => Op::Foreign {
                 what: u.arbitrary()?,
             },
+            Kind::L3Fetch => Op::L3Fetch {
+                ns: u.arbitrary()?,
+                toks: u.arbitrary()?,
+                end: u.arbitrary()?,
+            },
+            Kind::L3Ack => Op::L3Ack {
+                pick: u.arbitrary()?,
+                fail: u.arbitrary()?,
+            },
         })
     }
 }
@@ -496,11 +544,14 @@ fn config_of(c: &Cfg) -> Config {
     let write_through_threshold = (write_policy == WritePolicy::WriteThroughSelective
         && c.threshold % 2 == 1)
         .then_some(u32::from((c.threshold / 2) % 4));
+    // The L3 tier (a quarter of the configurations with a host tier): it needs page
+    // hashes, no SWA layers and, hybrid, a host state slot.
+    let l3 = host_kv_slots > 0 && c.threshold & 0xc0 == 0xc0;
     // SWA layers half the time: windows of 1 to 4 tokens against pages of 1 to 4 (a
     // page larger than the window included), pools of up to 32 slots (0 is refused by
     // `Config::validate`: that path runs too); with a host tier, a host SWA pool of one
     // page up to the host KV pool (more, one time in eight: refused too).
-    let (swa_slots, swa_window) = if c.swa % 2 == 1 {
+    let (swa_slots, swa_window) = if c.swa % 2 == 1 && !l3 {
         (
             usize::from(c.swa / 2 % 33) / ps * ps,
             1 + usize::from(c.swa / 66 % 4),
@@ -515,6 +566,11 @@ fn config_of(c: &Cfg) -> Config {
         drawn * ps
     } else {
         0
+    };
+    let host_mamba_slots = if l3 && mamba_slots > 0 {
+        host_mamba_slots.max(1)
+    } else {
+        host_mamba_slots
     };
     Config {
         kv_slots,
@@ -542,8 +598,14 @@ fn config_of(c: &Cfg) -> Config {
         host_swa_slots,
         // The high bits of `eviction` (its policies use the value below 36): page hashes
         // and KV events, which audit() checks (chains, what was announced).
-        page_hashes: c.eviction & 0x80 != 0,
+        page_hashes: c.eviction & 0x80 != 0 || l3,
         events: c.eviction & 0xc0 == 0xc0,
+        l3,
+        l3_write: if l3 && c.threshold & 0x20 != 0 {
+            L3Write::HostEviction
+        } else {
+            L3Write::Backup
+        },
         ..Config::default()
     }
 }
@@ -608,6 +670,168 @@ fn check_empty(name: &str, pool: &Pool) {
 }
 
 // ---------------------------------------------------------------------------------------
+// The memory model (with the L3 tier)
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+/// A running hash of a namespace and the first `len` tokens of `t`.
+fn prefix_value(ns: Option<&str>, t: &[u32], len: usize) -> u64 {
+    let mut h = ns.map_or(0x6c33, |n| {
+        n.bytes().fold(0x6e73, |a, b| mix(a ^ u64::from(b)))
+    });
+    for &x in &t[..len] {
+        h = mix(h ^ mix(u64::from(x).wrapping_add(0x9e37_79b9_7f4a_7c15)));
+    }
+    h
+}
+
+/// The KV of token `p` of `t` (in namespace `ns`).
+fn kv_value(ns: Option<&str>, t: &[u32], p: usize) -> u64 {
+    prefix_value(ns, t, p + 1)
+}
+
+/// The state after the first `len` tokens of `t`.
+fn state_value(ns: Option<&str>, t: &[u32], len: usize) -> u64 {
+    mix(prefix_value(ns, t, len) ^ 0x5374_6174_6500_0000)
+}
+
+/// What a batch taken from the cache writes when it lands.
+enum Effect {
+    /// A backup: `(state pool, host slot, value)` (`None`: unknown, as the tree no
+    /// longer held its source when it was taken); failed, the slots are poisoned.
+    Backup(Vec<(bool, usize, Option<u64>)>),
+    /// An `l3_put`: `(state, key, host slots)` per object, read when it runs.
+    Put(Vec<(bool, PageHash, Vec<usize>)>),
+}
+
+/// A fetch held to be acknowledged later: its id, the pages and state that landed.
+struct Get {
+    id: BatchId,
+    pages: usize,
+    state: bool,
+    whole: bool,
+}
+
+/// What an object must hold, and the namespace and tokens of the page it ends.
+type Named = (Vec<u64>, Option<String>, Vec<u32>);
+
+/// Host memory, the shared store and what the taken batches will write.
+#[derive(Default)]
+struct Mem {
+    host_kv: Vec<Option<u64>>,
+    host_state: Vec<Option<u64>>,
+    effects: HashMap<BatchId, Effect>,
+    /// Batches abandoned after they started: either acknowledgement fails them.
+    abandoned: HashSet<BatchId>,
+    /// The store: objects by (state, page hash).
+    store: HashMap<(bool, PageHash), Vec<u64>>,
+    /// What each object must hold, from the pages the tree was seen to hold, and the
+    /// namespace and tokens it ends.
+    names: HashMap<(bool, PageHash), Named>,
+    /// Prompts whose last page a put wrote (namespace, tokens): what fetches ask for.
+    stored: Vec<(Option<String>, Vec<u32>)>,
+    rng: u64,
+    /// Per mille: a store call fails; an object is lost; an object comes back corrupt.
+    fail: u64,
+    lose: u64,
+    corrupt: u64,
+}
+
+impl Mem {
+    fn draw(&mut self, per_mille: u64) -> bool {
+        if per_mille == 0 {
+            return false;
+        }
+        self.rng = mix(self.rng.wrapping_add(0x9e37_79b9));
+        self.rng % 1000 < per_mille
+    }
+
+    fn slot(v: &mut Vec<Option<u64>>, s: usize) -> &mut Option<u64> {
+        if v.len() <= s {
+            v.resize(s + 1, None);
+        }
+        &mut v[s]
+    }
+
+    /// A taken batch ended (`landed`: its copies count).
+    fn land(&mut self, effect: Effect, landed: bool) {
+        match effect {
+            Effect::Backup(writes) => {
+                for (state, s, v) in writes {
+                    let mem = if state {
+                        &mut self.host_state
+                    } else {
+                        &mut self.host_kv
+                    };
+                    *Self::slot(mem, s) = if landed { v } else { Some(POISON) };
+                }
+            }
+            Effect::Put(objects) if landed => {
+                for (state, key, slots) in objects {
+                    let mem = if state {
+                        &self.host_state
+                    } else {
+                        &self.host_kv
+                    };
+                    let values: Vec<u64> = slots
+                        .iter()
+                        .map(|&s| {
+                            mem.get(s).copied().flatten().unwrap_or_else(|| {
+                                panic!("a put read host slot {s}, never written")
+                            })
+                        })
+                        .collect();
+                    if let Some((want, ns, toks)) = self.names.get(&(state, key)) {
+                        assert_eq!(
+                            &values, want,
+                            "a put wrote other bytes for its page (state {state})"
+                        );
+                        if !state {
+                            push_ring(&mut self.stored, (ns.clone(), toks.clone()), MAX_HISTORY);
+                        }
+                    }
+                    // Write-once: what the store has stays.
+                    self.store.entry((state, key)).or_insert(values);
+                }
+            }
+            Effect::Put(_) => {}
+        }
+    }
+
+    /// Reads object `key` into host `slots` as a store client does; whether it came back
+    /// whole (a lost one is missing; a corrupt one fails its checksum and is deleted).
+    fn read(&mut self, state: bool, key: PageHash, slots: &[i64]) -> bool {
+        if self.draw(self.lose) {
+            self.store.remove(&(state, key));
+        }
+        let Some(values) = self.store.get(&(state, key)).cloned() else {
+            return false;
+        };
+        if self.draw(self.corrupt) {
+            self.store.remove(&(state, key));
+            return false;
+        }
+        assert_eq!(values.len(), slots.len(), "object size");
+        for (&s, v) in slots.iter().zip(values) {
+            let s = usize::try_from(s).unwrap_or(usize::MAX);
+            let mem = if state {
+                &mut self.host_state
+            } else {
+                &mut self.host_kv
+            };
+            *Self::slot(mem, s) = Some(v);
+        }
+        true
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // The harness
 
 struct Req {
@@ -639,6 +863,9 @@ struct H {
     /// Another cache, for ids that are not this cache's.
     other: Cache,
     other_node: NodeId,
+    /// With the L3 tier: the memory model, and the fetches held.
+    mem: Option<Mem>,
+    gets: Vec<Get>,
 }
 
 fn push_ring<T>(v: &mut Vec<T>, x: T, cap: usize) {
@@ -649,7 +876,7 @@ fn push_ring<T>(v: &mut Vec<T>, x: T, cap: usize) {
 }
 
 impl H {
-    fn new(c: Cache, engine: u8) -> H {
+    fn new(c: Cache, engine: u8, faults: u8) -> H {
         let ps = c.page_size();
         let kv_pages = c.kv_pool().capacity_pages();
         let mut other = Cache::new(Config {
@@ -660,6 +887,17 @@ impl H {
         })
         .unwrap();
         let other_node = other.match_prefix(None, &[]).node;
+        let mem = c.config().l3.then(|| {
+            let level = faults % 4;
+            let rate = |on: bool| if on { 150 } else { 0 };
+            Mem {
+                rng: u64::from(faults),
+                fail: rate(level & 1 != 0),
+                lose: rate(level & 2 != 0),
+                corrupt: rate(level & 2 != 0),
+                ..Mem::default()
+            }
+        });
         H {
             c,
             engine,
@@ -678,6 +916,8 @@ impl H {
             last_state: None,
             other,
             other_node,
+            mem,
+            gets: Vec::new(),
         }
     }
 
@@ -1192,13 +1432,374 @@ impl H {
     }
 
     fn do_take(&mut self) {
-        for b in self.c.take_batches() {
+        let batches = self.c.take_batches();
+        if self.mem.is_some() && !batches.is_empty() {
+            self.observe();
+            let device = self.device_values();
+            for b in &batches {
+                if let Some(e) = self.effect_of(b, &device) {
+                    if let Some(mem) = self.mem.as_mut() {
+                        mem.effects.insert(b.id, e);
+                    }
+                }
+            }
+        }
+        for b in batches {
             for copy in &b.copies {
                 assert_eq!(copy.src.len(), copy.dst.len(), "batch {b:?}");
             }
             // Pending (a forged id may have started it before it was taken).
             assert!(self.c.started(b.id).is_some(), "taken batch {b:?}");
             self.inflight.push(b.id);
+        }
+    }
+
+    /// The memory model: what each object of the pages the tree holds must contain
+    /// (by page hash), recorded while the tree holds them.
+    fn observe(&mut self) {
+        let Some(mem) = self.mem.as_mut() else {
+            return;
+        };
+        let ps = self.ps;
+        for n in self.c.snapshot() {
+            let ns = n.namespace.as_deref();
+            let hashes = self.c.chain_hashes(ns, None, &n.prefix);
+            let first = (n.prefix.len() - n.key_len) / ps;
+            for (k, &h) in hashes.iter().enumerate().skip(first) {
+                let end = (k + 1) * ps;
+                let name = || (n.namespace.clone(), n.prefix[..end].to_vec());
+                mem.names.entry((false, h)).or_insert_with(|| {
+                    let kv = (end - ps..end)
+                        .map(|p| kv_value(ns, &n.prefix, p))
+                        .collect();
+                    let (ns, toks) = name();
+                    (kv, ns, toks)
+                });
+                mem.names.entry((true, h)).or_insert_with(|| {
+                    let (ns, toks) = name();
+                    (vec![state_value(ns.as_deref(), &toks, end)], ns, toks)
+                });
+            }
+        }
+    }
+
+    /// What the tree says each device KV slot and device state slot holds: `(state,
+    /// slot)` to value.
+    fn device_values(&self) -> HashMap<(bool, i64), u64> {
+        let mut out = HashMap::new();
+        for n in self.c.snapshot() {
+            if n.loading {
+                continue;
+            }
+            let ns = n.namespace.as_deref();
+            let start = n.prefix.len() - n.key_len;
+            for (k, &s) in n.kv_indices.iter().flatten().enumerate() {
+                out.insert((false, s), kv_value(ns, &n.prefix, start + k));
+            }
+            if let Some(s) = n.mamba_slot {
+                out.insert(
+                    (true, i64::from(s)),
+                    state_value(ns, &n.prefix, n.prefix.len()),
+                );
+            }
+        }
+        out
+    }
+
+    /// What a taken batch writes to host memory or the store when it lands.
+    fn effect_of(&self, b: &TransferBatch, device: &HashMap<(bool, i64), u64>) -> Option<Effect> {
+        let idx = |s: i64| usize::try_from(s).unwrap_or(usize::MAX);
+        match b.kind {
+            BatchKind::Backup => {
+                let mut writes = Vec::new();
+                for c in &b.copies {
+                    let state = match c.pool {
+                        PoolKind::Kv => false,
+                        PoolKind::Mamba => true,
+                        PoolKind::Swa => continue,
+                    };
+                    assert_eq!(
+                        (c.src_tier, c.dst_tier),
+                        (Tier::Device, Tier::Host),
+                        "{b:?}"
+                    );
+                    // A slot the tree no longer holds (its node was deleted while the
+                    // backup was in flight: the slot drains) has no known value: the
+                    // backup's host copy must then never be published.
+                    for (&src, &dst) in c.src.iter().zip(&c.dst) {
+                        writes.push((state, idx(dst), device.get(&(state, src)).copied()));
+                    }
+                }
+                Some(Effect::Backup(writes))
+            }
+            BatchKind::L3Put => {
+                let mut keys = b.keys.iter();
+                let mut objects = Vec::new();
+                for c in &b.copies {
+                    assert_eq!(
+                        (c.src_tier, c.dst_tier),
+                        (Tier::Host, Tier::External),
+                        "{b:?}"
+                    );
+                    let (state, per) = match c.pool {
+                        PoolKind::Kv => (false, self.ps),
+                        _ => (true, 1),
+                    };
+                    for chunk in c.src.chunks(per) {
+                        let key = *keys
+                            .next()
+                            .unwrap_or_else(|| panic!("a put without keys: {b:?}"));
+                        objects.push((state, key, chunk.iter().map(|&s| idx(s)).collect()));
+                    }
+                }
+                assert!(
+                    keys.next().is_none(),
+                    "a put with more keys than objects: {b:?}"
+                );
+                Some(Effect::Put(objects))
+            }
+            _ => None,
+        }
+    }
+
+    /// Acknowledges batch `id` as done (`complete`) or failed, as an engine does: what a
+    /// taken batch writes lands in the memory model, and an `l3_put` runs against the
+    /// store (failing when a store call fails).
+    fn ack(&mut self, id: BatchId, complete: bool) -> Result<(), Error> {
+        if self.mem.is_some() {
+            let known = self
+                .mem
+                .as_ref()
+                .is_some_and(|m| m.effects.contains_key(&id));
+            if !known && self.c.started(id).is_some() {
+                // Emitted and not taken yet: the engine takes it first.
+                self.do_take();
+            }
+        }
+        let mut complete = complete;
+        if let Some(mem) = self.mem.as_mut() {
+            if complete
+                && matches!(mem.effects.get(&id), Some(Effect::Put(_)))
+                && mem.draw(mem.fail)
+            {
+                complete = false;
+            }
+        }
+        let r = if complete {
+            self.c.complete(id)
+        } else {
+            self.c.fail(id)
+        };
+        if r.is_ok() {
+            if let Some(mem) = self.mem.as_mut() {
+                let abandoned = mem.abandoned.remove(&id);
+                if let Some(e) = mem.effects.remove(&id) {
+                    mem.land(e, complete && !abandoned);
+                }
+            }
+        }
+        r
+    }
+
+    /// The owner lets go of batch `id` (`abandon`): failed at once, or draining (then
+    /// either acknowledgement fails it).
+    fn abandon(&mut self, id: BatchId) {
+        if self.mem.is_some() && self.c.started(id).is_some() {
+            self.do_take();
+        }
+        match self.c.abandon(id) {
+            Abandoned::Failed => {
+                if let Some(mem) = self.mem.as_mut() {
+                    if let Some(e) = mem.effects.remove(&id) {
+                        mem.land(e, false);
+                    }
+                }
+            }
+            Abandoned::Draining => {
+                if let Some(mem) = self.mem.as_mut() {
+                    mem.abandoned.insert(id);
+                }
+            }
+            Abandoned::Nothing => {}
+        }
+    }
+
+    /// The memory model: every host slot of the tree holds its tokens' data.
+    fn check_mem(&self) {
+        let Some(mem) = &self.mem else {
+            return;
+        };
+        for n in self.c.snapshot() {
+            let ns = n.namespace.as_deref();
+            let start = n.prefix.len() - n.key_len;
+            for (k, &s) in n.host_kv_indices.iter().flatten().enumerate() {
+                let got = mem
+                    .host_kv
+                    .get(usize::try_from(s).unwrap_or(usize::MAX))
+                    .copied()
+                    .flatten();
+                assert_eq!(
+                    got,
+                    Some(kv_value(ns, &n.prefix, start + k)),
+                    "host KV slot {s} of {:?} (token {}) holds other data",
+                    n.prefix,
+                    start + k
+                );
+            }
+            if let Some(s) = n.host_mamba_slot {
+                let got = mem.host_state.get(s as usize).copied().flatten();
+                assert_eq!(
+                    got,
+                    Some(state_value(ns, &n.prefix, n.prefix.len())),
+                    "host state slot {s} of {:?} holds another state",
+                    n.prefix
+                );
+            }
+        }
+    }
+
+    /// Fetches from the store what it holds of the tokens past what the cache holds, as
+    /// an engine does, reads the objects into the batch's host slots and ends it as
+    /// `end` says.
+    fn do_l3_fetch(&mut self, ns: u8, toks: &Toks, end: u8) {
+        // Half the time a prompt whose pages a put wrote (and a tail), else any.
+        let stored = self.mem.as_ref().and_then(|m| {
+            (end & 0x40 != 0 && !m.stored.is_empty())
+                .then(|| m.stored[usize::from(toks.cut) % m.stored.len()].clone())
+        });
+        let (name, t) = match stored {
+            Some((name, mut t)) => {
+                t.extend(toks.tail.iter().map(|&b| tok(b)));
+                t.truncate(MAX_TOKENS);
+                (name, t)
+            }
+            None => (ns_of(ns).map(str::to_owned), self.resolve(ns, toks)),
+        };
+        let name = name.as_deref();
+        let Some(mem) = self.mem.as_ref() else {
+            let r = self.c.l3_fetch(name, &t, 1);
+            assert!(
+                matches!(r, Err(Error::InvalidArgument { arg: "l3", .. })),
+                "l3_fetch without an L3 tier: {r:?}"
+            );
+            return;
+        };
+        let ps = self.ps;
+        let hybrid = self.c.is_hybrid();
+        let have = (self.c.peek_prefix(name, &t).kv_len / ps).min(t.len() / ps);
+        let hashes = self.c.chain_hashes(name, None, &t);
+        let run = hashes[have..]
+            .iter()
+            .take_while(|&&h| mem.store.contains_key(&(false, h)))
+            .count();
+        let run = if hybrid {
+            (1..=run)
+                .rev()
+                .find(|&k| mem.store.contains_key(&(true, hashes[have + k - 1])))
+                .unwrap_or(0)
+        } else {
+            run
+        };
+        // One time in eight any number of pages (past the tokens: refused).
+        let pages = if end % 8 == 7 {
+            usize::from(end / 8) % (t.len() / ps + 2)
+        } else {
+            have + run
+        };
+        let Some(Some(b)) = allowed(self.c.l3_fetch(name, &t, pages)) else {
+            return;
+        };
+        self.remember(&t);
+        assert_eq!(b.kind, BatchKind::L3Get, "{b:?}");
+        let total = b.copies[0].dst.len() / ps;
+        assert!(total > 0 && total <= pages, "{b:?}");
+        assert_eq!(b.keys.len(), total + usize::from(hybrid), "{b:?}");
+        assert_eq!(b.keys[..total], hashes[pages - total..pages], "fetch keys");
+        let mode = (end / 8) % 8;
+        if mode == 0 {
+            assert_eq!(
+                self.c.abandon(b.id),
+                Abandoned::Failed,
+                "an unstarted fetch"
+            );
+            return;
+        }
+        if let Err(e) = self.c.start(b.id) {
+            panic!("start of a fetch failed: {e:?}");
+        }
+        let Some(mem) = self.mem.as_mut() else {
+            return;
+        };
+        // Every slot it writes is poisoned first: only what lands may be placed.
+        for (k, copy) in b.copies.iter().enumerate() {
+            for &s in &copy.dst {
+                let s = usize::try_from(s).unwrap_or(usize::MAX);
+                let slots = if k == 0 {
+                    &mut mem.host_kv
+                } else {
+                    &mut mem.host_state
+                };
+                *Mem::slot(slots, s) = Some(POISON);
+            }
+        }
+        let failed = mem.draw(mem.fail);
+        let mut landed = 0;
+        if !failed {
+            for (k, chunk) in b.copies[0].dst.chunks(ps).enumerate() {
+                if !mem.read(false, b.keys[k], chunk) {
+                    break;
+                }
+                landed += 1;
+            }
+        }
+        let state = hybrid && landed == total && mem.read(true, b.keys[total], &b.copies[1].dst);
+        let whole = landed == total && (state || !hybrid);
+        let mut get = Get {
+            id: b.id,
+            pages: landed,
+            state,
+            whole,
+        };
+        if end & 0x80 != 0 && landed > 0 {
+            // Claims less than landed: the rest is a miss.
+            get = Get {
+                id: b.id,
+                pages: landed - 1,
+                state: false,
+                whole: false,
+            };
+        }
+        match mode {
+            1 => self.ack_get(&get, true),
+            2 | 3 => self.ack_get(&get, failed),
+            4 => {
+                // Let go of after it started: draining, and failed whenever it ends.
+                assert_eq!(self.c.abandon(b.id), Abandoned::Draining);
+                self.keep_get(get);
+            }
+            _ => self.keep_get(get),
+        }
+    }
+
+    fn keep_get(&mut self, g: Get) {
+        if self.gets.len() >= MAX_GETS {
+            let old = self.gets.remove(0);
+            self.ack_get(&old, false);
+        }
+        self.gets.push(g);
+    }
+
+    /// Acknowledges a fetch: what landed, or failed.
+    fn ack_get(&mut self, g: &Get, fail: bool) {
+        let r = if fail {
+            self.c.fail(g.id)
+        } else if g.whole {
+            self.c.complete(g.id)
+        } else {
+            self.c.complete_l3(g.id, g.pages, g.state)
+        };
+        if let Err(e) = r {
+            panic!("acknowledging fetch {} in flight failed: {e:?}", g.id);
         }
     }
 
@@ -1213,13 +1814,13 @@ impl H {
             }
             match mode % 4 {
                 0 | 1 => {
-                    allowed(self.c.complete(id));
+                    allowed(self.ack(id, true));
                 }
                 2 if mask & (1 << (i % 8)) != 0 => {
-                    allowed(self.c.fail(id));
+                    allowed(self.ack(id, false));
                 }
                 2 => {
-                    allowed(self.c.complete(id));
+                    allowed(self.ack(id, true));
                 }
                 _ => {}
             }
@@ -1496,12 +2097,16 @@ impl H {
             Op::Engine { mode, mask } => self.do_engine(*mode, *mask),
             Op::Batch { which, pick, act } => {
                 let id = self.batch_id(*which, *pick);
+                // A fetch held for later is the harness's to end (its reads are done).
+                if self.gets.iter().any(|g| g.id == id) {
+                    return;
+                }
                 allowed(match act {
                     Ack::Start => self.c.start(id),
-                    Ack::Complete => self.c.complete(id),
-                    Ack::Fail => self.c.fail(id),
+                    Ack::Complete => self.ack(id, true),
+                    Ack::Fail => self.ack(id, false),
                     Ack::Abandon => {
-                        self.c.abandon(id);
+                        self.abandon(id);
                         Ok(())
                     }
                 });
@@ -1542,6 +2147,13 @@ impl H {
             Op::Reap => self.c.reap(),
             Op::Report { node, req } => self.do_report(*node, *req),
             Op::Foreign { what } => self.do_foreign(*what),
+            Op::L3Fetch { ns, toks, end } => self.do_l3_fetch(*ns, toks, *end),
+            Op::L3Ack { pick, fail } => {
+                if !self.gets.is_empty() {
+                    let g = self.gets.swap_remove(usize::from(*pick) % self.gets.len());
+                    self.ack_get(&g, *fail);
+                }
+            }
         }
         match self.engine % 4 {
             0 => {}
@@ -1569,7 +2181,7 @@ impl H {
                     }
                 }
                 if self.c.started(id).is_some() {
-                    if let Err(e) = self.c.complete(id) {
+                    if let Err(e) = self.ack(id, true) {
                         panic!("complete of pending batch {id} failed: {e:?}");
                     }
                 }
@@ -1585,6 +2197,9 @@ impl H {
     fn teardown(&mut self) {
         for rec in std::mem::take(&mut self.loads) {
             self.c.cancel_load(rec);
+        }
+        for g in std::mem::take(&mut self.gets) {
+            self.ack_get(&g, false);
         }
         self.drain_batches();
         for r in std::mem::take(&mut self.receipts) {
@@ -1705,7 +2320,7 @@ fn run(data: &[u8]) {
     let Ok(cache) = Cache::new(config_of(&input.cfg)) else {
         return;
     };
-    let mut h = H::new(cache, input.cfg.engine);
+    let mut h = H::new(cache, input.cfg.engine, input.cfg.threshold >> 3);
     h.c.audit().unwrap();
     for (i, op) in input.ops.iter().take(MAX_OPS).enumerate() {
         h.step(i, op);
@@ -1713,6 +2328,9 @@ fn run(data: &[u8]) {
             panic!("audit after op {i} ({op:?}): {e}");
         }
         h.check_books();
+        h.observe();
+        h.check_mem();
     }
     h.teardown();
+    h.check_mem();
 }

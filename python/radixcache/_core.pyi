@@ -658,6 +658,18 @@ class HybridCache:
             ``KvEvent``; ``stats()["events_emitted"]``, ``["events_pending"]``). Needs
             ``page_hashes=True`` (events name pages by their hashes): ``ValueError``
             naming ``events`` otherwise. The queue grows until taken.
+        l3: share host pages with other caches through an L3 store, by page hash
+            (docs/design.md, "The L3 tier"; ``radixcache.l3.L3Tier`` runs the
+            ``"l3_put"`` and ``"l3_get"`` batches). Needs a host tier (with host state
+            slots on a hybrid model), ``page_hashes=True`` and no SWA layers.
+        l3_write: when host pages are written to the L3 store: ``"backup"`` (the
+            default: as soon as a backup lands, so that every cache of a fleet finds them
+            at once) or ``"host_eviction"`` (only when host eviction deletes them: the
+            ``"l3_put"`` reads the deleted pages' host slots, which drain until it ends;
+            a host allocation that needs them returns None having started, in one
+            round, every put the room needs, as write-back's device eviction does).
+            Only with ``l3=True``; ``ValueError`` naming ``l3_write`` otherwise, or for
+            another name.
 
     Under write-back, an allocation that must evict nodes without a host copy starts,
     in one round, every backup that the room it asked for needs (a parent is chosen in
@@ -694,6 +706,7 @@ class HybridCache:
         hash_seed: bytes | None = None,
         events: bool = False,
         l3: bool = False,
+        l3_write: Literal["backup", "host_eviction"] | None = None,
     ) -> HybridCache: ...
     @property
     def hash_seed(self) -> bytes | None:
@@ -770,6 +783,12 @@ class HybridCache:
     @property
     def l3(self) -> bool:
         """Whether host pages go to, and come from, the L3 tier."""
+    @property
+    def l3_write(self) -> Literal["backup", "host_eviction"] | None:
+        """When host pages go to the L3 tier: once backed up, or on host eviction.
+
+        None without an L3 tier.
+        """
     @property
     def page_size(self) -> int:
         """Tokens per page."""

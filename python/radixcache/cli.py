@@ -327,6 +327,15 @@ REPLAY_FLAGS = (
         shown="none",
     ),
     Flag(
+        "--l3-write",
+        "when host pages go to the --l3 store: backup (as soon as they are backed up to "
+        "the host; what a fleet behind a round-robin router needs) or host_eviction (only "
+        "when host eviction deletes them); only with --l3",
+        kind="choice",
+        default="backup",
+        choices=("backup", "host_eviction"),
+    ),
+    Flag(
         "--servers",
         "serve with N caches (own pools, tiers and engine each) behind a round-robin "
         "router, sharing the --l3 store; reports the fleet and compares it with one server",
@@ -858,6 +867,8 @@ def _replay_cmd(args: argparse.Namespace) -> int:
             open_store(args.l3)
         except ValueError as e:
             raise InputError(f"--l3: {e}") from None
+    elif args.l3_write is not None:
+        raise InputError("--l3-write: only with --l3 (there is no store to write to)")
     jobs, config = _setup(
         args,
         inject_failures=_value(args, "--inject-failures"),
@@ -865,6 +876,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         attention_only=not args.no_attention_only,
         offline_bound=args.offline_bound,
         l3=args.l3,
+        l3_write=_value(args, "--l3-write"),
     )
     workload = _value(args, "--workload")
     if shard:

@@ -80,8 +80,10 @@ class ReplayConfig:
     with other caches: the cache writes its host pages there and fetches what a prompt's
     admission finds there beyond both tiers (`radixcache.l3.L3Tier`, skipping an uncached
     part under `l3_min_tokens`).
-    It needs the oracle (the bytes are the checksum model's). `events` turns the
-    cache's KV events on (with page hashes), for a caller that takes them
+    It needs the oracle (the bytes are the checksum model's). `l3_write` says when host
+    pages are written there: ``"backup"`` (as soon as they are backed up) or
+    ``"host_eviction"`` (only when host eviction deletes them); only with `l3`. `events`
+    turns the cache's KV events on (with page hashes), for a caller that takes them
     (`radixcache.events`).
     """
 
@@ -116,6 +118,7 @@ class ReplayConfig:
     max_overtakes: int = 128
     l3: str | None = None
     l3_min_tokens: int = 64
+    l3_write: Literal["backup", "host_eviction"] = "backup"
     events: bool = False
 
     def model_shape(self) -> ModelShape:
@@ -154,6 +157,7 @@ class ReplayConfig:
             page_hashes=self.events or (l3 and self.l3 is not None),
             events=self.events,
             l3=l3 and self.l3 is not None,
+            l3_write=self.l3_write if (l3 and self.l3 is not None) else None,
         )
 
     def scheduler(
@@ -190,16 +194,23 @@ def clear(cache: HybridCache, engine: TransferEngine | InstantEngine) -> bool:
     Returns:
         Whether every pool is then back to full: nothing was leaked.
     """
-    while True:
-        ev = cache.evict(kv_tokens=cache.kv_slots, mamba_states=cache.mamba_slots)
+
+    def run_batches() -> None:
         if isinstance(engine, TransferEngine):
             engine.run_pending()
         else:
             for b in cache.take_batches():
                 engine.run(b)
+
+    while True:
+        ev = cache.evict(kv_tokens=cache.kv_slots, mamba_states=cache.mamba_slots)
+        run_batches()
         if ev.kv_tokens == 0 and ev.mamba_states == 0:
             break
     cache.evict_host(kv_tokens=cache.host_kv_slots, mamba_states=cache.host_mamba_slots)
+    # Under l3_write="host_eviction" that emitted the l3_puts of what the store lacked:
+    # their host slots drain until they have run.
+    run_batches()
     s = cache.stats()
     return (
         cache.available_kv() == cache.kv_slots
@@ -257,6 +268,10 @@ class Server:
     """
 
     def __init__(self, config: ReplayConfig, *, seed_offset: int = 0) -> None:
+        if config.l3 is None and config.l3_write != "backup":
+            raise ValueError(
+                f"l3_write: {config.l3_write!r} given without an L3 store; pass l3 (its URL)"
+            )
         self.config = config
         self.cache = cache = config.cache()
         self.model: ChecksumModel | None = None
@@ -324,7 +339,8 @@ def l3_report(tier: L3Tier | None, c: Counters) -> dict[str, Any]:
     """Return the L3 tier's keys of the report (zeros and None without one).
 
     ``l3_hit_tokens``: tokens loaded back that an L3 fetch had just brought to the
-    host tier; ``hit_rate``: device, host and L3 hit tokens over prompt tokens.
+    host tier; ``hit_rate``: device, host and L3 hit tokens over prompt tokens;
+    ``l3_eviction_puts``: puts host eviction emitted (``l3_write="host_eviction"``).
     """
     p = c.prompt_tokens
     out: dict[str, Any] = {
@@ -336,6 +352,7 @@ def l3_report(tier: L3Tier | None, c: Counters) -> dict[str, Any]:
         out.update(dict.fromkeys(L3_KEYS))
     else:
         out.update(tier.report())
+        out["l3_eviction_puts"] = tier.cache.stats()["l3_eviction_puts"]
     return out
 
 
@@ -354,6 +371,7 @@ L3_KEYS = (
     "l3_errors",
     "l3_breaker",
     "l3_breaker_trips",
+    "l3_eviction_puts",
 )
 
 
@@ -479,6 +497,7 @@ _L3_SUMS = (
     "l3_bytes_stored",
     "l3_errors",
     "l3_breaker_trips",
+    "l3_eviction_puts",
 )
 
 

@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 
+use crate::cache::batch::Payload;
 use crate::cache::load::CopyOutcome;
 use crate::cache::lru::{LruSet, HOT};
 use crate::cache::report::POOLS;
@@ -439,8 +440,10 @@ fn owned_by_requests_and_batches(c: &Cache) -> Result<[usize; 4]> {
     Ok(owned)
 }
 
-/// Every pin on a page belongs to a batch in flight.
+/// Every pin on a page belongs to a batch in flight, and the host room on its way is
+/// what the eviction puts in flight hold.
 fn check_pins(c: &Cache) -> Result<()> {
+    check_host_draining(c)?;
     for pool in [PoolKind::Kv, PoolKind::Mamba] {
         for tier in [Tier::Device, Tier::Host] {
             let Some(p) = c.pools().of(pool, tier) else {
@@ -467,6 +470,36 @@ fn check_pins(c: &Cache) -> Result<()> {
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// The host room on its way (`l3_write="host_eviction"`) is what the eviction puts in
+/// flight free when they end, and no more than the host pools hold draining.
+fn check_host_draining(c: &Cache) -> Result<()> {
+    let mut want = [0usize; 2];
+    for p in c.batches().payloads() {
+        if let Payload::L3Put(put) = p {
+            let [kv, states] = put.frees();
+            want[0] += kv;
+            want[1] += states;
+        }
+    }
+    let got = c.host_draining();
+    if got != want {
+        return broken(format!(
+            "host room on its way is {got:?} (kv pages, states), the eviction puts in flight \
+             free {want:?}"
+        ));
+    }
+    let draining = [
+        c.pools().host_kv.counts().draining,
+        c.pools().host_mamba.counts().draining,
+    ];
+    if got[0] > draining[0] || got[1] > draining[1] {
+        return broken(format!(
+            "host room on its way is {got:?} (kv pages, states), but only {draining:?} drain"
+        ));
     }
     Ok(())
 }

@@ -53,6 +53,50 @@ impl FromStr for WritePolicy {
     }
 }
 
+/// When host pages are written to the L3 tier (`Config::l3_write`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum L3Write {
+    /// As soon as a backup puts them on the host: every cache of a fleet finds them in
+    /// the store at once (what a fleet behind a round-robin router needs).
+    #[default]
+    Backup,
+    /// Only when host eviction deletes them (pages fetched from the store, or written
+    /// already, are not written again): the store gets what this cache gives up, and
+    /// nothing it still holds.
+    HostEviction,
+}
+
+impl L3Write {
+    /// The name used in the Python API (`l3_write=`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            L3Write::Backup => "backup",
+            L3Write::HostEviction => "host_eviction",
+        }
+    }
+}
+
+impl fmt::Display for L3Write {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for L3Write {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<L3Write> {
+        match s {
+            "backup" => Ok(L3Write::Backup),
+            "host_eviction" => Ok(L3Write::HostEviction),
+            other => Err(Error::arg(
+                "l3_write",
+                format!("unknown setting {other:?}; expected \"backup\" or \"host_eviction\""),
+            )),
+        }
+    }
+}
+
 /// Who owns the device slots: the cache's own allocator, or the engine's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PoolOwner {
@@ -295,10 +339,13 @@ pub struct Config {
     /// pages by their hashes): refused without it rather than turning it on behind the
     /// caller's back.
     pub events: bool,
-    /// Whether host pages go to the L3 tier (a store shared by many caches) once backed
-    /// up, and can be fetched from it (`cache::l3`): needs a host tier (with host state
+    /// Whether host pages go to the L3 tier (a store shared by many caches), once
+    /// backed up or on host eviction (`l3_write`), and can be fetched from it (`cache::l3`): needs a host tier (with host state
     /// slots for a hybrid model), page hashes, and no SWA layers.
     pub l3: bool,
+    /// When host pages go to the L3 tier: once backed up (the default) or only when
+    /// host eviction deletes them. Only with `l3` ([`L3Write::Backup`] otherwise).
+    pub l3_write: L3Write,
 }
 
 impl Default for Config {
@@ -320,6 +367,7 @@ impl Default for Config {
             hash_seed: None,
             events: false,
             l3: false,
+            l3_write: L3Write::Backup,
         }
     }
 }
@@ -452,6 +500,15 @@ impl Config {
     /// The L3 tier: written from the host tier, by page hash, without SWA layers.
     fn validate_l3(&self) -> Result<()> {
         if !self.l3 {
+            if self.l3_write != L3Write::Backup {
+                return Err(Error::arg(
+                    "l3_write",
+                    format!(
+                        "\"{}\" given without an L3 tier; pass l3=True or leave it out",
+                        self.l3_write
+                    ),
+                ));
+            }
             return Ok(());
         }
         let missing = if self.host_kv_slots == 0 {

@@ -32,7 +32,7 @@ pub use cache::{
     KvEvent, LoadRecord, LoadTarget, LockReceipt, Match, Medium, Model, NodeInfo, Peek, PoolKind,
     RequestView, SlotCopy, Tier, TransferBatch,
 };
-pub use config::{Config, EvictionPolicies, EvictionPolicy, PoolOwner, WritePolicy};
+pub use config::{Config, EvictionPolicies, EvictionPolicy, L3Write, PoolOwner, WritePolicy};
 pub use error::{Error, Result};
 pub use handle::{Batch, HybridCache, LoadBack, Lock, Outcome, Request};
 pub use hashes::PageHash;

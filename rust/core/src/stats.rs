@@ -110,6 +110,12 @@ pub(crate) struct Stats {
     pub l3_fetches_failed: u64,
     /// Fetched pages that landed (placed in the tree, or found there already).
     pub l3_landed_pages: u64,
+    /// `l3_put` batches host eviction emitted (`l3_write="host_eviction"`) to write what
+    /// it deleted and the store lacked; their host pages drain until the put ends.
+    pub l3_eviction_puts: u64,
+    /// Host allocations refused while the room they need drains: host pages that
+    /// `l3_put` batches still read (free once the puts end).
+    pub host_alloc_waits: u64,
     /// Device evictions that kept the node with its host copy.
     pub demotions: u64,
     /// Host-only nodes deleted to make host room (or with their device parent).
@@ -208,6 +214,8 @@ impl Stats {
             ("l3_fetches_called_off", self.l3_fetches_called_off),
             ("l3_fetches_failed", self.l3_fetches_failed),
             ("l3_landed_pages", self.l3_landed_pages),
+            ("l3_eviction_puts", self.l3_eviction_puts),
+            ("host_alloc_waits", self.host_alloc_waits),
             ("host_evictions", self.host_evictions),
             ("host_evicted_tokens", self.host_evicted_tokens),
             ("load_backs", self.load_backs),

@@ -2,7 +2,9 @@
 //! objects and returns corrupt bytes, with a data oracle.
 //!
 //! Two caches (attention-only, or hybrid with state pools on both tiers), pages of 1 or
-//! 2 tokens, small pools, write-through with the L3 tier on. Proptest draws sequences of:
+//! 2 tokens, small pools, write-through with the L3 tier on, written once backed up or
+//! only on host eviction (`l3_write`, drawn; then host eviction emits the `l3_put`s,
+//! whose host pages drain until they end). Proptest draws sequences of:
 //! inserts of token sequences (a shared system prompt and a random tail) into either
 //! cache, running its batches (backups, then the `l3_put`s their landing emits, against
 //! the store: completed, failed, or left in flight and acknowledged later), fetches from
@@ -29,7 +31,7 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
-use radixcache_core::{BatchKind, Cache, Config, PoolKind, Tier, TransferBatch};
+use radixcache_core::{BatchKind, Cache, Config, L3Write, PoolKind, Tier, TransferBatch};
 
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
@@ -190,7 +192,14 @@ struct Machine {
 }
 
 impl Machine {
-    fn new(hybrid: bool, ps: usize, kv: usize, host: usize, faults: (u64, u64, u64)) -> Self {
+    fn new(
+        hybrid: bool,
+        ps: usize,
+        kv: usize,
+        host: usize,
+        faults: (u64, u64, u64),
+        l3_write: L3Write,
+    ) -> Self {
         let config = Config {
             kv_slots: kv,
             page_size: ps,
@@ -199,6 +208,7 @@ impl Machine {
             host_mamba_slots: if hybrid { 4 } else { 0 },
             page_hashes: true,
             l3: true,
+            l3_write,
             ..Config::default()
         };
         let nodes = (0..2)
@@ -552,6 +562,9 @@ impl Machine {
             }
             let cache = &mut self.nodes[c].cache;
             cache.evict_host(usize::MAX / 2, usize::MAX / 2).unwrap();
+            // Under l3_write="host_eviction" that emitted puts: their pages drain.
+            self.run(c, false, false);
+            let cache = &mut self.nodes[c].cache;
             cache.audit().unwrap();
             for pool in [
                 cache.kv_pool(),
@@ -588,9 +601,11 @@ proptest! {
         fail in prop_oneof![Just(0u64), 50u64..300],
         lose in prop_oneof![Just(0u64), 50u64..300],
         corrupt in prop_oneof![Just(0u64), 50u64..300],
+        on_eviction in any::<bool>(),
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        let mut m = Machine::new(hybrid, ps, kv * ps, host * ps, (fail, lose, corrupt));
+        let l3_write = if on_eviction { L3Write::HostEviction } else { L3Write::Backup };
+        let mut m = Machine::new(hybrid, ps, kv * ps, host * ps, (fail, lose, corrupt), l3_write);
         for op in &ops {
             m.step(op);
         }
@@ -603,7 +618,7 @@ proptest! {
 #[test]
 fn a_page_one_cache_put_lands_in_the_other() {
     for hybrid in [false, true] {
-        let mut m = Machine::new(hybrid, 2, 32, 48, (0, 0, 0));
+        let mut m = Machine::new(hybrid, 2, 32, 48, (0, 0, 0), L3Write::Backup);
         let toks = Machine::tokens(0, &[1, 2]);
         m.step(&Op::Insert {
             c: 0,
@@ -642,7 +657,7 @@ fn a_page_one_cache_put_lands_in_the_other() {
 #[test]
 fn a_fetch_landing_after_the_tree_gained_its_pages_places_only_the_rest() {
     for hybrid in [false, true] {
-        let mut m = Machine::new(hybrid, 2, 32, 48, (0, 0, 0));
+        let mut m = Machine::new(hybrid, 2, 32, 48, (0, 0, 0), L3Write::Backup);
         let tail = vec![1, 2, 3, 0];
         m.step(&Op::Insert {
             c: 0,
@@ -675,6 +690,48 @@ fn a_fetch_landing_after_the_tree_gained_its_pages_places_only_the_rest() {
         let toks = Machine::tokens(0, &tail);
         let p = m.nodes[1].cache.peek_prefix(None, &toks);
         assert_eq!(p.kv_len, 10, "hybrid={hybrid}");
+        m.finish();
+    }
+}
+
+/// Under `l3_write="host_eviction"` a backup writes nothing to the store; host eviction
+/// does, and the other cache then fetches the right bytes.
+#[test]
+fn pages_one_cache_evicts_from_its_host_tier_land_in_the_other() {
+    for hybrid in [false, true] {
+        let mut m = Machine::new(hybrid, 2, 32, 48, (0, 0, 0), L3Write::HostEviction);
+        let tail = vec![1, 2];
+        let toks = Machine::tokens(0, &tail);
+        let run = Op::Run {
+            c: 0,
+            hold: false,
+            fail: false,
+        };
+        m.step(&Op::Insert {
+            c: 0,
+            sys: 0,
+            tail: tail.clone(),
+        });
+        m.step(&run);
+        m.step(&run);
+        assert!(m.store.objects.is_empty(), "nothing written on backup");
+        m.step(&Op::Evict { c: 0, kv: 32 });
+        m.step(&Op::EvictHost { c: 0, kv: 32 });
+        assert!(m.nodes[0].cache.host_kv_pool().counts().draining > 0);
+        m.step(&run);
+        assert_eq!(
+            m.store.objects.len(),
+            4 + usize::from(hybrid),
+            "4 pages (and a state)"
+        );
+        m.step(&Op::Fetch {
+            c: 1,
+            sys: 0,
+            tail,
+            end: 5,
+        });
+        let p = m.nodes[1].cache.peek_prefix(None, &toks);
+        assert_eq!((p.device_len, p.host_len), (0, 8), "hybrid={hybrid}");
         m.finish();
     }
 }

@@ -123,6 +123,11 @@ fn eviction_policy_arg(v: &Bound<'_, PyAny>) -> PyResult<core::EvictionPolicies>
 ///     host slots for what the store holds beyond both tiers ("l3_get" batches;
 ///     radixcache.l3.L3Tier runs both). Needs a host tier (with host state slots on a
 ///     hybrid model), page_hashes=True and no SWA layers.
+///   l3_write: when host pages go to the L3 store: "backup" (the default: once a
+///     backup lands, so that every cache of a fleet finds them at once) or
+///     "host_eviction" (only when host eviction deletes them; their host slots drain
+///     until the put ends, and an allocation that needs them waits a round). Only with
+///     l3=True.
 #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
 #[pyclass(frozen, module = "radixcache._core", name = "HybridCache")]
 pub(crate) struct PyHybridCache {
@@ -142,8 +147,8 @@ impl PyHybridCache {
                         eviction_policy=core::EvictionPolicies::default(),
                         swa_slots=Int::Value(0), swa_window=Int::Value(0),
                         host_swa_slots=Int::Value(0), page_hashes=false, hash_seed=None,
-                        events=false, l3=false),
-           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None, events=False, l3=False)")]
+                        events=false, l3=false, l3_write=None),
+           text_signature = "(kv_slots=8192, page_size=1, mamba_slots=0, host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', write_through_threshold=None, pools='cache', eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, page_hashes=False, hash_seed=None, events=False, l3=False, l3_write=None)")]
     fn new(
         kv_slots: Int,
         page_size: Int,
@@ -161,7 +166,23 @@ impl PyHybridCache {
         hash_seed: Option<&Bound<'_, PyAny>>,
         events: bool,
         l3: bool,
+        l3_write: Option<&str>,
     ) -> PyResult<Self> {
+        let l3_write = match l3_write {
+            None => core::L3Write::default(),
+            Some(w) => {
+                let w: core::L3Write = w.parse().map_err(err)?;
+                if !l3 {
+                    return Err(err(core::Error::InvalidArgument {
+                        arg: "l3_write",
+                        reason: format!(
+                            "\"{w}\" given without an L3 tier; pass l3=True or leave it out"
+                        ),
+                    }));
+                }
+                w
+            }
+        };
         let threshold = write_through_threshold
             .map(|t| {
                 let t = t.get("write_through_threshold")?;
@@ -189,6 +210,7 @@ impl PyHybridCache {
             hash_seed: opt_hash_arg(hash_seed, "hash_seed")?,
             events,
             l3,
+            l3_write,
         };
         Ok(PyHybridCache {
             inner: core::HybridCache::new(config.clone()).map_err(err)?,
@@ -200,6 +222,14 @@ impl PyHybridCache {
     #[getter]
     fn l3(&self) -> bool {
         self.config.l3
+    }
+
+    /// When host pages go to the L3 tier: "backup" or "host_eviction"; None without an
+    /// L3 tier.
+    #[allow(clippy::doc_markdown)] // the Python docstring: `help()` shows it as written
+    #[getter]
+    fn l3_write(&self) -> Option<&'static str> {
+        self.config.l3.then(|| self.config.l3_write.as_str())
     }
 
     /// Tokens per page.

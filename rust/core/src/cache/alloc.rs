@@ -190,24 +190,45 @@ impl Cache {
 
     /// Host pages, evicting host-only leaves first when short; `None` when even
     /// evicting every unlocked host-only node would not do, and then nothing is evicted.
+    ///
+    /// Under `l3_write="host_eviction"` the pages an eviction frees may first be written
+    /// to the L3 tier: they drain until that put ends, and count as room on its way
+    /// (as write-back's device eviction counts the room its backups will make,
+    /// docs/contract.md rule 11): the call then returns `None` having started, in this
+    /// one round, every put the room needs, and a call after the engine ran them finds
+    /// the room free.
     pub(crate) fn alloc_host_pages(&mut self, n: usize) -> Option<Pages> {
         let free = self.pools.host_kv.free_pages();
         if free < n {
-            if free + self.sizes.host_evictable / self.config.page_size < n {
+            let coming = self.host_draining()[0];
+            if free + coming + self.sizes.host_evictable / self.config.page_size < n {
                 return None;
             }
             self.make_host_room(n, 0);
         }
-        self.pools.host_kv.try_alloc(n)
+        let got = self.pools.host_kv.try_alloc(n);
+        if got.is_none() {
+            self.stats.host_alloc_waits += 1;
+        }
+        got
     }
 
     /// One host state slot; when none is free, evicts the least recently used unlocked
-    /// host-only leaf that holds one (and nothing when there is none).
+    /// host-only leaf that holds one (and nothing when there is none, or when a slot
+    /// is on its way: one an eviction put still reads, see [`Cache::alloc_host_pages`]).
     pub(crate) fn alloc_host_state(&mut self) -> Option<Pages> {
         if self.pools.host_mamba.free_pages() == 0 {
+            if self.host_draining()[1] > 0 {
+                self.stats.host_alloc_waits += 1;
+                return None;
+            }
             let victim = self.lru.first_host_state()?;
             self.delete_host_leaf(victim);
         }
-        self.pools.host_mamba.try_alloc(1)
+        let got = self.pools.host_mamba.try_alloc(1);
+        if got.is_none() {
+            self.stats.host_alloc_waits += 1;
+        }
+        got
     }
 }

@@ -283,9 +283,12 @@ impl Cache {
         len
     }
 
-    /// Frees a node's host copies (KV and the other components' data).
+    /// Frees a node's host copies (KV and the other components' data); under
+    /// `l3_write="host_eviction"` what of them the L3 tier lacks is written first (the
+    /// put's pages drain until it ends).
     fn drop_host(&mut self, i: u32) {
         self.lru.unlist_host(&mut self.tree, i);
+        self.l3_write_evicted(i);
         if let Some(pages) = self.edit(i, |n| n.kv.host.take()) {
             self.pools.host_kv.release_tree(&pages);
         }
@@ -354,12 +357,18 @@ impl Cache {
     }
 
     /// Host eviction: deletes unlocked host-only leaves, least recently used first,
-    /// until `kv_pages` host pages and `states` host state slots are free (or there is
-    /// nothing left to evict).
+    /// until `kv_pages` host pages and `states` host state slots are free or on their
+    /// way (draining under the L3 tier's eviction puts, free once they end), or there
+    /// is nothing left to evict. Each round deletes a node, so it ends; room on its way
+    /// is never made twice.
     pub(crate) fn make_host_room(&mut self, kv_pages: usize, states: usize) {
-        while self.pools.host_kv.free_pages() < kv_pages
-            || self.pools.host_mamba.free_pages() < states
-        {
+        loop {
+            let [coming_kv, coming_states] = self.host_draining();
+            if self.pools.host_kv.free_pages() + coming_kv >= kv_pages
+                && self.pools.host_mamba.free_pages() + coming_states >= states
+            {
+                return;
+            }
             let Some(i) = self.lru.first_host() else {
                 return;
             };

@@ -11,7 +11,10 @@
 //!   the page's hash) and the state at a node's end (keyed by the hash of the node's last
 //!   page). The batch pins the host pages it reads (host eviction meanwhile leaves them
 //!   draining) and holds nothing else. It may fail: nothing changes but that the nodes
-//!   are offered again with their next backup.
+//!   are offered again with their next backup. Under [`L3Write::HostEviction`] nothing
+//!   is offered then: host eviction writes what it deletes (and the store lacks) just
+//!   before it frees it, and those pages drain under the put, counted as host room on
+//!   its way until it ends (`Cache::host_draining`, docs/design.md "The L3 tier").
 //! * **Get** (`l3_get` batches, store to host): [`Cache::l3_fetch`] takes, all at once,
 //!   a lock on the node where the cached prefix ends (it keeps the path from eviction),
 //!   host pages for the pages to fetch and, with Mamba states, a host state slot for the
@@ -22,6 +25,7 @@
 //!   land is a miss, and every slot the batch took and did not place goes back. A hybrid
 //!   prefix is only fetched up to a state, and lands only with it.
 
+use crate::config::L3Write;
 use crate::error::{Error, Result};
 use crate::hashes::{chain, PageHash};
 use crate::ids::NodeId;
@@ -43,6 +47,16 @@ pub(crate) struct Put {
     state_nodes: Vec<NodeId>,
     /// With events on, what landing announces on the `EXTERNAL` medium.
     events: Vec<KvEvent>,
+    /// Host pages and host state slots it reads that host eviction freed (they drain
+    /// until it ends): `[kv pages, states]`, zero for a put a backup offered.
+    frees: [usize; 2],
+}
+
+impl Put {
+    /// What of the host tier it keeps draining (`[kv pages, states]`; for `audit()`).
+    pub fn frees(&self) -> [usize; 2] {
+        self.frees
+    }
 }
 
 /// What an `l3_get` batch carries until it ends.
@@ -80,11 +94,34 @@ impl Cache {
 
     /// After a backup landed: offers the store what the nodes of `nodes` have on the
     /// host and have not written there yet: their KV pages, and the state at a node's
-    /// end. Emits one `l3_put` batch, or nothing.
+    /// end. Emits one `l3_put` batch, or nothing. Only under [`L3Write::Backup`]
+    /// (under [`L3Write::HostEviction`] host eviction writes them instead).
     pub(crate) fn l3_offer(&mut self, nodes: &[u32]) {
-        if !self.has_l3() {
-            return;
+        if self.has_l3() && self.config.l3_write == L3Write::Backup {
+            self.l3_put(nodes, false);
         }
+    }
+
+    /// Host eviction is about to free node `i`'s host copies: under
+    /// [`L3Write::HostEviction`], what of them the store lacks is written first. The
+    /// put pins those host pages, so that they drain, unchanged, until it ends: room on
+    /// its way, counted in `host_draining` until then.
+    pub(crate) fn l3_write_evicted(&mut self, i: u32) {
+        if self.has_l3() && self.config.l3_write == L3Write::HostEviction {
+            self.l3_put(&[i], true);
+        }
+    }
+
+    /// Host pages and host state slots that eviction puts in flight still read: freed
+    /// when they end (`[kv pages, states]`).
+    pub(crate) fn host_draining(&self) -> [usize; 2] {
+        self.host_draining
+    }
+
+    /// Emits one `l3_put` batch of what the nodes of `nodes` have on the host and have
+    /// not written yet, or nothing; `evicted`: their host copies are being freed (the
+    /// put's pages are counted as draining until it ends).
+    fn l3_put(&mut self, nodes: &[u32], evicted: bool) {
         let ps = self.config.page_size;
         let (mut kv_src, mut kv_dst) = (Vec::new(), Vec::new());
         let (mut st_src, mut st_dst) = (Vec::new(), Vec::new());
@@ -120,6 +157,12 @@ impl Cache {
         }
         self.stats.l3_put_pages += keys.len() as u64;
         self.stats.l3_put_states += state_keys.len() as u64;
+        if evicted {
+            put.frees = [keys.len(), state_keys.len()];
+            self.host_draining[0] += keys.len();
+            self.host_draining[1] += state_keys.len();
+            self.stats.l3_eviction_puts += 1;
+        }
         let mut copies = Vec::new();
         for (pool, src, dst) in [
             (PoolKind::Kv, kv_src, kv_dst),
@@ -139,8 +182,12 @@ impl Cache {
         self.emit_keyed(copies, keys, Payload::L3Put(put));
     }
 
-    /// An `l3_put` batch ended: landed, what it wrote is not offered again.
+    /// An `l3_put` batch ended: landed, what it wrote is not offered again. Either way
+    /// the host pages an eviction put read are free now (unless another batch reads
+    /// them too).
     pub(crate) fn l3_put_ended(&mut self, put: Put, landed: bool) {
+        self.host_draining[0] -= put.frees[0];
+        self.host_draining[1] -= put.frees[1];
         if !landed {
             self.stats.l3_puts_failed += 1;
             return;

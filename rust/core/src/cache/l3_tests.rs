@@ -434,3 +434,215 @@ fn a_landed_put_announces_its_pages_and_state_on_the_external_medium() {
     assert!(external(&c.take_events()).is_empty());
     c.audit().unwrap();
 }
+
+/// A cache like [`l3_cache`] whose pages go to L3 only on host eviction, with
+/// `host_kv_slots` host slots and `host_states` host state slots (hybrid when > 0).
+fn evicting_cache(host_kv_slots: usize, host_states: usize) -> Cache {
+    Cache::new(Config {
+        kv_slots: 32,
+        page_size: 2,
+        mamba_slots: if host_states > 0 { 4 } else { 0 },
+        host_kv_slots,
+        host_mamba_slots: host_states,
+        page_hashes: true,
+        l3: true,
+        l3_write: crate::config::L3Write::HostEviction,
+        ..Config::default()
+    })
+    .unwrap()
+}
+
+/// Caches `toks`, lands its backup and demotes it: a host-only node. Returns the host
+/// slots its backup wrote.
+fn host_only(c: &mut Cache, toks: &[u32]) -> Vec<i64> {
+    cached(c, toks);
+    let backups = complete_kind(c, BatchKind::Backup);
+    c.evict(toks.len(), 0);
+    assert_eq!(c.match_prefix(None, toks).host_len, toks.len(), "demoted");
+    backups[0].copies[0].dst.clone()
+}
+
+#[test]
+fn under_host_eviction_a_landed_backup_offers_nothing() {
+    let mut c = evicting_cache(64, 4);
+    cached(&mut c, &toks());
+    assert_eq!(complete_kind(&mut c, BatchKind::Backup).len(), 1);
+    assert!(c.take_batches().is_empty(), "no l3_put after the backup");
+    assert_eq!(c.stats.l3_puts, 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn host_eviction_writes_what_it_deletes_and_its_pages_drain_until_the_put_ends() {
+    let mut c = evicting_cache(64, 4);
+    let host_slots = host_only(&mut c, &toks());
+    assert!(c.take_batches().is_empty());
+    let out = c.evict_host(8, 1).unwrap();
+    assert_eq!((out.kv_tokens, out.mamba_states), (8, 1));
+    let puts = c.take_batches();
+    assert_eq!(puts.len(), 1, "one l3_put of what the eviction deleted");
+    let put = &puts[0];
+    assert_eq!(put.kind, BatchKind::L3Put);
+    let hashes = chain(namespace_seed(None, None).as_ref(), &toks(), 2);
+    let mut keys = hashes.clone();
+    keys.push(hashes[3]);
+    assert_eq!(put.keys, keys, "its four pages, then its state");
+    assert_eq!(
+        put.copies[0].src, host_slots,
+        "read from the deleted host slots"
+    );
+    assert_eq!(c.stats.l3_eviction_puts, 1);
+    // The node is gone; its slots drain, pinned by the put, and are room on its way.
+    assert_eq!(c.match_prefix(None, &toks()).host_len, 0);
+    assert_eq!(c.host_kv_pool().counts().draining, 4);
+    assert_eq!(c.host_mamba_pool().counts().draining, 1);
+    assert_eq!(c.host_draining(), [4, 1]);
+    c.audit().unwrap();
+    c.start(put.id).unwrap();
+    c.complete(put.id).unwrap();
+    assert_eq!(c.stats.l3_puts_done, 1);
+    assert_eq!(c.host_draining(), [0, 0]);
+    assert_eq!(c.host_kv_pool().counts().free, 32);
+    assert_eq!(c.host_mamba_pool().counts().free, 4);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_failed_eviction_put_frees_its_pages_and_leaves_nothing_behind() {
+    let mut c = evicting_cache(64, 4);
+    host_only(&mut c, &toks());
+    c.evict_host(8, 1).unwrap();
+    let put = c.take_batches().pop().unwrap();
+    c.start(put.id).unwrap();
+    c.fail(put.id).unwrap();
+    assert_eq!(c.stats.l3_puts_failed, 1);
+    assert_eq!(c.host_draining(), [0, 0]);
+    assert_eq!(c.host_kv_pool().counts().free, 32);
+    assert_eq!(c.host_mamba_pool().counts().free, 4);
+    assert_eq!(
+        c.match_prefix(None, &toks()).host_len,
+        0,
+        "a miss, never a retry"
+    );
+    assert!(c.take_batches().is_empty());
+    c.audit().unwrap();
+    // Abandoned before it started: the same.
+    host_only(&mut c, &toks());
+    c.evict_host(8, 1).unwrap();
+    let put = c.take_batches().pop().unwrap();
+    assert_eq!(c.abandon(put.id), Abandoned::Failed);
+    assert_eq!(c.host_draining(), [0, 0]);
+    assert_eq!(c.host_kv_pool().counts().free, 32);
+    c.audit().unwrap();
+}
+
+#[test]
+fn pages_fetched_from_the_store_are_not_written_back_on_eviction() {
+    let mut c = evicting_cache(64, 0);
+    let get = c.l3_fetch(None, &toks(), 4).unwrap().unwrap();
+    c.start(get.id).unwrap();
+    c.complete(get.id).unwrap();
+    assert_eq!(c.match_prefix(None, &toks()).host_len, 8);
+    c.evict_host(8, 0).unwrap();
+    assert!(c.take_batches().is_empty(), "the store has them");
+    assert_eq!(c.host_kv_pool().counts().free, 32, "freed at once");
+    assert_eq!(c.host_draining(), [0, 0]);
+    c.audit().unwrap();
+}
+
+#[test]
+fn host_room_on_its_way_is_neither_made_twice_nor_waited_for_in_a_loop() {
+    // Four host pages, held by two host-only prompts of two pages each.
+    let mut c = evicting_cache(8, 0);
+    host_only(&mut c, &[1, 2, 3, 4]);
+    host_only(&mut c, &[5, 6, 7, 8]);
+    assert_eq!(c.host_kv_pool().counts().free, 0);
+    let other = [20, 21, 22, 23];
+    // A fetch needs two host pages: the oldest prompt is deleted and written first;
+    // its pages drain, so this round takes nothing.
+    assert!(c.l3_fetch(None, &other, 2).unwrap().is_none());
+    assert_eq!(c.stats.host_alloc_waits, 1);
+    let puts = c.take_batches();
+    assert_eq!(puts.len(), 1);
+    assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).host_len, 0);
+    assert_eq!(
+        c.match_prefix(None, &[5, 6, 7, 8]).host_len,
+        4,
+        "not over-evicted"
+    );
+    // Asked again before the put ended: the room is on its way, nothing more goes.
+    assert!(c.l3_fetch(None, &other, 2).unwrap().is_none());
+    assert_eq!(c.stats.host_alloc_waits, 2);
+    assert!(c.take_batches().is_empty());
+    assert_eq!(c.match_prefix(None, &[5, 6, 7, 8]).host_len, 4);
+    c.audit().unwrap();
+    // The engine ran the put: the next round finds the room.
+    c.start(puts[0].id).unwrap();
+    c.complete(puts[0].id).unwrap();
+    let get = c.l3_fetch(None, &other, 2).unwrap().unwrap();
+    assert_eq!(c.match_prefix(None, &[5, 6, 7, 8]).host_len, 4);
+    c.start(get.id).unwrap();
+    c.complete(get.id).unwrap();
+    assert_eq!(c.match_prefix(None, &other).host_len, 4);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_host_state_slot_on_its_way_is_waited_for_not_evicted_for_again() {
+    // One host state slot, held by a host-only hybrid prompt.
+    let mut c = evicting_cache(64, 1);
+    host_only(&mut c, &[1, 2, 3, 4]);
+    assert_eq!(c.host_mamba_pool().counts().free, 0);
+    let other = [20, 21, 22, 23];
+    assert!(c.l3_fetch(None, &other, 2).unwrap().is_none());
+    let puts = c.take_batches();
+    assert_eq!(puts.len(), 1, "the prompt and its state written first");
+    assert_eq!(c.host_draining(), [2, 1]);
+    let waits = c.stats.host_alloc_waits;
+    assert!(c.l3_fetch(None, &other, 2).unwrap().is_none());
+    assert_eq!(c.stats.host_alloc_waits, waits + 1);
+    assert!(c.take_batches().is_empty());
+    c.audit().unwrap();
+    c.start(puts[0].id).unwrap();
+    c.complete(puts[0].id).unwrap();
+    let get = c.l3_fetch(None, &other, 2).unwrap().unwrap();
+    c.start(get.id).unwrap();
+    c.complete_l3(get.id, 2, true).unwrap();
+    assert_eq!(c.match_prefix(None, &other).host_len, 4);
+    c.audit().unwrap();
+}
+
+#[test]
+fn l3_write_is_refused_without_an_l3_tier_or_with_an_unknown_name() {
+    use crate::config::L3Write;
+    let err = Config {
+        l3_write: L3Write::HostEviction,
+        ..Config::kv(16, 1)
+    }
+    .validate()
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                arg: "l3_write",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    for w in [L3Write::Backup, L3Write::HostEviction] {
+        assert_eq!(w.as_str().parse::<L3Write>(), Ok(w));
+    }
+    let err = "eviction".parse::<L3Write>().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                arg: "l3_write",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

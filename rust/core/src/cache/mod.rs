@@ -144,6 +144,10 @@ pub struct Cache {
     probe: Probe,
     /// KV events not yet taken (with `config.events`).
     events: events::Events,
+    /// Host pages and host state slots freed by host eviction that its `l3_put`
+    /// batches still read (`l3_write="host_eviction"`): room on its way, free once
+    /// they end (`[kv pages, states]`).
+    host_draining: [usize; 2],
 }
 
 impl std::fmt::Debug for Cache {
@@ -211,6 +215,7 @@ impl Cache {
             state_nodes: Vec::new(),
             probe: Probe::default(),
             events: events::Events::default(),
+            host_draining: [0; 2],
         })
     }
 
