@@ -895,7 +895,7 @@ const HYBRID_CACHE_PARAMETERS: &str = "kv_slots=8192, page_size=1, mamba_slots=0
     host_kv_slots=0, host_mamba_slots=0, write_policy='write_through', \
     write_through_threshold=None, pools='cache', \
     eviction_policy='lru', swa_slots=0, swa_window=0, host_swa_slots=0, \
-    page_hashes=False, hash_seed=None, events=False, l3=False";
+    page_hashes=False, hash_seed=None, events=False, l3=False, l3_write=None";
 
 /// Gives `HybridCache` a `__signature__` when the interpreter lost its text signature.
 pub(crate) fn constructor_signature(m: &Bound<'_, PyModule>) -> PyResult<()> {
