@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from l3_throughput import measure_store
 
 from radixcache.mooncake import LocalMooncake, MooncakeStore
 
@@ -65,33 +66,15 @@ class Row:
 
 
 def measure_ours(url: str, size: int, batch: int, total: int) -> tuple[float, float, bool]:
-    """GB/s of put and of get_into, and whether the fetched rows were right."""
+    """GB/s of put and of get_into, and whether the fetched rows were right.
+
+    The same loop as benches/l3_throughput.py's, on a `MooncakeStore`.
+    """
     store = MooncakeStore(url)
-    rng = np.random.default_rng(size)
-    data = rng.integers(0, 256, size=(batch, size), dtype=np.uint8)
-    hashes = [i.to_bytes(32, "little") for i in range(batch)]
-    rounds = max(1, total // (batch * size))
-
-    def keys(r: int) -> list[bytes]:
-        return [f"ours:{size}:{r}:{i}".encode() for i in range(batch)]
-
     try:
-        store.put(keys(-1), hashes, data)  # warm-up (connects, registers the buffer)
-        t = time.perf_counter()
-        for r in range(rounds):
-            stored = store.put(keys(r), hashes, data)
-            assert all(stored), "the store is full: raise --segment-mib"
-        put_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
-        out = np.zeros_like(data)
-        got = store.get_into(keys(0), hashes, out)
-        rows_ok = got == ["ok"] * batch and np.array_equal(out, data)
-        t = time.perf_counter()
-        for _ in range(rounds):
-            store.get_into(keys(0), hashes, out)
-        get_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
+        return measure_store(store, size, batch, total)
     finally:
         store.close()
-    return put_gbs, get_gbs, rows_ok
 
 
 def measure_mooncake(client: Any, size: int, batch: int, total: int) -> tuple[float, float]:

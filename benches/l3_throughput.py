@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -126,7 +127,15 @@ class Row:
 
 def measure_ours(url: str, size: int, batch: int, total: int) -> tuple[float, float, bool]:
     """GB/s of put and of get_into, and whether the fetched rows were right."""
-    store = ObjectStore(url, timeout_ms=5000)
+    return measure_store(ObjectStore(url, timeout_ms=5000), size, batch, total)
+
+
+def measure_store(store: Any, size: int, batch: int, total: int) -> tuple[float, float, bool]:
+    """GB/s of `store`'s put and get_into, and whether the fetched rows were right.
+
+    `store` has an ObjectStore's interface (as `L3Tier` calls it): fresh keys for every
+    put batch (puts are write-once), one stored batch fetched again and again.
+    """
     rng = np.random.default_rng(size)
     data = rng.integers(0, 256, size=(batch, size), dtype=np.uint8)
     hashes = [i.to_bytes(32, "little") for i in range(batch)]
@@ -139,12 +148,12 @@ def measure_ours(url: str, size: int, batch: int, total: int) -> tuple[float, fl
     t = time.perf_counter()
     for r in range(rounds):
         stored = store.put(keys(r), hashes, data)
-        assert all(stored)
+        assert all(stored), "the store refused a put (full?)"
     put_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
 
     out = np.zeros_like(data)
     got = store.get_into(keys(0), hashes, out)
-    rows_ok = got == ["ok"] * batch and np.array_equal(out, data)
+    rows_ok = list(got) == ["ok"] * batch and np.array_equal(out, data)
     t = time.perf_counter()
     for _ in range(rounds):
         store.get_into(keys(0), hashes, out)

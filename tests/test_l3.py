@@ -250,7 +250,7 @@ def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
     batch = b.cache.l3_fetch(TOKENS, 6)
     assert batch is not None
     assert batch.kind == "l3_get"
-    assert b.tier._get(batch) == 3, "pages 0-2 landed, 3 missing, 4-5 not used"
+    assert b.tier.read(batch) == 3, "pages 0-2 landed, 3 missing, 4-5 not used"
     assert b.cache.match_prefix(TOKENS).host_len == 12
     assert b.tier.counters.missed_pages == 3
     b.cache.audit()
@@ -310,6 +310,8 @@ def test_bad_arguments_are_refused_naming_them(url: str) -> None:
     batch = a.cache.take_batches()[0]
     with pytest.raises(ValueError, match=r"^batch: expected an l3_put"):
         a.tier.write(batch)
+    with pytest.raises(ValueError, match=r"^batch: expected an l3_get"):
+        a.tier.read(batch)
     with pytest.raises(ValueError, match=r"batch_id"):
         batch.complete_l3(1)
     batch.start()

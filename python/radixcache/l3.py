@@ -210,21 +210,6 @@ class L3Tier:
 
     # ------------------------------------------------------------------ puts
 
-    def run(self, batch: TransferBatch) -> bool:
-        """Start an ``l3_put`` batch, write it (`write`) and end it; whether it completed.
-
-        A batch whose write raised `L3Error` fails (its pages are offered again with
-        the next backup on their path).
-        """
-        batch.start()
-        try:
-            self.write(batch)
-        except L3Error as e:
-            batch.fail(f"L3Error: {e}")
-            return False
-        batch.complete()
-        return True
-
     def _objects(
         self, batch: TransferBatch
     ) -> list[tuple[str, Pool, np.ndarray, int, list[bytes]]]:
@@ -315,10 +300,22 @@ class L3Tier:
         batch = self.cache.l3_fetch(tokens, upto, namespace=namespace)
         if batch is None:
             return 0
-        return self._get(batch) * self.cache.page_size
+        return self.read(batch) * self.cache.page_size
 
-    def _get(self, batch: TransferBatch) -> int:
-        """Read an ``l3_get`` batch's objects; acknowledge what landed; its pages."""
+    def read(self, batch: TransferBatch) -> int:
+        """Run an ``l3_get`` batch (from ``cache.l3_fetch``): read its objects, end it.
+
+        Starts it, reads each object into its host slots (the rows that came back whole,
+        in order), and acknowledges the leading run that landed (``complete_l3``).
+
+        Returns:
+            The pages that landed and the cache can use (a hybrid fetch: all or none).
+
+        Raises:
+            ValueError: `batch` is not an ``l3_get`` batch (left untouched).
+        """
+        if batch.kind != "l3_get":
+            raise ValueError(f"batch: expected an l3_get batch, got {batch.kind!r}")
         batch.start()
         start = time.perf_counter()
         landed, state = 0, False
