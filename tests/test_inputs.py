@@ -292,6 +292,26 @@ def test_index_that_mutates_the_list_being_read_does_not_crash() -> None:
     assert child.stdout.split() == ["0", "0", "ok"]
 
 
+def test_a_list_grown_by_index_is_read_to_its_new_end(cache: rc.HybridCache) -> None:
+    # The conversion reads runs of small ints in place with room reserved for the length
+    # it saw; an `__index__` that appends must not cut the read short or overrun it.
+    class Grow:
+        def __init__(self, victim: list[Any]) -> None:
+            self.victim = victim
+
+        def __index__(self) -> int:
+            self.victim.extend(range(2, 40))
+            return 1
+
+    grown: list[Any] = [0, None]
+    grown[1] = Grow(grown)
+    slots = cache.alloc_kv(40)
+    cache.insert(grown, slots)
+    assert cache.match_prefix(list(range(40))).device_len == 40
+    assert cache.match_prefix(np.arange(40)).kv_indices.tolist() == slots.tolist()
+    cache.audit()
+
+
 # ------------------------------------------------------------------- clear errors
 
 

@@ -33,7 +33,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyList, PyString, PyTuple, PyType};
 use radixcache_core as core;
 
-use crate::layout::{int_layout, list_items, small_int, IntLayout};
+use crate::layout::{int_layout, list_items, small_int, small_nonnegative, IntLayout};
 
 /// Room reserved up front for a sequence whose length is only its own word (`__len__`).
 const RESERVE_CAP: usize = 1 << 16;
@@ -344,7 +344,9 @@ fn from_indexable<T: Target>(
     Ok(out)
 }
 
-/// An exact list, its items and small ints read in place ([`crate::layout`]).
+/// An exact list, its items and small ints read in place ([`crate::layout`]): runs of
+/// ints in `[0, 2**30)` go through [`small_run`], and each other item through
+/// [`element`].
 #[cfg_attr(Py_GIL_DISABLED, allow(dead_code))] // lists are iterated there
 fn from_list<T: Target>(list: &Bound<'_, PyAny>, layout: IntLayout, arg: &str) -> PyResult<Vec<T>> {
     let py = list.py();
@@ -355,32 +357,85 @@ fn from_list<T: Target>(list: &Bound<'_, PyAny>, layout: IntLayout, arg: &str) -
     let mut out = with_room::<T>(n, arg)?;
     let mut i = 0;
     while i < n {
+        // A list that `__index__` grew needs more room than was reserved.
+        if out.capacity() - out.len() < n - i {
+            out.try_reserve(n - i)
+                .map_err(|_| no_room::<T>(arg, out.len().saturating_add(n - i)))?;
+        }
         // SAFETY: `i < n`, the list's current length: no Python code ran since `n` and
-        // `items` were read (the fast path runs none; after the slow path, which may run
-        // `__index__` and so resize the list, both are read again). The item is a
-        // borrowed reference, live while no Python code runs.
-        let item = unsafe { *items.add(i) };
-        // SAFETY: `item` is live; the type is checked before the int is read.
-        let small = if unsafe { ffi::Py_TYPE(item) } == &raw mut ffi::PyLong_Type {
-            // SAFETY: `item` is a live exact int, and `layout` is this interpreter's.
-            unsafe { small_int(layout, item) }
-        } else {
-            None
-        };
-        let v = if let Some(v) = small {
-            T::try_from(v).map_err(|_| out_of_range::<T>(arg, v, i))?
-        } else {
-            // SAFETY: `item` is live; `element` takes a strong reference before it runs
-            // any Python code.
-            let v = unsafe { element::<T>(py, item, arg, i) }?;
-            // SAFETY: as for the first read.
-            (n, items) = unsafe { list_items(ptr) };
-            v
-        };
+        // `items` were read (the fast path runs none; after `element`, which may run
+        // `__index__` and so resize the list, both are read again), so `items + i` holds
+        // `n - i` live borrowed references; `out` has room for `n - i` more.
+        i += unsafe { small_run(layout, items.add(i), n - i, &mut out) };
+        if i == n {
+            break;
+        }
+        // SAFETY: as above, `i < n`; `element` takes a strong reference before it runs
+        // any Python code.
+        let v = unsafe { element::<T>(py, *items.add(i), arg, i) }?;
+        // SAFETY: as for the first read.
+        (n, items) = unsafe { list_items(ptr) };
         push(&mut out, v, arg)?;
         i += 1;
     }
     Ok(out)
+}
+
+/// Appends the leading run of `items[..n]` that are exact ints in `[0, 2**30)` to `out`,
+/// and returns its length; the first other item (if any) is left to the caller. Out of
+/// line and specialised per layout, so that the loop a token list spends its time in is
+/// a few loads and compares per item, whatever code surrounds it.
+///
+/// # Safety
+/// `items` points at `n` live objects, `layout` is this interpreter's, and `out` has room
+/// for `n` more values.
+#[inline(never)]
+#[cfg_attr(Py_GIL_DISABLED, allow(dead_code))] // lists are iterated there
+unsafe fn small_run<T: Target>(
+    layout: IntLayout,
+    items: *const *mut ffi::PyObject,
+    n: usize,
+    out: &mut Vec<T>,
+) -> usize {
+    match layout {
+        // SAFETY: the caller's contract, passed on.
+        IntLayout::SignedSize => unsafe { small_run_in(IntLayout::SignedSize, items, n, out) },
+        // SAFETY: as above.
+        IntLayout::Tagged => unsafe { small_run_in(IntLayout::Tagged, items, n, out) },
+    }
+}
+
+/// [`small_run`] for one layout, inlined into each of its arms (it is small) so that the
+/// layout is a constant there.
+///
+/// # Safety
+/// As for [`small_run`].
+#[inline]
+unsafe fn small_run_in<T: Target>(
+    layout: IntLayout,
+    items: *const *mut ffi::PyObject,
+    n: usize,
+    out: &mut Vec<T>,
+) -> usize {
+    let len = out.len();
+    // SAFETY: the caller's contract: `items` points at `n` live objects.
+    let items = unsafe { std::slice::from_raw_parts(items, n) };
+    let mut done = 0;
+    for (slot, &item) in out.spare_capacity_mut().iter_mut().zip(items) {
+        // SAFETY: `item` is live; its type is checked before the int is read.
+        if unsafe { ffi::Py_TYPE(item) } != &raw mut ffi::PyLong_Type {
+            break;
+        }
+        // SAFETY: `item` is a live exact int, and `layout` is this interpreter's.
+        let Some(v) = (unsafe { small_nonnegative(layout, item) }) else {
+            break;
+        };
+        slot.write(T::from_bits(u64::from(v)));
+        done += 1;
+    }
+    // SAFETY: the first `done` spare slots were just written.
+    unsafe { out.set_len(len + done) };
+    done
 }
 
 /// Any other sequence: iterated, trusting its `__len__` only for a bounded hint.

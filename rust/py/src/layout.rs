@@ -156,6 +156,11 @@ fn self_test(py: Python<'_>, layout: IntLayout) -> PyResult<bool> {
         if unsafe { small_int(layout, obj.as_ptr()) } != expect {
             return Ok(false);
         }
+        let nonnegative = expect.and_then(|v| u32::try_from(v).ok());
+        // SAFETY: `obj` is a live exact int.
+        if unsafe { small_nonnegative(layout, obj.as_ptr()) } != nonnegative {
+            return Ok(false);
+        }
     }
     for n in [0, 1, objects.len()] {
         let list = PyList::new(py, &objects[..n])?;
@@ -198,16 +203,8 @@ pub(crate) unsafe fn small_int_read(
     layout: IntLayout,
     item: *mut ffi::PyObject,
 ) -> (Option<i64>, usize) {
-    // SAFETY: the caller's contract: every int has the object header and its size word.
-    let size = unsafe { (*item.cast::<LongHead>()).size };
-    // The digit count and whether the value is negative, from the size word alone.
-    let (digits, negative) = match layout {
-        IntLayout::SignedSize => (size.unsigned_abs(), size < 0),
-        IntLayout::Tagged => {
-            let tag = size.cast_unsigned();
-            (tag >> 3, tag & 3 == 2)
-        }
-    };
+    // SAFETY: the caller's contract.
+    let (digits, negative) = unsafe { digits_sign(layout, item) };
     let head = std::mem::size_of::<LongHead>();
     match digits {
         0 => (Some(0), head),
@@ -219,6 +216,48 @@ pub(crate) unsafe fn small_int_read(
             (Some(value), head + std::mem::size_of::<u32>())
         }
         _ => (None, head),
+    }
+}
+
+/// The value of an exact int in `[0, 2**30)` (every token id and slot in practice), `None`
+/// for any other: [`small_int`] restricted to the values every conversion target holds,
+/// for the conversion's inner loop.
+///
+/// # Safety
+/// As for [`small_int`].
+#[inline]
+pub(crate) unsafe fn small_nonnegative(layout: IntLayout, item: *mut ffi::PyObject) -> Option<u32> {
+    // SAFETY: the caller's contract.
+    let (digits, negative) = unsafe { digits_sign(layout, item) };
+    if negative || digits > 1 {
+        return None;
+    }
+    if digits == 0 {
+        return Some(0);
+    }
+    // SAFETY: the size word says the int has a digit, which follows the head.
+    Some(unsafe {
+        item.cast::<u8>()
+            .add(std::mem::size_of::<LongHead>())
+            .cast::<u32>()
+            .read_unaligned()
+    })
+}
+
+/// An exact int's digit count and whether it is negative, from its size word alone.
+///
+/// # Safety
+/// As for [`small_int`].
+#[inline]
+unsafe fn digits_sign(layout: IntLayout, item: *mut ffi::PyObject) -> (usize, bool) {
+    // SAFETY: the caller's contract: every int has the object header and its size word.
+    let size = unsafe { (*item.cast::<LongHead>()).size };
+    match layout {
+        IntLayout::SignedSize => (size.unsigned_abs(), size < 0),
+        IntLayout::Tagged => {
+            let tag = size.cast_unsigned();
+            (tag >> 3, tag & 3 == 2)
+        }
     }
 }
 
