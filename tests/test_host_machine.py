@@ -1238,6 +1238,51 @@ class HostMachine(RuleBasedStateMachine):
         m = self.check_match(ns, tokens)
         self.handles = [*self.handles[-7:], (m.host_node, ns, tokens[: m.device_len + m.host_len])]
 
+    @rule(drain=st.booleans())
+    def reset(self, drain: bool) -> None:
+        """Reset: refused, changing nothing, while anything holds the tree; after ending
+        everything (`drain`) it empties both tiers and every pool is full again."""
+        c = self.cache
+        if drain:
+            for g in self.guards:
+                if g.lb is not None and g.state == "held":
+                    avail = self.available()
+                    g.lb.release()
+                    self.forget(g, avail)
+            self.drain()
+            for r in self.live():
+                assert r.handle is not None
+                c.abort(r.handle)
+                r.handle = None
+                r.copy = None
+            self.drain()
+        s = c.stats()
+        outstanding = ("live_requests", "live_locks", "batches_in_flight", "load_backs_pending")
+        before = snapshot(c)
+        if any(s[k] for k in outstanding):
+            with pytest.raises(rc.CacheError, match=r"^reset: the cache is in use: \d+ "):
+                c.reset()
+            assert snapshot(c) == before
+            self.count("reset: refused")
+            return
+        self.events.check(c)
+        c.reset()
+        self.count("reset")
+        s = c.stats()
+        assert s["nodes"] == 0
+        assert s["resets"] >= 1
+        assert c.available_kv() == self.kv_slots
+        assert c.available_mamba() == self.states
+        assert s["host_kv_free_slots"] == self.host_kv_slots
+        assert s["host_mamba_free_slots"] == self.host_states
+        for ns, tokens in self.seen:
+            m = c.match_prefix(tokens, namespace=ns)
+            assert (m.device_len, m.host_len) == (0, 0)
+        events = c.take_events()
+        assert [e.kind for e in events] == ["cleared"]
+        self.events.pages.clear()
+        self.events.states.clear()
+
     @rule(data=st.data())
     def misuse(self, data: st.DataObject) -> None:
         """Bad targets and batch ids: errors that change nothing."""

@@ -135,6 +135,37 @@ def test_a_prefix_one_cache_wrote_is_fetched_by_another_byte_for_byte(
     assert c.tier.counters.present_objects == 6 + hybrid
 
 
+@pytest.mark.parametrize("l3_write", ["backup", "host_eviction"])
+def test_a_reset_cache_fetches_back_what_it_wrote_and_writes_nothing_on_reset(
+    url: str, l3_write: str
+) -> None:
+    rng = np.random.default_rng(3)
+    a = Machine(ObjectStore(url), hybrid=True, l3_write=l3_write)
+    wrote = a.compute(TOKENS, rng)
+    a.settle()
+    if l3_write == "host_eviction":
+        a.cache.evict(kv_tokens=10**6, mamba_states=10**6)
+        a.settle()
+        a.cache.evict_host(kv_tokens=10**6, mamba_states=10**6)  # written now
+        a.settle()
+        wrote_before = a.tier.counters.stored_objects
+        a.compute(list(range(300, 308)), rng)  # on the host only, never evicted from it
+        a.settle()
+    stored = a.tier.counters.stored_objects
+    assert stored >= 6 + 1
+    a.cache.reset()
+    assert a.cache.take_batches() == []
+    assert a.tier.counters.stored_objects == stored
+    if l3_write == "host_eviction":
+        assert stored == wrote_before, "the reset wrote nothing of what it dropped"
+    assert a.tier.lookup(TOKENS) == 6
+    assert a.tier.fetch(TOKENS) == len(TOKENS)
+    got = a.loaded(TOKENS)
+    for name, want in wrote.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    a.cache.audit()
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_under_host_eviction_pages_go_to_the_store_only_when_evicted_from_the_host(
     url: str, hybrid: bool

@@ -4,7 +4,8 @@
 //! harness's requests hold what it handed out (`AllocKv`/`AllocMamba` take from it,
 //! `FreeKv`/`FreeMamba` give back to it), inserts hand over a request's slots (often
 //! spoiled: a slot of the tree, of the queue, out of range, listed twice), evictions
-//! hand slots back to the model engine, `Take` is `take_freed`, and every call that
+//! hand slots back to the model engine, `Take` is `take_freed`, a `reset` queues every
+//! slot the tree held (refused while a receipt holds it), and every call that
 //! allocates from the cache's pools must be refused with `Error::EngineOwned`.
 //!
 //! What counts as a finding, besides a panic in the core and `audit()` failing after
@@ -277,6 +278,31 @@ impl E {
         assert_eq!(out.mamba_states, got.len());
         self.kv.hand_back(&pages, "evict");
         self.mamba.hand_back(&got, "evict");
+    }
+
+    /// `reset`: refused with `Busy`, the tree unchanged, while a receipt holds it; else
+    /// every page and state the tree held joins the queue (`take_freed` hands them back).
+    fn reset(&mut self) {
+        self.c.reap();
+        let locked = self
+            .c
+            .stats()
+            .into_iter()
+            .any(|(k, v)| k == "live_locks" && v > 0);
+        let (kv, states) = self.tree();
+        match self.c.reset() {
+            Ok(()) => {
+                assert!(!locked, "a reset went through with a live lock");
+                assert_eq!(self.tree(), (BTreeSet::new(), BTreeSet::new()));
+                self.kv.queue.extend(kv);
+                self.mamba.queue.extend(states);
+            }
+            Err(Error::Busy(_)) => {
+                assert!(locked, "a reset refused an idle cache");
+                assert_eq!(self.tree(), (kv, states), "a refused reset changed the tree");
+            }
+            Err(e) => panic!("reset: {e:?}"),
+        }
     }
 
     fn take_freed(&mut self) {
@@ -556,6 +582,7 @@ impl E {
             Op::Checkpoint { .. } | Op::Finish { .. } | Op::Abort { .. } => self.refused_call(7),
             Op::LoadBack { .. } | Op::Cancel { .. } | Op::DropLoad { .. } => self.refused_call(10),
             Op::Reap => self.c.reap(),
+            Op::Reset => self.reset(),
             Op::Report { .. } => {
                 let _ = (self.c.stats(), self.c.pretty(64, 8));
             }

@@ -9,7 +9,9 @@
 //! earlier sequences, live requests' prompts) so that prefixes collide and nodes split,
 //! and from the harness's own bookkeeping (slots it holds, node ids it saw, receipts,
 //! requests, batch ids, load records), often corrupted: garbage or duplicate slots, a
-//! wrong `owned_from`, stale or forged ids, another cache's ids.
+//! wrong `owned_from`, stale or forged ids, another cache's ids. One `Reap` in four is
+//! a `reset` instead: it must be refused (`Busy`) exactly while something holds the
+//! tree, and leave no tree page behind when it goes through.
 //!
 //! What counts as a finding (a panic):
 //!
@@ -274,6 +276,9 @@ enum Op {
         reap: bool,
     },
     Reap,
+    /// `reset`: refused (`Busy`, nothing changed) while anything holds the tree, else
+    /// the tree is emptied.
+    Reset,
     Report {
         node: u8,
         req: u8,
@@ -490,6 +495,9 @@ impl<'a> Arbitrary<'a> for Op {
                 pick: u.arbitrary()?,
                 reap: u.arbitrary()?,
             },
+            // One reap in four is a reset instead (the same kind, so that the committed
+            // corpus keeps decoding to the operations it was found with).
+            Kind::Reap if u8::arbitrary(u)? % 4 == 0 => Op::Reset,
             Kind::Reap => Op::Reap,
             Kind::Report => Op::Report {
                 node: u.arbitrary()?,
@@ -1431,6 +1439,38 @@ impl H {
         }
     }
 
+    /// `reset`: refused with `Busy` (and nothing changed: the books are checked after
+    /// every step) while a request, receipt, batch or load-back holds the tree; else no
+    /// pool keeps a tree page or state and the caller keeps what it held.
+    fn do_reset(&mut self) {
+        let stat = |c: &Cache, name: &str| {
+            c.stats()
+                .into_iter()
+                .find(|&(k, _)| k == name)
+                .map_or(0, |(_, v)| v)
+        };
+        self.c.reap();
+        let busy = ["live_requests", "live_locks", "batches_in_flight", "load_backs_pending"]
+            .iter()
+            .any(|k| stat(&self.c, k) > 0);
+        match self.c.reset() {
+            Ok(()) => {
+                assert!(!busy, "a reset went through while the cache was in use");
+                for pool in [
+                    self.c.kv_pool(),
+                    self.c.mamba_pool(),
+                    self.c.host_kv_pool(),
+                    self.c.host_mamba_pool(),
+                ] {
+                    assert_eq!(pool.counts().tree, 0, "a tree page after a reset");
+                }
+                assert_eq!(stat(&self.c, "nodes"), 0);
+            }
+            Err(Error::Busy(_)) => assert!(busy, "a reset refused an idle cache"),
+            Err(e) => panic!("reset: {e:?}"),
+        }
+    }
+
     fn do_take(&mut self) {
         let batches = self.c.take_batches();
         if self.mem.is_some() && !batches.is_empty() {
@@ -2145,6 +2185,7 @@ impl H {
                 }
             }
             Op::Reap => self.c.reap(),
+            Op::Reset => self.do_reset(),
             Op::Report { node, req } => self.do_report(*node, *req),
             Op::Foreign { what } => self.do_foreign(*what),
             Op::L3Fetch { ns, toks, end } => self.do_l3_fetch(*ns, toks, *end),

@@ -209,7 +209,7 @@ class KvEvent:
     ``"state_removed"``: a Mamba state for the prefix ending with page ``hashes[0]``
     (a node's last page) became available on, or left, ``medium``: a router predicts a
     hybrid model's *usable* hit as the deepest stored page that has a state.
-    ``"cleared"``: everything is gone (no call of the cache emits it today).
+    ``"cleared"``: everything is gone: ``HybridCache.reset()`` emptied the cache.
 
     Emitted where the tree changes, per tier: pages published (an insert, a request's
     pages), device pages freed (eviction, demotion; under write-back when the eviction
@@ -981,6 +981,21 @@ class HybridCache:
         once and is the engine's from then on; a second call returns only what was
         queued since. With ``pools="cache"`` nothing is ever queued: two empty arrays.
         """
+    def reset(self) -> None:
+        """Empty the cache: every node of every namespace, on the device and host tiers.
+
+        What a serving engine's "flush cache" calls between workloads. Only when nothing
+        holds the tree: no live request, no live lock, no batch in flight (taken or not)
+        and no pending load-back; otherwise ``CacheError`` naming each of them with its
+        count, and nothing changes (run or fail the batches, end the requests, release
+        the locks, then reset). Device slots go back to the pools (``pools="engine"``:
+        queued for ``take_freed``), host slots to the host pools; nothing is written to
+        the L3 tier (``l3_write="host_eviction"`` included) and its store keeps its
+        objects, so later fetches find them. Counters keep counting (no eviction counter
+        moves) and ``stats()["resets"]`` counts the call. Node handles from before the
+        reset are stale (``StaleNodeError``). With ``events=True``, events still queued
+        stay queued and one ``"cleared"`` event follows them (no removal per page).
+        """
     def tree_slots(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Return the device slots the tree holds, as ``(kv slots, state slots)``, ascending.
 
@@ -1183,6 +1198,7 @@ class HybridCache:
 
         ``events_emitted`` counts the KV events queued since the cache was built
         (``events=True``), ``events_pending`` those ``take_events()`` has not taken yet.
+        ``resets`` counts the ``reset()`` calls that emptied the cache.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""

@@ -47,6 +47,10 @@ pub enum Error {
          slots (insert claims them; evict and take_freed hand them back)"
     )]
     EngineOwned(&'static str),
+    /// A call that needs the cache idle found it in use; the message names what is
+    /// outstanding (Python: `CacheError`).
+    #[error("{0}")]
+    Busy(String),
     /// Memory for an argument could not be had (Python: `MemoryError`).
     #[error("{arg}: {reason}")]
     OutOfMemory {

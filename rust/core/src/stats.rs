@@ -147,6 +147,8 @@ pub(crate) struct Stats {
     pub load_backs_failed: u64,
     /// KV tokens moved to the device by committed load-backs.
     pub loaded_tokens: u64,
+    /// `reset` calls that emptied the cache.
+    pub resets: u64,
 }
 
 impl Stats {
@@ -248,6 +250,7 @@ impl Stats {
             ),
             ("load_backs_failed", self.load_backs_failed),
             ("loaded_tokens", self.loaded_tokens),
+            ("resets", self.resets),
         ]
     }
 }

@@ -11,7 +11,8 @@
 //! the store as an engine makes them (the leading run of pages the store has after what
 //! the cache holds, for a hybrid model cut back to the deepest state; `l3_fetch`; the
 //! objects read into the host slots; `complete`, `complete_l3` of the pages that came
-//! back whole, `fail`, or `abandon`), device and host evictions, and matches.
+//! back whole, `fail`, or `abandon`), device and host evictions, matches, and resets
+//! (after ending the cache's batches, or as it is: refused then, changing nothing).
 //!
 //! The oracle simulates memory: one value per slot of each pool and tier of each cache,
 //! and the store's objects. KV of token `p` of a sequence is a hash of its first `p + 1`
@@ -159,6 +160,11 @@ enum Op {
         sys: usize,
         tail: Vec<u32>,
     },
+    /// Reset cache `c`, after ending its batches (`drain`) or as it is.
+    Reset {
+        c: usize,
+        drain: bool,
+    },
 }
 
 const SYSTEM: [&[u32]; 3] = [
@@ -178,7 +184,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (c.clone(), sys.clone(), tail.clone(), 0u8..8).prop_map(|(c, sys, tail, end)| Op::Fetch { c, sys, tail, end }),
         2 => (c.clone(), 1usize..16).prop_map(|(c, kv)| Op::Evict { c, kv }),
         2 => (c.clone(), 1usize..16).prop_map(|(c, kv)| Op::EvictHost { c, kv }),
-        1 => (c, sys, tail).prop_map(|(c, sys, tail)| Op::Match { c, sys, tail }),
+        1 => (c.clone(), sys, tail).prop_map(|(c, sys, tail)| Op::Match { c, sys, tail }),
+        1 => (c, any::<bool>()).prop_map(|(c, drain)| Op::Reset { c, drain }),
     ]
 }
 
@@ -361,6 +368,37 @@ impl Machine {
         }
     }
 
+    /// A reset empties cache `c` (its pools full) when nothing holds it, else is refused
+    /// and changes nothing; the store keeps its objects, so later fetches find them.
+    fn reset(&mut self, c: usize, drain: bool) {
+        if drain {
+            self.ack(c, false);
+            for _ in 0..4 {
+                self.run(c, false, false);
+            }
+        }
+        let cache = &mut self.nodes[c].cache;
+        cache.take_events(); // the next call releases dropped receipts: this one
+        let before = (cache.stats(), cache.pretty(10_000, 1));
+        if let Err(e) = cache.reset() {
+            assert!(!drain, "a drained cache refused a reset: {e}");
+            assert_eq!((cache.stats(), cache.pretty(10_000, 1)), before);
+            return;
+        }
+        assert!(
+            cache.snapshot().iter().all(|n| n.prefix.is_empty()),
+            "only roots"
+        );
+        for pool in [
+            cache.kv_pool(),
+            cache.host_kv_pool(),
+            cache.mamba_pool(),
+            cache.host_mamba_pool(),
+        ] {
+            assert_eq!(pool.counts().free, pool.capacity_pages());
+        }
+    }
+
     fn ack(&mut self, c: usize, fail: bool) {
         for b in std::mem::take(&mut self.nodes[c].held) {
             self.end(c, &b, fail);
@@ -484,6 +522,7 @@ impl Machine {
             Op::EvictHost { c, kv } => {
                 self.nodes[*c].cache.evict_host(*kv, 1).unwrap();
             }
+            Op::Reset { c, drain } => self.reset(*c, *drain),
             Op::Match { c, sys, tail } => {
                 let toks = Self::tokens(*sys, tail);
                 let h = prefix_hashes(&toks);

@@ -1,7 +1,7 @@
 //! State-machine test of [`radixcache_core::Cache`] (KV component, device tier only).
 //!
 //! Proptest generates random sequences of `match_prefix`, `insert` (valid and invalid),
-//! `alloc_kv`, `free_kv`, `lock`, `unlock` and `evict` over small token alphabets, a few
+//! `alloc_kv`, `free_kv`, `lock`, `unlock`, `evict` and `reset` over small token alphabets, a few
 //! shared "system prompt" prefixes, two namespaces, page sizes 1, 2 and 4 and pools of
 //! 16..64 slots (so splits, evictions and allocation failures are frequent). A naive
 //! reference model (a map from every cached page-prefix to its slots, the caller-held
@@ -119,6 +119,7 @@ enum Op {
     Evict {
         n: usize,
     },
+    Reset,
 }
 
 /// `base`: 0: none, 1..=4: a system prompt, 5..=6: an earlier inserted sequence.
@@ -182,6 +183,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::UnlockForeign),
         3 => any::<usize>().prop_map(|pick| Op::LockStale { pick }),
         6 => prop_oneof![3 => 0usize..8, 1 => 0usize..72].prop_map(|n| Op::Evict { n }),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -536,6 +538,40 @@ impl Machine {
         assert!(r.kv_tokens >= n.min(evictable), "evict({n}) freed {r:?}");
         if r.kv_tokens < n {
             assert_eq!(self.cache.evictable_size(), 0);
+        }
+        self.check();
+    }
+
+    /// A reset empties the tree when no lock is live (every cached page free, every
+    /// node handle but the default root's stale), else fails with `Busy` and changes
+    /// nothing.
+    fn do_reset(&mut self) {
+        if self.m.locks.is_empty() {
+            self.cache.reset().unwrap();
+            let gone: Vec<Key> = self
+                .m
+                .nodes
+                .keys()
+                .filter(|k| !k.1.is_empty())
+                .cloned()
+                .collect();
+            for k in gone {
+                if let Some(id) = self.m.nodes.remove(&k) {
+                    self.m.dead.push(id);
+                    self.m.dead_set.insert(id);
+                }
+            }
+            self.m.cached.clear();
+            self.m.forget_dropped_roots();
+        } else {
+            self.cache.take_events(); // the next call releases dropped receipts: this one
+            let before = frozen(&self.cache);
+            assert!(matches!(self.cache.reset(), Err(Error::Busy(_))));
+            assert_eq!(
+                frozen(&self.cache),
+                before,
+                "a refused reset changed something"
+            );
         }
         self.check();
     }
@@ -938,6 +974,7 @@ impl Machine {
             Op::UnlockForeign => self.do_unlock_foreign(),
             Op::LockStale { pick } => self.do_lock_stale(*pick),
             Op::Evict { n } => self.do_evict(*n),
+            Op::Reset => self.do_reset(),
         }
         self.m.forget_dropped_roots();
     }

@@ -7,7 +7,8 @@
 //! `peek_prefix` that must answer the same lengths), low-level inserts (`alloc_kv`
 //! then `insert`), `lock` / `unlock` / dropped receipts, `evict`, `evict_swa`, and the
 //! transfer batches a Mamba model or a host tier emits (completed, failed, abandoned,
-//! or left in flight across steps), over page sizes 1, 2 and 4, windows of 1 to 6
+//! or left in flight across steps), `reset` (after ending what holds the tree, or as
+//! things are: refused then, changing nothing), over page sizes 1, 2 and 4, windows of 1 to 6
 //! tokens (pages larger than the window included) and SWA pools small enough that SWA
 //! eviction runs all the time, under every eviction policy of each component (SWA:
 //! "lru", "lfu" or "priority"; admissions carry priorities 0 to 2). Half the cases draw a host tier (`host_kv_slots`,
@@ -48,22 +49,64 @@ use radixcache_core::{
 
 #[derive(Debug, Clone)]
 enum Op {
-    Admit { system: u8, tail: Vec<u8> },
-    Extend { req: u8, n: u8 },
-    Decode { token: u8 },
-    Checkpoint { req: u8 },
-    Finish { req: u8 },
-    Abort { req: u8 },
-    Match { system: u8, tail: Vec<u8> },
-    Insert { system: u8, tail: Vec<u8> },
-    Lock { system: u8, tail: Vec<u8> },
-    Unlock { k: u8 },
-    DropReceipt { k: u8 },
-    Evict { tokens: u8 },
-    EvictSwa { pages: u8 },
-    EvictHost { tokens: u8 },
-    LoadBack { pick: u8, how: u8 },
-    Batches { how: u8 },
+    Admit {
+        system: u8,
+        tail: Vec<u8>,
+    },
+    Extend {
+        req: u8,
+        n: u8,
+    },
+    Decode {
+        token: u8,
+    },
+    Checkpoint {
+        req: u8,
+    },
+    Finish {
+        req: u8,
+    },
+    Abort {
+        req: u8,
+    },
+    Match {
+        system: u8,
+        tail: Vec<u8>,
+    },
+    Insert {
+        system: u8,
+        tail: Vec<u8>,
+    },
+    Lock {
+        system: u8,
+        tail: Vec<u8>,
+    },
+    Unlock {
+        k: u8,
+    },
+    DropReceipt {
+        k: u8,
+    },
+    Evict {
+        tokens: u8,
+    },
+    EvictSwa {
+        pages: u8,
+    },
+    EvictHost {
+        tokens: u8,
+    },
+    LoadBack {
+        pick: u8,
+        how: u8,
+    },
+    Batches {
+        how: u8,
+    },
+    /// `reset`, after ending everything that holds the tree (`drain`) or as things are.
+    Reset {
+        drain: bool,
+    },
 }
 
 fn tail() -> impl Strategy<Value = Vec<u8>> {
@@ -88,6 +131,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(|tokens| Op::EvictHost { tokens }),
         3 => (any::<u8>(), any::<u8>()).prop_map(|(pick, how)| Op::LoadBack { pick, how }),
         3 => any::<u8>().prop_map(|how| Op::Batches { how }),
+        1 => any::<bool>().prop_map(|drain| Op::Reset { drain }),
     ]
 }
 
@@ -306,6 +350,44 @@ impl Machine {
                 }
             }
             Op::Batches { how } => self.settle_batches(*how),
+            Op::Reset { drain } => self.reset(*drain),
+        }
+    }
+
+    /// A reset empties both tiers (every KV and SWA slot free) when nothing holds the
+    /// tree, else fails naming what does and changes nothing.
+    fn reset(&mut self, drain: bool) {
+        if drain {
+            self.settle_batches(0);
+            for (id, _) in std::mem::take(&mut self.reqs) {
+                if self.c.finish(id).is_err() {
+                    self.c.abort(id).unwrap();
+                }
+            }
+            for r in std::mem::take(&mut self.receipts) {
+                self.c.unlock(r).unwrap();
+            }
+            self.settle_batches(0);
+            self.events.check(&mut self.c);
+        }
+        self.events.check(&mut self.c); // takes the events, releasing dropped receipts
+        let before = (self.c.stats(), self.c.pretty(10_000, 1));
+        if let Err(e) = self.c.reset() {
+            assert!(!drain, "a drained cache refused a reset: {e}");
+            assert!(
+                e.to_string().starts_with("reset: the cache is in use: "),
+                "{e}"
+            );
+            assert_eq!((self.c.stats(), self.c.pretty(10_000, 1)), before);
+            return;
+        }
+        assert_eq!(stat(&self.c, "nodes"), 0);
+        for pool in ["kv", "swa", "host_kv", "host_swa", "mamba", "host_mamba"] {
+            assert_eq!(
+                stat(&self.c, &format!("{pool}_free_slots")),
+                stat(&self.c, &format!("{pool}_capacity_slots")),
+                "{pool} after a reset"
+            );
         }
     }
 

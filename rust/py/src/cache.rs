@@ -620,6 +620,17 @@ impl PyHybridCache {
         Ok((array(py, kv), array(py, states)))
     }
 
+    /// Empty the cache: every node of every namespace, on both tiers, when nothing holds
+    /// the tree (no live request, lock, batch in flight or pending load-back; else
+    /// `CacheError` naming what is outstanding, and nothing changes). Slots go back to
+    /// the pools (pools="engine": queued for `take_freed`); the L3 store keeps its
+    /// objects; counters keep counting (`resets` counts the call); old node handles are
+    /// stale; with events on, one `"cleared"` event follows those still queued.
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        // A whole tree's worth of work: the GIL is released as for a long call.
+        run(py, &self.inner, usize::MAX, core::Cache::reset)
+    }
+
     /// The device slots the tree holds, as `(kv slots, state slots)`, ascending.
     fn tree_slots(&self, py: Python<'_>) -> PyResult<(Slots, Slots)> {
         let (kv, states) = run(py, &self.inner, 0, |c| Ok(c.tree_slots()))?;

@@ -48,9 +48,10 @@ pub(crate) fn err(e: core::Error) -> PyErr {
         core::Error::InvalidArgument { .. } => PyValueError::new_err(msg),
         core::Error::StaleNode(_) => StaleNodeError::new_err(msg),
         core::Error::Lock(_) => LockError::new_err(msg),
-        core::Error::Request(_) | core::Error::Broken(_) | core::Error::EngineOwned(_) => {
-            CacheError::new_err(msg)
-        }
+        core::Error::Request(_)
+        | core::Error::Broken(_)
+        | core::Error::EngineOwned(_)
+        | core::Error::Busy(_) => CacheError::new_err(msg),
         core::Error::Invariant(_) => InvariantError::new_err(msg),
         core::Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
     }

@@ -72,7 +72,8 @@ pub enum KvEvent {
         /// One hash per page.
         hashes: Vec<PageHash>,
     },
-    /// Everything on every medium is gone.
+    /// Everything on every medium is gone: [`Cache::reset`] emptied the cache (the
+    /// L3 store keeps its objects, but they are not announced again).
     Cleared,
     /// A Mamba state for the prefix ending with page `hash` became available on
     /// `medium` (states sit at node ends, so `hash` is a node's last page).
@@ -116,6 +117,19 @@ impl Events {
     /// Events waiting for [`Cache::take_events`].
     pub fn pending(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Takes back the events queued after the first `keep` (a reset announces one
+    /// `Cleared` instead of what its deletions queued).
+    pub fn truncate(&mut self, keep: usize) {
+        let dropped = self.queue.len().saturating_sub(keep);
+        self.queue.truncate(keep);
+        self.emitted -= dropped as u64;
+    }
+
+    /// Queues `Cleared`.
+    pub fn push_cleared(&mut self) {
+        self.push(KvEvent::Cleared);
     }
 }
 

@@ -289,6 +289,12 @@ impl Cache {
     fn drop_host(&mut self, i: u32) {
         self.lru.unlist_host(&mut self.tree, i);
         self.l3_write_evicted(i);
+        self.discard_host(i);
+    }
+
+    /// Frees a node's host copies (out of the host sets), writing nothing anywhere.
+    pub(crate) fn discard_host(&mut self, i: u32) {
+        self.lru.unlist_host(&mut self.tree, i);
         if let Some(pages) = self.edit(i, |n| n.kv.host.take()) {
             self.pools.host_kv.release_tree(&pages);
         }

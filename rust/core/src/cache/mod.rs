@@ -57,6 +57,9 @@ mod namespaces;
 mod policy_tests;
 pub(crate) mod report;
 pub(crate) mod request;
+mod reset;
+#[cfg(test)]
+mod reset_tests;
 mod results;
 pub(crate) mod returns;
 pub(crate) mod sizes;
