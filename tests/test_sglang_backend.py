@@ -50,6 +50,12 @@ with warnings.catch_warnings():  # SGLang's import chain warns about this CPU ma
         CHUNK_SIZE as FLA_CHUNK_SIZE,
     )
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.disaggregation.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
     from sglang.srt.environ import envs
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
     from sglang.srt.managers.scheduler_components.pool_stats_observer import (
@@ -74,6 +80,7 @@ with warnings.catch_warnings():  # SGLang's import chain warns about this CPU ma
     from sglang.srt.mem_cache.registry import (
         TreeCacheBuildContext,
         create_tree_cache,
+        default_radix_cache_factory,
         registered_radix_cache_backends,
     )
     from sglang.srt.plugins import load_plugins
@@ -128,6 +135,8 @@ class Env:
     def check(self) -> None:
         """SGLang's pool invariant for KV and Mamba (live requests included) and audit()."""
         tree = self.tree
+        if not isinstance(tree, RadixCacheBackend):
+            return  # SGLang's own cache, for comparison: its checks are its own
         held_kv = sum(
             kv_private_tokens(req.kv, self.page_size) for req in self.live if req.kv.holds_kv
         )
@@ -409,7 +418,6 @@ def _refused(env: Env, flag: str, *, ctx: dict[str, Any] | None = None, **params
         ("--speculative-algorithm EAGLE", {}, {"is_eagle": True}),
         ("--enable-session-radix-cache", {}, {"enable_session_radix_cache": True}),
         ("--radix-eviction-policy lfu", {}, {"eviction_policy": "lfu"}),
-        ("--kv-events-config", {}, {"enable_kv_cache_events": True}),
     ],
 )
 def test_unsupported_settings_are_refused_naming_the_flag(
@@ -672,4 +680,103 @@ def test_a_finished_request_whose_last_state_overshot_gives_the_earlier_one(
     assert env.tree.mamba_evictable_size() == states + (1 if cached else 0)
     probe = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", p[:150]))))
     assert probe.device_prefix_len == cached
+    env.drained()
+
+
+# ---------------------------------------------------------------------- KV cache events
+
+
+def events_env(hybrid: bool, page_size: int, strategy: str, *, own: bool, **params: Any) -> Env:
+    """A backend (or SGLang's own cache: `own`) built with ``--kv-events-config``."""
+    env = build(hybrid, page_size, strategy)
+    env.params = dataclasses.replace(env.params, enable_kv_cache_events=True, **params)
+    env.ctx = dataclasses.replace(env.ctx, params=env.params)
+    env.tree = default_radix_cache_factory(env.ctx) if own else create_backend(env.ctx)
+    return env
+
+
+def wire(events: list[Any]) -> bytes:
+    """The bytes SGLang's publisher sends for `events` (one batch, a fixed timestamp)."""
+    import msgspec
+
+    return msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["sglang-format", "dynamo-format"])
+def test_kv_events_are_the_bytes_sglangs_own_cache_publishes(page_size: int, dynamo: bool) -> None:
+    ours, theirs = (
+        events_env(False, page_size, "no_buffer", own=own, dynamo_kv_event_format=dynamo)
+        for own in (False, True)
+    )
+    # Both announce the empty tree they start with.
+    assert ours.tree.take_events() == theirs.tree.take_events() == [AllBlocksCleared()]
+    # A LoRA adapter the scheduler named: its requests' extra_key ends with its id.
+    lora_id = "0123456789abcdef0123456789abcdef"
+    adapter = SimpleNamespace(extra_key="adapter-" + lora_id, lora_id=lora_id)
+    for env in (ours, theirs):
+        env.params.kv_event_lora_names.register(adapter, "my-adapter")
+    shared = prompt(100, seed=60)
+    steps: list[tuple[list[int], dict[str, Any]]] = [
+        (shared + prompt(40, seed=61), {}),
+        (shared + prompt(70, seed=62), {}),  # a branch: the shared node splits
+        (shared + prompt(40, seed=61) + prompt(33, seed=63), {}),  # a longer history
+        (prompt(90, seed=64), {"extra_key": "lora-a"}),
+        (prompt(90, seed=64) + prompt(40, seed=65), {"extra_key": "lora-a"}),
+        (prompt(90, seed=64), {"cache_salt": "tenant"}),
+        (prompt(90, seed=64) + prompt(20, seed=66), {"extra_key": "lora-a", "cache_salt": "t"}),
+        (prompt(60, seed=67), {"extra_key": adapter.extra_key}),
+    ]
+    for tokens, keys in steps:
+        for env in (ours, theirs):
+            serve(env, tokens, **keys)
+        mine = ours.tree.take_events()
+        assert mine, "a step that cached pages announced nothing"
+        if keys.get("extra_key") == adapter.extra_key:
+            assert {e.lora_name for e in mine if isinstance(e, BlockStored)} == {"my-adapter"}
+        assert wire(mine) == wire(theirs.tree.take_events()), keys
+    # Evicting everything removes every page stored (the order of the leaves is each
+    # cache's LRU order: compared as sets).
+    removed = []
+    for env in (ours, theirs):
+        env.tree.evict(EvictParams(num_tokens=KV_SLOTS))
+        events = env.tree.take_events()
+        assert all(isinstance(e, BlockRemoved) and e.medium == "GPU" for e in events)
+        removed.append(sorted(h for e in events for h in e.block_hashes))
+    assert removed[0] == removed[1]
+    assert len(removed[0]) == len(set(removed[0])) > 0
+    for env in (ours, theirs):
+        env.tree.reset()
+    assert ours.tree.take_events() == theirs.tree.take_events() == [AllBlocksCleared()]
+    ours.check()
+
+
+def test_kv_events_of_a_hybrid_model_announce_its_kv_pages() -> None:
+    env = events_env(True, 16, "extra_buffer", own=False)
+    assert env.tree.take_events() == [AllBlocksCleared()]
+    tokens = prompt(200, seed=70)
+    serve(env, tokens, chunk=64)
+    stored = env.tree.take_events()
+    pages = [h for e in stored for h in e.block_hashes]
+    cached = env.tree.cache.match_prefix(tokens).kv_len // 16
+    assert len(pages) == len(set(pages)) == cached > 0
+    env.drained()
+    removed = [h for e in env.tree.take_events() for h in e.block_hashes]
+    assert sorted(removed) == sorted(pages)
+
+
+def test_a_reset_announces_the_old_trees_last_events_then_all_cleared() -> None:
+    env = events_env(False, 1, "no_buffer", own=False)
+    env.tree.take_events()
+    serve(env, prompt(30, seed=80))
+    env.tree.reset()
+    events = env.tree.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "AllBlocksCleared"]
+    assert env.tree.take_events() == []
+
+
+def test_without_kv_events_the_tree_queues_none(env: Env) -> None:
+    serve(env, prompt(40, seed=90))
+    assert env.tree.take_events() == []
+    assert not env.tree.cache.events
     env.drained()

@@ -18,7 +18,7 @@ import math
 import time
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +37,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from radixcache import HybridCache, Lock, Node
+
+if TYPE_CHECKING:
+    from radixcache.sglang.events import SglangEvents
 
 __all__ = ["RadixCacheBackend", "create_backend"]
 
@@ -94,8 +97,6 @@ def _check_params(params: Any, hybrid: bool) -> None:
             f"--radix-eviction-policy {params.eviction_policy}",
             "radixcache evicts least recently used first (the default 'lru')",
         )
-    if params.enable_kv_cache_events:
-        raise _refuse("--kv-events-config", "radixcache publishes no KV cache events")
     from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
 
     if page_interleave_shard_size(params.token_to_kv_pool_allocator) > 1:
@@ -152,6 +153,8 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         ValueError: a setting the backend does not support; the message names the flag.
     """
 
+    cache: HybridCache
+
     def __init__(self, params: Any, *, hybrid: bool) -> None:
         _check_params(params, hybrid)
         self.req_to_token_pool = params.req_to_token_pool
@@ -179,6 +182,13 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
             # past the request's prefix, on a page boundary.
             self._grid = math.lcm(mamba_cache_chunk_size(), self.page_size)
         self._receipts: dict[int, Lock] = {}
+        # --kv-events-config: SGLang's events, from the core's (reset records the first
+        # AllBlocksCleared, as SGLang's own cache does when it is built).
+        self._events: SglangEvents | None = None
+        if params.enable_kv_cache_events:
+            from radixcache.sglang.events import SglangEvents
+
+            self._events = SglangEvents(params, self.page_size)
         # SGLang's req_to_token table, and a numpy view of it when it is on the CPU.
         self._table: Any = None
         self._table_view: Any = None
@@ -190,12 +200,26 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
     # ------------------------------------------------------------------ state
 
     def reset(self) -> None:
-        """Drop the tree (SGLang clears its allocators right after, reclaiming its slots)."""
+        """Drop the tree (SGLang clears its allocators right after, reclaiming its slots).
+
+        With ``--kv-events-config``: the old tree's events still queued, then
+        ``AllBlocksCleared``.
+        """
+        events = self._events
+        if events is not None:
+            if hasattr(self, "cache"):
+                events.add(self.cache.take_events())
+            events.cleared()
         # Slot 0 (KV: page 0) is SGLang's padding target: allocators hand out 1..size.
         kv_slots = self.token_to_kv_pool_allocator.size + self.page_size
         mamba_slots = self._mamba_allocator.size + 1 if self._hybrid else 0
         self.cache = HybridCache(
-            kv_slots=kv_slots, page_size=self.page_size, mamba_slots=mamba_slots, pools="engine"
+            kv_slots=kv_slots,
+            page_size=self.page_size,
+            mamba_slots=mamba_slots,
+            pools="engine",
+            page_hashes=events is not None,
+            events=events is not None,
         )
         self._receipts.clear()
 
@@ -582,8 +606,16 @@ class RadixCacheBackend(BasePrefixCache):  # type: ignore[misc]
         self.cache.audit()
 
     def take_events(self) -> list[Any]:
-        """KV cache events: none (``--kv-events-config`` is refused at startup)."""
-        return []
+        """Return SGLang's KV cache events since the last call, oldest first.
+
+        ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared``, as SGLang's own cache
+        records them (`radixcache.sglang.events`); none without ``--kv-events-config``.
+        """
+        events = self._events
+        if events is None:
+            return []
+        events.add(self.cache.take_events())
+        return events.take()
 
     def supports_mamba(self) -> bool:
         """Whether the tree caches Mamba states (a FULL+Mamba model)."""
