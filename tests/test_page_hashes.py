@@ -14,7 +14,7 @@ import pytest
 import radixcache as rc
 from radixcache import _core
 
-from conftest import cached
+from conftest import cached, fingerprint
 
 
 def by_hand(tokens: list[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
@@ -117,6 +117,32 @@ def test_match_last_hash_is_the_last_matched_pages_and_chains_the_rest() -> None
     assert c.chain_hashes(prompt[6:], parent_hash=m.last_hash) == by_hand(prompt, 2)[3:]
     assert c.match_prefix([5, 5]).last_hash is None, "nothing matched"
     c.audit()
+
+
+def test_peek_hash_is_where_the_kv_match_ends_and_changes_nothing() -> None:
+    c = rc.HybridCache(kv_slots=64, page_size=2, host_kv_slots=64, page_hashes=True)
+    cached(c, list(range(1, 9)))
+    for b in c.take_batches():
+        b.start()
+        b.complete()
+    c.evict(kv_tokens=8)  # on the host only now: the peek counts either tier
+    cached(c, [1, 2, 50, 51])
+    before = fingerprint(c)
+    prompt = [1, 2, 3, 4, 5, 70, 71]
+    assert c.peek_hash(prompt) == (4, by_hand(prompt, 2)[1])
+    assert c.peek_hash(np.array(prompt, dtype=np.uint32)) == (4, by_hand(prompt, 2)[1])
+    assert fingerprint(c) == before, "a peek splits, refreshes and counts nothing"
+    kv_len, last = c.peek_hash(list(range(1, 12)))
+    assert (kv_len, last) == (8, by_hand(list(range(1, 9)), 2)[3])
+    rest = list(range(1, 12))[kv_len:10]
+    assert c.chain_hashes(rest, parent_hash=last) == by_hand(list(range(1, 12)), 2)[4:5]
+    assert c.peek_hash([9, 9, 9]) == (0, None)
+    assert c.peek_hash([1, 2, 50, 51], namespace="other") == (0, None)
+    with pytest.raises(TypeError, match="^tokens"):
+        c.peek_hash("abc")  # type: ignore[arg-type]
+    plain = rc.HybridCache(kv_slots=64, page_size=2)
+    cached(plain, [1, 2, 3, 4])
+    assert plain.peek_hash([1, 2, 3, 4]) == (4, None)
 
 
 def test_a_host_only_match_reports_its_last_hash() -> None:

@@ -908,6 +908,18 @@ class HybridCache:
         A scheduler ranks waiting requests by it (`radixcache.serving.Scheduler`'s
         ``schedule_policy="lpm"``).
         """
+    def peek_hash(
+        self, tokens: _Tokens, *, namespace: str | None = None
+    ) -> tuple[int, bytes | None]:
+        """``(kv_len, hash)``: where the KV ``match_prefix`` would find ends, and its hash.
+
+        ``kv_len`` as ``peek_prefix``'s (whole pages, either tier, states ignored), and
+        the hash of the page ending there: None when nothing matched or the cache has no
+        page hashes. Nothing changes, as with ``peek_prefix``. The chain of the tokens
+        past the cached KV continues from it:
+        ``chain_hashes(tokens[kv_len:whole], namespace=, parent_hash=hash)`` (what the L3
+        tier's lookup hashes, rather than the whole prompt).
+        """
     def insert(
         self,
         tokens: _Tokens,

@@ -269,13 +269,14 @@ class L3Tier:
         cache = self.cache
         ps = cache.page_size
         toks = np.asarray(tokens, dtype=np.int64)
-        _, _, have = cache.peek_prefix(toks, namespace=namespace)
+        have, last = cache.peek_hash(toks, namespace=namespace)
         whole = len(toks) // ps * ps
         if whole - have < max(self.min_tokens, ps):
             self.counters.lookups_skipped += 1
             return 0
         self.counters.lookups += 1
-        hashes = cache.chain_hashes(toks[:whole], namespace=namespace)[have // ps :]
+        # Only the uncached part is hashed, chained from the cached KV's last page.
+        hashes = cache.chain_hashes(toks[have:whole], namespace=namespace, parent_hash=last)
         present = self._try(self.store.exists, self._keys(hashes))
         if not present:
             return 0

@@ -1289,6 +1289,14 @@ impl Machine {
             (m.device_len, m.host_len, m.kv_len),
             "a peek answers what the match does: {toks:?}"
         );
+        let chain = self
+            .cache
+            .chain_hashes(ns.as_deref(), None, &toks[..p.kv_len]);
+        assert_eq!(
+            p.kv_hash,
+            chain.last().copied(),
+            "a peek's hash is the last of the chain of the KV it found"
+        );
         self.check_match(ns, toks, &m);
         self.check();
     }

@@ -416,6 +416,11 @@ impl Machine {
         // After the KV the tree holds on either tier (past a hybrid match's cut too).
         let have = p.kv_len / self.ps;
         let hashes = cache.chain_hashes(None, None, toks);
+        assert_eq!(
+            cache.chain_hashes(None, p.kv_hash, &toks[p.kv_len..]),
+            hashes[have..],
+            "the chain of the rest continues from the peek's hash"
+        );
         let run = hashes[have..]
             .iter()
             .take_while(|h| self.store.objects.contains_key(&(false, **h)))

@@ -544,6 +544,23 @@ impl PyHybridCache {
         Ok((p.device_len, p.host_len, p.kv_len))
     }
 
+    /// `(kv_len, hash)`: where the KV `match_prefix` would find ends (either tier) and
+    /// the hash of the page ending there (None when nothing matched or without page
+    /// hashes), with none of its effects.
+    #[pyo3(signature = (tokens, *, namespace=None))]
+    fn peek_hash(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<(usize, Option<Py<PyBytes>>)> {
+        let tokens = tokens_arg(tokens, "tokens")?;
+        let p = run(py, &self.inner, tokens.len(), |c| {
+            Ok(c.peek_prefix(namespace, &tokens))
+        })?;
+        Ok((p.kv_len, p.kv_hash.map(|h| PyBytes::new(py, &h).unbind())))
+    }
+
     /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
     #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=Int::Value(0),
                         mamba_slot=None, priority=Int::Value(0)),

@@ -175,6 +175,37 @@ mod tests {
     }
 
     #[test]
+    fn a_peek_reports_the_hash_where_the_kv_match_ends_inside_a_node_and_splits_nothing() {
+        let mut c = hashed(2, None);
+        cached(&mut c, &seq(8));
+        let chain = by_hand(None, &seq(8), 2);
+        let nodes = c.snapshot().len();
+        // Two pages into the four-page node: the hash of the second page, no split.
+        let p = c.peek_prefix(None, &[1, 2, 3, 4, 5, 7]);
+        assert_eq!((p.kv_len, p.kv_hash), (4, Some(chain[1])));
+        assert_eq!(c.snapshot().len(), nodes);
+        // The whole node, and past it (the unaligned tail is not matched).
+        let p = c.peek_prefix(None, &seq(9));
+        assert_eq!((p.kv_len, p.kv_hash), (8, Some(chain[3])));
+        // The rest of a prompt chains on from it.
+        let p = c.peek_prefix(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 9]);
+        assert_eq!(
+            c.chain_hashes(None, p.kv_hash, &[9, 9]),
+            by_hand(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 9], 2)[4..]
+        );
+        assert_eq!(
+            c.peek_prefix(None, &[9, 9]).kv_hash,
+            None,
+            "nothing matched"
+        );
+        // Without page hashes there is none.
+        let mut plain = Cache::new(Config::kv(64, 2)).unwrap();
+        cached(&mut plain, &seq(8));
+        assert_eq!(plain.peek_prefix(None, &seq(8)).kv_hash, None);
+        c.audit().unwrap();
+    }
+
+    #[test]
     fn the_default_namespace_starts_from_hash_seed() {
         let seed = [5u8; 32];
         let mut c = hashed(2, Some(seed));

@@ -76,10 +76,16 @@ impl Cache {
                 any = depth;
             }
         }
+        // The last page matched ends the last path entry's matched part (whole pages).
+        let kv_hash = probe.path.last().and_then(|&(i, n)| {
+            let pages = n / self.config.page_size;
+            self.tree.node(i).hashes.get(pages.checked_sub(1)?).copied()
+        });
         Peek {
             device_len: valid,
             host_len: any.saturating_sub(valid),
             kv_len: probe.matched,
+            kv_hash,
         }
     }
 

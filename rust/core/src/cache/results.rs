@@ -35,6 +35,9 @@ pub struct Peek {
     pub host_len: usize,
     /// As [`Match::kv_len`].
     pub kv_len: usize,
+    /// The hash of the page ending at `kv_len` (`None` when nothing matched or without
+    /// page hashes): where the chain of the tokens past the cached KV continues from.
+    pub kv_hash: Option<crate::hashes::PageHash>,
 }
 
 /// The answer of [`super::Cache::insert`].
