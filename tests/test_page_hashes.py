@@ -138,7 +138,7 @@ def test_peek_hash_is_where_the_kv_match_ends_and_changes_nothing() -> None:
     assert c.chain_hashes(rest, parent_hash=last) == by_hand(list(range(1, 12)), 2)[4:5]
     assert c.peek_hash([9, 9, 9]) == (0, None)
     assert c.peek_hash([1, 2, 50, 51], namespace="other") == (0, None)
-    with pytest.raises(TypeError, match="^tokens"):
+    with pytest.raises(TypeError, match=r"^tokens"):
         c.peek_hash("abc")  # type: ignore[arg-type]
     plain = rc.HybridCache(kv_slots=64, page_size=2)
     cached(plain, [1, 2, 3, 4])
