@@ -82,6 +82,12 @@ impl Model {
         self.has(C::KIND)
     }
 
+    /// Whether the model is full attention alone (no Mamba, no SWA layers).
+    #[inline]
+    pub fn full_only(self) -> bool {
+        !self.mamba && !self.swa
+    }
+
     /// Whether the model has component `kind`.
     #[inline]
     pub fn has(self, kind: ComponentKind) -> bool {

@@ -120,6 +120,10 @@ impl Cache {
         let mut depth = 0;
         // Path entries past the cut (`valid`) are not used by the match.
         let mut used = 0;
+        // Full attention alone cuts at the last node on the device, known as the walk
+        // goes: each node is refreshed as it is reached (what the second pass below does
+        // for a model whose cut is known only at the end), saving a pass.
+        let full_only = self.model().full_only();
         for (k, entry) in probe.path.iter_mut().enumerate() {
             let (i, n) = *entry;
             let node = if n < self.tree.node(i).key.len() {
@@ -136,6 +140,14 @@ impl Cache {
             {
                 self.expand_into(pages, out);
             }
+            if full_only {
+                if on_device {
+                    valid = (node, depth);
+                }
+                any = (node, depth);
+                self.refresh_matched(node, on_device, priority);
+                continue;
+            }
             if cut.step(self, node, depth, on_device) {
                 valid = (node, depth);
                 used = k + 1;
@@ -144,21 +156,8 @@ impl Cache {
                 any = (node, depth);
             }
         }
-        // Every node on the path is refreshed, ancestors older than descendants; those
-        // the match uses count a hit (and take an admission's priority). An admission
-        // locks what it uses right after: those nodes (and the state at the cut) leave
-        // the eviction sets there, so their entries are not moved here first.
-        let admitting = priority.is_some();
-        for (k, &(node, _)) in probe.path.iter().enumerate() {
-            let hit = k < used;
-            if let (true, Some(p)) = (hit, priority) {
-                self.raise_priority(node, p);
-            }
-            if hit && admitting {
-                self.lru.stamp(&mut self.tree, node, hit);
-            } else {
-                self.touch(node, hit);
-            }
+        if !full_only {
+            self.refresh_path(&probe.path, used, priority);
         }
         let kv_len = probe.matched;
         self.probe = probe;
@@ -173,7 +172,7 @@ impl Cache {
         };
         let mamba_slot = self.tree.node(end).mamba.device;
         if mamba_slot.is_some() {
-            if admitting {
+            if priority.is_some() {
                 self.lru.stamp_state(&mut self.tree, end, true);
             } else {
                 self.touch_state(end, true);
@@ -191,6 +190,35 @@ impl Cache {
             host_end,
             mamba_slot,
             kv_len,
+        }
+    }
+
+    /// [`Cache::refresh_matched`] for each node of `path`, the first `used` hit (the
+    /// models whose cut is known only once the whole path was walked).
+    #[inline(never)]
+    fn refresh_path(&mut self, path: &[(u32, usize)], used: usize, priority: Option<i64>) {
+        for (k, &(node, _)) in path.iter().enumerate() {
+            self.refresh_matched(node, k < used, priority);
+        }
+    }
+
+    /// Refreshes node `node` of a matched path (ancestors first, so older than their
+    /// descendants); one the match uses (`hit`) counts a hit and takes an admission's
+    /// `priority`. An admission locks what it uses right after: those nodes (and the
+    /// state at the cut) leave the eviction sets there, so their entries are not moved
+    /// here first.
+    // Always inlined: the walk of a full-attention model calls it per node, and out of
+    // line it costs a match more than the pass it saves (benches/instructions.py).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    fn refresh_matched(&mut self, node: u32, hit: bool, priority: Option<i64>) {
+        if let (true, Some(p)) = (hit, priority) {
+            self.raise_priority(node, p);
+        }
+        if hit && priority.is_some() {
+            self.lru.stamp(&mut self.tree, node, hit);
+        } else {
+            self.touch(node, hit);
         }
     }
 
