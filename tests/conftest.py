@@ -301,11 +301,15 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server on loopback in ``dir``; ``stop()`` kills it, ``start()`` again."""
+    """A redis-server on loopback in ``dir``; ``stop()`` kills it, ``start()`` again.
 
-    def __init__(self, dir: Path) -> None:
+    ``cluster``: a node with cluster mode on (`redis_cluster` joins three of them).
+    """
+
+    def __init__(self, dir: Path, *, cluster: bool = False) -> None:
         self.dir = dir
         self.port = free_port()
+        self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -318,6 +322,11 @@ class RedisServer:
             [
                 *("redis-server", "--bind", "127.0.0.1", "--port", str(self.port)),
                 *("--save", "", "--appendonly", "no", "--dir", str(self.dir)),
+                *(
+                    ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+                    if self.cluster
+                    else ()
+                ),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -341,12 +350,51 @@ class RedisServer:
             self.proc = None
 
 
+def _need_redis(*programs: str) -> None:
+    """Skip (fail with RADIXCACHE_REQUIRE_REDIS=1) without one of `programs` on PATH."""
+    for program in programs:
+        if shutil.which(program) is None:
+            if os.environ.get("RADIXCACHE_REQUIRE_REDIS") == "1":
+                pytest.fail(f"{program} is not on PATH and RADIXCACHE_REQUIRE_REDIS=1")
+            pytest.skip(f"{program} is not on PATH")
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("RADIXCACHE_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server is not on PATH and RADIXCACHE_REQUIRE_REDIS=1")
-        pytest.skip("redis-server is not on PATH")
+    _need_redis("redis-server")
     server = RedisServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[str]:
+    """A three-node Redis Cluster on loopback (every slot served); its store URL."""
+    _need_redis("redis-server", "redis-cli")
+    nodes = []
+    try:
+        for i in range(3):
+            (tmp_path / f"node{i}").mkdir()
+            nodes.append(RedisServer(tmp_path / f"node{i}", cluster=True))
+        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addrs, "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 20
+        while not all(_cluster_ok(n.port) for n in nodes):
+            assert time.monotonic() < deadline, "the Redis Cluster did not come up"
+            time.sleep(0.1)
+        yield "redis+cluster://" + ",".join(addrs)
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def _cluster_ok(port: int) -> bool:
+    info = subprocess.run(
+        ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True
+    ).stdout
+    return "cluster_state:ok" in info

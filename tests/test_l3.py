@@ -506,6 +506,15 @@ def test_a_fleet_over_redis_serves_every_sample_right(redis_server: RedisServer)
     assert r["l3_breaker"] == ["closed", "closed"]
 
 
+def test_a_fleet_over_a_redis_cluster_serves_every_sample_right(redis_cluster: str) -> None:
+    jobs = workloads.WORKLOADS["multiturn"](96, 0)
+    r = replay_fleet(jobs, _config(redis_cluster), 2, compare=False)
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert r["l3_stored_objects"] > 0
+    assert r["l3_hit_tokens"] > 0, "one server fetched what the other wrote"
+    assert r["l3_breaker"] == ["closed", "closed"]
+
+
 def test_two_shard_processes_share_a_redis_that_dies_and_comes_back() -> None:
     # Three copies of multiturn, so that both processes run well past the restart.
     if shutil.which("redis-server") is None:
