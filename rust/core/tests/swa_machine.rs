@@ -358,17 +358,7 @@ impl Machine {
     /// tree, else fails naming what does and changes nothing.
     fn reset(&mut self, drain: bool) {
         if drain {
-            self.settle_batches(0);
-            for (id, _) in std::mem::take(&mut self.reqs) {
-                if self.c.finish(id).is_err() {
-                    self.c.abort(id).unwrap();
-                }
-            }
-            for r in std::mem::take(&mut self.receipts) {
-                self.c.unlock(r).unwrap();
-            }
-            self.settle_batches(0);
-            self.events.check(&mut self.c);
+            self.end_everything();
         }
         self.events.check(&mut self.c); // takes the events, releasing dropped receipts
         let before = (self.c.stats(), self.c.pretty(10_000, 1));
@@ -582,7 +572,8 @@ impl Machine {
         assert!(stat(c, "swa_request_slots") <= held_bound);
     }
 
-    fn teardown(mut self) {
+    /// Ends every batch, request and receipt: nothing holds the tree afterwards.
+    fn end_everything(&mut self) {
         self.settle_batches(0);
         for (id, _) in std::mem::take(&mut self.reqs) {
             if self.c.finish(id).is_err() {
@@ -593,6 +584,10 @@ impl Machine {
             self.c.unlock(r).unwrap();
         }
         self.settle_batches(0);
+    }
+
+    fn teardown(mut self) {
+        self.end_everything();
         // Write-back: the eviction's backups land, then what they demoted goes too.
         self.c.evict(usize::MAX, usize::MAX);
         self.settle_batches(0);

@@ -7,11 +7,11 @@
 
 use std::collections::BTreeSet;
 
+use super::test_util::put;
 use super::*;
 use crate::config::{Config, WritePolicy};
 use crate::error::Error;
 use crate::hashes::{self, PageHash};
-use crate::ids::NodeId;
 
 /// A router's index: `(medium, namespace, hash)` of the pages and of the states.
 #[derive(Default)]
@@ -95,23 +95,6 @@ fn host(policy: WritePolicy, mamba: bool) -> Cache {
         ..config(2)
     })
     .unwrap()
-}
-
-/// Caches `toks` in `ns` with fresh slots (and a state at the end with Mamba layers).
-fn put(c: &mut Cache, ns: Option<&str>, toks: &[u32]) -> NodeId {
-    let m = c.match_prefix(ns, toks);
-    let ps = c.page_size();
-    let rest = toks.len() - m.device_len;
-    let mut kv = m.kv_indices.clone();
-    kv.extend(c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap()[..rest].iter());
-    let state = if c.is_hybrid() {
-        c.alloc_mamba().unwrap().map(i64::from)
-    } else {
-        None
-    };
-    c.insert_with_state(ns, toks, &kv, m.device_len, state)
-        .unwrap()
-        .node
 }
 
 fn chain(toks: &[u32]) -> Vec<PageHash> {

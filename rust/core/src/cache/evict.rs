@@ -293,12 +293,32 @@ impl Cache {
     }
 
     /// Frees a node's host copies (out of the host sets), writing nothing anywhere.
-    pub(crate) fn discard_host(&mut self, i: u32) {
+    fn discard_host(&mut self, i: u32) {
         self.lru.unlist_host(&mut self.tree, i);
         if let Some(pages) = self.edit(i, |n| n.kv.host.take()) {
             self.pools.host_kv.release_tree(&pages);
         }
         self.drop_host_components(i);
+    }
+
+    /// Frees all node `d` holds, on both tiers, and the node itself (its children gone
+    /// already, nothing of it locked or in flight); the device data it frees counts in
+    /// `out`. A host copy the L3 tier lacks is written first under
+    /// `l3_write="host_eviction"` when `write_l3` (an eviction), never otherwise.
+    pub(crate) fn delete_node(&mut self, d: u32, out: &mut Evicted, write_l3: bool) {
+        self.drop_device_components(d, out);
+        if let Some(pages) = self.edit(d, |n| n.kv.device.take()) {
+            self.pools.kv.release_tree(&pages);
+        }
+        self.lru.unlist_kv(&mut self.tree, d);
+        if write_l3 {
+            self.drop_host(d);
+        } else {
+            self.discard_host(d);
+        }
+        let parent = self.tree.node(d).parent;
+        self.tree.unlink_child(parent, d);
+        self.tree.free_node(d);
     }
 
     /// Deletes an unlocked device node together with what is below it: host-only nodes
@@ -310,15 +330,7 @@ impl Cache {
         let mut counted = Evicted::default();
         for &d in below[1..].iter().rev() {
             let len = self.tree.node(d).key.len();
-            self.drop_device_components(d, &mut counted);
-            if let Some(pages) = self.edit(d, |n| n.kv.device.take()) {
-                self.pools.kv.release_tree(&pages);
-            }
-            self.lru.unlist_kv(&mut self.tree, d);
-            self.drop_host(d);
-            let parent = self.tree.node(d).parent;
-            self.tree.unlink_child(parent, d);
-            self.tree.free_node(d);
+            self.delete_node(d, &mut counted, true);
             self.stats.host_evictions += 1;
             self.stats.host_evicted_tokens += len as u64;
         }

@@ -64,15 +64,7 @@ impl Cache {
     fn reset_root(&mut self, root: u32) {
         let below = self.tree.preorder(root);
         for &d in below[1..].iter().rev() {
-            self.drop_device_components(d, &mut Evicted::default());
-            if let Some(pages) = self.edit(d, |n| n.kv.device.take()) {
-                self.pools.kv.release_tree(&pages);
-            }
-            self.lru.unlist_kv(&mut self.tree, d);
-            self.discard_host(d);
-            let parent = self.tree.node(d).parent;
-            self.tree.unlink_child(parent, d);
-            self.tree.free_node(d);
+            self.delete_node(d, &mut Evicted::default(), false);
         }
         let r = self.tree.node_mut(root);
         r.device_children = 0;

@@ -4,7 +4,7 @@
 
 #![allow(clippy::many_single_char_names)]
 
-use super::test_util::stat;
+use super::test_util::{put, stat};
 use super::*;
 use crate::config::{Config, L3Write, PoolOwner, WritePolicy};
 use crate::error::Error;
@@ -25,23 +25,6 @@ fn cache() -> Cache {
         ..Config::default()
     })
     .unwrap()
-}
-
-/// Caches `toks` in `ns` with fresh slots and a state at its end.
-fn put(c: &mut Cache, ns: Option<&str>, toks: &[u32]) -> NodeId {
-    let m = c.match_prefix(ns, toks);
-    let rest = toks.len() - m.device_len;
-    let ps = c.page_size();
-    let mut kv = m.kv_indices.clone();
-    kv.extend(c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap()[..rest].iter());
-    let state = if c.is_hybrid() {
-        c.alloc_mamba().unwrap().map(i64::from)
-    } else {
-        None
-    };
-    c.insert_with_state(ns, toks, &kv, m.device_len, state)
-        .unwrap()
-        .node
 }
 
 fn run_all(c: &mut Cache) {

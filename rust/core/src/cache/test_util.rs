@@ -1,6 +1,7 @@
 //! Helpers shared by the core's unit tests.
 
 use super::{Cache, Insert};
+use crate::ids::NodeId;
 
 /// Tokens `1..=n`.
 pub(super) fn seq(n: u32) -> Vec<u32> {
@@ -32,4 +33,22 @@ pub(super) fn prefix_and_fresh(c: &mut Cache, toks: &[u32]) -> (usize, Vec<i64>)
     let mut kv = m.kv_indices.clone();
     kv.extend_from_slice(&got[..rest]);
     (m.device_len, kv)
+}
+
+/// Caches `toks` in `ns` with fresh slots and, in a hybrid cache, a state at the end;
+/// returns its end node.
+pub(super) fn put(c: &mut Cache, ns: Option<&str>, toks: &[u32]) -> NodeId {
+    let m = c.match_prefix(ns, toks);
+    let rest = toks.len() - m.device_len;
+    let ps = c.page_size();
+    let mut kv = m.kv_indices.clone();
+    kv.extend(c.alloc_kv(rest.div_ceil(ps) * ps).unwrap().unwrap()[..rest].iter());
+    let state = if c.is_hybrid() {
+        c.alloc_mamba().unwrap().map(i64::from)
+    } else {
+        None
+    };
+    c.insert_with_state(ns, toks, &kv, m.device_len, state)
+        .unwrap()
+        .node
 }
