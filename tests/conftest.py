@@ -300,6 +300,25 @@ def free_port() -> int:
         return port
 
 
+#: A Redis Cluster node also listens on its port + 10000 (the cluster bus).
+CLUSTER_BUS_OFFSET = 10_000
+
+
+def free_cluster_port() -> int:
+    """Return a loopback port free now whose cluster-bus port is a free port too."""
+    while True:
+        port = free_port()
+        bus = port + CLUSTER_BUS_OFFSET
+        if bus > 65_535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", bus))
+            except OSError:
+                continue
+        return port
+
+
 class RedisServer:
     """A redis-server on loopback in ``dir``; ``stop()`` kills it, ``start()`` again.
 
@@ -308,7 +327,7 @@ class RedisServer:
 
     def __init__(self, dir: Path, *, cluster: bool = False) -> None:
         self.dir = dir
-        self.port = free_port()
+        self.port = free_cluster_port() if cluster else free_port()
         self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -333,7 +352,9 @@ class RedisServer:
         )
         deadline = time.monotonic() + 10
         while not self.listening():
-            assert time.monotonic() < deadline, "redis-server did not start"
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()  # nothing left running for the collector to warn about
+                raise AssertionError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)
 
     def listening(self) -> bool:

@@ -43,6 +43,20 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A free port whose cluster-bus port (the port + 10000, where a cluster node also
+/// listens) is free too: an ephemeral port above 55535 has none.
+fn free_cluster_port() -> u16 {
+    loop {
+        let port = free_port();
+        let Some(bus) = port.checked_add(10_000) else {
+            continue;
+        };
+        if TcpListener::bind(("127.0.0.1", bus)).is_ok() {
+            return port;
+        }
+    }
+}
+
 /// A redis-server on loopback, killed (and its directory removed) on drop.
 struct Server {
     port: u16,
@@ -58,7 +72,11 @@ impl Server {
     }
 
     fn start_with(tag: &str, cluster: bool, extra: &[&str]) -> Server {
-        let port = free_port();
+        let port = if cluster {
+            free_cluster_port()
+        } else {
+            free_port()
+        };
         let dir =
             std::env::temp_dir().join(format!("rcl3-redis-{tag}-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
