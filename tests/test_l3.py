@@ -31,7 +31,13 @@ class Machine:
     """One cache with its storage, L3 tier and engine."""
 
     def __init__(
-        self, store: Any, *, hybrid: bool, host_kv: int = 128, l3_write: str = "backup"
+        self,
+        store: Any,
+        *,
+        hybrid: bool,
+        host_kv: int = 128,
+        l3_write: str = "backup",
+        events: bool = False,
     ) -> None:
         self.cache = HybridCache(
             kv_slots=64,
@@ -42,6 +48,7 @@ class Machine:
             page_hashes=True,
             l3=True,
             l3_write=l3_write,  # type: ignore[arg-type]
+            events=events,
         )
         self.storage = Storage.for_cache(
             self.cache,
@@ -270,6 +277,75 @@ def test_lost_and_corrupt_objects_are_misses_never_wrong_bytes(url: str, hybrid:
     assert c.tier.lookup(TOKENS) == 0
 
 
+@pytest.mark.parametrize("fault", ["lose", "corrupt"])
+def test_an_object_the_store_lost_or_held_corrupt_is_announced_gone_from_external(
+    url: str, fault: str
+) -> None:
+    a = Machine(ObjectStore(url), hybrid=False)
+    a.compute(TOKENS, np.random.default_rng(3))
+    a.settle()
+    hashes = a.cache.chain_hashes(TOKENS)
+    b = Machine(ObjectStore.faulty(url, seed=7, **{fault: 1.0}), hybrid=False, events=True)
+    b.cache.take_events()
+    assert b.tier.fetch(TOKENS) == 0
+    # One batch get read all six objects, and every one was lost (or corrupt, then
+    # deleted): all six are announced gone, in one removal.
+    gone = [(e.kind, e.medium, e.namespace, e.hashes) for e in b.cache.take_events()]
+    assert gone == [("removed", "EXTERNAL", None, hashes)]
+    assert b.cache.stats()["l3_gone_objects"] == 6
+    key = "l3_corrupt_objects" if fault == "corrupt" else "l3_missing_objects"
+    assert b.tier.report()[key] == 6
+    b.cache.audit()
+
+
+def test_a_state_the_store_lost_is_announced_gone_and_its_pages_stay_announced(
+    url: str,
+) -> None:
+    a = Machine(ObjectStore(url), hybrid=True)
+    a.compute(TOKENS, np.random.default_rng(3))
+    a.settle()
+    last = a.cache.chain_hashes(TOKENS)[-1]
+    b = Machine(ObjectStore(url), hybrid=True, events=True)
+    batch = b.cache.l3_fetch(TOKENS, 6)
+    assert batch is not None
+    b.cache.take_events()
+    ObjectStore(url).delete([b.tier.prefix + last.hex().encode() + b".s"])
+    assert b.tier.read(batch) == 0, "a hybrid prefix lands only with its state"
+    events = [(e.kind, e.medium, e.hashes) for e in b.cache.take_events()]
+    assert events == [("state_removed", "EXTERNAL", [last])]
+    assert b.cache.stats()["l3_gone_objects"] == 1
+    assert b.tier.report()["l3_missing_objects"] == 1
+    b.cache.audit()
+
+
+def test_complete_l3_refuses_a_bad_gone_naming_it_and_changes_nothing(url: str) -> None:
+    a = Machine(ObjectStore(url), hybrid=True)
+    a.compute(TOKENS, np.random.default_rng(3))
+    a.settle()
+    b = Machine(ObjectStore(url), hybrid=True, events=True)
+    batch = b.cache.l3_fetch(TOKENS, 6)
+    assert batch is not None
+    batch.start()
+    b.cache.take_events()
+    before = b.cache.stats()
+    for pages, state, gone, why in [
+        (0, False, [-1], r"^gone: index -1 is negative"),
+        (0, False, [7], r"^gone: index 7 is past the batch's 7 objects"),
+        (2, False, [1], r"^gone: page 1 is reported landed"),
+        (6, True, [6], r"^gone: the state .* is reported landed"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            batch.complete_l3(pages, state=state, gone=gone)
+    with pytest.raises(TypeError, match=r"^gone"):
+        batch.complete_l3(0, gone={1})  # type: ignore[arg-type]
+    assert b.cache.stats() == before
+    assert b.cache.take_events() == []
+    assert batch.outcome is None, "still in flight"
+    batch.complete_l3(0, gone=np.array([6, 0, 6]))
+    assert b.cache.stats()["l3_gone_objects"] == 2
+    b.cache.audit()
+
+
 def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
     rng = np.random.default_rng(4)
     a, b = Machine(ObjectStore(url), hybrid=False), Machine(ObjectStore(url), hybrid=False)
@@ -284,6 +360,7 @@ def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
     assert b.tier.read(batch) == 3, "pages 0-2 landed, 3 missing, 4-5 not used"
     assert b.cache.match_prefix(TOKENS).host_len == 12
     assert b.tier.counters.missed_pages == 3
+    assert b.cache.stats()["l3_gone_objects"] == 1, "page 3 only: 4 and 5 are still there"
     b.cache.audit()
 
 

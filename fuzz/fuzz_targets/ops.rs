@@ -39,7 +39,8 @@
 //! leading pages past what the cache holds (as an engine does), calls `l3_fetch`, reads
 //! the objects into the host slots of the batch (an object may be lost, or come back
 //! corrupt: caught by its checksum, a miss) and ends it (`complete`, `complete_l3` of
-//! what came back whole or less, `fail`, `abandon`, or later, by `L3Ack`). Findings
+//! what came back whole or less, with the objects found missing or corrupt as `gone`,
+//! `fail`, `abandon`, or later, by `L3Ack`). Findings
 //! besides the above: a host slot of the tree that does not hold its tokens' data, a put
 //! that writes an object other bytes than its page's.
 //!
@@ -724,6 +725,8 @@ struct Get {
     pages: usize,
     state: bool,
     whole: bool,
+    /// The objects the store did not hold (missing, or corrupt and deleted).
+    gone: Vec<usize>,
 }
 
 /// What an object must hold, and the namespace and tokens of the page it ends.
@@ -1784,30 +1787,36 @@ impl H {
         }
         let failed = mem.draw(mem.fail);
         let mut landed = 0;
+        let mut gone = Vec::new();
         if !failed {
             for (k, chunk) in b.copies[0].dst.chunks(ps).enumerate() {
                 if !mem.read(false, b.keys[k], chunk) {
+                    gone.push(k);
                     break;
                 }
                 landed += 1;
             }
         }
-        let state = hybrid && landed == total && mem.read(true, b.keys[total], &b.copies[1].dst);
+        let state = hybrid && landed == total && {
+            let ok = mem.read(true, b.keys[total], &b.copies[1].dst);
+            if !ok {
+                gone.push(total);
+            }
+            ok
+        };
         let whole = landed == total && (state || !hybrid);
         let mut get = Get {
             id: b.id,
             pages: landed,
             state,
             whole,
+            gone,
         };
         if end & 0x80 != 0 && landed > 0 {
             // Claims less than landed: the rest is a miss.
-            get = Get {
-                id: b.id,
-                pages: landed - 1,
-                state: false,
-                whole: false,
-            };
+            get.pages = landed - 1;
+            get.state = false;
+            get.whole = false;
         }
         match mode {
             1 => self.ack_get(&get, true),
@@ -1836,7 +1845,7 @@ impl H {
         } else if g.whole {
             self.c.complete(g.id)
         } else {
-            self.c.complete_l3(g.id, g.pages, g.state)
+            self.c.complete_l3(g.id, g.pages, g.state, &g.gone)
         };
         if let Err(e) = r {
             panic!("acknowledging fetch {} in flight failed: {e:?}", g.id);

@@ -531,16 +531,25 @@ class TransferBatch:
         those objects: object ``k`` of a KV copy is slots ``k * page_size`` to
         ``(k + 1) * page_size - 1``, of a state copy slot ``k``.
         """
-    def complete_l3(self, pages: int, *, state: bool = False) -> None:
+    def complete_l3(self, pages: int, *, state: bool = False, gone: _Indices | None = None) -> None:
         """Acknowledge an ``"l3_get"`` batch whose first ``pages`` pages landed.
 
         ``state``: the state at their end landed too (a hybrid fetch lands only whole,
         with its state; anything less is a miss). The pages that did not land are a
         miss, and every slot the batch took and did not place goes back.
 
+        ``gone``: indices into ``keys`` of the objects the store did not hold (missing,
+        or corrupt and deleted; the state's index is the number of pages). Counted in
+        ``stats()["l3_gone_objects"]``; with events on, each is announced as removed
+        from ``"EXTERNAL"`` (a ``removed`` for pages, a ``state_removed`` for the
+        state), in the fetch's namespace, so that a router's index forgets it.
+
         Raises:
             ValueError: the batch is not an ``"l3_get"`` batch, or ended already
-                (``batch_id``); ``pages`` is negative.
+                (``batch_id``); ``pages`` is negative; a ``gone`` index is negative,
+                past ``keys`` or names an object reported landed (``gone``). Nothing
+                changes then, and the batch stays in flight.
+            TypeError: ``gone`` is not a sequence of ints.
         """
     def fail(self, reason: str | None = None) -> None:
         """Acknowledge the copies as failed: a failed copy is a miss, never a hit.

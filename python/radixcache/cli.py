@@ -1045,7 +1045,8 @@ def _report_table(r: dict[str, Any]) -> Any:
             f"{r['l3_bytes_fetched'] / 1e6:.1f} MB fetched",
             f"{r['l3_fetch_gbps']:.2f} GB/s; {r['l3_bytes_stored'] / 1e6:.1f} MB stored, "
             f"{r['l3_put_gbps']:.2f} GB/s; breaker {r['l3_breaker']}, "
-            f"{r['l3_errors']} errors, {r['l3_corrupt_objects']} corrupt",
+            f"{r['l3_errors']} errors, {r['l3_corrupt_objects']} corrupt, "
+            f"{r['l3_missing_objects']} missing",
         )
 
     def compared(name: str, rate: float | None, ratio: float | None, label: str) -> None:

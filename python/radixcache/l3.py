@@ -13,7 +13,9 @@ host, and holds no cache logic:
   (``cache.l3_fetch``), reads the objects into those slots and acknowledges: the pages
   join the cache as host-only nodes, which the next admission loads back like any host
   hit. A missing, failed, timed-out or corrupt object is a miss for it and every page
-  after it; a corrupt object is deleted by the store client.
+  after it; a corrupt object is deleted by the store client. An object found missing
+  or corrupt is reported ``gone`` to ``complete_l3``, which counts it and, with events
+  on, announces it removed from ``EXTERNAL``.
 
 Each object is named by the page hash the core gives it (its ``keys``), prefixed by a
 name of the storage layout (``key_prefix``: dtypes, shapes and page size, so that caches
@@ -90,6 +92,7 @@ class L3Counters:
     landed_pages: int = 0
     missed_pages: int = 0
     corrupt_objects: int = 0
+    missing_objects: int = 0
     puts: int = 0
     stored_objects: int = 0
     present_objects: int = 0
@@ -307,7 +310,9 @@ class L3Tier:
         """Run an ``l3_get`` batch (from ``cache.l3_fetch``): read its objects, end it.
 
         Starts it, reads each object into its host slots (the rows that came back whole,
-        in order), and acknowledges the leading run that landed (``complete_l3``).
+        in order), and acknowledges the leading run that landed (``complete_l3``), with
+        the objects the store no longer held (missing, or corrupt and deleted) as
+        ``gone``.
 
         Returns:
             The pages that landed and the cache can use (a hybrid fetch: all or none).
@@ -320,6 +325,8 @@ class L3Tier:
         batch.start()
         start = time.perf_counter()
         landed, state = 0, False
+        gone: list[int] = []
+        first = 0  # the index in `batch.keys` of each copy's first object
         try:
             for pool, host, slots, per, hashes in self._objects(batch):
                 keys = self._keys(hashes, pool == "mamba")
@@ -330,6 +337,9 @@ class L3Tier:
                     break
                 ok = next((k for k, g in enumerate(got) if g != "ok"), len(got))
                 self.counters.corrupt_objects += sum(1 for g in got if g == "corrupt")
+                self.counters.missing_objects += sum(1 for g in got if g == "missing")
+                gone.extend(first + k for k, g in enumerate(got) if g != "ok")
+                first += len(keys)
                 if ok:
                     _scatter(host, slots[: ok * per], per, out[:ok])
                     self.counters.bytes_fetched += ok * width
@@ -347,7 +357,7 @@ class L3Tier:
         usable = landed if not self.hybrid else (landed if state and landed == total else 0)
         self.counters.landed_pages += usable
         self.counters.missed_pages += total - usable
-        batch.complete_l3(landed, state=state)
+        batch.complete_l3(landed, state=state, gone=gone)
         return usable
 
     def report(self) -> dict[str, Any]:
@@ -359,6 +369,7 @@ class L3Tier:
             "l3_landed_pages": c.landed_pages,
             "l3_missed_pages": c.missed_pages,
             "l3_corrupt_objects": c.corrupt_objects,
+            "l3_missing_objects": c.missing_objects,
             "l3_stored_objects": c.stored_objects,
             "l3_bytes_fetched": c.bytes_fetched,
             "l3_bytes_stored": c.bytes_stored,

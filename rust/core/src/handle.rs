@@ -446,10 +446,11 @@ impl Batch {
     }
 
     /// An `l3_get` batch's copies landed for its first `pages` pages and (`state`) the
-    /// state at their end (see [`Cache::complete_l3`]).
-    pub fn complete_l3(&self, pages: usize, state: bool) -> Result<()> {
+    /// state at their end; `gone` the objects the store no longer holds (see
+    /// [`Cache::complete_l3`]).
+    pub fn complete_l3(&self, pages: usize, state: bool, gone: &[usize]) -> Result<()> {
         let id = self.copies.id;
-        self.cache.call(|c| c.complete_l3(id, pages, state))?;
+        self.cache.call(|c| c.complete_l3(id, pages, state, gone))?;
         self.ended(Outcome::Completed);
         Ok(())
     }

@@ -110,6 +110,9 @@ pub(crate) struct Stats {
     pub l3_fetches_failed: u64,
     /// Fetched pages that landed (placed in the tree, or found there already).
     pub l3_landed_pages: u64,
+    /// Objects of `l3_get` batches that the store no longer held (missing, or corrupt
+    /// and deleted), as `complete_l3`'s `gone` reported them.
+    pub l3_gone_objects: u64,
     /// `l3_put` batches host eviction emitted (`l3_write="host_eviction"`) to write what
     /// it deleted and the store lacked; their host pages drain until the put ends.
     pub l3_eviction_puts: u64,
@@ -216,6 +219,7 @@ impl Stats {
             ("l3_fetches_called_off", self.l3_fetches_called_off),
             ("l3_fetches_failed", self.l3_fetches_failed),
             ("l3_landed_pages", self.l3_landed_pages),
+            ("l3_gone_objects", self.l3_gone_objects),
             ("l3_eviction_puts", self.l3_eviction_puts),
             ("host_alloc_waits", self.host_alloc_waits),
             ("host_evictions", self.host_evictions),

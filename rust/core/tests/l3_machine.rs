@@ -23,16 +23,21 @@
 //! After every step: `audit()` passes on both caches; every node of `snapshot()` holds
 //! the right data on each tier it claims (device KV unless loading, device state, host
 //! KV, host state); every stored object holds the right values for its page or state.
+//! Both caches publish events; a router's index of the store (`EXTERNAL`), rebuilt from
+//! both streams, never lists an object the store no longer holds: a fetch that finds one
+//! missing or corrupt reports it `gone` to `complete_l3`, which announces its removal.
 //! Each case ends by acknowledging every batch in flight and evicting everything: both
 //! caches' pools must be full again.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
-use radixcache_core::{BatchKind, Cache, Config, L3Write, PoolKind, Tier, TransferBatch};
+use radixcache_core::{
+    BatchKind, Cache, Config, KvEvent, L3Write, Medium, PoolKind, Tier, TransferBatch,
+};
 
 fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
@@ -196,6 +201,8 @@ struct Machine {
     names: HashMap<[u8; 32], Vec<u32>>,
     hybrid: bool,
     ps: usize,
+    /// A router's index of the store from both caches' events: (state?, page hash).
+    external: HashSet<(bool, [u8; 32])>,
 }
 
 impl Machine {
@@ -216,6 +223,7 @@ impl Machine {
             page_hashes: true,
             l3: true,
             l3_write,
+            events: true,
             ..Config::default()
         };
         let nodes = (0..2)
@@ -241,6 +249,47 @@ impl Machine {
             },
             hybrid,
             ps,
+            external: HashSet::new(),
+        }
+    }
+
+    /// Applies cache `c`'s events to the index of the store, as a router would.
+    fn drain_events(&mut self, c: usize) {
+        for e in self.nodes[c].cache.take_events() {
+            match e {
+                KvEvent::Stored {
+                    medium: Medium::External,
+                    hashes,
+                    ..
+                } => self.external.extend(hashes.into_iter().map(|h| (false, h))),
+                KvEvent::Removed {
+                    medium: Medium::External,
+                    hashes,
+                    ..
+                } => {
+                    for h in hashes {
+                        self.external.remove(&(false, h));
+                    }
+                }
+                KvEvent::StateStored {
+                    medium: Medium::External,
+                    hash,
+                    ..
+                } => {
+                    self.external.insert((true, hash));
+                }
+                KvEvent::StateRemoved {
+                    medium: Medium::External,
+                    hash,
+                    ..
+                } => {
+                    self.external.remove(&(true, hash));
+                }
+                // One cache's reset: this shared index forgets everything (a router's
+                // per-worker index would forget that worker's announcements).
+                KvEvent::Cleared => self.external.clear(),
+                _ => {}
+            }
         }
     }
 
@@ -377,8 +426,8 @@ impl Machine {
                 self.run(c, false, false);
             }
         }
+        self.drain_events(c); // the next call releases dropped receipts: this one
         let cache = &mut self.nodes[c].cache;
-        cache.take_events(); // the next call releases dropped receipts: this one
         let before = (cache.stats(), cache.pretty(10_000, 1));
         if let Err(e) = cache.reset() {
             assert!(!drain, "a drained cache refused a reset: {e}");
@@ -496,22 +545,30 @@ impl Machine {
         }
         let kv = &b.copies[0];
         let mut landed = 0;
+        // The objects the store did not hold (missing, or corrupt and deleted).
+        let mut gone = Vec::new();
         for (k, chunk) in kv.dst.chunks(self.ps).enumerate() {
             if !self.read(c, false, b.keys[k], chunk) {
+                gone.push(k);
                 break;
             }
             landed += 1;
         }
-        let state =
-            self.hybrid && landed == pages && self.read(c, true, b.keys[pages], &b.copies[1].dst);
+        let state = self.hybrid && landed == pages && {
+            let ok = self.read(c, true, b.keys[pages], &b.copies[1].dst);
+            if !ok {
+                gone.push(pages);
+            }
+            ok
+        };
         let cache = &mut self.nodes[c].cache;
         if end == 2 && landed > 0 {
             // Claims less than landed: fine, the rest is a miss.
-            cache.complete_l3(b.id, landed - 1, false).unwrap();
+            cache.complete_l3(b.id, landed - 1, false, &gone).unwrap();
         } else if landed == pages && (state || !self.hybrid) {
             cache.complete(b.id).unwrap();
         } else {
-            cache.complete_l3(b.id, landed, state).unwrap();
+            cache.complete_l3(b.id, landed, state, &gone).unwrap();
         }
     }
 
@@ -542,6 +599,15 @@ impl Machine {
     }
 
     fn check(&mut self) {
+        for c in 0..2 {
+            self.drain_events(c);
+        }
+        for key in &self.external {
+            assert!(
+                self.store.objects.contains_key(key),
+                "the index lists an object the store no longer holds: {key:?}"
+            );
+        }
         for ((state, name), obj) in &self.store.objects {
             let prefix = &self.names[name];
             let h = prefix_hashes(prefix);

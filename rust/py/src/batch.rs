@@ -1,13 +1,13 @@
 //! `TransferBatch` and its `Copy`s: the data movement the cache hands the engine.
 
 use numpy::PyArray1;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use radixcache_core as core;
 
 use crate::cache::PyHybridCache;
-use crate::convert::Int;
+use crate::convert::{indices_arg, Int};
 use crate::errors::err;
 use crate::gil::{settle, warn_from_finalizer};
 use crate::grown;
@@ -108,11 +108,32 @@ impl PyTransferBatch {
 
     #[allow(clippy::doc_markdown)] // the Python docstring
     /// An "l3_get" batch's objects landed for its first `pages` pages and (`state`) the
-    /// state at their end, not for the rest (a miss).
-    #[pyo3(signature = (pages, *, state=false))]
-    fn complete_l3(&self, py: Python<'_>, pages: Int, state: bool) -> PyResult<()> {
+    /// state at their end, not for the rest (a miss); `gone`: indices into `keys` of the
+    /// objects the store did not hold (missing, or corrupt and deleted), announced as
+    /// removed from "EXTERNAL" when the cache has events.
+    #[pyo3(signature = (pages, *, state=false, gone=None))]
+    fn complete_l3(
+        &self,
+        py: Python<'_>,
+        pages: Int,
+        state: bool,
+        gone: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let pages = pages.count("pages")?;
-        settle(py, &self.cache, || self.inner.complete_l3(pages, state)).map_err(err)
+        let gone = match gone {
+            None => Vec::new(),
+            Some(g) => indices_arg(g, "gone")?
+                .into_iter()
+                .map(|i| {
+                    usize::try_from(i)
+                        .map_err(|_| PyValueError::new_err(format!("gone: index {i} is negative")))
+                })
+                .collect::<PyResult<Vec<usize>>>()?,
+        };
+        settle(py, &self.cache, || {
+            self.inner.complete_l3(pages, state, &gone)
+        })
+        .map_err(err)
     }
 
     #[allow(clippy::doc_markdown)] // the Python docstring

@@ -440,8 +440,19 @@ impl Cache {
 
     /// An `l3_get` batch's copies landed for its first `pages` pages and (`state`) the
     /// state at their end, not for the rest (a partial fetch: the rest is a miss).
-    /// Refused, changing nothing, for a batch of another kind; an abandoned batch fails.
-    pub fn complete_l3(&mut self, id: BatchId, pages: usize, state: bool) -> Result<()> {
+    /// `gone`: indices into the batch's `keys` of the objects the store did not hold
+    /// (missing, or corrupt and deleted): with events on, each is announced as removed
+    /// from the `EXTERNAL` medium (a page's `Removed`, the state's `StateRemoved`), so
+    /// that a router's index of the store forgets it. Refused, changing nothing, for a
+    /// batch of another kind, and for a `gone` index past the keys or naming an object
+    /// reported landed; an abandoned batch fails.
+    pub fn complete_l3(
+        &mut self,
+        id: BatchId,
+        pages: usize,
+        state: bool,
+        gone: &[usize],
+    ) -> Result<()> {
         self.check_batch_id(id)?;
         match self.batches.pending.get(&id) {
             None => return Err(no_batch(id)),
@@ -454,7 +465,7 @@ impl Cache {
                     ),
                 ))
             }
-            Some(_) => {}
+            Some(p) => check_gone(p.batch.keys.len(), &p.batch.copies, pages, state, gone)?,
         }
         let p = self.end_batch(id)?;
         let (pages, state) = if p.abandoned {
@@ -464,7 +475,7 @@ impl Cache {
         };
         let landed = pages > 0;
         if let Payload::L3Get(get) = p.payload {
-            self.l3_get_ended(get, pages, state);
+            self.l3_get_ended(get, pages, state, gone);
         }
         self.count_ended(landed);
         Ok(())
@@ -480,7 +491,7 @@ impl Cache {
             Payload::L3Put(put) => self.l3_put_ended(put, landed),
             Payload::L3Get(get) => {
                 let pages = if landed { usize::MAX } else { 0 };
-                self.l3_get_ended(get, pages, landed);
+                self.l3_get_ended(get, pages, landed, &[]);
             }
         }
         self.count_ended(landed);
@@ -542,4 +553,30 @@ fn no_batch(id: BatchId) -> Error {
         "batch_id",
         format!("no batch {id} in flight (unknown, or completed or failed already)"),
     )
+}
+
+/// Checks `complete_l3`'s `gone` against an `l3_get` batch of `keys` objects (its KV
+/// pages, then the state when `copies` has a state copy) of which the first `pages`
+/// pages and (`state`) the state landed: each index names an object, and not a landed one.
+fn check_gone(
+    keys: usize,
+    copies: &[SlotCopy],
+    pages: usize,
+    state: bool,
+    gone: &[usize],
+) -> Result<()> {
+    let kv_pages = keys - usize::from(copies.iter().any(|c| c.pool == PoolKind::Mamba));
+    for &i in gone {
+        let why = if i >= keys {
+            format!("index {i} is past the batch's {keys} objects")
+        } else if i < kv_pages && i < pages {
+            format!("page {i} is reported landed (pages={pages})")
+        } else if i == kv_pages && state {
+            "the state (the last object) is reported landed (state=True)".to_owned()
+        } else {
+            continue;
+        };
+        return Err(Error::arg("gone", why));
+    }
+    Ok(())
 }

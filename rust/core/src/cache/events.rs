@@ -224,7 +224,7 @@ impl Cache {
     }
 
     /// The namespace node `i` belongs to (`None`: the default one).
-    fn namespace_of(&self, mut i: u32) -> Option<String> {
+    pub(crate) fn namespace_of(&self, mut i: u32) -> Option<String> {
         while !self.tree.node(i).is_root() {
             i = self.tree.node(i).parent;
         }

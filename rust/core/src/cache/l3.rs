@@ -33,7 +33,7 @@ use crate::pool::{as_i64, Pages};
 use crate::tree::{KvState, NONE};
 
 use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
-use super::events::KvEvent;
+use super::events::{KvEvent, Medium};
 use super::locks::LockReceipt;
 use super::Cache;
 
@@ -318,8 +318,10 @@ impl Cache {
 
     /// An `l3_get` batch ended with the first `pages` of its pages landed and (`state`)
     /// the state at their end; everything else is a miss. A hybrid fetch lands only
-    /// whole, with its state.
-    pub(crate) fn l3_get_ended(&mut self, mut get: Get, pages: usize, state: bool) {
+    /// whole, with its state. `gone`: the objects (indices into the batch's keys, checked
+    /// by `complete_l3`) the store no longer holds, announced as removed from it.
+    pub(crate) fn l3_get_ended(&mut self, mut get: Get, pages: usize, state: bool, gone: &[usize]) {
+        self.l3_gone(&get, gone);
         let total = get.hashes.len();
         let pages = pages.min(total);
         let usable = if get.state.is_some() {
@@ -342,6 +344,42 @@ impl Cache {
         }
         if let Ok(parent) = self.tree.resolve(get.parent) {
             self.drop_root_if_empty(parent);
+        }
+    }
+
+    /// Counts the objects of `get` that the store no longer holds (`gone`, indices into
+    /// its keys: its pages, then its state) and, with events on, announces them removed
+    /// from the `EXTERNAL` medium, in their namespace (the fetch's lock keeps its node).
+    fn l3_gone(&mut self, get: &Get, gone: &[usize]) {
+        let mut gone = gone.to_vec();
+        gone.sort_unstable();
+        gone.dedup();
+        self.stats.l3_gone_objects += gone.len() as u64;
+        if !self.config.events || gone.is_empty() {
+            return;
+        }
+        let Ok(parent) = self.tree.resolve(get.parent) else {
+            return;
+        };
+        let namespace = self.namespace_of(parent);
+        let total = get.hashes.len();
+        let hashes: Vec<PageHash> = gone
+            .iter()
+            .filter_map(|&i| get.hashes.get(i).copied())
+            .collect();
+        if !hashes.is_empty() {
+            self.push_events(vec![KvEvent::Removed {
+                medium: Medium::External,
+                namespace: namespace.clone(),
+                hashes,
+            }]);
+        }
+        if let (true, Some(&hash)) = (gone.contains(&total), get.hashes.last()) {
+            self.push_events(vec![KvEvent::StateRemoved {
+                medium: Medium::External,
+                namespace,
+                hash,
+            }]);
         }
     }
 

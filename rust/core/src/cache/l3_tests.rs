@@ -213,7 +213,7 @@ fn a_fetch_takes_host_slots_under_the_put_keys_and_lands_as_host_only_nodes() {
 fn a_partial_fetch_lands_its_leading_pages_and_gives_the_rest_back() {
     let (mut b, _, get) = fetched(false);
     b.start(get.id).unwrap();
-    b.complete_l3(get.id, 2, false).unwrap();
+    b.complete_l3(get.id, 2, false, &[]).unwrap();
     let m = b.match_prefix(None, &toks());
     assert_eq!(m.host_len, 4, "two pages of two tokens");
     assert_eq!(b.host_kv_pool().counts().tree, 2);
@@ -221,11 +221,95 @@ fn a_partial_fetch_lands_its_leading_pages_and_gives_the_rest_back() {
     b.audit().unwrap();
 }
 
+/// An events-on cache `b` with an `l3_get` of `toks()` (4 pages, a state when `hybrid`)
+/// in flight, in namespace `ns`: its batch, started.
+fn fetching_with_events(hybrid: bool, ns: Option<&str>) -> (Cache, TransferBatch) {
+    let mut b = Cache::new(Config {
+        events: true,
+        ..l3_cache(hybrid).config.clone()
+    })
+    .unwrap();
+    let get = b.l3_fetch(ns, &toks(), 4).unwrap().unwrap();
+    b.start(get.id).unwrap();
+    b.take_events();
+    (b, get)
+}
+
+#[test]
+fn objects_the_store_lacks_are_announced_removed_from_external_in_their_namespace() {
+    let (mut b, get) = fetching_with_events(true, Some("tenant"));
+    // Pages 0 and 1 landed, page 2 was missing, page 3 was not read; the state was
+    // corrupt (index 4, after the pages).
+    b.complete_l3(get.id, 2, false, &[2, 4, 2]).unwrap();
+    let tenant = Some("tenant".to_owned());
+    assert_eq!(
+        b.take_events(),
+        vec![
+            KvEvent::Removed {
+                medium: Medium::External,
+                namespace: tenant.clone(),
+                hashes: vec![get.keys[2]],
+            },
+            KvEvent::StateRemoved {
+                medium: Medium::External,
+                namespace: tenant,
+                hash: get.keys[3],
+            },
+        ],
+        "one removal per object, duplicates once; nothing of a hybrid fetch lands \
+         without its state"
+    );
+    assert_eq!(b.stats.l3_gone_objects, 2);
+    assert_eq!(counts(&b), counts(&l3_cache(true)), "every slot back");
+    b.audit().unwrap();
+}
+
+#[test]
+fn gone_objects_are_counted_without_events_and_beside_landed_pages() {
+    let (mut b, _, get) = fetched(false);
+    b.start(get.id).unwrap();
+    b.complete_l3(get.id, 3, false, &[3]).unwrap();
+    assert_eq!(b.stats.l3_gone_objects, 1);
+    assert_eq!(
+        b.match_prefix(None, &toks()).host_len,
+        6,
+        "three pages landed"
+    );
+    assert!(b.take_events().is_empty(), "events off");
+    b.audit().unwrap();
+}
+
+#[test]
+fn gone_naming_no_object_or_a_landed_one_is_refused_and_changes_nothing() {
+    for (hybrid, pages, state, gone) in [
+        (false, 0, false, vec![4]), // four objects: 0..4
+        (true, 0, false, vec![5]),  // four pages and the state: 0..5
+        (false, 2, false, vec![1]), // page 1 landed
+        (true, 4, true, vec![4]),   // the state landed
+        (true, 4, false, vec![0, 9]),
+    ] {
+        let (mut b, get) = fetching_with_events(hybrid, None);
+        let before = (counts(&b), b.stats.clone());
+        let err = b.complete_l3(get.id, pages, state, &gone).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { arg: "gone", .. }),
+            "{err}"
+        );
+        assert_eq!((counts(&b), b.stats.clone()), before);
+        assert!(b.take_events().is_empty());
+        b.audit().unwrap();
+        // Still in flight: a right acknowledgement ends it.
+        b.complete_l3(get.id, 0, false, &[0]).unwrap();
+        assert_eq!(b.stats.l3_gone_objects, 1);
+        b.audit().unwrap();
+    }
+}
+
 #[test]
 fn a_hybrid_fetch_without_its_state_lands_nothing() {
     let (mut b, _, get) = fetched(true);
     b.start(get.id).unwrap();
-    b.complete_l3(get.id, 4, false).unwrap();
+    b.complete_l3(get.id, 4, false, &[]).unwrap();
     let m = b.match_prefix(None, &toks());
     assert_eq!(m.host_len, 0);
     assert_eq!(b.stats.l3_fetches_failed, 1);
@@ -307,7 +391,7 @@ fn complete_l3_refuses_a_batch_of_another_kind_and_changes_nothing() {
     cached(&mut c, &toks());
     let backup = c.take_batches().pop().unwrap();
     c.start(backup.id).unwrap();
-    let err = c.complete_l3(backup.id, 1, false).unwrap_err();
+    let err = c.complete_l3(backup.id, 1, false, &[]).unwrap_err();
     assert!(
         matches!(
             err,
@@ -607,7 +691,7 @@ fn a_host_state_slot_on_its_way_is_waited_for_not_evicted_for_again() {
     c.complete(puts[0].id).unwrap();
     let get = c.l3_fetch(None, &other, 2).unwrap().unwrap();
     c.start(get.id).unwrap();
-    c.complete_l3(get.id, 2, true).unwrap();
+    c.complete_l3(get.id, 2, true, &[]).unwrap();
     assert_eq!(c.match_prefix(None, &other).host_len, 4);
     c.audit().unwrap();
 }
