@@ -38,11 +38,11 @@
 //! store call may fail and then the batch fails); `L3Fetch` asks the store for the
 //! leading pages past what the cache holds (as an engine does), calls `l3_fetch`, reads
 //! the objects into the host slots of the batch (an object may be lost, or come back
-//! corrupt: caught by its checksum, a miss) and ends it (`complete`, `complete_l3` of
-//! what came back whole or less, with the objects found missing or corrupt as `gone`,
-//! `fail`, `abandon`, or later, by `L3Ack`). Findings
-//! besides the above: a host slot of the tree that does not hold its tokens' data, a put
-//! that writes an object other bytes than its page's.
+//! corrupt: caught by its checksum, a miss) and ends it (`complete`, `complete_l3_gone`
+//! of what came back whole or less with the objects found missing or corrupt, `fail`,
+//! `abandon`, or later, by `L3Ack`). Findings besides the above: a host slot of the tree
+//! that does not hold its tokens' data, a put that writes an object other bytes than its
+//! page's.
 //!
 //! An input whose first byte is `engine::ENGINE_MODE` runs the rest with engine-owned
 //! pools instead (module `engine`, which lists its own findings).
@@ -1845,7 +1845,7 @@ impl H {
         } else if g.whole {
             self.c.complete(g.id)
         } else {
-            self.c.complete_l3(g.id, g.pages, g.state, &g.gone)
+            self.c.complete_l3_gone(g.id, g.pages, g.state, &g.gone)
         };
         if let Err(e) = r {
             panic!("acknowledging fetch {} in flight failed: {e:?}", g.id);

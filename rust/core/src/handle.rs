@@ -446,11 +446,17 @@ impl Batch {
     }
 
     /// An `l3_get` batch's copies landed for its first `pages` pages and (`state`) the
-    /// state at their end; `gone` the objects the store no longer holds (see
-    /// [`Cache::complete_l3`]).
-    pub fn complete_l3(&self, pages: usize, state: bool, gone: &[usize]) -> Result<()> {
+    /// state at their end (see [`Cache::complete_l3`]).
+    pub fn complete_l3(&self, pages: usize, state: bool) -> Result<()> {
+        self.complete_l3_gone(pages, state, &[])
+    }
+
+    /// [`Batch::complete_l3`], with `gone` the objects the store no longer held (see
+    /// [`Cache::complete_l3_gone`]).
+    pub fn complete_l3_gone(&self, pages: usize, state: bool, gone: &[usize]) -> Result<()> {
         let id = self.copies.id;
-        self.cache.call(|c| c.complete_l3(id, pages, state, gone))?;
+        self.cache
+            .call(|c| c.complete_l3_gone(id, pages, state, gone))?;
         self.ended(Outcome::Completed);
         Ok(())
     }

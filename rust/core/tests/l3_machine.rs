@@ -25,7 +25,7 @@
 //! KV, host state); every stored object holds the right values for its page or state.
 //! Both caches publish events; a router's index of the store (`EXTERNAL`), rebuilt from
 //! both streams, never lists an object the store no longer holds: a fetch that finds one
-//! missing or corrupt reports it `gone` to `complete_l3`, which announces its removal.
+//! missing or corrupt reports it `gone` to `complete_l3_gone`, which announces its removal.
 //! Each case ends by acknowledging every batch in flight and evicting everything: both
 //! caches' pools must be full again.
 
@@ -564,11 +564,13 @@ impl Machine {
         let cache = &mut self.nodes[c].cache;
         if end == 2 && landed > 0 {
             // Claims less than landed: fine, the rest is a miss.
-            cache.complete_l3(b.id, landed - 1, false, &gone).unwrap();
+            cache
+                .complete_l3_gone(b.id, landed - 1, false, &gone)
+                .unwrap();
         } else if landed == pages && (state || !self.hybrid) {
             cache.complete(b.id).unwrap();
         } else {
-            cache.complete_l3(b.id, landed, state, &gone).unwrap();
+            cache.complete_l3_gone(b.id, landed, state, &gone).unwrap();
         }
     }
 

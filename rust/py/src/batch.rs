@@ -131,7 +131,7 @@ impl PyTransferBatch {
                 .collect::<PyResult<Vec<usize>>>()?,
         };
         settle(py, &self.cache, || {
-            self.inner.complete_l3(pages, state, &gone)
+            self.inner.complete_l3_gone(pages, state, &gone)
         })
         .map_err(err)
     }

@@ -440,13 +440,20 @@ impl Cache {
 
     /// An `l3_get` batch's copies landed for its first `pages` pages and (`state`) the
     /// state at their end, not for the rest (a partial fetch: the rest is a miss).
-    /// `gone`: indices into the batch's `keys` of the objects the store did not hold
-    /// (missing, or corrupt and deleted): with events on, each is announced as removed
-    /// from the `EXTERNAL` medium (a page's `Removed`, the state's `StateRemoved`), so
-    /// that a router's index of the store forgets it. Refused, changing nothing, for a
-    /// batch of another kind, and for a `gone` index past the keys or naming an object
-    /// reported landed; an abandoned batch fails.
-    pub fn complete_l3(
+    /// Refused, changing nothing, for a batch of another kind; an abandoned batch fails.
+    /// [`Cache::complete_l3_gone`] also reports the objects the store no longer held.
+    pub fn complete_l3(&mut self, id: BatchId, pages: usize, state: bool) -> Result<()> {
+        self.complete_l3_gone(id, pages, state, &[])
+    }
+
+    /// [`Cache::complete_l3`], with `gone`: indices into the batch's `keys` of the
+    /// objects the store did not hold (missing, or corrupt and deleted), counted in
+    /// `l3_gone_objects`; with events on, each is announced as removed from the
+    /// `EXTERNAL` medium (a page's `Removed`, the state's `StateRemoved`), so that a
+    /// router's index of the store forgets it. Refused, changing nothing, for a batch of
+    /// another kind, and for a `gone` index past the keys or naming an object reported
+    /// landed; an abandoned batch fails.
+    pub fn complete_l3_gone(
         &mut self,
         id: BatchId,
         pages: usize,

@@ -213,7 +213,7 @@ fn a_fetch_takes_host_slots_under_the_put_keys_and_lands_as_host_only_nodes() {
 fn a_partial_fetch_lands_its_leading_pages_and_gives_the_rest_back() {
     let (mut b, _, get) = fetched(false);
     b.start(get.id).unwrap();
-    b.complete_l3(get.id, 2, false, &[]).unwrap();
+    b.complete_l3(get.id, 2, false).unwrap();
     let m = b.match_prefix(None, &toks());
     assert_eq!(m.host_len, 4, "two pages of two tokens");
     assert_eq!(b.host_kv_pool().counts().tree, 2);
@@ -240,7 +240,7 @@ fn objects_the_store_lacks_are_announced_removed_from_external_in_their_namespac
     let (mut b, get) = fetching_with_events(true, Some("tenant"));
     // Pages 0 and 1 landed, page 2 was missing, page 3 was not read; the state was
     // corrupt (index 4, after the pages).
-    b.complete_l3(get.id, 2, false, &[2, 4, 2]).unwrap();
+    b.complete_l3_gone(get.id, 2, false, &[2, 4, 2]).unwrap();
     let tenant = Some("tenant".to_owned());
     assert_eq!(
         b.take_events(),
@@ -268,7 +268,7 @@ fn objects_the_store_lacks_are_announced_removed_from_external_in_their_namespac
 fn gone_objects_are_counted_without_events_and_beside_landed_pages() {
     let (mut b, _, get) = fetched(false);
     b.start(get.id).unwrap();
-    b.complete_l3(get.id, 3, false, &[3]).unwrap();
+    b.complete_l3_gone(get.id, 3, false, &[3]).unwrap();
     assert_eq!(b.stats.l3_gone_objects, 1);
     assert_eq!(
         b.match_prefix(None, &toks()).host_len,
@@ -290,7 +290,7 @@ fn gone_naming_no_object_or_a_landed_one_is_refused_and_changes_nothing() {
     ] {
         let (mut b, get) = fetching_with_events(hybrid, None);
         let before = (counts(&b), b.stats.clone());
-        let err = b.complete_l3(get.id, pages, state, &gone).unwrap_err();
+        let err = b.complete_l3_gone(get.id, pages, state, &gone).unwrap_err();
         assert!(
             matches!(err, Error::InvalidArgument { arg: "gone", .. }),
             "{err}"
@@ -299,7 +299,7 @@ fn gone_naming_no_object_or_a_landed_one_is_refused_and_changes_nothing() {
         assert!(b.take_events().is_empty());
         b.audit().unwrap();
         // Still in flight: a right acknowledgement ends it.
-        b.complete_l3(get.id, 0, false, &[0]).unwrap();
+        b.complete_l3_gone(get.id, 0, false, &[0]).unwrap();
         assert_eq!(b.stats.l3_gone_objects, 1);
         b.audit().unwrap();
     }
@@ -309,7 +309,7 @@ fn gone_naming_no_object_or_a_landed_one_is_refused_and_changes_nothing() {
 fn a_hybrid_fetch_without_its_state_lands_nothing() {
     let (mut b, _, get) = fetched(true);
     b.start(get.id).unwrap();
-    b.complete_l3(get.id, 4, false, &[]).unwrap();
+    b.complete_l3(get.id, 4, false).unwrap();
     let m = b.match_prefix(None, &toks());
     assert_eq!(m.host_len, 0);
     assert_eq!(b.stats.l3_fetches_failed, 1);
@@ -391,7 +391,7 @@ fn complete_l3_refuses_a_batch_of_another_kind_and_changes_nothing() {
     cached(&mut c, &toks());
     let backup = c.take_batches().pop().unwrap();
     c.start(backup.id).unwrap();
-    let err = c.complete_l3(backup.id, 1, false, &[]).unwrap_err();
+    let err = c.complete_l3(backup.id, 1, false).unwrap_err();
     assert!(
         matches!(
             err,
@@ -691,7 +691,7 @@ fn a_host_state_slot_on_its_way_is_waited_for_not_evicted_for_again() {
     c.complete(puts[0].id).unwrap();
     let get = c.l3_fetch(None, &other, 2).unwrap().unwrap();
     c.start(get.id).unwrap();
-    c.complete_l3(get.id, 2, true, &[]).unwrap();
+    c.complete_l3(get.id, 2, true).unwrap();
     assert_eq!(c.match_prefix(None, &other).host_len, 4);
     c.audit().unwrap();
 }
