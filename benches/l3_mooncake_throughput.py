@@ -35,34 +35,14 @@ wrong.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from l3_throughput import measure_store
+from l3_throughput import MIB, Row, arguments, best_rows, measure_store, report, sizes_of
 
 from radixcache.mooncake import LocalMooncake, MooncakeStore
-
-MIB = 1 << 20
-
-
-@dataclass
-class Row:
-    """One value size: GB/s of each side, and ours over Mooncake's."""
-
-    size: int
-    batch: int
-    ours_put: float
-    ours_get: float
-    mooncake_put: float
-    mooncake_get: float
-    put_ratio: float
-    get_ratio: float
-    rows_ok: bool
 
 
 def measure_ours(url: str, size: int, batch: int, total: int) -> tuple[float, float, bool]:
@@ -105,84 +85,39 @@ def measure_mooncake(client: Any, size: int, batch: int, total: int) -> tuple[fl
     return put_gbs, get_gbs
 
 
+LEGEND = "GB/s of payload (1e9 B/s, best run); mc = Mooncake's batch_put_from/batch_get_into"
+
+
 def run(sizes: list[int], batch: int, mib: int, repeat: int, segment_mib: int) -> list[Row]:
     """One row per value size, each figure the best of ``repeat`` runs."""
     from mooncake.store import MooncakeDistributedStore
 
-    rows = []
     with LocalMooncake(segment=segment_mib * MIB) as m:
         client = MooncakeDistributedStore()
         master = f"127.0.0.1:{m.rpc_port}"
         assert client.setup("127.0.0.1", m.metadata, 0, 0, "tcp", "", master) == 0
         try:
-            for size in sizes:
-                print(f"size {size}...", file=sys.stderr)
-                put_gbs = get_gbs = own_put = own_get = 0.0
-                ok = True
-                for _ in range(repeat):
-                    put, get, right = measure_ours(m.url, size, batch, mib * MIB)
-                    client.remove_all(True)
-                    mput, mget = measure_mooncake(client, size, batch, mib * MIB)
-                    client.remove_all(True)
-                    put_gbs, get_gbs = max(put_gbs, put), max(get_gbs, get)
-                    own_put, own_get = max(own_put, mput), max(own_get, mget)
-                    ok = ok and right
-                rows.append(
-                    Row(
-                        size=size,
-                        batch=batch,
-                        ours_put=put_gbs,
-                        ours_get=get_gbs,
-                        mooncake_put=own_put,
-                        mooncake_get=own_get,
-                        put_ratio=put_gbs / own_put,
-                        get_ratio=get_gbs / own_get,
-                        rows_ok=ok,
-                    )
-                )
+            return best_rows(
+                sizes,
+                batch,
+                mib * MIB,
+                repeat,
+                lambda size, batch, total: measure_ours(m.url, size, batch, total),
+                lambda size, batch, total: measure_mooncake(client, size, batch, total),
+                lambda: client.remove_all(True),
+            )
         finally:
             client.close()
-    return rows
-
-
-def table(rows: list[Row]) -> str:
-    """Format the rows as a text table."""
-    head = (
-        f"{'size':>9} {'batch':>5} | {'ours put':>8} {'mc put':>8} {'ratio':>5} | "
-        f"{'ours get':>8} {'mc get':>8} {'ratio':>5} | rows"
-    )
-    lines = [
-        "GB/s of payload (1e9 B/s, best run); mc = Mooncake's batch_put_from/batch_get_into",
-        head,
-    ]
-    lines.extend(
-        f"{r.size:>9} {r.batch:>5} | {r.ours_put:>8.2f} {r.mooncake_put:>8.2f} "
-        f"{r.put_ratio:>5.2f} | {r.ours_get:>8.2f} {r.mooncake_get:>8.2f} "
-        f"{r.get_ratio:>5.2f} | {'ok' if r.rows_ok else 'WRONG'}"
-        for r in rows
-    )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the measurements and print them; 1 when a fetched row was wrong."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="65536,262144,1048576", help="value sizes, bytes")
-    p.add_argument("--batch", type=int, default=64, help="keys per call")
-    p.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
-    p.add_argument("--repeat", type=int, default=3, help="runs per figure (the best counts)")
+    p = arguments(__doc__.splitlines()[0], "keys per call")
     p.add_argument("--segment-mib", type=int, default=1024, help="the store daemon's memory")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    if min(args.batch, args.mib, args.repeat, args.segment_mib, *sizes) < 1:
-        p.error("--sizes, --batch, --mib, --repeat and --segment-mib must be positive")
+    sizes = sizes_of(p, args, args.segment_mib)
     rows = run(sizes, args.batch, args.mib, args.repeat, args.segment_mib)
-    if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows]}))
-    else:
-        print(table(rows))
-    return 0 if all(r.rows_ok for r in rows) else 1
+    return report(rows, args, LEGEND, ("mc put", "mc get"))
 
 
 if __name__ == "__main__":

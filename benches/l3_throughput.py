@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -112,17 +112,104 @@ class Server:
 
 @dataclass
 class Row:
-    """One value size: GB/s of each side, and ours over redis-benchmark's."""
+    """One value size: GB/s of ours and of the store's own client (the peer), and ratios."""
 
     size: int
     batch: int
     ours_put: float
     ours_get: float
-    bench_set: float
-    bench_get: float
+    peer_put: float
+    peer_get: float
     put_ratio: float
     get_ratio: float
     rows_ok: bool
+
+
+#: Measures one side at (size, batch, bytes in all): GB/s of put and get (and, for ours,
+#: whether the fetched rows were right).
+Measure = Callable[[int, int, int], tuple[float, ...]]
+
+
+def best_rows(
+    sizes: list[int],
+    batch: int,
+    total: int,
+    repeat: int,
+    ours: Measure,
+    peer: Measure,
+    between: Callable[[], None],
+) -> list[Row]:
+    """One row per value size, each figure the best of `repeat` runs of each side.
+
+    The sides take turns (on a shared machine the best run is the one least disturbed by
+    others, for both alike); `between` empties the store after each measurement.
+    """
+    rows = []
+    for size in sizes:
+        print(f"size {size}...", file=sys.stderr)
+        row = Row(size, batch, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, rows_ok=True)
+        for _ in range(repeat):
+            put, get, right = ours(size, batch, total)
+            between()
+            peer_put, peer_get = peer(size, batch, total)
+            between()
+            row.ours_put, row.ours_get = max(row.ours_put, put), max(row.ours_get, get)
+            row.peer_put, row.peer_get = max(row.peer_put, peer_put), max(row.peer_get, peer_get)
+            row.rows_ok = row.rows_ok and bool(right)
+        row.put_ratio, row.get_ratio = row.ours_put / row.peer_put, row.ours_get / row.peer_get
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[Row], legend: str, peer: tuple[str, str]) -> str:
+    """Format the rows as a text table; `peer` names the peer's put and get columns."""
+    wp, wg = (max(8, len(name)) for name in peer)
+    head = (
+        f"{'size':>9} {'batch':>5} | {'ours put':>8} {peer[0]:>{wp}} {'ratio':>5} | "
+        f"{'ours get':>8} {peer[1]:>{wg}} {'ratio':>5} | rows"
+    )
+    lines = [legend, head]
+    lines.extend(
+        f"{r.size:>9} {r.batch:>5} | {r.ours_put:>8.2f} {r.peer_put:>{wp}.2f} "
+        f"{r.put_ratio:>5.2f} | {r.ours_get:>8.2f} {r.peer_get:>{wg}.2f} "
+        f"{r.get_ratio:>5.2f} | {'ok' if r.rows_ok else 'WRONG'}"
+        for r in rows
+    )
+    return "\n".join(lines)
+
+
+def arguments(description: str, batch_help: str) -> argparse.ArgumentParser:
+    """Return the parser of the arguments both throughput benches take."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--sizes", default="65536,262144,1048576", help="value sizes, bytes")
+    p.add_argument("--batch", type=int, default=64, help=batch_help)
+    p.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure (the best counts)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    return p
+
+
+def sizes_of(p: argparse.ArgumentParser, args: argparse.Namespace, *more: int) -> list[int]:
+    """Return the value sizes; a usage error (exit 2) when a number given is not positive."""
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes: not a list of integers: {args.sizes!r}")
+    if min(args.batch, args.mib, args.repeat, *more, *sizes) < 1:
+        p.error("--sizes, --batch, --mib and --repeat (and any other count) must be positive")
+    return sizes
+
+
+def report(rows: list[Row], args: argparse.Namespace, legend: str, peer: tuple[str, str]) -> int:
+    """Print the rows (a table, or one JSON object); 1 when a fetched row was wrong.
+
+    `peer` names the peer's put and get (the table's columns, the JSON's ``peer``).
+    """
+    if args.json:
+        print(json.dumps({"peer": list(peer), "rows": [asdict(r) for r in rows]}))
+    else:
+        print(table(rows, legend, peer))
+    return 0 if all(r.rows_ok for r in rows) else 1
 
 
 def measure_ours(url: str, size: int, batch: int, total: int) -> tuple[float, float, bool]:
@@ -185,76 +272,34 @@ def measure_redis_benchmark(port: int, size: int, batch: int, total: int) -> tup
     return set_rps * size / 1e9, get_rps * size / 1e9
 
 
+LEGEND = "GB/s of payload (1e9 B/s, best run); bench = redis-benchmark -c 1 -P batch"
+PEER = ("bench set", "bench get")
+
+
 def run(sizes: list[int], batch: int, mib: int, repeat: int) -> list[Row]:
     """One row per value size, each figure the best of ``repeat`` runs."""
-    rows = []
     with Server() as server:
         url = f"redis://127.0.0.1:{server.port}"
-        for size in sizes:
-            print(f"size {size}...", file=sys.stderr)
-            put_gbs = get_gbs = set_gbs = bget_gbs = 0.0
-            ok = True
-            for _ in range(repeat):
-                put, get, right = measure_ours(url, size, batch, mib * MIB)
-                server.flush()
-                bset, bget = measure_redis_benchmark(server.port, size, batch, mib * MIB)
-                server.flush()
-                put_gbs, get_gbs = max(put_gbs, put), max(get_gbs, get)
-                set_gbs, bget_gbs = max(set_gbs, bset), max(bget_gbs, bget)
-                ok = ok and right
-            rows.append(
-                Row(
-                    size=size,
-                    batch=batch,
-                    ours_put=put_gbs,
-                    ours_get=get_gbs,
-                    bench_set=set_gbs,
-                    bench_get=bget_gbs,
-                    put_ratio=put_gbs / set_gbs,
-                    get_ratio=get_gbs / bget_gbs,
-                    rows_ok=ok,
-                )
-            )
-    return rows
-
-
-def table(rows: list[Row]) -> str:
-    """Format the rows as a text table."""
-    head = (
-        f"{'size':>9} {'batch':>5} | {'ours put':>8} {'bench set':>9} {'ratio':>5} | "
-        f"{'ours get':>8} {'bench get':>9} {'ratio':>5} | rows"
-    )
-    lines = ["GB/s of payload (1e9 B/s, best run); bench = redis-benchmark -c 1 -P batch", head]
-    lines.extend(
-        f"{r.size:>9} {r.batch:>5} | {r.ours_put:>8.2f} {r.bench_set:>9.2f} "
-        f"{r.put_ratio:>5.2f} | {r.ours_get:>8.2f} {r.bench_get:>9.2f} "
-        f"{r.get_ratio:>5.2f} | {'ok' if r.rows_ok else 'WRONG'}"
-        for r in rows
-    )
-    return "\n".join(lines)
+        return best_rows(
+            sizes,
+            batch,
+            mib * MIB,
+            repeat,
+            lambda size, batch, total: measure_ours(url, size, batch, total),
+            lambda size, batch, total: measure_redis_benchmark(server.port, size, batch, total),
+            server.flush,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the measurements and print them; 1 when a fetched row was wrong."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="65536,262144,1048576", help="value sizes, bytes")
-    p.add_argument("--batch", type=int, default=64, help="keys per call (and -P)")
-    p.add_argument("--mib", type=int, default=128, help="MiB moved per measurement")
-    p.add_argument("--repeat", type=int, default=3, help="runs per figure (the best counts)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p = arguments(__doc__.splitlines()[0], "keys per call (and -P)")
     args = p.parse_args(argv)
     for tool in ("redis-server", "redis-benchmark", "redis-cli"):
         if shutil.which(tool) is None:
             p.error(f"{tool} is not on PATH")
-    sizes = [int(s) for s in args.sizes.split(",")]
-    if args.batch < 1 or args.mib < 1 or args.repeat < 1 or min(sizes) < 1:
-        p.error("--sizes, --batch, --mib and --repeat must be positive")
-    rows = run(sizes, args.batch, args.mib, args.repeat)
-    if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in rows]}))
-    else:
-        print(table(rows))
-    return 0 if all(r.rows_ok for r in rows) else 1
+    sizes = sizes_of(p, args)
+    return report(run(sizes, args.batch, args.mib, args.repeat), args, LEGEND, PEER)
 
 
 if __name__ == "__main__":
