@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from radixcache import Breaker, HybridCache, ObjectStore, Storage
 from radixcache.engine import TransferEngine
 from radixcache.l3 import L3Tier, layout_prefix
 from radixcache.serving import workloads
-from radixcache.serving.harness import ReplayConfig, deal, replay, replay_fleet
+from radixcache.serving.harness import ReplayConfig, Server, clear, deal, replay, replay_fleet
 
 from conftest import RedisServer
 
@@ -461,6 +462,198 @@ def test_a_fetch_left_before_it_ended_gives_its_slots_back(url: str) -> None:
 # ---------------------------------------------------------------------- the replay
 
 
+class Gated:
+    """A real store whose ``get_into`` waits until the test opens the gate.
+
+    It holds a fetch's read in flight for as long as a test needs (the store itself is
+    the real one; only the timing is the test's).
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.gate = threading.Event()
+        self.reading = threading.Event()
+
+    def exists(self, keys: Any) -> Any:
+        return self.store.exists(keys)
+
+    def put(self, keys: Any, hashes: Any, data: Any) -> Any:
+        return self.store.put(keys, hashes, data)
+
+    def get_into(self, keys: Any, hashes: Any, out: Any) -> Any:
+        self.reading.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.store.get_into(keys, hashes, out)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_background_fetch_lands_what_a_blocking_one_does_while_the_cache_serves(
+    url: str, hybrid: bool
+) -> None:
+    rng = np.random.default_rng(11)
+    a = Machine(ObjectStore(url), hybrid=hybrid)
+    wrote = a.compute(TOKENS, rng)
+    a.settle()
+    gated = Gated(ObjectStore(url))
+    b = Machine(gated, hybrid=hybrid)
+    fetch = b.tier.start_fetch(TOKENS)
+    assert fetch is not None
+    while fetch.batch is None:  # the lookup answers; the poll then starts the read
+        assert not b.tier.poll(fetch, timeout=0.01)
+    assert gated.reading.wait(10)
+    # The read is in flight on the worker thread: the cache serves other prompts.
+    assert b.tier.poll(fetch) is False
+    other = [7, 7, 7, 7, *range(200, 212)]
+    b.compute(other, rng)
+    b.settle()
+    assert b.cache.match_prefix(other).device_len == len(other)
+    b.cache.audit()
+    gated.gate.set()
+    assert b.tier.poll(fetch, timeout=10)
+    assert (fetch.done, fetch.tokens_landed, fetch.cancelled) == (True, len(TOKENS), False)
+    got = b.loaded(TOKENS)
+    for name, want in wrote.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    assert b.tier.report()["l3_fetches"] == 1
+    b.tier.close()
+    b.cache.audit()
+
+
+def test_a_background_fetch_with_nothing_to_ask_or_find_ends_with_nothing(url: str) -> None:
+    b = Machine(ObjectStore(url), hybrid=False)
+    b.tier.min_tokens = 64
+    assert b.tier.start_fetch(TOKENS) is None, "24 uncached tokens: under min_tokens"
+    b.tier.min_tokens = 0
+    fetch = b.tier.start_fetch(TOKENS)
+    assert fetch is not None
+    assert b.tier.poll(fetch, timeout=10)
+    assert (fetch.tokens_landed, b.tier.report()["l3_fetches"]) == (0, 0)
+    b.tier.close()
+    assert b.cache.stats()["host_kv_free_slots"] == b.cache.host_kv_slots
+
+
+def test_a_background_fetch_called_off_gives_every_slot_back_once_its_read_ended(
+    url: str,
+) -> None:
+    a = Machine(ObjectStore(url), hybrid=True)
+    a.compute(TOKENS, np.random.default_rng(12))
+    a.settle()
+    gated = Gated(ObjectStore(url))
+    b = Machine(gated, hybrid=True)
+    full = b.cache.stats()
+    # Called off during its lookup: nothing was taken.
+    early = b.tier.start_fetch(TOKENS)
+    assert early is not None
+    b.tier.cancel(early)
+    assert (early.done, early.cancelled, early.tokens_landed) == (True, True, 0)
+    # Called off during its read: the host slots it writes stay taken until it ended.
+    fetch = b.tier.start_fetch(TOKENS)
+    assert fetch is not None
+    while fetch.batch is None:
+        b.tier.poll(fetch, timeout=0.01)
+    assert gated.reading.wait(10)
+    b.tier.cancel(fetch)
+    assert (fetch.done, fetch.tokens_landed) == (True, 0)
+    taken = b.cache.stats()
+    assert taken["host_kv_free_slots"] == full["host_kv_free_slots"] - len(TOKENS)
+    assert b.tier.poll(fetch), "done for the caller"
+    assert fetch.batch.outcome is None, "its read still writes the host slots"
+    b.cache.audit()
+    gated.gate.set()
+    b.tier.close()
+    assert fetch.batch.outcome == "failed"
+    after = b.cache.stats()
+    assert after["host_kv_free_slots"] == full["host_kv_free_slots"]
+    assert after["host_mamba_free_slots"] == full["host_mamba_free_slots"]
+    assert b.cache.match_prefix(TOKENS).host_len == 0, "nothing landed"
+    assert b.tier.report()["l3_fetches_cancelled"] == 2
+    b.cache.audit()
+
+
+def test_a_read_that_raises_fails_its_batch_and_the_error_reaches_the_caller(url: str) -> None:
+    a = Machine(ObjectStore(url), hybrid=False)
+    a.compute(TOKENS, np.random.default_rng(13))
+    a.settle()
+    gated = Gated(ObjectStore(url))
+    b = Machine(gated, hybrid=False)
+
+    def broken(keys: Any, hashes: Any, out: Any) -> Any:
+        raise RuntimeError("a store client bug")
+
+    gated.get_into = broken  # type: ignore[method-assign]
+    fetch = b.tier.start_fetch(TOKENS)
+    assert fetch is not None
+
+    def drive() -> None:
+        while not b.tier.poll(fetch, timeout=0.05):
+            pass
+
+    with pytest.raises(RuntimeError, match="a store client bug"):
+        drive()
+    assert fetch.done
+    assert fetch.tokens_landed == 0
+    assert fetch.batch is not None
+    assert fetch.batch.outcome == "failed"
+    assert b.cache.stats()["host_kv_free_slots"] == b.cache.host_kv_slots
+    b.tier.close()
+    b.cache.audit()
+
+
+def test_a_background_fetch_from_a_store_that_is_down_is_a_miss() -> None:
+    down = ObjectStore("redis://127.0.0.1:1", timeout_ms=50)
+    b = Machine(down, hybrid=False)
+    fetch = b.tier.start_fetch(TOKENS)
+    assert fetch is not None
+    assert b.tier.poll(fetch, timeout=10)
+    assert fetch.tokens_landed == 0
+    assert b.tier.report()["l3_errors"] == 1
+    b.tier.close()
+    b.cache.audit()
+
+
+def test_a_fleet_prefetching_in_the_background_serves_every_sample_right(url: str) -> None:
+    jobs = workloads.WORKLOADS["multiturn"](240, 0)
+    r = replay_fleet(jobs, _config(url, l3_prefetch=True), 2, compare=False)
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert r["samples_checked"] > 0
+    assert r["l3_prefetches"] > 0
+    assert r["l3_hit_tokens"] > 0
+
+
+def test_prefetches_past_their_steps_are_called_off_and_nothing_leaks(url: str) -> None:
+    jobs = workloads.WORKLOADS["multiturn"](60, 0)
+    # The first server fills the store; the second fetches through a gate that opens
+    # only after a few of its fetches were called off.
+    first, _ = replay(jobs, _config(url))
+    assert first["l3_stored_objects"] > 0
+    server = Server(_config(url, l3_prefetch=True, l3_prefetch_steps=1))
+    assert server.l3 is not None
+    gated = Gated(server.l3.store)
+    server.l3.store = gated
+    server.sched.add(jobs)
+    sched = server.sched
+    while sched.counters.l3_prefetch_timeouts < 3 and (sched.waiting or sched.running):
+        sched.step()
+    gated.gate.set()
+    sched.run()
+    c = sched.counters
+    assert c.l3_prefetch_timeouts >= 3
+    assert (c.finished, server.model.mismatches if server.model else -1) == (60, 0)
+    assert server.l3.report()["l3_fetches_cancelled"] >= 3
+    server.cache.audit()
+    assert clear(server.cache, server.engine)
+    assert not server.cache.pending_batches()
+
+
+def test_prefetch_settings_are_refused_without_a_store_or_out_of_range() -> None:
+    with pytest.raises(ValueError, match=r"^l3_prefetch: given without an L3 store"):
+        Server(ReplayConfig(l3_prefetch=True))
+    with pytest.raises(ValueError, match=r"^l3_prefetch_steps: must be >= 1"):
+        ReplayConfig().scheduler(
+            HybridCache(kv_slots=64, page_size=PS), None, None, l3_prefetch_steps=0
+        )
+
+
 def _config(url: str | None, **kw: Any) -> ReplayConfig:
     return ReplayConfig(l3=url, attention_only=False, **kw)
 
@@ -548,6 +741,9 @@ def test_cli_refuses_bad_l3_flags_naming_them(url: str, capsys: pytest.CaptureFi
         (["--l3", "ftp://nowhere"], "--l3: "),
         (["--l3-write", "host_eviction"], "--l3-write: only with --l3"),
         (["--l3", url, "--l3-write", "evict"], "--l3-write"),
+        (["--l3-prefetch"], "--l3-prefetch: only with --l3"),
+        (["--l3", url, "--l3-prefetch-steps", "3"], "--l3-prefetch-steps: only with"),
+        (["--l3", url, "--l3-prefetch", "--l3-prefetch-steps", "0"], "--l3-prefetch-steps"),
     ):
         assert main(["replay", "--requests", "4", *argv]) == 2, argv
         assert match in capsys.readouterr().err

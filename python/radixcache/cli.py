@@ -336,6 +336,20 @@ REPLAY_FLAGS = (
         choices=("backup", "host_eviction"),
     ),
     Flag(
+        "--l3-prefetch",
+        "fetch from the --l3 store in the background while the request waits in the "
+        "queue (others are admitted meanwhile) instead of waiting at its admission",
+        kind="switch",
+    ),
+    Flag(
+        "--l3-prefetch-steps",
+        "scheduler steps a background fetch may take before it is called off and its "
+        "request admitted without it; only with --l3-prefetch",
+        default=_D.l3_prefetch_steps,
+        lo=1,
+        hi=1_000_000,
+    ),
+    Flag(
         "--servers",
         "serve with N caches (own pools, tiers and engine each) behind a round-robin "
         "router, sharing the --l3 store; reports the fleet and compares it with one server",
@@ -869,6 +883,10 @@ def _replay_cmd(args: argparse.Namespace) -> int:
             raise InputError(f"--l3: {e}") from None
     elif args.l3_write is not None:
         raise InputError("--l3-write: only with --l3 (there is no store to write to)")
+    elif args.l3_prefetch:
+        raise InputError("--l3-prefetch: only with --l3 (there is no store to fetch from)")
+    if args.l3_prefetch_steps is not None and not args.l3_prefetch:
+        raise InputError("--l3-prefetch-steps: only with --l3-prefetch")
     jobs, config = _setup(
         args,
         inject_failures=_value(args, "--inject-failures"),
@@ -877,6 +895,8 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         offline_bound=args.offline_bound,
         l3=args.l3,
         l3_write=_value(args, "--l3-write"),
+        l3_prefetch=args.l3_prefetch,
+        l3_prefetch_steps=_value(args, "--l3-prefetch-steps"),
     )
     workload = _value(args, "--workload")
     if shard:
@@ -1048,6 +1068,13 @@ def _report_table(r: dict[str, Any]) -> Any:
             f"{r['l3_errors']} errors, {r['l3_corrupt_objects']} corrupt, "
             f"{r['l3_missing_objects']} missing",
         )
+        if r["l3_prefetches"]:
+            row(
+                "L3 prefetches",
+                r["l3_prefetches"],
+                f"in the background; {r['l3_prefetch_timeouts']} called off, "
+                f"{r['l3_prefetch_wait_steps']} steps waited in all",
+            )
 
     def compared(name: str, rate: float | None, ratio: float | None, label: str) -> None:
         # A comparison replay's hit rate and the ratio to it ("not run" when skipped).
@@ -1160,6 +1187,13 @@ def _fleet_table(r: dict[str, Any]) -> Any:
             f"{r['l3_fetch_gbps']:.2f} GB/s; {r['l3_bytes_stored'] / 1e6:.1f} MB stored; "
             f"breakers {', '.join(r['l3_breaker'])}",
         )
+        if r["l3_prefetches"]:
+            t.add_row(
+                "L3 prefetches",
+                str(r["l3_prefetches"]),
+                f"{r['l3_prefetch_timeouts']} called off, "
+                f"{r['l3_prefetch_wait_steps']} steps waited in all",
+            )
     good = "[green]{}[/green]", "[red]{}[/red]"
     t.add_row(
         "oracle mismatches",

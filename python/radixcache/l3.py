@@ -27,9 +27,12 @@ from the device and host tiers meanwhile.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,7 +42,14 @@ import numpy.typing as npt
 from ._core import Breaker, HybridCache, L3Error, ObjectStore, TransferBatch
 from .storage import Pool, Storage
 
-__all__ = ["L3Counters", "L3Tier", "ObjectStoreLike", "layout_prefix", "open_store"]
+__all__ = [
+    "L3Counters",
+    "L3Fetch",
+    "L3Tier",
+    "ObjectStoreLike",
+    "layout_prefix",
+    "open_store",
+]
 
 
 class ObjectStoreLike(Protocol):
@@ -102,6 +112,7 @@ class L3Counters:
     put_seconds: float = 0.0
     errors: int = 0
     skipped_open: int = 0
+    fetches_cancelled: int = 0
 
 
 def layout_prefix(storage: Storage, page_size: int) -> bytes:
@@ -143,6 +154,38 @@ def _scatter(pool: Pool, slots: np.ndarray, per: int, data: np.ndarray) -> None:
         offset += width
 
 
+@dataclass(eq=False)
+class L3Fetch:
+    """A fetch `L3Tier.start_fetch` started: drive it with `L3Tier.poll`.
+
+    Attributes:
+        tokens: The prompt's tokens.
+        namespace: Its namespace.
+        done: It ended (landed, missed, failed or cancelled).
+        tokens_landed: Once done, the tokens that landed on the host tier (whole pages
+            past what the cache held; 0 for a miss or a cancelled fetch).
+        cancelled: `L3Tier.cancel` called it off.
+    """
+
+    tokens: np.ndarray
+    namespace: str | None
+    future: Future[Any] | None
+    have: int  # whole pages the cache held when it started
+    batch: TransferBatch | None = None
+    started: float = 0.0  # when the read started (perf_counter)
+    done: bool = False
+    tokens_landed: int = 0
+    cancelled: bool = False
+
+
+def _wait(future: Future[Any], timeout: float | None) -> bool:
+    """Wait up to `timeout` seconds (None: for ever) for `future`; whether it is done."""
+    if timeout is not None and timeout <= 0:
+        return future.done()
+    concurrent.futures.wait([future], timeout=timeout)
+    return future.done()
+
+
 class L3Tier:
     """Runs a cache's L3 batches against `store` and fetches prompts' pages from it.
 
@@ -179,6 +222,9 @@ class L3Tier:
         self.prefix = layout_prefix(storage, cache.page_size) if key_prefix is None else key_prefix
         self.counters = L3Counters()
         self.hybrid = cache.mamba_slots > 0
+        self._worker: ThreadPoolExecutor | None = None
+        self._live: set[L3Fetch] = set()  # fetches started and not yet ended
+        self._counting = threading.Lock()  # `_call` may run on the worker thread
 
     # ------------------------------------------------------------------ keys
 
@@ -193,12 +239,14 @@ class L3Tier:
             L3Error: the breaker is open (the call was not made), or the call failed.
         """
         if not self.breaker.allow():
-            self.counters.skipped_open += 1
+            with self._counting:
+                self.counters.skipped_open += 1
             raise L3Error("the L3 store's circuit breaker is open")
         try:
             out = f(*args)
         except L3Error:
-            self.counters.errors += 1
+            with self._counting:
+                self.counters.errors += 1
             self.breaker.failure()
             raise
         self.breaker.success()
@@ -261,13 +309,14 @@ class L3Tier:
 
     # ------------------------------------------------------------------ fetches
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
-        """Return how many leading whole pages of `tokens` the cache and the store hold.
+    def _plan(
+        self, tokens: Sequence[int] | np.ndarray, namespace: str | None
+    ) -> tuple[np.ndarray, int, list[bytes]] | None:
+        """Return what a lookup asks the store about, or None when there is nothing to ask.
 
-        The pages the cache holds KV of (on either tier), then the run of the following
-        ones the store has; for a hybrid model cut back to the deepest of those whose
-        state the store has too. 0 when there is nothing to fetch: the uncached part is
-        under `min_tokens`, the store has none of it, or the breaker is open.
+        That is the tokens, the whole pages the cache holds KV of, and the hashes of the
+        uncached whole pages after them (chained from the cached KV's last page); None
+        when the uncached part is under `min_tokens` (counted as skipped).
         """
         cache = self.cache
         ps = cache.page_size
@@ -276,27 +325,49 @@ class L3Tier:
         whole = len(toks) // ps * ps
         if whole - have < max(self.min_tokens, ps):
             self.counters.lookups_skipped += 1
-            return 0
+            return None
         self.counters.lookups += 1
-        # Only the uncached part is hashed, chained from the cached KV's last page.
         hashes = cache.chain_hashes(toks[have:whole], namespace=namespace, parent_hash=last)
+        return toks, have // ps, hashes
+
+    def _probe(self, hashes: list[bytes]) -> int:
+        """Return how many of `hashes`' pages to fetch (0: none, or a store call failed).
+
+        The leading run the store has, for a hybrid model cut back to the deepest of them
+        whose state it has. Store calls only: safe on `start_fetch`'s worker thread.
+        """
         present = self._try(self.store.exists, self._keys(hashes))
         if not present:
             return 0
         run = next((k for k, p in enumerate(present) if not p), len(present))
         if not self.hybrid or run == 0:
-            return have // ps + run if run else 0
+            return run
         states = self._try(self.store.exists, self._keys(hashes[:run], True))
         if not states:
             return 0
-        deepest = max((k + 1 for k, s in enumerate(states) if s), default=0)
-        return have // ps + deepest if deepest else 0
+        return max((k + 1 for k, s in enumerate(states) if s), default=0)
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
+        """Return how many leading whole pages of `tokens` the cache and the store hold.
+
+        The pages the cache holds KV of (on either tier), then the run of the following
+        ones the store has; for a hybrid model cut back to the deepest of those whose
+        state the store has too. 0 when there is nothing to fetch: the uncached part is
+        under `min_tokens`, the store has none of it, or the breaker is open.
+        """
+        plan = self._plan(tokens, namespace)
+        if plan is None:
+            return 0
+        _, have, hashes = plan
+        run = self._probe(hashes)
+        return have + run if run else 0
 
     def fetch(self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None) -> int:
         """Fetch what the store has after the cached part of `tokens`; return its tokens.
 
         The pages land as host-only nodes (a load-back brings them to the device);
         0 when the store has none, the breaker is open or the cache took nothing.
+        Blocks until the store answered; `start_fetch` does the same without blocking.
         """
         upto = self.lookup(tokens, namespace=namespace)
         if upto == 0:
@@ -324,41 +395,181 @@ class L3Tier:
             raise ValueError(f"batch: expected an l3_get batch, got {batch.kind!r}")
         batch.start()
         start = time.perf_counter()
+        got = self._read_objects(batch)
+        return self._settle(batch, got, time.perf_counter() - start)
+
+    def _read_objects(self, batch: TransferBatch) -> list[Sequence[str] | None]:
+        """Read a started ``l3_get`` batch's objects into its host slots.
+
+        The leading rows of each copy that came back whole are written. Returns what the
+        store said of each object, per copy, up to the first copy that did not come back
+        whole (None: its call failed). Writes only the host slots the batch owns: safe
+        on `start_fetch`'s worker thread while the caller goes on with the cache.
+        """
+        out: list[Sequence[str] | None] = []
+        for pool, host, slots, per, hashes in self._objects(batch):
+            keys = self._keys(hashes, pool == "mamba")
+            rows = np.empty((len(keys), per * host.bytes_per_slot), dtype=np.uint8)
+            got = self._try(self.store.get_into, keys, hashes, rows)
+            out.append(got)
+            if got is None:
+                break
+            ok = next((k for k, g in enumerate(got) if g != "ok"), len(got))
+            if ok:
+                _scatter(host, slots[: ok * per], per, rows[:ok])
+            if ok < len(keys):
+                break
+        return out
+
+    def _settle(self, batch: TransferBatch, got: list[Sequence[str] | None], took: float) -> int:
+        """Acknowledge a read ``l3_get`` batch from `_read_objects`' answers, and count it.
+
+        Returns the pages that landed and the cache can use.
+        """
+        c = self.counters
+        c.fetch_seconds += took
         landed, state = 0, False
         gone: list[int] = []
         first = 0  # the index in `batch.keys` of each copy's first object
-        try:
-            for pool, host, slots, per, hashes in self._objects(batch):
-                keys = self._keys(hashes, pool == "mamba")
-                width = per * host.bytes_per_slot
-                out = np.empty((len(keys), width), dtype=np.uint8)
-                got = self._try(self.store.get_into, keys, hashes, out)
-                if got is None:
-                    break
-                ok = next((k for k, g in enumerate(got) if g != "ok"), len(got))
-                self.counters.corrupt_objects += sum(1 for g in got if g == "corrupt")
-                self.counters.missing_objects += sum(1 for g in got if g == "missing")
-                gone.extend(first + k for k, g in enumerate(got) if g != "ok")
-                first += len(keys)
-                if ok:
-                    _scatter(host, slots[: ok * per], per, out[:ok])
-                    self.counters.bytes_fetched += ok * width
-                if pool == "kv":
-                    landed = ok
-                    if ok < len(keys):
-                        break
-                else:
-                    state = ok == len(keys)
-        finally:
-            self.counters.fetch_seconds += time.perf_counter() - start
+        for (pool, host, _, per, hashes), results in zip(self._objects(batch), got):
+            if results is None:
+                break
+            ok = next((k for k, g in enumerate(results) if g != "ok"), len(results))
+            c.corrupt_objects += sum(1 for g in results if g == "corrupt")
+            c.missing_objects += sum(1 for g in results if g == "missing")
+            c.bytes_fetched += ok * per * host.bytes_per_slot
+            gone.extend(first + k for k, g in enumerate(results) if g != "ok")
+            first += len(hashes)
+            if pool == "kv":
+                landed = ok
+            else:
+                state = ok == len(results)
         total = len(batch.copies[0].dst) // self.cache.page_size if batch.copies else 0
-        self.counters.fetches += 1
-        self.counters.fetched_pages += total
+        c.fetches += 1
+        c.fetched_pages += total
         usable = landed if not self.hybrid else (landed if state and landed == total else 0)
-        self.counters.landed_pages += usable
-        self.counters.missed_pages += total - usable
+        c.landed_pages += usable
+        c.missed_pages += total - usable
         batch.complete_l3(landed, state=state, gone=gone)
         return usable
+
+    # ------------------------------------------------------------------ asynchronous
+
+    def start_fetch(
+        self, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None
+    ) -> L3Fetch | None:
+        """Start what `fetch` does, without waiting for the store; None: nothing to ask.
+
+        None when the uncached part is under `min_tokens`.
+
+        The store calls (the lookup's ``exists``, then the batch get and the copy into
+        the host slots) run on the tier's worker thread, one fetch at a time; every cache
+        call runs in `poll`, on the caller's thread. Drive the fetch with `poll` until it
+        returns True (its `tokens_landed` then tells what landed), or `cancel` it. The
+        tier keeps every fetch it started until it ended, so that a fetch dropped early
+        still gives its host slots back (`close` waits for them).
+        """
+        plan = self._plan(tokens, namespace)
+        if plan is None:
+            return None
+        toks, have, hashes = plan
+        f = L3Fetch(toks, namespace, self._pool().submit(self._probe, hashes), have)
+        self._live.add(f)
+        return f
+
+    def poll(self, fetch: L3Fetch, timeout: float = 0.0) -> bool:
+        """Advance `fetch` as far as the store's answers allow; whether it ended.
+
+        Waits up to `timeout` seconds for the store (0: not at all). After the lookup
+        it takes host slots for the pages to fetch (``l3_fetch``) and starts the read;
+        after the read it acknowledges what landed, as `read` does. Also ends any fetch
+        `cancel` left to drain whose read has finished.
+        """
+        self._reap()
+        deadline = time.perf_counter() + max(timeout, 0.0)
+        while not fetch.done:
+            future = fetch.future
+            left = deadline - time.perf_counter()
+            if future is None or not _wait(future, left):
+                break
+            if fetch.batch is None:  # the lookup answered
+                batch = None
+                try:
+                    run = future.result()
+                    if run:
+                        upto = fetch.have + run
+                        batch = self.cache.l3_fetch(fetch.tokens, upto, namespace=fetch.namespace)
+                finally:
+                    if batch is None:
+                        self._end(fetch, 0)
+                if batch is None:
+                    break
+                batch.start()
+                fetch.batch, fetch.started = batch, time.perf_counter()
+                fetch.future = self._pool().submit(self._read_objects, batch)
+            else:  # the read finished
+                took = time.perf_counter() - fetch.started
+                pages = 0
+                try:
+                    pages = self._settle(fetch.batch, future.result(), took)
+                finally:
+                    if fetch.batch.outcome is None:  # the read raised: nothing lands
+                        fetch.batch.fail("the read raised")
+                    self._end(fetch, pages * self.cache.page_size)
+        return fetch.done
+
+    def cancel(self, fetch: L3Fetch) -> None:
+        """Call `fetch` off: it ends now with nothing landed.
+
+        ``done`` is then True and ``tokens_landed`` 0. A read in flight keeps the host
+        slots it writes until it finished; the next `poll` or `close` then fails its
+        batch and they go back.
+        """
+        if fetch.done:
+            return
+        fetch.cancelled = True
+        self.counters.fetches_cancelled += 1
+        if fetch.batch is None:
+            self._end(fetch, 0)  # the lookup's answer is ignored; nothing was taken
+        else:
+            fetch.done = True  # the tier ends the batch once the read finished
+        self._reap()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the fetches in flight and end them; stop the worker thread.
+
+        A cancelled one's batch fails, the others end as `poll` would end them.
+        """
+        for f in list(self._live):
+            if f.future is not None:
+                _wait(f.future, timeout)
+            if f.cancelled:
+                continue
+            self.poll(f, 0.0 if timeout is None else timeout)
+        self._reap()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixcache-l3")
+        return self._worker
+
+    def _end(self, fetch: L3Fetch, tokens: int) -> None:
+        fetch.done, fetch.tokens_landed, fetch.future = True, tokens, None
+        self._live.discard(fetch)
+
+    def _reap(self) -> None:
+        """Fail the batches of cancelled fetches whose read has finished."""
+        for f in [f for f in self._live if f.cancelled]:
+            if f.future is not None and not f.future.done():
+                continue
+            if f.batch is not None and f.batch.outcome is None:
+                f.batch.fail("called off")
+                self.counters.fetches += 1
+            f.future = None
+            self._live.discard(f)
 
     def report(self) -> dict[str, Any]:
         """Return the tier's figures: counters, GB/s of fetches and puts, the breaker."""
@@ -366,6 +577,7 @@ class L3Tier:
         return {
             "l3_lookups": c.lookups,
             "l3_fetches": c.fetches,
+            "l3_fetches_cancelled": c.fetches_cancelled,
             "l3_landed_pages": c.landed_pages,
             "l3_missed_pages": c.missed_pages,
             "l3_corrupt_objects": c.corrupt_objects,

@@ -82,7 +82,10 @@ class ReplayConfig:
     part under `l3_min_tokens`).
     It needs the oracle (the bytes are the checksum model's). `l3_write` says when host
     pages are written there: ``"backup"`` (as soon as they are backed up) or
-    ``"host_eviction"`` (only when host eviction deletes them); only with `l3`. `events`
+    ``"host_eviction"`` (only when host eviction deletes them); only with `l3`.
+    `l3_prefetch` fetches in the background while the request waits in the queue
+    (`Scheduler`, "L3 prefetch"), calling off a fetch after `l3_prefetch_steps` steps;
+    only with `l3`. `events`
     turns the cache's KV events on (with page hashes), for a caller that takes them
     (`radixcache.events`).
     """
@@ -119,6 +122,8 @@ class ReplayConfig:
     l3: str | None = None
     l3_min_tokens: int = 64
     l3_write: Literal["backup", "host_eviction"] = "backup"
+    l3_prefetch: bool = False
+    l3_prefetch_steps: int = 8
     events: bool = False
 
     def model_shape(self) -> ModelShape:
@@ -183,6 +188,8 @@ class ReplayConfig:
             "schedule_policy": self.schedule_policy,
             "schedule_window": self.schedule_window,
             "max_overtakes": self.max_overtakes,
+            "l3_prefetch": self.l3_prefetch,
+            "l3_prefetch_steps": self.l3_prefetch_steps,
         }
         kwargs.update(overrides)
         return kind(cache, engine, model, **kwargs)
@@ -272,6 +279,8 @@ class Server:
             raise ValueError(
                 f"l3_write: {config.l3_write!r} given without an L3 store; pass l3 (its URL)"
             )
+        if config.l3 is None and config.l3_prefetch:
+            raise ValueError("l3_prefetch: given without an L3 store; pass l3 (its URL)")
         self.config = config
         self.cache = cache = config.cache()
         self.model: ChecksumModel | None = None
@@ -347,6 +356,9 @@ def l3_report(tier: L3Tier | None, c: Counters) -> dict[str, Any]:
         "l3_hit_tokens": c.l3_hit_tokens,
         "l3_hit_rate": c.l3_hit_tokens / p if p else 0.0,
         "hit_rate": (c.device_hit_tokens + c.host_hit_tokens + c.l3_hit_tokens) / p if p else 0.0,
+        "l3_prefetches": c.l3_prefetches,
+        "l3_prefetch_timeouts": c.l3_prefetch_timeouts,
+        "l3_prefetch_wait_steps": c.l3_prefetch_wait_steps,
     }
     if tier is None:
         out.update(dict.fromkeys(L3_KEYS))
@@ -360,6 +372,7 @@ def l3_report(tier: L3Tier | None, c: Counters) -> dict[str, Any]:
 L3_KEYS = (
     "l3_lookups",
     "l3_fetches",
+    "l3_fetches_cancelled",
     "l3_landed_pages",
     "l3_missed_pages",
     "l3_corrupt_objects",
@@ -490,6 +503,7 @@ def _fleet_rate(jobs: Sequence[Job], config: ReplayConfig, servers: int) -> floa
 _L3_SUMS = (
     "l3_lookups",
     "l3_fetches",
+    "l3_fetches_cancelled",
     "l3_landed_pages",
     "l3_missed_pages",
     "l3_corrupt_objects",
@@ -499,6 +513,9 @@ _L3_SUMS = (
     "l3_bytes_stored",
     "l3_errors",
     "l3_breaker_trips",
+    "l3_prefetches",
+    "l3_prefetch_timeouts",
+    "l3_prefetch_wait_steps",
     "l3_eviction_puts",
 )
 

@@ -46,6 +46,21 @@ enough both go in arrival order. The cost is reported per request: the steps it 
 from its arrival to its first admission, and how often it was overtaken
 (`Counters.admissions`).
 
+**L3 prefetch** (``l3_prefetch``). With an L3 tier, each admission first fetches what
+the store holds of the prompt beyond both tiers, and by default waits for it
+(`L3Tier.fetch`). With ``l3_prefetch`` the fetch runs in the background instead
+(`L3Tier.start_fetch`), as SGLang HiCache's prefetch does: the request stays in the
+queue, skipped by the admission order, while other requests are admitted and computed;
+each step polls its fetch (`L3Tier.poll`, without waiting), and once it ended the
+request is admitted like any other, loading back what landed. A prefetching request
+counts towards ``max_running``, so that at most that many fetch at once and a fetch
+starts when its request could otherwise have been admitted (not at its arrival, when
+other servers have not written its prefix yet). A fetch still running
+``l3_prefetch_steps`` steps after it started is called off (`L3Tier.cancel`: its host
+slots go back once its read finished) and the request admitted without it
+(`Counters.l3_prefetch_timeouts`). With nothing running, admission waits for the oldest
+fetch (up to ``L3_WAIT_S`` seconds, then calls it off) instead of stepping idle.
+
 The scheduler uses only the public request API, `Storage` and the engine interface
 (``run``, ``submit``, ``poll``, ``after_compute``); without a model it makes exactly the
 same cache calls (for hit rates and for timing the cache alone).
@@ -64,7 +79,7 @@ import numpy as np
 
 from .._core import HybridCache, Request, TransferBatch
 from ..engine import TransferEngine
-from ..l3 import L3Tier
+from ..l3 import L3Fetch, L3Tier
 from ..storage import Storage
 from .model import ChecksumModel, ComputeEvent
 from .offline import StateTrace
@@ -83,6 +98,8 @@ __all__ = [
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 #: A ``schedule_policy`` name.
 SchedulePolicy = Literal["fcfs", "lpm"]
+#: With nothing running, how long admission waits for an L3 prefetch before calling it off.
+L3_WAIT_S = 5.0
 
 
 class Refused(RuntimeError):
@@ -283,6 +300,11 @@ class Counters:
     #: steps from its arrival to that admission, and how many requests that arrived
     #: after it were admitted before it.
     admissions: list[tuple[int, int, int]] = field(default_factory=list)
+    #: L3 prefetches started (``l3_prefetch``), those still running after
+    #: ``l3_prefetch_steps`` (called off), and the steps requests waited for them.
+    l3_prefetches: int = 0
+    l3_prefetch_timeouts: int = 0
+    l3_prefetch_wait_steps: int = 0
 
 
 class Scheduler:
@@ -315,6 +337,9 @@ class Scheduler:
         l3: The L3 tier: before each admission, what the store holds of the prompt
             beyond both tiers is fetched to the host tier (`L3Tier.fetch`), and the
             admission loads it back like any host hit; None: no L3 tier.
+        l3_prefetch: Fetch from the L3 tier in the background while the request waits
+            (see the module docstring) instead of waiting at admission.
+        l3_prefetch_steps: Steps a prefetch may run before it is called off.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -338,12 +363,15 @@ class Scheduler:
         schedule_window: int = 128,
         max_overtakes: int = 128,
         l3: L3Tier | None = None,
+        l3_prefetch: bool = False,
+        l3_prefetch_steps: int = 8,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
             ("chunk_size", chunk_size),
             ("step_tokens", step_tokens),
             ("schedule_window", schedule_window),
+            ("l3_prefetch_steps", l3_prefetch_steps),
         ):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
@@ -374,6 +402,10 @@ class Scheduler:
         self.branch_checkpoints = branch_checkpoints
         self.trace = trace
         self.l3 = l3
+        self.l3_prefetch = l3_prefetch and l3 is not None
+        self.l3_prefetch_steps = l3_prefetch_steps
+        self._fetching: dict[int, tuple[L3Fetch, int]] = {}  # index: (fetch, step started)
+        self._landed: dict[int, int] = {}  # index: tokens its ended prefetch landed
         self._prepared: dict[int, tuple[Any, Any]] = {}
         self.schedule_policy = schedule_policy
         self.schedule_window = schedule_window
@@ -410,6 +442,8 @@ class Scheduler:
             if progress is not None:
                 progress(self.counters.finished + self.counters.rejected)
         self.drain()
+        if self.l3_prefetch and self.l3 is not None:
+            self.l3.close()  # its worker thread (made again by the next prefetch)
         return self.counters
 
     def drain(self) -> None:
@@ -427,6 +461,12 @@ class Scheduler:
         self.drain()
         for live in list(self.running):
             self._drop(live)
+        if self.l3 is not None:
+            for fetch, _ in self._fetching.values():
+                self.l3.cancel(fetch)
+            self.l3.close()
+        self._fetching.clear()
+        self._landed.clear()
         self.waiting.clear()
         self._prepared.clear()
         self._arrived.clear()
@@ -437,6 +477,7 @@ class Scheduler:
         c = self.counters
         c.steps += 1
         self._end_loads(self.engine.poll())
+        self._poll_fetches()
         self._admit()
         checkpoints: list[_Live] = []
         finished: list[_Live] = []
@@ -514,8 +555,14 @@ class Scheduler:
             # Every running request holds a state slot, and a load-back takes a second
             # one for the node: more requests than that could only retract each other.
             limit = min(limit, max(1, cache.mamba_slots - 2))
-        while self.waiting and len(self.running) < limit:
+        # A request whose prefetch runs holds its place among the running ones: it is
+        # admitted as soon as the fetch ends.
+        while self.waiting and len(self.running) + len(self._fetching) < limit:
             pos = self._next()
+            if pos < 0:  # every waiting request is prefetching
+                if self.running or not self._wait_fetch():
+                    return
+                continue
             index, job = self.waiting[pos]
             need = len(job.prompt) + len(job.output)
             room = cache.available_kv() + cache.evictable_size() - self._reserved()
@@ -523,8 +570,18 @@ class Scheduler:
                 return
             tokens, seq = self._prepare(index, job)
             landed = 0
-            if self.l3 is not None:  # what the store has beyond both tiers lands on the host
+            if self.l3 is not None and not self.l3_prefetch:
+                # What the store has beyond both tiers lands on the host first.
                 landed = self.l3.fetch(tokens, namespace=job.namespace)
+            elif self.l3 is not None and index not in self._landed:
+                fetch = self.l3.start_fetch(tokens, namespace=job.namespace)
+                if fetch is not None and not self.l3.poll(fetch):
+                    self.counters.l3_prefetches += 1
+                    self._fetching[index] = (fetch, self.counters.steps)
+                    continue  # it waits in the queue; the next request may go
+                self._landed[index] = fetch.tokens_landed if fetch is not None else 0
+            if self.l3_prefetch:
+                landed = self._landed.get(index, 0)
             req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None and not self.running:
                 cache.evict(mamba_states=1)
@@ -537,6 +594,7 @@ class Scheduler:
                     continue
                 return
             self._dequeue(pos, admitted=True)
+            self._landed.pop(index, None)
             expected = None
             if self.model is not None:
                 expected = self.model.ref.samples(job.prompt, len(job.output), job.output)
@@ -556,21 +614,60 @@ class Scheduler:
 
         ``"fcfs"``: the first. ``"lpm"``: the first one overtaken `max_overtakes` times,
         else the one of the first `schedule_window` that reuses the most cached tokens
-        (the first of those in a tie).
+        (the first of those in a tie). Requests whose L3 prefetch is running are passed
+        over (-1: every waiting request is).
         """
         if self.schedule_policy == "fcfs":
-            return 0
-        window = list(itertools.islice(self.waiting, self.schedule_window))
-        for pos, (index, _) in enumerate(window):
+            waiting = enumerate(self.waiting)
+            return next((pos for pos, (i, _) in waiting if i not in self._fetching), -1)
+        window = [
+            (pos, index, job)
+            for pos, (index, job) in enumerate(
+                itertools.islice(self.waiting, self.schedule_window + len(self._fetching))
+            )
+            if index not in self._fetching
+        ][: self.schedule_window]
+        for pos, index, _ in window:
             if self._overtaken.get(index, 0) >= self.max_overtakes:
                 return pos
-        best, most = 0, -1
-        for pos, (index, job) in enumerate(window):
+        best, most = -1, -1
+        for pos, index, job in window:
             tokens, _ = self._prepare(index, job)
             device, host, _ = self.cache.peek_prefix(tokens, namespace=job.namespace)
             if device + host > most:
                 best, most = pos, device + host
         return best
+
+    def _poll_fetches(self) -> None:
+        """Advance the L3 prefetches (without waiting); call off those past their steps."""
+        if not self._fetching or self.l3 is None:
+            return
+        c = self.counters
+        for index, (fetch, started) in list(self._fetching.items()):
+            if not self.l3.poll(fetch):
+                if c.steps - started < self.l3_prefetch_steps:
+                    continue
+                self.l3.cancel(fetch)
+                c.l3_prefetch_timeouts += 1
+            del self._fetching[index]
+            self._landed[index] = fetch.tokens_landed
+            c.l3_prefetch_wait_steps += c.steps - started
+
+    def _wait_fetch(self) -> bool:
+        """Wait for the oldest prefetch, with nothing running; False when none is in flight.
+
+        Waits up to `L3_WAIT_S` seconds, then calls it off.
+        """
+        if not self._fetching or self.l3 is None:
+            return False
+        index = next(iter(self._fetching))
+        fetch, started = self._fetching.pop(index)
+        if not self.l3.poll(fetch, L3_WAIT_S):
+            self.l3.cancel(fetch)
+            self.counters.l3_prefetch_timeouts += 1
+        self._landed[index] = fetch.tokens_landed
+        self.counters.l3_prefetch_wait_steps += self.counters.steps - started
+        return True
 
     def _dequeue(self, pos: int, *, admitted: bool) -> None:
         """Take the request at `pos` out of `waiting`: `admitted`, or rejected.
