@@ -469,15 +469,20 @@ class Gated:
     the real one; only the timing is the test's).
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, *, puts: bool = False) -> None:
         self.store = store
         self.gate = threading.Event()
         self.reading = threading.Event()
+        self.writing = threading.Event()
+        self.puts = puts  # gate the puts too
 
     def exists(self, keys: Any) -> Any:
         return self.store.exists(keys)
 
     def put(self, keys: Any, hashes: Any, data: Any) -> Any:
+        if self.puts:
+            self.writing.set()
+            assert self.gate.wait(30), "the test never opened the gate"
         return self.store.put(keys, hashes, data)
 
     def get_into(self, keys: Any, hashes: Any, out: Any) -> Any:
@@ -609,6 +614,62 @@ def test_a_background_fetch_from_a_store_that_is_down_is_a_miss() -> None:
     assert b.tier.report()["l3_errors"] == 1
     b.tier.close()
     b.cache.audit()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_submitted_put_is_written_in_the_background_and_pins_its_host_slots(
+    url: str, hybrid: bool
+) -> None:
+    gated = Gated(ObjectStore(url), puts=True)
+    a = Machine(gated, hybrid=hybrid)
+    wrote = a.compute(TOKENS, np.random.default_rng(14))
+    a.engine.run_pending()  # the backup; its landing emits the put
+    (put,) = a.cache.take_batches()
+    assert put.kind == "l3_put"
+    a.engine.submit(put)
+    assert gated.writing.wait(10), "the write runs on the worker thread"
+    assert a.engine.poll() == []
+    assert a.engine.in_flight == 1
+    # Host eviction while it writes: the host slots it reads drain, none is reused.
+    a.cache.evict(kv_tokens=len(TOKENS), mamba_states=1)
+    a.cache.evict_host(kv_tokens=len(TOKENS), mamba_states=1)
+    stats = a.cache.stats()
+    assert stats["host_kv_draining_slots"] == len(TOKENS)
+    a.cache.audit()
+    gated.gate.set()
+    assert a.engine.synchronize() == [put]
+    assert put.outcome == "completed"
+    assert a.cache.stats()["host_kv_free_slots"] == a.cache.host_kv_slots, "drained"
+    assert a.tier.counters.stored_objects == 6 + hybrid
+    b = Machine(ObjectStore(url), hybrid=hybrid)
+    assert b.tier.fetch(TOKENS) == len(TOKENS)
+    got = b.loaded(TOKENS)
+    for name, want in wrote.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    a.tier.close()
+    a.cache.audit()
+
+
+def test_a_submitted_put_whose_write_fails_fails_and_is_offered_again(tmp_path: Path) -> None:
+    a = Machine(ObjectStore("redis://127.0.0.1:1", timeout_ms=50), hybrid=False)
+    a.compute(TOKENS, np.random.default_rng(15))
+    a.engine.run_pending()
+    (put,) = a.cache.take_batches()
+    a.engine.submit(put)
+    assert a.engine.synchronize() == []
+    assert put.outcome == "failed"
+    assert (put.reason or "").startswith("L3Error: exists failed: connecting to 127.0.0.1:1")
+    assert a.cache.stats()["l3_puts_failed"] == 1
+    # The store is back (another one): the next backup on the path offers them again.
+    a.tier.store = ObjectStore(f"file://{tmp_path / 'back'}")
+    a.compute([*TOKENS, 1, 2, 3, 4], np.random.default_rng(16))
+    a.engine.run_pending()
+    for b in a.cache.take_batches():
+        a.engine.submit(b)
+    a.engine.synchronize()
+    assert a.tier.counters.stored_objects == 7, "the six pages again, and the new one"
+    a.tier.close()
+    a.cache.audit()
 
 
 def test_a_fleet_prefetching_in_the_background_serves_every_sample_right(url: str) -> None:

@@ -7,7 +7,8 @@ of 2 tokens and a small alphabet with shared prefixes, so that backups, puts, ho
 eviction, fetches and load-backs interleave.
 
 Rules: compute a prompt (its KV and state written into the device slots, then
-inserted), run the engine (backups, then the puts their landing emits), evict from the
+inserted), run the engine (backups, then the puts their landing emits; or the puts
+submitted, written in the background and ended by a later poll), evict from the
 device or the host tier, fetch a prompt and wait (`L3Tier.fetch`), start a background
 fetch (`start_fetch`), poll one (without waiting, or briefly), call one off
 (`cancel`), and serve a prompt: match it, load back what the host holds and read what
@@ -118,6 +119,7 @@ class L3Machine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             for side in self.sides:
+                side.engine.synchronize()
                 side.tier.close(timeout=30)
                 assert not side.tier._live, "a fetch outlived close()"
                 side.run()
@@ -210,6 +212,21 @@ class L3Machine(RuleBasedStateMachine):
     @rule(data=st.data())
     def run_engine(self, data: st.DataObject) -> None:
         self.side(data).run()
+
+    @rule(data=st.data())
+    def submit_puts(self, data: st.DataObject) -> None:
+        """Run the batches, the puts in the background (ended by a later poll)."""
+        side = self.side(data)
+        for b in side.cache.take_batches():
+            if b.kind == "l3_put":
+                side.engine.submit(b)
+            else:
+                side.engine.run(b)
+
+    @rule(data=st.data())
+    def poll_engine(self, data: st.DataObject) -> None:
+        for b in self.side(data).engine.poll():
+            assert b.outcome in ("completed", "failed")
 
     @rule(data=st.data(), kv=st.integers(1, 16), states=st.integers(0, 2))
     def evict(self, data: st.DataObject, kv: int, states: int) -> None:

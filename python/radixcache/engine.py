@@ -40,6 +40,7 @@ never overwrites a slot that compute still reads.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +59,9 @@ __all__ = ["TransferEngine"]
 @dataclass(eq=False)
 class _InFlight:
     batch: TransferBatch
-    event: Any  # marks the batch's copies on the copy stream (None: they ran already)
+    # Marks the batch's copies on the copy stream (None: they ran already); for an
+    # l3_put, the Future of its write on the L3 tier's worker thread.
+    event: Any
 
 
 @dataclass
@@ -222,6 +225,13 @@ class TransferEngine:
         self._refuse_foreign(batch)
         batch.start()
         self._count("batches_submitted")
+        if batch.kind == "l3_put" and self.l3 is not None:
+            # Written on the tier's worker thread: the batch pins the host slots it
+            # reads until it ends, so the caller goes on meanwhile.
+            future = self.l3.start_write(batch, via=self.copy_batch)
+            with self._lock:
+                self._in_flight.append(_InFlight(batch, future))
+            return
         mark = self._enqueued()
         try:
             self._wait_for_compute()
@@ -266,7 +276,7 @@ class TransferEngine:
                 if id(f) in broken:
                     self._hold_locked(f.batch, broken[id(f)])
             due = [f for f in claimed if id(f) not in broken]
-        outcomes = [(f.batch, self._complete_due(f.batch)) for f in due]
+        outcomes = [(f.batch, self._end_due(f)) for f in due]
         errors = [e for _, e in outcomes if isinstance(e, Exception)]
         if errors:
             raise errors[0]  # once every batch due has ended
@@ -280,6 +290,8 @@ class TransferEngine:
         """
         with self._lock:
             waiting = bool(self._in_flight)
+            writes = [f.event for f in self._in_flight if isinstance(f.event, Future)]
+        wait(writes)
         if waiting:
             try:
                 self._wait_copies()
@@ -379,6 +391,20 @@ class TransferEngine:
         except Exception as e:  # a device error: the batch is held
             return f"waiting for its copies: {_describe(e)}"
 
+    def _end_due(self, f: _InFlight) -> bool | Exception:
+        """End a batch whose copies finished: failed if its write raised, else completed."""
+        if isinstance(f.event, Future) and f.event.exception() is not None:
+            error = f.event.exception()
+            assert error is not None
+            try:
+                self._fail(f.batch, error)
+            except Exception as e:  # the cache refused a batch in flight there
+                with self._lock:
+                    self._hold_locked(f.batch, f"failing it: {_describe(e)}")
+                return e
+            return False
+        return self._complete_due(f.batch)
+
     def _complete_due(self, batch: TransferBatch) -> bool | Exception:
         """`_complete`, or the exception it raised (the batch is then held)."""
         try:
@@ -458,7 +484,9 @@ class TransferEngine:
         (to inject faults, or to time copies). An exception from it fails the batch.
 
         An ``l3_put`` batch is written to the store by the engine's `l3` tier instead
-        (on the calling thread: the host arrays are read, the store is written).
+        (the host arrays are read, the store is written): on the calling thread under
+        `run`, on the tier's worker thread under `submit` (`L3Tier.start_write`, which
+        calls this method there).
 
         Raises:
             ValueError, IndexError: A copy names a pool or tier the storage lacks, slot
@@ -534,7 +562,9 @@ class TransferEngine:
         return self._copy_stream().record() if self.on_gpu else None
 
     def _passed(self, event: Any) -> bool:
-        """Whether the copy stream has passed `event` (from `_record`)."""
+        """Whether the copy stream has passed `event` (from `_record`), or the write ended."""
+        if isinstance(event, Future):
+            return event.done()
         return event is None or bool(event.done)
 
     def _plan(self, c: _Checked) -> _Plan:

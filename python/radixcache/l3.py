@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -279,7 +279,8 @@ class L3Tier:
     def write(self, batch: TransferBatch) -> None:
         """Write a started ``l3_put`` batch's objects the store lacks (without ending it).
 
-        `TransferEngine` calls it for the ``l3_put`` batches it runs.
+        `TransferEngine` calls it for the ``l3_put`` batches it runs (on its worker
+        thread for those it submits: `start_write`).
 
         Raises:
             ValueError: `batch` is not an ``l3_put`` batch.
@@ -288,24 +289,48 @@ class L3Tier:
         if batch.kind != "l3_put":
             raise ValueError(f"batch: expected an l3_put batch, got {batch.kind!r}")
         start = time.perf_counter()
+        present = stored = nbytes = 0
         try:
             for pool, host, slots, per, hashes in self._objects(batch):
                 keys = self._keys(hashes, pool == "mamba")
-                present = self._call(self.store.exists, keys)
-                todo = [k for k, p in enumerate(present) if not p]
-                self.counters.present_objects += len(keys) - len(todo)
+                there = self._call(self.store.exists, keys)
+                todo = [k for k, p in enumerate(there) if not p]
+                present += len(keys) - len(todo)
                 if not todo:
                     continue
                 rows = np.asarray(todo, dtype=np.int64)
                 data = _gather(host, slots.reshape(-1, per)[rows].reshape(-1), per)
-                stored = self._call(
+                done = self._call(
                     self.store.put, [keys[k] for k in todo], [hashes[k] for k in todo], data
                 )
-                self.counters.stored_objects += sum(1 for s in stored if s)
-                self.counters.bytes_stored += int(data.nbytes)
+                stored += sum(1 for s in done if s)
+                nbytes += int(data.nbytes)
         finally:
-            self.counters.put_seconds += time.perf_counter() - start
-        self.counters.puts += 1
+            with self._counting:
+                c = self.counters
+                c.present_objects += present
+                c.stored_objects += stored
+                c.bytes_stored += nbytes
+                c.put_seconds += time.perf_counter() - start
+        with self._counting:
+            self.counters.puts += 1
+
+    def start_write(
+        self, batch: TransferBatch, *, via: Callable[[TransferBatch], None] | None = None
+    ) -> Future[None]:
+        """Write a started ``l3_put`` batch on the tier's worker thread (as `write`).
+
+        The batch pins the host slots it reads until it ends, so the caller goes on
+        meanwhile; end it (``complete``, or ``fail`` if the Future raised) once the
+        Future is done. `via` writes it instead of `write` (`TransferEngine.submit`
+        passes its ``copy_batch``). Writes and background fetches share the one worker.
+
+        Raises:
+            ValueError: `batch` is not an ``l3_put`` batch.
+        """
+        if batch.kind != "l3_put":
+            raise ValueError(f"batch: expected an l3_put batch, got {batch.kind!r}")
+        return self._pool().submit(via or self.write, batch)
 
     # ------------------------------------------------------------------ fetches
 

@@ -59,7 +59,10 @@ other servers have not written its prefix yet). A fetch still running
 ``l3_prefetch_steps`` steps after it started is called off (`L3Tier.cancel`: its host
 slots go back once its read finished) and the request admitted without it
 (`Counters.l3_prefetch_timeouts`). With nothing running, admission waits for the oldest
-fetch (up to ``L3_WAIT_S`` seconds, then calls it off) instead of stepping idle.
+fetch (up to ``L3_WAIT_S`` seconds, then calls it off) instead of stepping idle. The
+``l3_put`` batches are then written in the background too (`TransferEngine.submit`, on
+the tier's worker thread; each step's poll ends those that finished), so neither
+direction of the store's traffic stalls a step.
 
 The scheduler uses only the public request API, `Storage` and the engine interface
 (``run``, ``submit``, ``poll``, ``after_compute``); without a model it makes exactly the
@@ -846,7 +849,10 @@ class Scheduler:
 
     def _run(self, batch: TransferBatch) -> None:
         try:
-            self.engine.run(batch)
+            if self.l3_prefetch and batch.kind == "l3_put":
+                self.engine.submit(batch)  # written in the background; a later poll ends it
+            else:
+                self.engine.run(batch)
         except Refused as e:  # never started: the scheduler fails it (a miss)
             self.counters.batches_refused += 1
             batch.fail(str(e))
