@@ -681,13 +681,13 @@ def test_a_fleet_prefetching_in_the_background_serves_every_sample_right(url: st
     assert r["l3_hit_tokens"] > 0
 
 
-def test_prefetches_past_their_steps_are_called_off_and_nothing_leaks(url: str) -> None:
+def test_prefetches_past_their_timeout_are_called_off_and_nothing_leaks(url: str) -> None:
     jobs = workloads.WORKLOADS["multiturn"](60, 0)
     # The first server fills the store; the second fetches through a gate that opens
     # only after a few of its fetches were called off.
     first, _ = replay(jobs, _config(url))
     assert first["l3_stored_objects"] > 0
-    server = Server(_config(url, l3_prefetch=True, l3_prefetch_steps=1))
+    server = Server(_config(url, l3_prefetch=True, l3_prefetch_timeout=0.01))
     assert server.l3 is not None
     gated = Gated(server.l3.store)
     server.l3.store = gated
@@ -709,10 +709,11 @@ def test_prefetches_past_their_steps_are_called_off_and_nothing_leaks(url: str) 
 def test_prefetch_settings_are_refused_without_a_store_or_out_of_range() -> None:
     with pytest.raises(ValueError, match=r"^l3_prefetch: given without an L3 store"):
         Server(ReplayConfig(l3_prefetch=True))
-    with pytest.raises(ValueError, match=r"^l3_prefetch_steps: must be >= 1"):
-        ReplayConfig().scheduler(
-            HybridCache(kv_slots=64, page_size=PS), None, None, l3_prefetch_steps=0
-        )
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"^l3_prefetch_timeout: must be a number"):
+            ReplayConfig().scheduler(
+                HybridCache(kv_slots=64, page_size=PS), None, None, l3_prefetch_timeout=bad
+            )
 
 
 def _config(url: str | None, **kw: Any) -> ReplayConfig:
@@ -803,8 +804,9 @@ def test_cli_refuses_bad_l3_flags_naming_them(url: str, capsys: pytest.CaptureFi
         (["--l3-write", "host_eviction"], "--l3-write: only with --l3"),
         (["--l3", url, "--l3-write", "evict"], "--l3-write"),
         (["--l3-prefetch"], "--l3-prefetch: only with --l3"),
-        (["--l3", url, "--l3-prefetch-steps", "3"], "--l3-prefetch-steps: only with"),
-        (["--l3", url, "--l3-prefetch", "--l3-prefetch-steps", "0"], "--l3-prefetch-steps"),
+        (["--l3", url, "--l3-prefetch-timeout", "3"], "--l3-prefetch-timeout: only with"),
+        (["--l3", url, "--l3-prefetch", "--l3-prefetch-timeout", "0"], "--l3-prefetch-timeout"),
+        (["--l3", url, "--l3-prefetch", "--l3-prefetch-timeout", "nan"], "(0, 3600]"),
     ):
         assert main(["replay", "--requests", "4", *argv]) == 2, argv
         assert match in capsys.readouterr().err

@@ -83,10 +83,10 @@ class Flag:
     Attributes:
         name: The option (``--kv-slots``).
         help: What it does.
-        kind: ``int``, ``rate`` (a float in [0, 1]), ``choice``, ``path`` (a string)
-            or ``switch`` (present or not).
+        kind: ``int``, ``rate`` (a float in [0, 1]), ``seconds`` (a float in
+            (0, `hi`]), ``choice``, ``path`` (a string) or ``switch`` (present or not).
         default: The value when the option is not given.
-        lo, hi: The range of an ``int``.
+        lo, hi: The range of an ``int``; `hi` bounds ``seconds`` too.
         choices: The values of a ``choice``.
         shown: The default as ``--help`` states it (default: `default`).
         required: The option must be given (it has no default).
@@ -136,6 +136,16 @@ class Flag:
             if not 0.0 <= rate <= 1.0:  # NaN too
                 raise argparse.ArgumentTypeError(f"must be in [0, 1], got {_short(text)}")
             return rate
+        if self.kind == "seconds":
+            try:
+                seconds = float(text)
+            except ValueError:
+                seconds = float("nan")
+            if not 0.0 < seconds <= self.hi:  # NaN too
+                raise argparse.ArgumentTypeError(
+                    f"must be a number of seconds in (0, {self.hi}], got {_short(text)}"
+                )
+            return seconds
         if not text:
             raise argparse.ArgumentTypeError("must not be empty")
         return text
@@ -342,12 +352,12 @@ REPLAY_FLAGS = (
         kind="switch",
     ),
     Flag(
-        "--l3-prefetch-steps",
-        "scheduler steps a background fetch may take before it is called off and its "
-        "request admitted without it; only with --l3-prefetch",
-        default=_D.l3_prefetch_steps,
-        lo=1,
-        hi=1_000_000,
+        "--l3-prefetch-timeout",
+        "seconds a background fetch may take before it is called off and its request "
+        "admitted without it; only with --l3-prefetch",
+        kind="seconds",
+        default=_D.l3_prefetch_timeout,
+        hi=3600,
     ),
     Flag(
         "--servers",
@@ -411,7 +421,7 @@ def _add(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
         elif f.kind == "choice":
             p.add_argument(f.name, choices=f.choices, help=f.help_text())
         else:
-            metavar = {"int": "N", "rate": "RATE"}.get(f.kind, "PATH")
+            metavar = {"int": "N", "rate": "RATE", "seconds": "SECONDS"}.get(f.kind, "PATH")
             p.add_argument(
                 f.name, type=f.parse, metavar=metavar, required=f.required, help=f.help_text()
             )
@@ -885,8 +895,8 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         raise InputError("--l3-write: only with --l3 (there is no store to write to)")
     elif args.l3_prefetch:
         raise InputError("--l3-prefetch: only with --l3 (there is no store to fetch from)")
-    if args.l3_prefetch_steps is not None and not args.l3_prefetch:
-        raise InputError("--l3-prefetch-steps: only with --l3-prefetch")
+    if args.l3_prefetch_timeout is not None and not args.l3_prefetch:
+        raise InputError("--l3-prefetch-timeout: only with --l3-prefetch")
     jobs, config = _setup(
         args,
         inject_failures=_value(args, "--inject-failures"),
@@ -896,7 +906,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
         l3=args.l3,
         l3_write=_value(args, "--l3-write"),
         l3_prefetch=args.l3_prefetch,
-        l3_prefetch_steps=_value(args, "--l3-prefetch-steps"),
+        l3_prefetch_timeout=_value(args, "--l3-prefetch-timeout"),
     )
     workload = _value(args, "--workload")
     if shard:

@@ -60,7 +60,7 @@ __all__ = ["TransferEngine"]
 class _InFlight:
     batch: TransferBatch
     # Marks the batch's copies on the copy stream (None: they ran already); for an
-    # l3_put, the Future of its write on the L3 tier's worker thread.
+    # l3_put, the Future of its write on the L3 tier's put worker thread.
     event: Any
 
 
@@ -226,7 +226,7 @@ class TransferEngine:
         batch.start()
         self._count("batches_submitted")
         if batch.kind == "l3_put" and self.l3 is not None:
-            # Written on the tier's worker thread: the batch pins the host slots it
+            # Written on the tier's put worker thread: the batch pins the host slots it
             # reads until it ends, so the caller goes on meanwhile.
             future = self.l3.start_write(batch, via=self.copy_batch)
             with self._lock:
@@ -485,7 +485,7 @@ class TransferEngine:
 
         An ``l3_put`` batch is written to the store by the engine's `l3` tier instead
         (the host arrays are read, the store is written): on the calling thread under
-        `run`, on the tier's worker thread under `submit` (`L3Tier.start_write`, which
+        `run`, on the tier's put worker thread under `submit` (`L3Tier.start_write`, which
         calls this method there).
 
         Raises:

@@ -222,9 +222,11 @@ class L3Tier:
         self.prefix = layout_prefix(storage, cache.page_size) if key_prefix is None else key_prefix
         self.counters = L3Counters()
         self.hybrid = cache.mamba_slots > 0
-        self._worker: ThreadPoolExecutor | None = None
+        # One worker thread for fetches, one for puts: a fetch never queues behind the
+        # write-through of everything backed up.
+        self._workers: dict[str, ThreadPoolExecutor] = {}
         self._live: set[L3Fetch] = set()  # fetches started and not yet ended
-        self._counting = threading.Lock()  # `_call` may run on the worker thread
+        self._counting = threading.Lock()  # `_call` may run on the worker threads
 
     # ------------------------------------------------------------------ keys
 
@@ -318,19 +320,20 @@ class L3Tier:
     def start_write(
         self, batch: TransferBatch, *, via: Callable[[TransferBatch], None] | None = None
     ) -> Future[None]:
-        """Write a started ``l3_put`` batch on the tier's worker thread (as `write`).
+        """Write a started ``l3_put`` batch on the tier's put worker thread (as `write`).
 
         The batch pins the host slots it reads until it ends, so the caller goes on
         meanwhile; end it (``complete``, or ``fail`` if the Future raised) once the
         Future is done. `via` writes it instead of `write` (`TransferEngine.submit`
-        passes its ``copy_batch``). Writes and background fetches share the one worker.
+        passes its ``copy_batch``). Writes run one at a time on their own thread, beside
+        the background fetches' (a fetch never waits behind a write).
 
         Raises:
             ValueError: `batch` is not an ``l3_put`` batch.
         """
         if batch.kind != "l3_put":
             raise ValueError(f"batch: expected an l3_put batch, got {batch.kind!r}")
-        return self._pool().submit(via or self.write, batch)
+        return self._pool("put").submit(via or self.write, batch)
 
     # ------------------------------------------------------------------ fetches
 
@@ -488,7 +491,7 @@ class L3Tier:
         None when the uncached part is under `min_tokens`.
 
         The store calls (the lookup's ``exists``, then the batch get and the copy into
-        the host slots) run on the tier's worker thread, one fetch at a time; every cache
+        the host slots) run on the tier's fetch worker thread, one at a time; every cache
         call runs in `poll`, on the caller's thread. Drive the fetch with `poll` until it
         returns True (its `tokens_landed` then tells what landed), or `cancel` it. The
         tier keeps every fetch it started until it ended, so that a fetch dropped early
@@ -498,7 +501,7 @@ class L3Tier:
         if plan is None:
             return None
         toks, have, hashes = plan
-        f = L3Fetch(toks, namespace, self._pool().submit(self._probe, hashes), have)
+        f = L3Fetch(toks, namespace, self._pool("fetch").submit(self._probe, hashes), have)
         self._live.add(f)
         return f
 
@@ -531,7 +534,7 @@ class L3Tier:
                     break
                 batch.start()
                 fetch.batch, fetch.started = batch, time.perf_counter()
-                fetch.future = self._pool().submit(self._read_objects, batch)
+                fetch.future = self._pool("fetch").submit(self._read_objects, batch)
             else:  # the read finished
                 took = time.perf_counter() - fetch.started
                 pages = 0
@@ -561,7 +564,7 @@ class L3Tier:
         self._reap()
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for the fetches in flight and end them; stop the worker thread.
+        """Wait for the fetches and writes in flight, end the fetches; stop the workers.
 
         A cancelled one's batch fails, the others end as `poll` would end them.
         """
@@ -572,14 +575,16 @@ class L3Tier:
                 continue
             self.poll(f, 0.0 if timeout is None else timeout)
         self._reap()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        for worker in self._workers.values():
+            worker.shutdown(wait=True)
+        self._workers.clear()
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixcache-l3")
-        return self._worker
+    def _pool(self, kind: str) -> ThreadPoolExecutor:
+        worker = self._workers.get(kind)
+        if worker is None:
+            worker = ThreadPoolExecutor(1, thread_name_prefix=f"radixcache-l3-{kind}")
+            self._workers[kind] = worker
+        return worker
 
     def _end(self, fetch: L3Fetch, tokens: int) -> None:
         fetch.done, fetch.tokens_landed, fetch.future = True, tokens, None

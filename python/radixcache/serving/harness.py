@@ -84,8 +84,8 @@ class ReplayConfig:
     pages are written there: ``"backup"`` (as soon as they are backed up) or
     ``"host_eviction"`` (only when host eviction deletes them); only with `l3`.
     `l3_prefetch` fetches in the background while the request waits in the queue
-    (`Scheduler`, "L3 prefetch"), calling off a fetch after `l3_prefetch_steps` steps;
-    only with `l3`. `events`
+    (`Scheduler`, "L3 prefetch"), calling off a fetch after `l3_prefetch_timeout`
+    seconds; only with `l3`. `events`
     turns the cache's KV events on (with page hashes), for a caller that takes them
     (`radixcache.events`).
     """
@@ -123,7 +123,7 @@ class ReplayConfig:
     l3_min_tokens: int = 64
     l3_write: Literal["backup", "host_eviction"] = "backup"
     l3_prefetch: bool = False
-    l3_prefetch_steps: int = 8
+    l3_prefetch_timeout: float = 1.0
     events: bool = False
 
     def model_shape(self) -> ModelShape:
@@ -189,7 +189,7 @@ class ReplayConfig:
             "schedule_window": self.schedule_window,
             "max_overtakes": self.max_overtakes,
             "l3_prefetch": self.l3_prefetch,
-            "l3_prefetch_steps": self.l3_prefetch_steps,
+            "l3_prefetch_timeout": self.l3_prefetch_timeout,
         }
         kwargs.update(overrides)
         return kind(cache, engine, model, **kwargs)

@@ -56,12 +56,13 @@ request is admitted like any other, loading back what landed. A prefetching requ
 counts towards ``max_running``, so that at most that many fetch at once and a fetch
 starts when its request could otherwise have been admitted (not at its arrival, when
 other servers have not written its prefix yet). A fetch still running
-``l3_prefetch_steps`` steps after it started is called off (`L3Tier.cancel`: its host
-slots go back once its read finished) and the request admitted without it
-(`Counters.l3_prefetch_timeouts`). With nothing running, admission waits for the oldest
-fetch (up to ``L3_WAIT_S`` seconds, then calls it off) instead of stepping idle. The
+``l3_prefetch_timeout`` seconds after it started is called off (`L3Tier.cancel`: its
+host slots go back once its read finished) and the request admitted without it
+(`Counters.l3_prefetch_timeouts`); seconds, not steps, as a store's round trip does
+not scale with a step. With nothing running, admission waits for the oldest fetch (up
+to its timeout, then calls it off) instead of stepping idle. The
 ``l3_put`` batches are then written in the background too (`TransferEngine.submit`, on
-the tier's worker thread; each step's poll ends those that finished), so neither
+the tier's put worker thread; each step's poll ends those that finished), so neither
 direction of the store's traffic stalls a step.
 
 The scheduler uses only the public request API, `Storage` and the engine interface
@@ -73,6 +74,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -101,8 +103,6 @@ __all__ = [
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 #: A ``schedule_policy`` name.
 SchedulePolicy = Literal["fcfs", "lpm"]
-#: With nothing running, how long admission waits for an L3 prefetch before calling it off.
-L3_WAIT_S = 5.0
 
 
 class Refused(RuntimeError):
@@ -304,7 +304,8 @@ class Counters:
     #: after it were admitted before it.
     admissions: list[tuple[int, int, int]] = field(default_factory=list)
     #: L3 prefetches started (``l3_prefetch``), those still running after
-    #: ``l3_prefetch_steps`` (called off), and the steps requests waited for them.
+    #: ``l3_prefetch_timeout`` seconds (called off), and the steps requests waited for
+    #: them.
     l3_prefetches: int = 0
     l3_prefetch_timeouts: int = 0
     l3_prefetch_wait_steps: int = 0
@@ -342,7 +343,7 @@ class Scheduler:
             admission loads it back like any host hit; None: no L3 tier.
         l3_prefetch: Fetch from the L3 tier in the background while the request waits
             (see the module docstring) instead of waiting at admission.
-        l3_prefetch_steps: Steps a prefetch may run before it is called off.
+        l3_prefetch_timeout: Seconds a prefetch may run before it is called off.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -367,17 +368,20 @@ class Scheduler:
         max_overtakes: int = 128,
         l3: L3Tier | None = None,
         l3_prefetch: bool = False,
-        l3_prefetch_steps: int = 8,
+        l3_prefetch_timeout: float = 1.0,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
             ("chunk_size", chunk_size),
             ("step_tokens", step_tokens),
             ("schedule_window", schedule_window),
-            ("l3_prefetch_steps", l3_prefetch_steps),
         ):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
+        if not 0.0 < l3_prefetch_timeout < float("inf"):  # NaN too
+            raise ValueError(
+                f"l3_prefetch_timeout: must be a number of seconds > 0, got {l3_prefetch_timeout}"
+            )
         if max_overtakes < 0:
             raise ValueError(f"max_overtakes: must be >= 0, got {max_overtakes}")
         if schedule_policy not in SCHEDULE_POLICIES:
@@ -406,8 +410,9 @@ class Scheduler:
         self.trace = trace
         self.l3 = l3
         self.l3_prefetch = l3_prefetch and l3 is not None
-        self.l3_prefetch_steps = l3_prefetch_steps
-        self._fetching: dict[int, tuple[L3Fetch, int]] = {}  # index: (fetch, step started)
+        self.l3_prefetch_timeout = l3_prefetch_timeout
+        # index: (fetch, the step and the time it started)
+        self._fetching: dict[int, tuple[L3Fetch, int, float]] = {}
         self._landed: dict[int, int] = {}  # index: tokens its ended prefetch landed
         self._prepared: dict[int, tuple[Any, Any]] = {}
         self.schedule_policy = schedule_policy
@@ -446,7 +451,7 @@ class Scheduler:
                 progress(self.counters.finished + self.counters.rejected)
         self.drain()
         if self.l3_prefetch and self.l3 is not None:
-            self.l3.close()  # its worker thread (made again by the next prefetch)
+            self.l3.close()  # its worker threads (made again when next needed)
         return self.counters
 
     def drain(self) -> None:
@@ -465,7 +470,7 @@ class Scheduler:
         for live in list(self.running):
             self._drop(live)
         if self.l3 is not None:
-            for fetch, _ in self._fetching.values():
+            for fetch, _, _ in self._fetching.values():
                 self.l3.cancel(fetch)
             self.l3.close()
         self._fetching.clear()
@@ -580,7 +585,7 @@ class Scheduler:
                 fetch = self.l3.start_fetch(tokens, namespace=job.namespace)
                 if fetch is not None and not self.l3.poll(fetch):
                     self.counters.l3_prefetches += 1
-                    self._fetching[index] = (fetch, self.counters.steps)
+                    self._fetching[index] = (fetch, self.counters.steps, time.perf_counter())
                     continue  # it waits in the queue; the next request may go
                 self._landed[index] = fetch.tokens_landed if fetch is not None else 0
             if self.l3_prefetch:
@@ -642,35 +647,40 @@ class Scheduler:
         return best
 
     def _poll_fetches(self) -> None:
-        """Advance the L3 prefetches (without waiting); call off those past their steps."""
+        """Advance the L3 prefetches (without waiting); call off those past their time."""
         if not self._fetching or self.l3 is None:
             return
-        c = self.counters
-        for index, (fetch, started) in list(self._fetching.items()):
-            if not self.l3.poll(fetch):
-                if c.steps - started < self.l3_prefetch_steps:
-                    continue
-                self.l3.cancel(fetch)
-                c.l3_prefetch_timeouts += 1
-            del self._fetching[index]
-            self._landed[index] = fetch.tokens_landed
-            c.l3_prefetch_wait_steps += c.steps - started
+        for index, (fetch, step, started) in list(self._fetching.items()):
+            if self.l3.poll(fetch):
+                self._fetched(self.l3, index, fetch, step)
+            elif time.perf_counter() - started >= self.l3_prefetch_timeout:
+                self._fetched(self.l3, index, fetch, step, cancel=True)
 
     def _wait_fetch(self) -> bool:
         """Wait for the oldest prefetch, with nothing running; False when none is in flight.
 
-        Waits up to `L3_WAIT_S` seconds, then calls it off.
+        Waits until its timeout, then calls it off.
         """
         if not self._fetching or self.l3 is None:
             return False
         index = next(iter(self._fetching))
-        fetch, started = self._fetching.pop(index)
-        if not self.l3.poll(fetch, L3_WAIT_S):
-            self.l3.cancel(fetch)
-            self.counters.l3_prefetch_timeouts += 1
-        self._landed[index] = fetch.tokens_landed
-        self.counters.l3_prefetch_wait_steps += self.counters.steps - started
+        fetch, step, started = self._fetching[index]
+        left = self.l3_prefetch_timeout - (time.perf_counter() - started)
+        done = self.l3.poll(fetch, max(left, 0.0))
+        self._fetched(self.l3, index, fetch, step, cancel=not done)
         return True
+
+    def _fetched(
+        self, l3: L3Tier, index: int, fetch: L3Fetch, step: int, *, cancel: bool = False
+    ) -> None:
+        """Let an ended prefetch's request be admitted; `cancel`: call the fetch off first."""
+        c = self.counters
+        if cancel:
+            l3.cancel(fetch)
+            c.l3_prefetch_timeouts += 1
+        del self._fetching[index]
+        self._landed[index] = fetch.tokens_landed
+        c.l3_prefetch_wait_steps += c.steps - step
 
     def _dequeue(self, pos: int, *, admitted: bool) -> None:
         """Take the request at `pos` out of `waiting`: `admitted`, or rejected.
