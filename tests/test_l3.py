@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,87 +23,9 @@ from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, Server, clear, deal, replay, replay_fleet
 
 from conftest import RedisServer
+from l3_common import Gated, L3Cache
 
 PS = 4
-
-
-class Machine:
-    """One cache with its storage, L3 tier and engine."""
-
-    def __init__(
-        self,
-        store: Any,
-        *,
-        hybrid: bool,
-        host_kv: int = 128,
-        l3_write: str = "backup",
-        events: bool = False,
-    ) -> None:
-        self.cache = HybridCache(
-            kv_slots=64,
-            page_size=PS,
-            mamba_slots=4 if hybrid else 0,
-            host_kv_slots=host_kv,
-            host_mamba_slots=4 if hybrid else 0,
-            page_hashes=True,
-            l3=True,
-            l3_write=l3_write,  # type: ignore[arg-type]
-            events=events,
-        )
-        self.storage = Storage.for_cache(
-            self.cache,
-            layers=2,
-            mamba_layers=2,
-            kv_heads=2,
-            head_dim=4,
-            conv_shape=(3,),
-            ssm_shape=(2, 2),
-            dtype="float32",
-            device="cpu",
-        )
-        self.tier = L3Tier(self.cache, self.storage, store, min_tokens=0)
-        self.engine = TransferEngine(self.cache, self.storage, l3=self.tier)
-
-    def compute(self, tokens: list[int], rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """Cache `tokens` with random KV (and a random state); return what was written."""
-        cache = self.cache
-        slots = np.asarray(cache.alloc_kv(len(tokens)), dtype=np.int64)
-        k, v = self.storage.kv["device"]
-        k[:, slots] = rng.standard_normal(k[:, slots].shape)
-        v[:, slots] = rng.standard_normal(v[:, slots].shape)
-        wrote = {"k": k[:, slots].copy(), "v": v[:, slots].copy()}
-        state = None
-        if cache.mamba_slots:
-            state = cache.alloc_mamba()
-            conv, ssm = self.storage.mamba["device"]
-            conv[:, state] = rng.standard_normal(conv[:, state].shape)
-            ssm[:, state] = rng.standard_normal(ssm[:, state].shape)
-            wrote["conv"], wrote["ssm"] = conv[:, state].copy(), ssm[:, state].copy()
-        cache.insert(tokens, slots, mamba_slot=state)
-        return wrote
-
-    def settle(self) -> None:
-        """Run every batch, twice: backups, then the l3_puts their landing emits."""
-        self.engine.run_pending()
-        self.engine.run_pending()
-
-    def loaded(self, tokens: list[int]) -> dict[str, np.ndarray]:
-        """Load `tokens` back to the device; what the device then holds for them."""
-        m = self.cache.match_prefix(tokens)
-        assert (m.device_len, m.host_len) == (0, len(tokens))
-        lb = self.cache.load_back(m.host_node)
-        assert lb is not None
-        with lb:
-            assert self.engine.run(lb.batch)
-            lb.commit()
-        m = self.cache.match_prefix(tokens)
-        assert m.device_len == len(tokens)
-        k, v = self.storage.kv["device"]
-        out = {"k": k[:, m.kv_indices], "v": v[:, m.kv_indices]}
-        if self.cache.mamba_slots:
-            conv, ssm = self.storage.mamba["device"]
-            out["conv"], out["ssm"] = conv[:, m.mamba_slot], ssm[:, m.mamba_slot]
-        return out
 
 
 @pytest.fixture
@@ -115,12 +36,20 @@ def url(tmp_path: Path) -> str:
 TOKENS = list(range(100, 124))  # six pages
 
 
+def written(url: str, *, hybrid: bool, seed: int) -> L3Cache:
+    """A cache that computed `TOKENS` (random data from `seed`) and wrote them to `url`."""
+    a = L3Cache(ObjectStore(url), hybrid=hybrid)
+    a.compute(TOKENS, np.random.default_rng(seed))
+    a.settle()
+    return a
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_a_prefix_one_cache_wrote_is_fetched_by_another_byte_for_byte(
     url: str, hybrid: bool
 ) -> None:
     rng = np.random.default_rng(0)
-    a, b = Machine(ObjectStore(url), hybrid=hybrid), Machine(ObjectStore(url), hybrid=hybrid)
+    a, b = L3Cache(ObjectStore(url), hybrid=hybrid), L3Cache(ObjectStore(url), hybrid=hybrid)
     wrote = a.compute(TOKENS, rng)
     a.settle()
     assert a.cache.stats()["l3_puts_done"] == 1
@@ -136,7 +65,7 @@ def test_a_prefix_one_cache_wrote_is_fetched_by_another_byte_for_byte(
     b.settle()
     assert b.cache.stats()["l3_puts"] == 0
     # Written once: a third cache computing the same prompt writes nothing new.
-    c = Machine(ObjectStore(url), hybrid=hybrid)
+    c = L3Cache(ObjectStore(url), hybrid=hybrid)
     c.compute(TOKENS, rng)
     c.settle()
     assert c.tier.counters.stored_objects == 0
@@ -148,7 +77,7 @@ def test_a_reset_cache_fetches_back_what_it_wrote_and_writes_nothing_on_reset(
     url: str, l3_write: str
 ) -> None:
     rng = np.random.default_rng(3)
-    a = Machine(ObjectStore(url), hybrid=True, l3_write=l3_write)
+    a = L3Cache(ObjectStore(url), hybrid=True, l3_write=l3_write)
     wrote = a.compute(TOKENS, rng)
     a.settle()
     if l3_write == "host_eviction":
@@ -179,8 +108,8 @@ def test_under_host_eviction_pages_go_to_the_store_only_when_evicted_from_the_ho
     url: str, hybrid: bool
 ) -> None:
     rng = np.random.default_rng(1)
-    a = Machine(ObjectStore(url), hybrid=hybrid, l3_write="host_eviction")
-    b = Machine(ObjectStore(url), hybrid=hybrid)
+    a = L3Cache(ObjectStore(url), hybrid=hybrid, l3_write="host_eviction")
+    b = L3Cache(ObjectStore(url), hybrid=hybrid)
     assert a.cache.l3_write == "host_eviction"
     wrote = a.compute(TOKENS, rng)
     a.settle()
@@ -228,7 +157,7 @@ def test_l3_write_is_refused_without_l3_or_by_another_name() -> None:
 
 def test_a_fetch_continues_what_the_cache_holds_and_skips_a_short_rest(url: str) -> None:
     rng = np.random.default_rng(1)
-    a, b = Machine(ObjectStore(url), hybrid=False), Machine(ObjectStore(url), hybrid=False)
+    a, b = L3Cache(ObjectStore(url), hybrid=False), L3Cache(ObjectStore(url), hybrid=False)
     a.compute(TOKENS, rng)
     a.settle()
     b.compute(TOKENS[:8], rng)  # b holds two pages of its own
@@ -243,7 +172,7 @@ def test_a_fetch_continues_what_the_cache_holds_and_skips_a_short_rest(url: str)
 
 def test_a_hybrid_fetch_goes_only_as_far_as_a_stored_state(url: str) -> None:
     rng = np.random.default_rng(2)
-    a, b = Machine(ObjectStore(url), hybrid=True), Machine(ObjectStore(url), hybrid=True)
+    a, b = L3Cache(ObjectStore(url), hybrid=True), L3Cache(ObjectStore(url), hybrid=True)
     a.compute(TOKENS[:8], rng)  # a state after two pages
     a.settle()
     a.compute(TOKENS, rng)  # and after six
@@ -260,11 +189,11 @@ def test_a_hybrid_fetch_goes_only_as_far_as_a_stored_state(url: str) -> None:
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_lost_and_corrupt_objects_are_misses_never_wrong_bytes(url: str, hybrid: bool) -> None:
     rng = np.random.default_rng(3)
-    a = Machine(ObjectStore(url), hybrid=hybrid)
+    a = L3Cache(ObjectStore(url), hybrid=hybrid)
     a.compute(TOKENS, rng)
     a.settle()
     for fault in ("lose", "corrupt"):
-        b = Machine(ObjectStore.faulty(url, seed=7, **{fault: 1.0}), hybrid=hybrid)
+        b = L3Cache(ObjectStore.faulty(url, seed=7, **{fault: 1.0}), hybrid=hybrid)
         assert b.tier.fetch(TOKENS) == 0
         assert b.cache.match_prefix(TOKENS).host_len == 0
         assert b.cache.stats()["l3_fetches_failed"] == 1
@@ -274,7 +203,7 @@ def test_lost_and_corrupt_objects_are_misses_never_wrong_bytes(url: str, hybrid:
         if fault == "corrupt":
             assert b.tier.counters.corrupt_objects >= 1
     # The corrupt first page was deleted: the store's leading run now starts missing.
-    c = Machine(ObjectStore(url), hybrid=hybrid)
+    c = L3Cache(ObjectStore(url), hybrid=hybrid)
     assert c.tier.lookup(TOKENS) == 0
 
 
@@ -282,11 +211,9 @@ def test_lost_and_corrupt_objects_are_misses_never_wrong_bytes(url: str, hybrid:
 def test_an_object_the_store_lost_or_held_corrupt_is_announced_gone_from_external(
     url: str, fault: str
 ) -> None:
-    a = Machine(ObjectStore(url), hybrid=False)
-    a.compute(TOKENS, np.random.default_rng(3))
-    a.settle()
+    a = written(url, hybrid=False, seed=3)
     hashes = a.cache.chain_hashes(TOKENS)
-    b = Machine(ObjectStore.faulty(url, seed=7, **{fault: 1.0}), hybrid=False, events=True)
+    b = L3Cache(ObjectStore.faulty(url, seed=7, **{fault: 1.0}), hybrid=False, events=True)
     b.cache.take_events()
     assert b.tier.fetch(TOKENS) == 0
     # One batch get read all six objects, and every one was lost (or corrupt, then
@@ -302,11 +229,9 @@ def test_an_object_the_store_lost_or_held_corrupt_is_announced_gone_from_externa
 def test_a_state_the_store_lost_is_announced_gone_and_its_pages_stay_announced(
     url: str,
 ) -> None:
-    a = Machine(ObjectStore(url), hybrid=True)
-    a.compute(TOKENS, np.random.default_rng(3))
-    a.settle()
+    a = written(url, hybrid=True, seed=3)
     last = a.cache.chain_hashes(TOKENS)[-1]
-    b = Machine(ObjectStore(url), hybrid=True, events=True)
+    b = L3Cache(ObjectStore(url), hybrid=True, events=True)
     batch = b.cache.l3_fetch(TOKENS, 6)
     assert batch is not None
     b.cache.take_events()
@@ -320,10 +245,8 @@ def test_a_state_the_store_lost_is_announced_gone_and_its_pages_stay_announced(
 
 
 def test_complete_l3_refuses_a_bad_gone_naming_it_and_changes_nothing(url: str) -> None:
-    a = Machine(ObjectStore(url), hybrid=True)
-    a.compute(TOKENS, np.random.default_rng(3))
-    a.settle()
-    b = Machine(ObjectStore(url), hybrid=True, events=True)
+    written(url, hybrid=True, seed=3)
+    b = L3Cache(ObjectStore(url), hybrid=True, events=True)
     batch = b.cache.l3_fetch(TOKENS, 6)
     assert batch is not None
     batch.start()
@@ -349,7 +272,7 @@ def test_complete_l3_refuses_a_bad_gone_naming_it_and_changes_nothing(url: str) 
 
 def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
     rng = np.random.default_rng(4)
-    a, b = Machine(ObjectStore(url), hybrid=False), Machine(ObjectStore(url), hybrid=False)
+    a, b = L3Cache(ObjectStore(url), hybrid=False), L3Cache(ObjectStore(url), hybrid=False)
     a.compute(TOKENS, rng)
     a.settle()
     hashes = a.cache.chain_hashes(TOKENS)
@@ -367,7 +290,7 @@ def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
 
 def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(tmp_path: Path) -> None:
     down = ObjectStore("redis://127.0.0.1:1", timeout_ms=50)
-    a = Machine(down, hybrid=False)
+    a = L3Cache(down, hybrid=False)
     a.tier.breaker = Breaker(threshold=2, cooldown_ms=300)
     rng = np.random.default_rng(5)
     for n in range(3):
@@ -390,7 +313,7 @@ def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(tmp_path: Pa
 
 
 def test_layouts_that_differ_name_objects_differently(url: str) -> None:
-    a = Machine(ObjectStore(url), hybrid=False)
+    a = L3Cache(ObjectStore(url), hybrid=False)
     other = HybridCache(kv_slots=64, page_size=8, host_kv_slots=128, page_hashes=True, l3=True)
     storage = Storage.for_cache(other, layers=2, kv_heads=2, head_dim=4, dtype="float32")
     assert layout_prefix(a.storage, PS) != layout_prefix(storage, 8)
@@ -403,7 +326,7 @@ def test_bad_arguments_are_refused_naming_them(url: str) -> None:
     storage = Storage.for_cache(plain, layers=1, kv_heads=1, head_dim=1)
     with pytest.raises(ValueError, match=r"^cache: .*l3=True"):
         L3Tier(plain, storage, store)
-    a = Machine(store, hybrid=False)
+    a = L3Cache(store, hybrid=False)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"^min_tokens"):
             L3Tier(a.cache, a.storage, store, min_tokens=bad)  # type: ignore[arg-type]
@@ -429,7 +352,7 @@ def test_bad_arguments_are_refused_naming_them(url: str) -> None:
 
 
 def test_an_engine_without_an_l3_tier_fails_l3_puts_and_nothing_leaks(url: str) -> None:
-    a = Machine(ObjectStore(url), hybrid=False)
+    a = L3Cache(ObjectStore(url), hybrid=False)
     engine = TransferEngine(a.cache, a.storage)
     a.compute(TOKENS, np.random.default_rng(7))
     engine.run_pending()  # the backup
@@ -442,7 +365,7 @@ def test_an_engine_without_an_l3_tier_fails_l3_puts_and_nothing_leaks(url: str) 
 
 
 def test_a_fetch_left_before_it_ended_gives_its_slots_back(url: str) -> None:
-    a, b = Machine(ObjectStore(url), hybrid=True), Machine(ObjectStore(url), hybrid=True)
+    a, b = L3Cache(ObjectStore(url), hybrid=True), L3Cache(ObjectStore(url), hybrid=True)
     a.compute(TOKENS, np.random.default_rng(8))
     a.settle()
     for started in (False, True):
@@ -462,45 +385,16 @@ def test_a_fetch_left_before_it_ended_gives_its_slots_back(url: str) -> None:
 # ---------------------------------------------------------------------- the replay
 
 
-class Gated:
-    """A real store whose ``get_into`` waits until the test opens the gate.
-
-    It holds a fetch's read in flight for as long as a test needs (the store itself is
-    the real one; only the timing is the test's).
-    """
-
-    def __init__(self, store: Any, *, puts: bool = False) -> None:
-        self.store = store
-        self.gate = threading.Event()
-        self.reading = threading.Event()
-        self.writing = threading.Event()
-        self.puts = puts  # gate the puts too
-
-    def exists(self, keys: Any) -> Any:
-        return self.store.exists(keys)
-
-    def put(self, keys: Any, hashes: Any, data: Any) -> Any:
-        if self.puts:
-            self.writing.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        return self.store.put(keys, hashes, data)
-
-    def get_into(self, keys: Any, hashes: Any, out: Any) -> Any:
-        self.reading.set()
-        assert self.gate.wait(30), "the test never opened the gate"
-        return self.store.get_into(keys, hashes, out)
-
-
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_a_background_fetch_lands_what_a_blocking_one_does_while_the_cache_serves(
     url: str, hybrid: bool
 ) -> None:
     rng = np.random.default_rng(11)
-    a = Machine(ObjectStore(url), hybrid=hybrid)
+    a = L3Cache(ObjectStore(url), hybrid=hybrid)
     wrote = a.compute(TOKENS, rng)
     a.settle()
     gated = Gated(ObjectStore(url))
-    b = Machine(gated, hybrid=hybrid)
+    b = L3Cache(gated, hybrid=hybrid)
     fetch = b.tier.start_fetch(TOKENS)
     assert fetch is not None
     while fetch.batch is None:  # the lookup answers; the poll then starts the read
@@ -525,7 +419,7 @@ def test_a_background_fetch_lands_what_a_blocking_one_does_while_the_cache_serve
 
 
 def test_a_background_fetch_with_nothing_to_ask_or_find_ends_with_nothing(url: str) -> None:
-    b = Machine(ObjectStore(url), hybrid=False)
+    b = L3Cache(ObjectStore(url), hybrid=False)
     b.tier.min_tokens = 64
     assert b.tier.start_fetch(TOKENS) is None, "24 uncached tokens: under min_tokens"
     b.tier.min_tokens = 0
@@ -540,11 +434,9 @@ def test_a_background_fetch_with_nothing_to_ask_or_find_ends_with_nothing(url: s
 def test_a_background_fetch_called_off_gives_every_slot_back_once_its_read_ended(
     url: str,
 ) -> None:
-    a = Machine(ObjectStore(url), hybrid=True)
-    a.compute(TOKENS, np.random.default_rng(12))
-    a.settle()
+    written(url, hybrid=True, seed=12)
     gated = Gated(ObjectStore(url))
-    b = Machine(gated, hybrid=True)
+    b = L3Cache(gated, hybrid=True)
     full = b.cache.stats()
     # Called off during its lookup: nothing was taken.
     early = b.tier.start_fetch(TOKENS)
@@ -576,11 +468,9 @@ def test_a_background_fetch_called_off_gives_every_slot_back_once_its_read_ended
 
 
 def test_a_read_that_raises_fails_its_batch_and_the_error_reaches_the_caller(url: str) -> None:
-    a = Machine(ObjectStore(url), hybrid=False)
-    a.compute(TOKENS, np.random.default_rng(13))
-    a.settle()
+    written(url, hybrid=False, seed=13)
     gated = Gated(ObjectStore(url))
-    b = Machine(gated, hybrid=False)
+    b = L3Cache(gated, hybrid=False)
 
     def broken(keys: Any, hashes: Any, out: Any) -> Any:
         raise RuntimeError("a store client bug")
@@ -606,7 +496,7 @@ def test_a_read_that_raises_fails_its_batch_and_the_error_reaches_the_caller(url
 
 def test_a_background_fetch_from_a_store_that_is_down_is_a_miss() -> None:
     down = ObjectStore("redis://127.0.0.1:1", timeout_ms=50)
-    b = Machine(down, hybrid=False)
+    b = L3Cache(down, hybrid=False)
     fetch = b.tier.start_fetch(TOKENS)
     assert fetch is not None
     assert b.tier.poll(fetch, timeout=10)
@@ -621,7 +511,7 @@ def test_a_submitted_put_is_written_in_the_background_and_pins_its_host_slots(
     url: str, hybrid: bool
 ) -> None:
     gated = Gated(ObjectStore(url), puts=True)
-    a = Machine(gated, hybrid=hybrid)
+    a = L3Cache(gated, hybrid=hybrid)
     wrote = a.compute(TOKENS, np.random.default_rng(14))
     a.engine.run_pending()  # the backup; its landing emits the put
     (put,) = a.cache.take_batches()
@@ -641,7 +531,7 @@ def test_a_submitted_put_is_written_in_the_background_and_pins_its_host_slots(
     assert put.outcome == "completed"
     assert a.cache.stats()["host_kv_free_slots"] == a.cache.host_kv_slots, "drained"
     assert a.tier.counters.stored_objects == 6 + hybrid
-    b = Machine(ObjectStore(url), hybrid=hybrid)
+    b = L3Cache(ObjectStore(url), hybrid=hybrid)
     assert b.tier.fetch(TOKENS) == len(TOKENS)
     got = b.loaded(TOKENS)
     for name, want in wrote.items():
@@ -651,7 +541,7 @@ def test_a_submitted_put_is_written_in_the_background_and_pins_its_host_slots(
 
 
 def test_a_submitted_put_whose_write_fails_fails_and_is_offered_again(tmp_path: Path) -> None:
-    a = Machine(ObjectStore("redis://127.0.0.1:1", timeout_ms=50), hybrid=False)
+    a = L3Cache(ObjectStore("redis://127.0.0.1:1", timeout_ms=50), hybrid=False)
     a.compute(TOKENS, np.random.default_rng(15))
     a.engine.run_pending()
     (put,) = a.cache.take_batches()

@@ -42,11 +42,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from radixcache import Breaker, HybridCache, ObjectStore, Storage
-from radixcache.engine import TransferEngine
-from radixcache.l3 import L3Fetch, L3Tier
+from radixcache import Breaker, ObjectStore
+from radixcache.l3 import L3Fetch
 
 from conftest import examples
+from l3_common import L3Cache
 
 PS = 2
 SYSTEM = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 7, 7, 7], [9, 9, 8, 8]]
@@ -58,41 +58,23 @@ def code(tokens: list[int], salt: bytes = b"") -> float:
     return float(zlib.crc32(salt + np.asarray(tokens, dtype=np.uint32).tobytes()) & 0xFFFFF)
 
 
-class Side:
-    """One cache with its storage, L3 tier and engine."""
+class Side(L3Cache):
+    """One cache with its storage, L3 tier and engine, and its background fetches."""
 
     def __init__(self, store: ObjectStore, hybrid: bool, l3_write: str) -> None:
-        self.cache = HybridCache(
-            kv_slots=24,
-            page_size=PS,
-            mamba_slots=4 if hybrid else 0,
-            host_kv_slots=32,
-            host_mamba_slots=4 if hybrid else 0,
-            page_hashes=True,
-            l3=True,
-            l3_write=l3_write,  # type: ignore[arg-type]
-        )
-        self.storage = Storage.for_cache(
-            self.cache,
-            layers=1,
-            mamba_layers=1,
-            kv_heads=1,
-            head_dim=2,
-            conv_shape=(2,),
-            ssm_shape=(2,),
-            dtype="float32",
-            device="cpu",
-        )
         # A breaker that never opens: the faults are drawn per call, not a dead store.
         breaker = Breaker(threshold=1 << 30, cooldown_ms=0)
-        self.tier = L3Tier(self.cache, self.storage, store, min_tokens=0, breaker=breaker)
-        self.engine = TransferEngine(self.cache, self.storage, l3=self.tier)
+        super().__init__(
+            store,
+            hybrid=hybrid,
+            page_size=PS,
+            kv_slots=24,
+            host_kv=32,
+            l3_write=l3_write,
+            small=True,
+            breaker=breaker,
+        )
         self.fetches: list[L3Fetch] = []
-
-    def run(self) -> None:
-        """Run every batch, twice: backups, then the puts their landing emits."""
-        self.engine.run_pending()
-        self.engine.run_pending()
 
 
 class L3Machine(RuleBasedStateMachine):
@@ -122,13 +104,13 @@ class L3Machine(RuleBasedStateMachine):
                 side.engine.synchronize()
                 side.tier.close(timeout=30)
                 assert not side.tier._live, "a fetch outlived close()"
-                side.run()
+                side.settle()
                 cache = side.cache
                 for _ in range(8):
                     cache.evict(kv_tokens=1 << 20, mamba_states=1 << 20)
-                    side.run()
+                    side.settle()
                     cache.evict_host(kv_tokens=1 << 20, mamba_states=1 << 20)
-                    side.run()
+                    side.settle()
                 cache.audit()
                 s = cache.stats()
                 for pool in ("kv", "host_kv", "mamba", "host_mamba"):
@@ -169,7 +151,7 @@ class L3Machine(RuleBasedStateMachine):
         side, tokens = self.side(data), self.prompt(data)
         self.do_compute(side, tokens)
         if settle:
-            side.run()
+            side.settle()
 
     def do_compute(self, side: Side, tokens: list[int]) -> None:
         cache = side.cache
@@ -200,7 +182,7 @@ class L3Machine(RuleBasedStateMachine):
         writer, reader = self.sides[a], self.sides[1 - a]
         tokens = self.prompt(data)
         self.do_compute(writer, tokens)
-        writer.run()
+        writer.settle()
         if background:
             fetch = reader.tier.start_fetch(tokens)
             if fetch is not None:
@@ -211,7 +193,7 @@ class L3Machine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def run_engine(self, data: st.DataObject) -> None:
-        self.side(data).run()
+        self.side(data).settle()
 
     @rule(data=st.data())
     def submit_puts(self, data: st.DataObject) -> None:
@@ -232,13 +214,13 @@ class L3Machine(RuleBasedStateMachine):
     def evict(self, data: st.DataObject, kv: int, states: int) -> None:
         side = self.side(data)
         side.cache.evict(kv_tokens=kv, mamba_states=states)
-        side.run()
+        side.settle()
 
     @rule(data=st.data(), kv=st.integers(1, 16), states=st.integers(0, 2))
     def evict_host(self, data: st.DataObject, kv: int, states: int) -> None:
         side = self.side(data)
         side.cache.evict_host(kv_tokens=kv, mamba_states=states)
-        side.run()
+        side.settle()
 
     @rule(data=st.data())
     def fetch(self, data: st.DataObject) -> None:
@@ -303,7 +285,7 @@ class L3Machine(RuleBasedStateMachine):
         with lb:
             if side.engine.run(lb.batch):
                 lb.commit()
-        side.run()
+        side.settle()
         self.check(side, tokens)
 
     @invariant()
