@@ -467,6 +467,27 @@ def test_a_background_fetch_called_off_gives_every_slot_back_once_its_read_ended
     b.cache.audit()
 
 
+def test_close_ends_the_fetches_left_in_flight_and_the_tier_works_after(url: str) -> None:
+    written(url, hybrid=True, seed=17)
+    b = L3Cache(ObjectStore(url), hybrid=True)
+    fetch = b.tier.start_fetch(TOKENS)
+    assert fetch is not None
+    b.tier.close()  # never polled: close takes it through its lookup and its read
+    assert (fetch.done, fetch.tokens_landed) == (True, len(TOKENS))
+    assert fetch.batch is not None
+    assert fetch.batch.outcome == "completed"
+    assert b.cache.match_prefix(TOKENS).host_len == len(TOKENS)
+    c = L3Cache(ObjectStore(url), hybrid=True)
+    c.tier.close()  # nothing in flight: nothing to do
+    again = c.tier.start_fetch(TOKENS)
+    assert again is not None
+    assert c.tier.poll(again, timeout=None)
+    assert again.tokens_landed == len(TOKENS)
+    c.tier.close()
+    b.cache.audit()
+    c.cache.audit()
+
+
 def test_a_read_that_raises_fails_its_batch_and_the_error_reaches_the_caller(url: str) -> None:
     written(url, hybrid=False, seed=13)
     gated = Gated(ObjectStore(url))

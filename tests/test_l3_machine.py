@@ -102,7 +102,7 @@ class L3Machine(RuleBasedStateMachine):
         try:
             for side in self.sides:
                 side.engine.synchronize()
-                side.tier.close(timeout=30)
+                side.tier.close()
                 assert not side.tier._live, "a fetch outlived close()"
                 side.settle()
                 cache = side.cache

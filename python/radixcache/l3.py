@@ -505,19 +505,20 @@ class L3Tier:
         self._live.add(f)
         return f
 
-    def poll(self, fetch: L3Fetch, timeout: float = 0.0) -> bool:
+    def poll(self, fetch: L3Fetch, timeout: float | None = 0.0) -> bool:
         """Advance `fetch` as far as the store's answers allow; whether it ended.
 
-        Waits up to `timeout` seconds for the store (0: not at all). After the lookup
+        Waits up to `timeout` seconds for the store (0: not at all; None: until the
+        fetch ended). After the lookup
         it takes host slots for the pages to fetch (``l3_fetch``) and starts the read;
         after the read it acknowledges what landed, as `read` does. Also ends any fetch
         `cancel` left to drain whose read has finished.
         """
         self._reap()
-        deadline = time.perf_counter() + max(timeout, 0.0)
+        deadline = None if timeout is None else time.perf_counter() + max(timeout, 0.0)
         while not fetch.done:
             future = fetch.future
-            left = deadline - time.perf_counter()
+            left = None if deadline is None else deadline - time.perf_counter()
             if future is None or not _wait(future, left):
                 break
             if fetch.batch is None:  # the lookup answered
@@ -563,17 +564,18 @@ class L3Tier:
             fetch.done = True  # the tier ends the batch once the read finished
         self._reap()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self) -> None:
         """Wait for the fetches and writes in flight, end the fetches; stop the workers.
 
-        A cancelled one's batch fails, the others end as `poll` would end them.
+        A cancelled fetch's batch fails, the others end as `poll` would end them. The
+        tier can be used again afterwards (the workers start again when needed).
         """
         for f in list(self._live):
-            if f.future is not None:
-                _wait(f.future, timeout)
             if f.cancelled:
-                continue
-            self.poll(f, 0.0 if timeout is None else timeout)
+                if f.future is not None:
+                    _wait(f.future, None)
+            else:
+                self.poll(f, None)
         self._reap()
         for worker in self._workers.values():
             worker.shutdown(wait=True)
