@@ -583,8 +583,8 @@ class Scheduler:
                 landed = self.l3.fetch(tokens, namespace=job.namespace)
             elif self.l3 is not None and index not in self._landed:
                 fetch = self.l3.start_fetch(tokens, namespace=job.namespace)
+                self.counters.l3_prefetches += fetch is not None
                 if fetch is not None and not self.l3.poll(fetch):
-                    self.counters.l3_prefetches += 1
                     self._fetching[index] = (fetch, self.counters.steps, time.perf_counter())
                     continue  # it waits in the queue; the next request may go
                 self._landed[index] = fetch.tokens_landed if fetch is not None else 0
