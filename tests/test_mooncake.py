@@ -433,11 +433,13 @@ def test_a_call_given_up_on_does_not_write_the_callers_array(mc: LocalMooncake) 
 
 def test_the_l3_tier_runs_on_mooncake_unchanged(mc: LocalMooncake) -> None:
     # Two caches, each with its own client: one computes, the other fetches it.
-    from test_l3 import TOKENS, Machine
+    from test_l3 import TOKENS
+
+    from l3_common import L3Cache
 
     rng = np.random.default_rng(0)
-    a = Machine(MooncakeStore(mc.url), hybrid=True)
-    b = Machine(MooncakeStore(mc.url), hybrid=True)
+    a = L3Cache(MooncakeStore(mc.url), hybrid=True)
+    b = L3Cache(MooncakeStore(mc.url), hybrid=True)
     # A layout prefix of their own, so that other tests' objects are not found.
     a.tier.prefix = b.tier.prefix = _fresh(1)[0] + b":"
     wrote = a.compute(TOKENS, rng)
