@@ -342,6 +342,8 @@ def test_bad_arguments_are_refused_naming_them(url: str) -> None:
     batch = a.cache.take_batches()[0]
     with pytest.raises(ValueError, match=r"^batch: expected an l3_put"):
         a.tier.write(batch)
+    with pytest.raises(ValueError, match=r"^batch: expected an l3_put"):
+        a.tier.start_write(batch)
     with pytest.raises(ValueError, match=r"^batch: expected an l3_get"):
         a.tier.read(batch)
     with pytest.raises(ValueError, match=r"batch_id"):
