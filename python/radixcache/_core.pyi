@@ -917,6 +917,36 @@ class HybridCache:
         A scheduler ranks waiting requests by it (`radixcache.serving.Scheduler`'s
         ``schedule_policy="lpm"``).
         """
+    def expect(
+        self, prompts: list[_Tokens], *, namespaces: list[str | None] | None = None
+    ) -> int:
+        """Tell eviction which requests the scheduler admits next; returns the nodes marked.
+
+        ``prompts``: the prompts of the waiting requests, soonest first (the tokens each
+        would be admitted with); ``namespaces``: one namespace each (None: all in the
+        default tree). The node where each one's match would end now (``peek_prefix``'s
+        ``device_len``: with Mamba layers, the state it would resume from) is marked
+        with its rank. KV and state eviction then take marked nodes only when no other
+        candidate is left, the one needed latest first: Belady's rule over the waiting
+        queue. A ``checkpoint`` whose state no waiting request needs sooner than every
+        state it could displace is let go by (``checkpoint_states_bypassed``), as
+        Belady's rule bypasses a newcomer needed later than everything kept.
+
+        Each call replaces the last call's marks; ``expect([])`` clears them. The marks
+        are a hint, never a lock: a marked node is still evicted when nothing else is
+        left, and a mark left on a node that no waiting request needs any more only
+        delays its eviction, so a scheduler calls again as its queue and the tree
+        change (`radixcache.serving.Scheduler`'s ``lookahead``). Nothing else changes:
+        no node is split, refreshed or counted as matched, and no other statistic moves
+        (docs/contract.md rule 20). ``expected_nodes`` counts the marked nodes still
+        cached, ``expected_evictions`` the evictions that had to take one.
+
+        Raises:
+            TypeError: ``prompts`` is not a list of token sequences (naming the item),
+                or ``namespaces`` not a list of str or None.
+            ValueError: ``namespaces`` does not have one entry per prompt, or a token
+                is out of range (naming the item).
+        """
     def peek_hash(
         self, tokens: _Tokens, *, namespace: str | None = None
     ) -> tuple[int, bytes | None]:
@@ -1220,6 +1250,12 @@ class HybridCache:
         ``events_emitted`` counts the KV events queued since the cache was built
         (``events=True``), ``events_pending`` those ``take_events()`` has not taken yet.
         ``resets`` counts the ``reset()`` calls that emptied the cache.
+
+        ``expect_calls`` counts ``expect`` calls; ``expected_nodes`` is how many nodes
+        the last one marked are still cached; ``expected_evictions`` counts evictions
+        that took a marked node for want of any other; ``checkpoint_states_bypassed``
+        counts checkpoints let go by because every state they could displace was
+        expected sooner.
         """
     def audit(self) -> None:
         """Check every invariant; raises ``InvariantError`` naming the first broken one."""

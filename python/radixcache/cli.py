@@ -296,6 +296,13 @@ POOL_FLAGS = (
         shown=str(_D.max_overtakes),
     ),
     Flag(
+        "--lookahead",
+        "tell eviction the next N waiting requests (HybridCache.expect): the nodes they "
+        "will resume from go last, the one needed latest first (0: off)",
+        default=_D.lookahead,
+        hi=MAX_REQUESTS,
+    ),
+    Flag(
         "--chunk-size",
         "most prefill tokens a request feeds in one step",
         default=_D.chunk_size,
@@ -628,7 +635,7 @@ def _schedule(args: argparse.Namespace) -> dict[str, Any]:
             ``--schedule-policy lpm``.
     """
     policy = _value(args, "--schedule-policy")
-    out: dict[str, Any] = {"schedule_policy": policy}
+    out: dict[str, Any] = {"schedule_policy": policy, "lookahead": _value(args, "--lookahead")}
     for flag in ("--schedule-window", "--max-overtakes"):
         dest = flag[2:].replace("-", "_")
         given = getattr(args, dest)
@@ -1052,7 +1059,8 @@ def _report_table(r: dict[str, Any]) -> Any:
             ""
             if r["schedule_window"] is None
             else f"; window {r['schedule_window']}, at most {r['max_overtakes']} overtakes"
-        ),
+        )
+        + (f"; lookahead {r['lookahead']}" if r["lookahead"] else ""),
     )
     row(
         "queue wait",

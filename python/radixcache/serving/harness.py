@@ -65,7 +65,8 @@ class ReplayConfig:
     `offline_bound` records the state uses and reports the offline bound
     (`radixcache.serving.offline`). `schedule_policy`, `schedule_window` and
     `max_overtakes` are the scheduler's admission order (`Scheduler`; the comparison
-    replays use it too). `oracle=False` replays without the checksum model
+    replays use it too); `lookahead` the waiting requests it tells eviction of
+    (`HybridCache.expect`; 0: none; the comparison replays too). `oracle=False` replays without the checksum model
     and its storage, every batch completing at once: the scheduler makes the same cache
     calls, so the hit rates are the same, several times faster, but no sample is
     checked (``samples_checked`` and ``mismatches`` are 0) and no failure is injected.
@@ -119,6 +120,7 @@ class ReplayConfig:
     schedule_policy: SchedulePolicy = "fcfs"
     schedule_window: int = 128
     max_overtakes: int = 128
+    lookahead: int = 0
     l3: str | None = None
     l3_min_tokens: int = 64
     l3_write: Literal["backup", "host_eviction"] = "backup"
@@ -188,6 +190,7 @@ class ReplayConfig:
             "schedule_policy": self.schedule_policy,
             "schedule_window": self.schedule_window,
             "max_overtakes": self.max_overtakes,
+            "lookahead": self.lookahead,
             "l3_prefetch": self.l3_prefetch,
             "l3_prefetch_timeout": self.l3_prefetch_timeout,
         }
@@ -644,6 +647,7 @@ def schedule_report(config: ReplayConfig, c: Counters) -> dict[str, Any]:
         "schedule_policy": config.schedule_policy,
         "schedule_window": config.schedule_window if config.schedule_policy == "lpm" else None,
         "max_overtakes": config.max_overtakes if config.schedule_policy == "lpm" else None,
+        "lookahead": config.lookahead,
         "queue_wait_steps": _spread([w for _, w, _ in c.admissions]),
         "overtaken": _spread([o for _, _, o in c.admissions]),
     }

@@ -46,6 +46,16 @@ enough both go in arrival order. The cost is reported per request: the steps it 
 from its arrival to its first admission, and how often it was overtaken
 (`Counters.admissions`).
 
+**Lookahead** (``lookahead``). Before admitting, the scheduler tells the cache the
+first ``lookahead`` waiting requests, in queue order (`HybridCache.expect`), whenever
+the queue or the tree's states changed since it last did (an admission, a checkpoint, a
+finish, a retraction, a load-back's end): eviction then keeps the nodes they will
+resume from until nothing else is left, gives out the one needed latest first, and a
+checkpoint whose state no waiting request needs sooner is let go by. That is Belady's
+rule with the queue as the future: with every request of a closed batch queued, it is
+what the offline bound (`radixcache.serving.offline`) assumes known. Under ``"lpm"``
+the queue order is still what it is told (the ranking is not repeated).
+
 **L3 prefetch** (``l3_prefetch``). With an L3 tier, each admission first fetches what
 the store holds of the prompt beyond both tiers, and by default waits for it
 (`L3Tier.fetch`). With ``l3_prefetch`` the fetch runs in the background instead
@@ -344,6 +354,9 @@ class Scheduler:
         l3_prefetch: Fetch from the L3 tier in the background while the request waits
             (see the module docstring) instead of waiting at admission.
         l3_prefetch_timeout: Seconds a prefetch may run before it is called off.
+        lookahead: Tell the cache the first this many waiting requests, in queue order,
+            at each step after the queue or the tree's states changed
+            (`HybridCache.expect`; see the module docstring); 0: never.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -369,7 +382,10 @@ class Scheduler:
         l3: L3Tier | None = None,
         l3_prefetch: bool = False,
         l3_prefetch_timeout: float = 1.0,
+        lookahead: int = 0,
     ) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead: must be >= 0, got {lookahead}")
         for name, value in (
             ("max_running", max_running),
             ("chunk_size", chunk_size),
@@ -420,6 +436,9 @@ class Scheduler:
         self.max_overtakes = max_overtakes
         self._arrived: dict[int, int] = {}  # the step each waiting request arrived at
         self._overtaken: dict[int, int] = {}  # the waiting requests overtaken, how often
+        self.lookahead = lookahead
+        self._expecting = False  # the cache holds marks from `_expect`
+        self._queue_moved = True  # the queue or the tree's states changed since then
 
     # ------------------------------------------------------------------ driving
 
@@ -486,6 +505,7 @@ class Scheduler:
         c.steps += 1
         self._end_loads(self.engine.poll())
         self._poll_fetches()
+        self._expect()
         self._admit()
         checkpoints: list[_Live] = []
         finished: list[_Live] = []
@@ -515,6 +535,7 @@ class Scheduler:
         if self.model is not None:
             event = self.model.stream.record()
             self.engine.after_compute(event)
+        self._queue_moved |= bool(checkpoints or finished)
         for live in checkpoints:
             if live in self.running:
                 self.cache.checkpoint(live.req)
@@ -617,6 +638,20 @@ class Scheduler:
             if req.host_len > 0:
                 self._load_back(live)
 
+    def _expect(self) -> None:
+        """Tell the cache which requests come next (``lookahead``; see the module docstring).
+
+        Only after the queue or the tree's states changed: an admission, a checkpoint,
+        a finish, a retraction or a load-back's end.
+        """
+        if not self.lookahead or not self._queue_moved or not (self.waiting or self._expecting):
+            return
+        self._queue_moved = False
+        head = list(itertools.islice(self.waiting, self.lookahead))
+        prompts = [self._prepare(index, job)[0] for index, job in head]
+        self.cache.expect(prompts, namespaces=[job.namespace for _, job in head])
+        self._expecting = bool(head)
+
     def _next(self) -> int:
         """Return the position in `waiting` of the request to admit next.
 
@@ -689,6 +724,7 @@ class Scheduler:
         retracted request queues again, without an arrival).
         """
         index, _ = self.waiting[pos]
+        self._queue_moved = True
         for before, _ in itertools.islice(self.waiting, pos):
             self._overtaken[before] = self._overtaken.get(before, 0) + 1
         del self.waiting[pos]
@@ -735,6 +771,7 @@ class Scheduler:
     def _end_loads(self, ended: list[TransferBatch]) -> None:
         for batch in ended:
             live = self._loads.pop(batch.id, None)
+            self._queue_moved = True
             if live is None:
                 continue  # its request was retracted meanwhile
             live.loading = None
@@ -813,6 +850,7 @@ class Scheduler:
         return slots
 
     def _drop(self, live: _Live) -> None:
+        self._queue_moved = True
         self.running.remove(live)
         if live.loading is not None:
             self._loads.pop(live.loading, None)

@@ -140,11 +140,28 @@ fn audit(c: &Cache) -> Result<()> {
     for k in 0..4 {
         conserve(names[k], counts[k], in_tree[k], owned[k])?;
     }
-    check_pins(c)?;
-    check_loads(c)?;
+    let checks = [check_pins, check_loads];
+    checks.iter().try_for_each(|check| check(c))?;
     check_sums(c, &sums)?;
-    check_hashes(c)?;
-    check_announced(c)
+    let checks = [check_hashes, check_expected, check_announced];
+    checks.iter().try_for_each(|check| check(c))
+}
+
+/// `expect`'s marks: every node marked is one the eviction sets know as marked.
+fn check_expected(c: &Cache) -> Result<()> {
+    let listed: std::collections::HashSet<u32> = c.lru().expected().collect();
+    for root in check_roots(c)? {
+        for i in c.tree().preorder(root) {
+            let rank = c.tree().node(i).expected;
+            if rank != 0 && !listed.contains(&i) {
+                return broken(format!(
+                    "node {} is marked expected (rank {rank}), but `expect` did not mark it",
+                    c.tree().id(i)
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// KV events: with them on, what was announced of every node is what it holds (every

@@ -152,9 +152,16 @@ pub(crate) struct Stats {
     pub loaded_tokens: u64,
     /// `reset` calls that emptied the cache.
     pub resets: u64,
+    /// `expect` calls (a scheduler telling eviction what it admits next).
+    pub expect_calls: u64,
+    /// Checkpoints that placed no state because every state eviction could take was
+    /// needed by a waiting request sooner than the new one (`expect`).
+    pub checkpoint_states_bypassed: u64,
 }
 
 impl Stats {
+    // A flat table, one entry per counter.
+    #[allow(clippy::too_many_lines)]
     pub fn entries(&self) -> Vec<(&'static str, u64)> {
         vec![
             ("match_calls", self.match_calls),
@@ -255,6 +262,11 @@ impl Stats {
             ("load_backs_failed", self.load_backs_failed),
             ("loaded_tokens", self.loaded_tokens),
             ("resets", self.resets),
+            ("expect_calls", self.expect_calls),
+            (
+                "checkpoint_states_bypassed",
+                self.checkpoint_states_bypassed,
+            ),
         ]
     }
 }

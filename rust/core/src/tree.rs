@@ -315,6 +315,9 @@ pub(crate) struct Node {
     pub priority: i64,
     /// The node's key in the KV or host eviction set, while it is in one.
     pub lru_key: (u64, u64),
+    /// A waiting request's match ends here: 1 + the rank of the soonest such request
+    /// (`Cache::expect`); 0 when none does. Eviction passes over marked nodes.
+    pub expected: u32,
 }
 
 impl Node {
@@ -337,6 +340,7 @@ impl Node {
             matches: 0,
             priority: 0,
             lru_key: (0, 0),
+            expected: 0,
         }
     }
 
@@ -399,6 +403,13 @@ impl Tree {
 
     pub fn node(&self, i: u32) -> &Node {
         &self.nodes[i as usize]
+    }
+
+    /// Whether index `i` holds a live node of `generation` (the node seen then).
+    pub fn is_current(&self, i: u32, generation: u64) -> bool {
+        self.nodes
+            .get(i as usize)
+            .is_some_and(|n| n.live && n.generation == generation)
     }
 
     pub fn node_mut(&mut self, i: u32) -> &mut Node {

@@ -561,6 +561,67 @@ impl PyHybridCache {
         Ok((p.kv_len, p.kv_hash.map(|h| PyBytes::new(py, &h).unbind())))
     }
 
+    /// Marks where the matches of the requests a scheduler admits next would end
+    /// (`prompts`, soonest first; `namespaces`, one each, or None for the default
+    /// namespace): eviction gives those nodes out last. Returns how many are marked.
+    #[pyo3(signature = (prompts, *, namespaces=None))]
+    fn expect(
+        &self,
+        py: Python<'_>,
+        prompts: &Bound<'_, PyAny>,
+        namespaces: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let type_err = |arg: &str, what: &str, v: &Bound<'_, PyAny>| {
+            PyTypeError::new_err(format!(
+                "{arg}: expected {what}, got {}",
+                v.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        };
+        let prompts: Vec<Vec<u32>> = match prompts.cast::<PyList>() {
+            Ok(list) => list
+                .iter()
+                .enumerate()
+                .map(|(k, p)| tokens_arg(&p, &format!("prompts[{k}]")))
+                .collect::<PyResult<_>>()?,
+            Err(_) => return Err(type_err("prompts", "a list of token sequences", prompts)),
+        };
+        let namespaces: Vec<Option<String>> = match namespaces {
+            None => vec![None; prompts.len()],
+            Some(v) => {
+                let list = v
+                    .cast::<PyList>()
+                    .map_err(|_| type_err("namespaces", "a list of str or None", v))?;
+                let names = list
+                    .iter()
+                    .enumerate()
+                    .map(|(k, n)| {
+                        n.extract::<Option<String>>()
+                            .map_err(|_| type_err(&format!("namespaces[{k}]"), "str or None", &n))
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                if names.len() != prompts.len() {
+                    return Err(PyValueError::new_err(format!(
+                        "namespaces: {} given for {} prompts (one each)",
+                        names.len(),
+                        prompts.len()
+                    )));
+                }
+                names
+            }
+        };
+        let tokens = prompts.iter().map(Vec::len).sum();
+        run(py, &self.inner, tokens, |c| {
+            let items: Vec<(Option<&str>, &[u32])> = namespaces
+                .iter()
+                .map(Option::as_deref)
+                .zip(prompts.iter().map(Vec::as_slice))
+                .collect();
+            Ok(c.expect(&items))
+        })
+    }
+
     /// Cache `tokens` with their KV slots; takes ownership of `kv_indices[owned_from:]`.
     #[pyo3(signature = (tokens, kv_indices, *, namespace=None, owned_from=Int::Value(0),
                         mamba_slot=None, priority=Int::Value(0)),

@@ -723,7 +723,14 @@ impl Component for MambaStates {
         if !at_end {
             c.stats.checkpoint_states_skipped += 1;
         } else if c.tree.node(end).mamba.device.is_none() {
-            if let Some(dst) = c.alloc_state() {
+            // With a waiting queue told of (`Cache::expect`): a state no waiting request
+            // needs sooner than the one it would displace is let go by.
+            let depth = c.request_ref(id).map_or(0, |r| r.tokens.len());
+            let rank = c.lru.rank_of(&c.tree, end, depth);
+            if c.pools.mamba.free_pages() == 0 && c.lru.bypasses(&c.tree, rank) {
+                c.stats.checkpoint_states_bypassed += 1;
+            } else if let Some(dst) = c.alloc_state() {
+                c.lru.mark(&mut c.tree, end, rank);
                 let dst_slot = dst.pages()[0];
                 let node = c.tree.id(end);
                 c.emit(

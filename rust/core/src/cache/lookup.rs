@@ -4,6 +4,7 @@
 use crate::tree::{Probe, NONE};
 
 use super::component::Cut;
+use super::lru::Waiting;
 use super::sizes::Sizes;
 use super::{Cache, Match, Peek};
 
@@ -48,6 +49,31 @@ impl Cache {
     /// with none of its effects: no node is split, refreshed or counted, no statistic
     /// moves, so no eviction order changes (a scheduler ranks waiting requests by it).
     pub fn peek_prefix(&self, namespace: Option<&str>, tokens: &[u32]) -> Peek {
+        self.peek_walk(namespace, tokens).0
+    }
+
+    /// Tells eviction which requests a scheduler will admit next, soonest first
+    /// (`prompts[0]` first; each with its namespace): the node where each one's match
+    /// would end now ([`Cache::peek_prefix`]'s device cut: for a model with states, the
+    /// state it would resume from) is given out by KV and state eviction only when no
+    /// other candidate is left, the one needed latest first: Belady's rule over the
+    /// waiting queue. Replaces the last call's marks (an empty list clears them). A
+    /// prompt with nothing cached marks nothing. Nothing else changes: no node is
+    /// split, refreshed or counted. The marks are a hint: a scheduler calls this again
+    /// as its queue and the tree change (a mark left on a node that no waiting request
+    /// needs any more only delays that node's eviction). Returns how many nodes are
+    /// marked.
+    pub fn expect(&mut self, prompts: &[(Option<&str>, &[u32])]) -> usize {
+        self.stats.expect_calls += 1;
+        let waiting = prompts
+            .iter()
+            .map(|&(namespace, tokens)| self.peek_walk(namespace, tokens).1)
+            .collect();
+        self.lru.expect(&mut self.tree, waiting)
+    }
+
+    /// [`Cache::peek_prefix`], and where the walk ended for [`Cache::expect`].
+    fn peek_walk(&self, namespace: Option<&str>, tokens: &[u32]) -> (Peek, Waiting) {
         let root = self.roots.read(namespace);
         let key = &tokens[..self.aligned(tokens.len())];
         let mut probe = Probe::default();
@@ -55,6 +81,7 @@ impl Cache {
         // The walk of `find`, the last node taken as the upper part of its split.
         let mut cut = Cut::new(self.model());
         let (mut valid, mut any) = (0, 0);
+        let mut end = root;
         let mut on_device = true;
         let mut depth = 0;
         for &(i, n) in &probe.path {
@@ -70,7 +97,7 @@ impl Cache {
                 )
             };
             if here {
-                valid = depth;
+                (valid, end) = (depth, i);
             }
             if anywhere {
                 any = depth;
@@ -81,12 +108,21 @@ impl Cache {
             let pages = n / self.config.page_size;
             self.tree.node(i).hashes.get(pages.checked_sub(1)?).copied()
         });
-        Peek {
+        let last = probe.path.last().map_or(root, |&(i, _)| i);
+        let waiting = Waiting {
+            cut: end,
+            cut_depth: valid,
+            last,
+            generation: self.tree.node(last).generation,
+            depth: probe.matched,
+        };
+        let peek = Peek {
             device_len: valid,
             host_len: any.saturating_sub(valid),
             kv_len: probe.matched,
             kv_hash,
-        }
+        };
+        (peek, waiting)
     }
 
     /// [`Cache::match_prefix`], filling `slots` (when given) with the device slots of the

@@ -87,6 +87,13 @@ pub(crate) struct Lru {
     /// The state-value aging levels `L` of unused and used states: the highest key of a
     /// state of each segment the policy evicted.
     level: [u64; 2],
+    /// The nodes [`Lru::expect`] marked (`Node::expected`), as they were then: some may
+    /// have been freed since, their index even reused by an unmarked node.
+    expected: Vec<u32>,
+    /// The requests [`Lru::expect`] was told of, soonest first.
+    waiting: Vec<Waiting>,
+    /// Evictions that took a marked node for want of an unmarked candidate.
+    expected_taken: u64,
 }
 
 impl Lru {
@@ -449,17 +456,97 @@ impl Lru {
         }
     }
 
-    /// The first KV candidate, taken out of the set.
+    /// The first KV candidate, taken out of the set: the first in policy order whose
+    /// node no waiting request's match ends at ([`Lru::expect`]), else the one needed
+    /// latest.
     pub fn pop_kv(&mut self, tree: &mut Tree) -> Option<u32> {
-        let (_, _, i) = self.kv.pop_first()?;
-        tree.node_mut(i).kv.state = KvState::Idle;
-        Some(i)
+        let entry = if self.expected.is_empty() {
+            self.kv.first().copied()
+        } else {
+            let (entry, taken) = unexpected(tree, self.kv.iter().copied())?;
+            self.expected_taken += u64::from(taken);
+            Some(entry)
+        }?;
+        self.kv.remove(&entry);
+        tree.node_mut(entry.2).kv.state = KvState::Idle;
+        Some(entry.2)
+    }
+
+    /// Marks the node where the match of each request a scheduler will admit next
+    /// ends (`waiting`, soonest first), clearing the marks of the last call: the
+    /// eviction sets give out marked nodes last, the one needed latest first (Belady's
+    /// rule over the waiting queue, `Cache::expect`). A node named twice keeps its
+    /// sooner rank. Returns how many nodes are marked.
+    pub fn expect(&mut self, tree: &mut Tree, waiting: Vec<Waiting>) -> usize {
+        for i in self.expected.drain(..) {
+            tree.node_mut(i).expected = 0;
+        }
+        self.waiting = waiting;
+        for (rank, w) in self.waiting.iter().enumerate() {
+            if w.cut_depth > 0 {
+                let rank = u32::try_from(rank + 1).unwrap_or(u32::MAX);
+                mark(tree, &mut self.expected, w.cut, rank);
+            }
+        }
+        self.expected.len()
+    }
+
+    /// The rank (1 + position) of the soonest waiting request ([`Lru::expect`]) that a
+    /// state at the end of node `i`, `depth` tokens deep, would serve: its prompt's
+    /// cached KV passes through the whole node and no deeper state was on its path
+    /// when it was told of. 0 when none would.
+    pub fn rank_of(&self, tree: &Tree, i: u32, depth: usize) -> u32 {
+        let serves = |w: &Waiting| {
+            if w.cut_depth >= depth || w.depth < depth || !tree.is_current(w.last, w.generation) {
+                return false;
+            }
+            let mut cur = w.last;
+            while cur != NONE && cur != i {
+                cur = tree.node(cur).parent;
+            }
+            cur == i
+        };
+        self.waiting
+            .iter()
+            .position(serves)
+            .map_or(0, |r| u32::try_from(r + 1).unwrap_or(u32::MAX))
+    }
+
+    /// Whether a new state of rank `rank` ([`Lru::rank_of`]; 0: no waiting request
+    /// needs it) should not take a slot from the state eviction would give out next:
+    /// that one is marked and needed sooner (Belady's rule lets the new one go by).
+    pub fn bypasses(&self, tree: &Tree, rank: u32) -> bool {
+        if self.expected.is_empty() {
+            return false;
+        }
+        match self.next_state(tree) {
+            Some((entry, true)) => rank == 0 || rank > tree.node(entry.2).expected,
+            _ => false,
+        }
+    }
+
+    /// Marks node `i` with `rank` (a new state placed there that a waiting request
+    /// needs), as [`Lru::expect`] would have.
+    pub fn mark(&mut self, tree: &mut Tree, i: u32, rank: u32) {
+        if rank > 0 {
+            mark(tree, &mut self.expected, i, rank);
+        }
+    }
+
+    /// The nodes marked now: for `stats()` and `audit()`.
+    pub fn expected(&self) -> impl Iterator<Item = u32> + '_ {
+        self.expected.iter().copied()
+    }
+
+    /// Evictions that took a marked node for want of an unmarked candidate.
+    pub fn expected_taken(&self) -> u64 {
+        self.expected_taken
     }
 
     /// The next state to evict (see [`HOT`]), taken out of the set. Under state-value
     /// the aging level rises to its key.
     pub fn pop_state(&mut self, tree: &mut Tree) -> Option<u32> {
-        let entry = self.state_victim()?;
+        let entry = self.state_victim(tree)?;
         self.remove_state(entry);
         if self.policy.mamba == EvictionPolicy::StateValue {
             let segment = usize::from(entry.0 & USED != 0);
@@ -471,12 +558,32 @@ impl Lru {
 
     /// The next state to evict: the first entry, except under "lru" (see [`HOT`]): the
     /// oldest used state while more than the cap are candidates, else the oldest unused
-    /// one, else the oldest used one.
-    fn state_victim(&self) -> Option<(u64, u64, u32)> {
-        if self.policy.mamba == EvictionPolicy::Lru && self.hot > self.hot_cap {
-            return self.mamba.range((HOT, 0, 0)..).next().copied();
+    /// one, else the oldest used one. Marked states ([`Lru::expect`]) are passed over
+    /// while any other is a candidate; of them, the one needed latest goes first.
+    fn state_victim(&mut self, tree: &Tree) -> Option<(u64, u64, u32)> {
+        let (entry, taken) = self.next_state(tree)?;
+        self.expected_taken += u64::from(taken);
+        Some(entry)
+    }
+
+    /// [`Lru::state_victim`], and whether it is marked.
+    fn next_state(&self, tree: &Tree) -> Option<((u64, u64, u32), bool)> {
+        let hot_first = self.policy.mamba == EvictionPolicy::Lru && self.hot > self.hot_cap;
+        if self.expected.is_empty() {
+            let entry = if hot_first {
+                self.mamba.range((HOT, 0, 0)..).next()
+            } else {
+                self.mamba.first()
+            };
+            return entry.map(|&e| (e, false));
         }
-        self.mamba.first().copied()
+        if hot_first {
+            let mut hot = self.mamba.range((HOT, 0, 0)..);
+            if let Some(&entry) = hot.find(|e| tree.node(e.2).expected == 0) {
+                return Some((entry, false));
+            }
+        }
+        unexpected(tree, self.mamba.iter().copied())
     }
 
     /// The first host candidate (left in the set).
@@ -528,6 +635,52 @@ fn node_key(policy: EvictionPolicy, n: &Node) -> Key {
         EvictionPolicy::Lfu => (n.matches, n.last_access),
         EvictionPolicy::Priority => (ordered(n.priority), n.last_access),
     }
+}
+
+/// A request a scheduler will admit soon (`Cache::expect`): where its match ends
+/// now, and its prompt's cached KV.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Waiting {
+    /// The node its match ends at (the device cut), and how deep (0: nothing cached).
+    pub cut: u32,
+    pub cut_depth: usize,
+    /// The last node its KV walk reached (the match may end inside it), the node's
+    /// generation then, and how deep the walk got.
+    pub last: u32,
+    pub generation: u64,
+    pub depth: usize,
+}
+
+/// Marks node `i` with `rank` unless it has a sooner one, listing it in `expected`.
+fn mark(tree: &mut Tree, expected: &mut Vec<u32>, i: u32, rank: u32) {
+    let n = tree.node_mut(i);
+    if n.expected == 0 {
+        n.expected = rank;
+        expected.push(i);
+    } else {
+        n.expected = n.expected.min(rank);
+    }
+}
+
+/// The first entry of `entries` (in eviction order) whose node is not marked
+/// ([`Lru::expect`]), else the marked one needed latest (and `true`: a marked node
+/// taken). `entries` holds at most as many marked nodes as [`Lru::expect`] marked, so
+/// the walk is that long at most.
+fn unexpected(
+    tree: &Tree,
+    entries: impl Iterator<Item = (u64, u64, u32)>,
+) -> Option<((u64, u64, u32), bool)> {
+    let mut latest: Option<(u32, (u64, u64, u32))> = None;
+    for entry in entries {
+        let rank = tree.node(entry.2).expected;
+        if rank == 0 {
+            return Some((entry, false));
+        }
+        if latest.is_none_or(|(r, _)| rank > r) {
+            latest = Some((rank, entry));
+        }
+    }
+    latest.map(|(_, entry)| (entry, true))
 }
 
 /// A priority as a key word: lower priorities first.

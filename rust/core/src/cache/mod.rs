@@ -12,7 +12,7 @@
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it) |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
-//! | `lru.rs` | the eviction sets, the clock | which nodes eviction may take, in each policy's order |
+//! | `lru.rs` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order, passing over what waiting requests need |
 //! | `swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), tombstones, window locks, SWA backup copies |
 //! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
@@ -38,6 +38,8 @@ mod events;
 #[cfg(test)]
 mod events_tests;
 mod evict;
+#[cfg(test)]
+mod expect_tests;
 mod hashing;
 pub(crate) mod host;
 #[cfg(test)]

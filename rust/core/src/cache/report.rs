@@ -171,6 +171,16 @@ impl Cache {
             ("events_emitted", self.event_counts().0),
             ("events_pending", self.event_counts().1 as u64),
             ("load_backs_pending", self.loads.len() as u64),
+            // What `expect` marked and is still in the tree, and the evictions that had
+            // to take such a node.
+            (
+                "expected_nodes",
+                self.lru
+                    .expected()
+                    .filter(|&i| self.tree.node(i).expected != 0)
+                    .count() as u64,
+            ),
+            ("expected_evictions", self.lru.expected_taken()),
             // Each pool: free + cached + caller + request + draining = capacity.
             ("kv_free_slots", kv[0]),
             ("kv_cached_tokens", kv[1]),

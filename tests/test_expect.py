@@ -1,0 +1,178 @@
+"""``HybridCache.expect`` and the scheduler's ``lookahead``: eviction told the waiting queue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import radixcache as rc
+import radixcache.serving as sv
+
+POLICIES = ["lru", "lfu", "priority", "state-value"]
+
+
+def hybrid(states: int = 3, policy: str = "lru") -> rc.HybridCache:
+    return rc.HybridCache(kv_slots=64, page_size=1, mamba_slots=states, eviction_policy=policy)
+
+
+def cached(c: rc.HybridCache, toks: list[int]) -> None:
+    """Cache `toks` with fresh slots and, in a hybrid cache, a state at the end."""
+    kv = c.alloc_kv(len(toks))
+    state = c.alloc_mamba() if c.mamba_slots else None
+    c.insert(toks, kv, mamba_slot=state)
+
+
+def kept(c: rc.HybridCache, toks: list[int]) -> bool:
+    """Whether a match of `toks` would still use a state at their end."""
+    return c.peek_prefix(toks)[0] == len(toks)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_state_eviction_keeps_what_a_waiting_request_resumes_from(policy: str) -> None:
+    c = hybrid(policy=policy)
+    for toks in ([1, 1], [2, 2], [3, 3]):
+        cached(c, toks)
+    assert c.expect([np.array([1, 1, 9], dtype=np.uint32)]) == 1
+    assert c.evict(mamba_states=1).mamba_states == 1
+    assert kept(c, [1, 1]), "the expected state stays though it is the oldest"
+    assert not kept(c, [2, 2])
+    assert c.stats()["expected_evictions"] == 0
+    c.audit()
+
+
+def test_with_every_state_expected_the_one_needed_latest_goes_and_is_counted() -> None:
+    c = hybrid(states=2)
+    cached(c, [1, 1])
+    cached(c, [2, 2])
+    assert c.expect([[2, 2, 9], [1, 1, 9]]) == 2
+    c.evict(mamba_states=1)
+    assert kept(c, [2, 2]) and not kept(c, [1, 1])
+    s = c.stats()
+    assert (s["expected_evictions"], s["expected_nodes"]) == (1, 1)
+    c.audit()
+
+
+def test_kv_eviction_passes_over_the_path_a_waiting_request_matches() -> None:
+    c = rc.HybridCache(kv_slots=64, page_size=1)
+    cached(c, [1, 1])
+    cached(c, [2, 2])
+    c.expect([[1, 1, 5]])
+    assert c.evict(kv_tokens=2).kv_tokens == 2
+    assert c.peek_prefix([1, 1])[0] == 2 and c.peek_prefix([2, 2])[0] == 0
+    c.audit()
+
+
+def test_expect_in_a_namespace_marks_that_tree_only() -> None:
+    c = hybrid()
+    cached(c, [1, 1])
+    kv = c.alloc_kv(2)
+    c.insert([1, 1], kv, namespace="a", mamba_slot=c.alloc_mamba())
+    assert c.expect([[1, 1, 9]], namespaces=["a"]) == 1
+    assert c.expect([[1, 1, 9], [1, 1, 9]], namespaces=["a", None]) == 2
+    assert c.expect([[1, 1, 9]], namespaces=["nobody"]) == 0
+    c.audit()
+
+
+def test_an_expect_replaces_the_marks_and_an_empty_one_clears_them() -> None:
+    c = hybrid()
+    for toks in ([1, 1], [2, 2], [3, 3]):
+        cached(c, toks)
+    c.expect([[1, 1, 9], [2, 2, 9]])
+    assert c.stats()["expected_nodes"] == 2
+    c.expect([[3, 3, 9]])
+    assert c.stats()["expected_nodes"] == 1
+    c.evict(mamba_states=1)
+    assert not kept(c, [1, 1]), "no longer expected, the oldest goes first again"
+    assert c.expect([]) == 0
+    s = c.stats()
+    assert (s["expected_nodes"], s["expect_calls"]) == (0, 3)
+    c.audit()
+
+
+def test_an_expect_changes_nothing_else() -> None:
+    c = hybrid(policy="state-value")
+    cached(c, [1, 2, 3, 4])
+    before = {k: v for k, v in c.stats().items() if not k.startswith("expect")}
+    # Ends inside the cached node (no state there), matches nothing, an unknown tree.
+    assert c.expect([[1, 2], [7], [1, 2, 3, 4, 5]], namespaces=[None, None, "x"]) == 0
+    after = {k: v for k, v in c.stats().items() if not k.startswith("expect")}
+    assert after == before, "no split (the nodes gauge), refresh or count"
+    c.audit()
+
+
+def test_a_checkpoint_no_waiting_request_needs_sooner_is_let_go_by() -> None:
+    c = hybrid()
+    cached(c, [1, 1])
+    cached(c, [2, 2])
+    req = c.admit([5, 5])
+    c.extend(req, [5, 5])
+    assert c.available_mamba() == 0
+    c.expect([[1, 1, 9], [2, 2, 9]])
+    c.checkpoint(req)
+    assert c.stats()["checkpoint_states_bypassed"] == 1
+    assert c.take_batches() == []
+    assert kept(c, [1, 1]) and kept(c, [2, 2])
+    # Needed second, before [2, 2]: placed, and [2, 2]'s state goes instead.
+    c.expect([[1, 1, 9], [5, 5, 9], [2, 2, 9]])
+    c.checkpoint(req)
+    (batch,) = c.take_batches()
+    c.complete(batch.id)
+    assert kept(c, [1, 1]) and kept(c, [5, 5]) and not kept(c, [2, 2])
+    c.finish(req)
+    c.audit()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        (("abc",), {}, TypeError, "prompts: expected a list of token sequences, got str"),
+        (((1, 2),), {}, TypeError, "prompts: expected a list"),
+        (([[1], "x"],), {}, TypeError, "prompts[1]"),
+        (([[1], [-1]],), {}, ValueError, "prompts[1]"),
+        (([[1]],), {"namespaces": "a"}, TypeError, "namespaces: expected a list of str or None"),
+        (([[1]],), {"namespaces": [3]}, TypeError, "namespaces[0]: expected str or None"),
+        (([[1]],), {"namespaces": ["a", "b"]}, ValueError, "namespaces: 2 given for 1 prompts"),
+    ],
+)
+def test_bad_expect_arguments_are_named_and_change_nothing(
+    args: tuple[Any, ...], kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    c = hybrid()
+    cached(c, [1, 1])
+    c.expect([[1, 1, 9]])
+    with pytest.raises(error) as e:
+        c.expect(*args, **kwargs)
+    assert message in str(e.value)
+    s = c.stats()
+    assert (s["expected_nodes"], s["expect_calls"]) == (1, 1), "the last marks stay"
+    c.audit()
+
+
+def test_lookahead_must_not_be_negative() -> None:
+    c = hybrid()
+    with pytest.raises(ValueError, match="lookahead: must be >= 0"):
+        sv.Scheduler(c, sv.InstantEngine(c), lookahead=-1)
+
+
+def test_lookahead_raises_the_hit_rate_where_the_state_pool_is_short() -> None:
+    # gsp at 64 states: 64 groups' prompts, uniformly mixed, and about 30 state slots for
+    # the tree. Told the queue, eviction keeps the groups that come next.
+    jobs = sv.load("gsp", 512)
+    rates = {}
+    for lookahead in (0, 128):
+        cfg = sv.ReplayConfig(
+            mamba_slots=64, host_kv_slots=0, oracle=False, attention_only=False, lookahead=lookahead
+        )
+        r, _ = sv.replay(jobs, cfg)
+        assert (r["audit"], r["pools_full_at_end"], r["lookahead"]) == ("pass", True, lookahead)
+        rates[lookahead] = r["hit_rate"]
+    assert rates[128] > rates[0] + 0.1, rates
+
+
+def test_a_replay_with_lookahead_serves_every_sample_right() -> None:
+    cfg = sv.ReplayConfig(mamba_slots=24, host_kv_slots=4096, lookahead=16, attention_only=False)
+    r, _ = sv.replay(sv.load("mixed", 96), cfg)
+    assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
+    assert r["samples_checked"] > 0
