@@ -17,6 +17,8 @@ each policy and the bound against the state slots.
 Every cell must pass its audit, have every pool full once the cache is cleared and no
 request rejected, and its checked replay (where run) 0 mismatches and the same hit
 rate; the script exits 1 otherwise. A cell whose checked replay has not run is marked.
+``--lookahead N`` runs every replay with the scheduler's lookahead (`HybridCache.expect`),
+the attention-only ones too; keep its results in a directory of their own.
 """
 
 from __future__ import annotations
@@ -43,16 +45,20 @@ def kv_policy(policy: str) -> str:
     return "lru" if policy == "state-value" else policy
 
 
-def config(policy: str, states: int, **kw: Any) -> sv.ReplayConfig:
+def config(policy: str, states: int, lookahead: int, **kw: Any) -> sv.ReplayConfig:
     """Return the sweep's replay settings: the defaults, no host tier."""
     name = cast("PolicyName", policy)
-    return sv.ReplayConfig(mamba_slots=states, host_kv_slots=0, eviction_policy=name, **kw)
+    return sv.ReplayConfig(
+        mamba_slots=states, host_kv_slots=0, eviction_policy=name, lookahead=lookahead, **kw
+    )
 
 
-def run_attention(workload: str, policy: str, requests: int | None) -> dict[str, Any]:
+def run_attention(
+    workload: str, policy: str, requests: int | None, lookahead: int
+) -> dict[str, Any]:
     """Run the attention-only replay; its hit rate and compute saved."""
     jobs = sv.load(workload, requests)
-    cfg = config(policy, 0)
+    cfg = config(policy, 0, lookahead)
     c = attention_only(jobs, cfg)
     return {
         "hit_rate": c.device_hit_tokens / c.prompt_tokens,
@@ -60,24 +66,28 @@ def run_attention(workload: str, policy: str, requests: int | None) -> dict[str,
     }
 
 
-def run_cell(workload: str, states: int, policy: str, requests: int | None) -> dict[str, Any]:
+def run_cell(
+    workload: str, states: int, policy: str, requests: int | None, lookahead: int
+) -> dict[str, Any]:
     """Run one hybrid replay without the model, with the offline bound.
 
     Returns:
         Its report, with the recorded events.
     """
     jobs = sv.load(workload, requests)
-    cfg = config(policy, states, offline_bound=True, attention_only=False, oracle=False)
+    cfg = config(policy, states, lookahead, offline_bound=True, attention_only=False, oracle=False)
     events: list[Event] = []
     report, _ = sv.replay(jobs, cfg, events=events)
     report["events"] = [list(e) for e in events]
     return report
 
 
-def run_check(workload: str, states: int, policy: str, requests: int | None) -> dict[str, Any]:
+def run_check(
+    workload: str, states: int, policy: str, requests: int | None, lookahead: int
+) -> dict[str, Any]:
     """Run one hybrid replay with the checksum model and its oracle."""
     jobs = sv.load(workload, requests)
-    report, _ = sv.replay(jobs, config(policy, states, attention_only=False))
+    report, _ = sv.replay(jobs, config(policy, states, lookahead, attention_only=False))
     return report
 
 
@@ -89,11 +99,13 @@ def offline(cells: dict[tuple[str, ...], dict[str, Any]], key: tuple[str, ...]) 
     return offline_keys(events, int(key[2]), r["prompt_tokens"], attn)
 
 
-def _task(key: tuple[str, ...], requests: int | None) -> tuple[tuple[str, ...], dict[str, Any]]:
+def _task(
+    key: tuple[str, ...], requests: int | None, lookahead: int
+) -> tuple[tuple[str, ...], dict[str, Any]]:
     if key[0] == "attention":
-        return key, run_attention(key[1], key[2], requests)
+        return key, run_attention(key[1], key[2], requests, lookahead)
     run = run_cell if key[0] == "cell" else run_check
-    return key, run(key[1], int(key[2]), key[3], requests)
+    return key, run(key[1], int(key[2]), key[3], requests, lookahead)
 
 
 def _path(results: Path, key: tuple[str, ...]) -> Path:
@@ -130,6 +142,7 @@ def gather(
     requests: int | None,
     jobs: int,
     check: Sequence[str],
+    lookahead: int = 0,
 ) -> dict[tuple[str, ...], dict[str, Any]]:
     """Run every replay not in `results` yet (`jobs` at a time); return every report.
 
@@ -149,7 +162,7 @@ def gather(
     columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns) as bar, ProcessPoolExecutor(jobs) as pool:
         task = bar.add_task("sweep", total=len(todo) + len(out), completed=len(out))
-        for key, r in pool.map(_task, todo, [requests] * len(todo)):
+        for key, r in pool.map(_task, todo, [requests] * len(todo), [lookahead] * len(todo)):
             _path(results, key).write_text(json.dumps(r))
             out[key] = r
             bar.update(task, advance=1, description=" ".join(key[1:]))
@@ -277,6 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, help="the first N requests of each workload")
     ap.add_argument("--jobs", type=int, default=1, help="replays run at once")
     ap.add_argument(
+        "--lookahead",
+        type=int,
+        default=0,
+        help="the scheduler tells eviction the next N waiting requests (0: off)",
+    )
+    ap.add_argument(
         "--check",
         nargs="*",
         default=list(POLICIES),
@@ -284,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="policies whose cells are replayed again with the oracle (in this order)",
     )
     a = ap.parse_args(argv)
-    cells = gather(Path(a.results), a.workloads, a.states, a.policies, a.requests, a.jobs, a.check)
+    cells = gather(
+        Path(a.results), a.workloads, a.states, a.policies, a.requests, a.jobs, a.check, a.lookahead
+    )
     text, verdicts, all_ok = table(cells, a.workloads, a.states, a.policies)
     text += "\n\n" + "\n".join(f"* {v}" for v in verdicts) + "\n"
     print(text)

@@ -481,6 +481,23 @@ def test_the_schedule_policy_runs_and_is_reported(capsys: pytest.CaptureFixture[
     assert b["ops"]["peek_prefix"]["calls"] > 0  # the ranking's cache calls are timed
 
 
+def test_lookahead_runs_is_reported_and_its_calls_are_timed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--workload", "gsp", "--requests", "48", "--kv-slots", "16384", "--quiet"]
+    argv += ["--mamba-slots", "8", "--lookahead", "16"]
+    assert cli.main(["replay", *argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["lookahead"], r["mismatches"], r["audit"]) == (16, 0, "pass")
+    assert cli.main(["replay", *argv]) == 0
+    assert "lookahead 16" in capsys.readouterr().out
+    assert cli.main(["bench", *argv, "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert b["ops"]["expect"]["calls"] > 0
+    assert cli.main(["replay", *argv[:-1], "-1"]) == 2
+    assert "--lookahead" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model", ["swa", "swa-hybrid"])
 def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
     capsys: pytest.CaptureFixture[str], model: str

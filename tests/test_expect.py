@@ -48,7 +48,8 @@ def test_with_every_state_expected_the_one_needed_latest_goes_and_is_counted() -
     cached(c, [2, 2])
     assert c.expect([[2, 2, 9], [1, 1, 9]]) == 2
     c.evict(mamba_states=1)
-    assert kept(c, [2, 2]) and not kept(c, [1, 1])
+    assert kept(c, [2, 2])
+    assert not kept(c, [1, 1])
     s = c.stats()
     assert (s["expected_evictions"], s["expected_nodes"]) == (1, 1)
     c.audit()
@@ -60,7 +61,8 @@ def test_kv_eviction_passes_over_the_path_a_waiting_request_matches() -> None:
     cached(c, [2, 2])
     c.expect([[1, 1, 5]])
     assert c.evict(kv_tokens=2).kv_tokens == 2
-    assert c.peek_prefix([1, 1])[0] == 2 and c.peek_prefix([2, 2])[0] == 0
+    assert c.peek_prefix([1, 1])[0] == 2
+    assert c.peek_prefix([2, 2])[0] == 0
     c.audit()
 
 
@@ -113,13 +115,16 @@ def test_a_checkpoint_no_waiting_request_needs_sooner_is_let_go_by() -> None:
     c.checkpoint(req)
     assert c.stats()["checkpoint_states_bypassed"] == 1
     assert c.take_batches() == []
-    assert kept(c, [1, 1]) and kept(c, [2, 2])
+    assert kept(c, [1, 1])
+    assert kept(c, [2, 2])
     # Needed second, before [2, 2]: placed, and [2, 2]'s state goes instead.
     c.expect([[1, 1, 9], [5, 5, 9], [2, 2, 9]])
     c.checkpoint(req)
     (batch,) = c.take_batches()
     c.complete(batch.id)
-    assert kept(c, [1, 1]) and kept(c, [5, 5]) and not kept(c, [2, 2])
+    assert kept(c, [1, 1])
+    assert kept(c, [5, 5])
+    assert not kept(c, [2, 2])
     c.finish(req)
     c.audit()
 

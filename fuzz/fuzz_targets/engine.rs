@@ -299,7 +299,11 @@ impl E {
             }
             Err(Error::Busy(_)) => {
                 assert!(locked, "a reset refused an idle cache");
-                assert_eq!(self.tree(), (kv, states), "a refused reset changed the tree");
+                assert_eq!(
+                    self.tree(),
+                    (kv, states),
+                    "a refused reset changed the tree"
+                );
             }
             Err(e) => panic!("reset: {e:?}"),
         }
@@ -596,6 +600,18 @@ impl E {
                     ),
                     "l3_fetch without an L3 tier: {r:?}"
                 );
+            }
+            // Engine-owned pools: the marks order what `evict` hands back.
+            Op::Expect { prompts } => {
+                let prompts: Vec<(u8, Vec<u32>)> = prompts
+                    .iter()
+                    .map(|(ns, toks)| (*ns, self.resolve(toks)))
+                    .collect();
+                let items: Vec<(Option<&str>, &[u32])> = prompts
+                    .iter()
+                    .map(|(ns, toks)| (ns_of(*ns), toks.as_slice()))
+                    .collect();
+                assert!(self.c.expect(&items) <= items.len());
             }
         }
     }

@@ -299,6 +299,10 @@ enum Op {
         pick: u8,
         fail: bool,
     },
+    /// Tells eviction which prompts come next (`expect`; none: the marks are cleared).
+    Expect {
+        prompts: Vec<(u8, Toks)>,
+    },
 }
 
 impl<'a> Arbitrary<'a> for Target {
@@ -356,9 +360,10 @@ enum Kind {
     Foreign,
     L3Fetch,
     L3Ack,
+    Expect,
 }
 
-const WEIGHTS: [(Kind, u8); 29] = [
+const WEIGHTS: [(Kind, u8); 30] = [
     (Kind::Match, 5),
     (Kind::Insert, 10),
     (Kind::AllocKv, 2),
@@ -388,6 +393,7 @@ const WEIGHTS: [(Kind, u8); 29] = [
     (Kind::ExtendBatch, 3),
     (Kind::L3Fetch, 4),
     (Kind::L3Ack, 1),
+    (Kind::Expect, 2),
 ];
 
 fn kind_of(k: u8) -> Kind {
@@ -515,6 +521,9 @@ impl<'a> Arbitrary<'a> for Op {
             Kind::L3Ack => Op::L3Ack {
                 pick: u.arbitrary()?,
                 fail: u.arbitrary()?,
+            },
+            Kind::Expect => Op::Expect {
+                prompts: u.arbitrary()?,
             },
         })
     }
@@ -1453,9 +1462,14 @@ impl H {
                 .map_or(0, |(_, v)| v)
         };
         self.c.reap();
-        let busy = ["live_requests", "live_locks", "batches_in_flight", "load_backs_pending"]
-            .iter()
-            .any(|k| stat(&self.c, k) > 0);
+        let busy = [
+            "live_requests",
+            "live_locks",
+            "batches_in_flight",
+            "load_backs_pending",
+        ]
+        .iter()
+        .any(|k| stat(&self.c, k) > 0);
         match self.c.reset() {
             Ok(()) => {
                 assert!(!busy, "a reset went through while the cache was in use");
@@ -2203,6 +2217,22 @@ impl H {
                     let g = self.gets.swap_remove(usize::from(*pick) % self.gets.len());
                     self.ack_get(&g, *fail);
                 }
+            }
+            Op::Expect { prompts } => {
+                let prompts: Vec<(u8, Vec<u32>)> = prompts
+                    .iter()
+                    .map(|(ns, toks)| (*ns, self.resolve(*ns, toks)))
+                    .collect();
+                let items: Vec<(Option<&str>, &[u32])> = prompts
+                    .iter()
+                    .map(|(ns, toks)| (ns_of(*ns), toks.as_slice()))
+                    .collect();
+                let marked = self.c.expect(&items);
+                assert!(
+                    marked <= items.len(),
+                    "{marked} marked for {} prompts",
+                    items.len()
+                );
             }
         }
         match self.engine % 4 {

@@ -917,9 +917,7 @@ class HybridCache:
         A scheduler ranks waiting requests by it (`radixcache.serving.Scheduler`'s
         ``schedule_policy="lpm"``).
         """
-    def expect(
-        self, prompts: list[_Tokens], *, namespaces: list[str | None] | None = None
-    ) -> int:
+    def expect(self, prompts: list[_Tokens], *, namespaces: list[str | None] | None = None) -> int:
         """Tell eviction which requests the scheduler admits next; returns the nodes marked.
 
         ``prompts``: the prompts of the waiting requests, soonest first (the tokens each

@@ -141,6 +141,13 @@ class TimedCache:
         self.ops["peek_prefix"].append(_now() - t)
         return out
 
+    def expect(self, prompts: Any, *, namespaces: Any = None) -> int:
+        """Time ``expect`` (the ``lookahead``; charged to no request)."""
+        t = _now()
+        out = self._cache.expect(prompts, namespaces=namespaces)
+        self.ops["expect"].append(_now() - t)
+        return out
+
     def available_kv(self) -> int:
         """Time ``available_kv``."""
         t = _now()

@@ -66,10 +66,11 @@ class ReplayConfig:
     (`radixcache.serving.offline`). `schedule_policy`, `schedule_window` and
     `max_overtakes` are the scheduler's admission order (`Scheduler`; the comparison
     replays use it too); `lookahead` the waiting requests it tells eviction of
-    (`HybridCache.expect`; 0: none; the comparison replays too). `oracle=False` replays without the checksum model
-    and its storage, every batch completing at once: the scheduler makes the same cache
-    calls, so the hit rates are the same, several times faster, but no sample is
-    checked (``samples_checked`` and ``mismatches`` are 0) and no failure is injected.
+    (`HybridCache.expect`; 0: none; the comparison replays too). `oracle=False`
+    replays without the checksum model and its storage, every batch completing at
+    once: the scheduler makes the same cache calls, so the hit rates are the same,
+    several times faster, but no sample is checked (``samples_checked`` and
+    ``mismatches`` are 0) and no failure is injected.
 
     The model's layers follow the pools (`radixcache.serving.model.MODELS`): Mamba layers
     with ``mamba_slots > 0``, sliding-window attention (SWA) layers of window

@@ -438,7 +438,7 @@ class Scheduler:
         self._overtaken: dict[int, int] = {}  # the waiting requests overtaken, how often
         self.lookahead = lookahead
         self._expecting = False  # the cache holds marks from `_expect`
-        self._queue_moved = True  # the queue or the tree's states changed since then
+        self._queue_moved = True  # the queue changed since `_expect` last ran
 
     # ------------------------------------------------------------------ driving
 
@@ -446,6 +446,7 @@ class Scheduler:
         """Queue `jobs`, arrived now (admitted in the order of `schedule_policy`)."""
         start = len(self.waiting) + self.counters.finished + self.counters.rejected
         self.waiting.extend((start + i, job) for i, job in enumerate(jobs))
+        self._queue_moved = True
         # They can be admitted from the next step on: a wait counts the steps after it.
         self._arrived.update((start + i, self.counters.steps + 1) for i in range(len(jobs)))
 
@@ -535,7 +536,6 @@ class Scheduler:
         if self.model is not None:
             event = self.model.stream.record()
             self.engine.after_compute(event)
-        self._queue_moved |= bool(checkpoints or finished)
         for live in checkpoints:
             if live in self.running:
                 self.cache.checkpoint(live.req)
@@ -641,14 +641,15 @@ class Scheduler:
     def _expect(self) -> None:
         """Tell the cache which requests come next (``lookahead``; see the module docstring).
 
-        Only after the queue or the tree's states changed: an admission, a checkpoint,
-        a finish, a retraction or a load-back's end.
+        Only after the queue changed (an admission, a retraction) or a load-back ended:
+        the states a checkpoint or a finish places are ranked by the cache itself.
         """
         if not self.lookahead or not self._queue_moved or not (self.waiting or self._expecting):
             return
         self._queue_moved = False
         head = list(itertools.islice(self.waiting, self.lookahead))
-        prompts = [self._prepare(index, job)[0] for index, job in head]
+        # As NumPy arrays whatever `token_lists` says: a copy each, not an item each.
+        prompts = [job.prompt[:-1] if len(job.output) else job.prompt for _, job in head]
         self.cache.expect(prompts, namespaces=[job.namespace for _, job in head])
         self._expecting = bool(head)
 

@@ -405,6 +405,18 @@ impl Tree {
         &self.nodes[i as usize]
     }
 
+    /// Tokens from the root to the end of node `i`.
+    pub fn depth(&self, i: u32) -> usize {
+        let mut depth = 0;
+        let mut cur = i;
+        while cur != NONE {
+            let n = &self.nodes[cur as usize];
+            depth += n.key.len();
+            cur = n.parent;
+        }
+        depth
+    }
+
     /// Whether index `i` holds a live node of `generation` (the node seen then).
     pub fn is_current(&self, i: u32, generation: u64) -> bool {
         self.nodes

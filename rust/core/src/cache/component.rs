@@ -724,10 +724,14 @@ impl Component for MambaStates {
             c.stats.checkpoint_states_skipped += 1;
         } else if c.tree.node(end).mamba.device.is_none() {
             // With a waiting queue told of (`Cache::expect`): a state no waiting request
-            // needs sooner than the one it would displace is let go by.
+            // needs sooner than the one it would displace is let go by, unless the host
+            // tier keeps states (placed, it is backed up there and can be loaded back).
             let depth = c.request_ref(id).map_or(0, |r| r.tokens.len());
             let rank = c.lru.rank_of(&c.tree, end, depth);
-            if c.pools.mamba.free_pages() == 0 && c.lru.bypasses(&c.tree, rank) {
+            let bypass = c.pools.host_mamba.capacity_pages() == 0
+                && c.pools.mamba.free_pages() == 0
+                && c.lru.bypasses(&c.tree, rank);
+            if bypass {
                 c.stats.checkpoint_states_bypassed += 1;
             } else if let Some(dst) = c.alloc_state() {
                 c.lru.mark(&mut c.tree, end, rank);
@@ -763,6 +767,12 @@ impl Component for MambaStates {
             return true;
         }
         c.set_state(i, state);
+        // A waiting request told of (`Cache::expect`) may resume from it: marked at once,
+        // as a checkpoint's state is.
+        if c.lru.expecting() {
+            let rank = c.lru.rank_of(&c.tree, i, c.tree.depth(i));
+            c.lru.mark(&mut c.tree, i, rank);
+        }
         false
     }
 

@@ -199,3 +199,31 @@ fn without_expect_a_checkpoint_displaces_as_before() {
     c.finish(id).unwrap();
     c.audit().unwrap();
 }
+
+#[test]
+fn a_finished_requests_state_a_waiting_request_will_resume_from_is_marked_at_once() {
+    let mut c = cache("lru", 64, 3);
+    // [5, 5]'s KV is cached without a state: a waiting request's walk passes it.
+    let kv = c.alloc_kv(2).unwrap().unwrap();
+    c.insert(None, &[5, 5], &kv, 0).unwrap();
+    assert_eq!(
+        c.expect(&[(None, &prompt(&[5, 5]))]),
+        0,
+        "no state to resume from yet"
+    );
+    let id = c.admit(None, &[5, 5]).unwrap().unwrap();
+    c.extend(id, &[5, 5]).unwrap().unwrap();
+    c.finish(id).unwrap();
+    assert!(state_kept(&c, &[5, 5]));
+    assert_eq!(
+        stat(&c, "expected_nodes"),
+        1,
+        "the finished state is expected"
+    );
+    // Two more states fill the pool; asked for one, eviction passes over [5, 5].
+    cached(&mut c, &[1, 1]);
+    cached(&mut c, &[2, 2]);
+    assert_eq!(c.evict(0, 1).mamba_states, 1);
+    assert!(state_kept(&c, &[5, 5]) && !state_kept(&c, &[1, 1]));
+    c.audit().unwrap();
+}

@@ -533,6 +533,11 @@ impl Lru {
         }
     }
 
+    /// Whether [`Lru::expect`] was told of waiting requests (its last call's).
+    pub fn expecting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
     /// The nodes marked now: for `stats()` and `audit()`.
     pub fn expected(&self) -> impl Iterator<Item = u32> + '_ {
         self.expected.iter().copied()
