@@ -66,6 +66,16 @@ def test_kv_eviction_passes_over_the_path_a_waiting_request_matches() -> None:
     c.audit()
 
 
+def test_prompts_may_be_any_iterable_of_token_sequences() -> None:
+    c = hybrid()
+    cached(c, [1, 1])
+    cached(c, [2, 2])
+    rows = np.array([[1, 1, 9], [2, 2, 9]], dtype=np.uint32)
+    assert c.expect(rows) == 2, "a 2-D array: one prompt a row"
+    assert c.expect(([1, 1, 9],), namespaces=(None,)) == 1
+    assert c.expect(p for p in rows) == 2
+
+
 def test_expect_in_a_namespace_marks_that_tree_only() -> None:
     c = hybrid()
     cached(c, [1, 1])
@@ -132,11 +142,12 @@ def test_a_checkpoint_no_waiting_request_needs_sooner_is_let_go_by() -> None:
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "message"),
     [
-        (("abc",), {}, TypeError, "prompts: expected a list of token sequences, got str"),
-        (((1, 2),), {}, TypeError, "prompts: expected a list"),
+        (("abc",), {}, TypeError, "prompts: expected an iterable of token sequences, got str"),
+        ((5,), {}, TypeError, "prompts: expected an iterable of token sequences, got int"),
+        (((1, 2),), {}, TypeError, "prompts[0]"),
         (([[1], "x"],), {}, TypeError, "prompts[1]"),
         (([[1], [-1]],), {}, ValueError, "prompts[1]"),
-        (([[1]],), {"namespaces": "a"}, TypeError, "namespaces: expected a list of str or None"),
+        (([[1]],), {"namespaces": "a"}, TypeError, "namespaces: expected an iterable of str"),
         (([[1]],), {"namespaces": [3]}, TypeError, "namespaces[0]: expected str or None"),
         (([[1]],), {"namespaces": ["a", "b"]}, ValueError, "namespaces: 2 given for 1 prompts"),
     ],

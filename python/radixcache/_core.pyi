@@ -1,6 +1,6 @@
 """Type stubs of the compiled core ``radixcache._core`` (checked by ``mypy.stubtest``)."""
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Final, Literal, TypeAlias, final
 
@@ -917,7 +917,9 @@ class HybridCache:
         A scheduler ranks waiting requests by it (`radixcache.serving.Scheduler`'s
         ``schedule_policy="lpm"``).
         """
-    def expect(self, prompts: list[_Tokens], *, namespaces: list[str | None] | None = None) -> int:
+    def expect(
+        self, prompts: Iterable[_Tokens], *, namespaces: Iterable[str | None] | None = None
+    ) -> int:
         """Tell eviction which requests the scheduler admits next; returns the nodes marked.
 
         ``prompts``: the prompts of the waiting requests, soonest first (the tokens each
@@ -940,8 +942,9 @@ class HybridCache:
         cached, ``expected_evictions`` the evictions that had to take one.
 
         Raises:
-            TypeError: ``prompts`` is not a list of token sequences (naming the item),
-                or ``namespaces`` not a list of str or None.
+            TypeError: ``prompts`` is not an iterable (a list, a tuple, a 2-D array;
+                not a string) of token sequences (naming the item), or ``namespaces`` not
+                an iterable of str or None.
             ValueError: ``namespaces`` does not have one entry per prompt, or a token
                 is out of range (naming the item).
         """

@@ -6,7 +6,7 @@ use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
 use radixcache_core as core;
 
 use crate::batch::{copies, PyTransferBatch};
@@ -565,11 +565,11 @@ impl PyHybridCache {
     /// (`prompts`, soonest first; `namespaces`, one each, or None for the default
     /// namespace): eviction gives those nodes out last. Returns how many are marked.
     #[pyo3(signature = (prompts, *, namespaces=None))]
-    fn expect(
+    fn expect<'py>(
         &self,
-        py: Python<'_>,
-        prompts: &Bound<'_, PyAny>,
-        namespaces: Option<&Bound<'_, PyAny>>,
+        py: Python<'py>,
+        prompts: &Bound<'py, PyAny>,
+        namespaces: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<usize> {
         let type_err = |arg: &str, what: &str, v: &Bound<'_, PyAny>| {
             PyTypeError::new_err(format!(
@@ -579,22 +579,28 @@ impl PyHybridCache {
                     .map_or_else(|_| "?".into(), |n| n.to_string())
             ))
         };
-        let prompts: Vec<Vec<u32>> = match prompts.cast::<PyList>() {
-            Ok(list) => list
-                .iter()
-                .enumerate()
-                .map(|(k, p)| tokens_arg(&p, &format!("prompts[{k}]")))
-                .collect::<PyResult<_>>()?,
-            Err(_) => return Err(type_err("prompts", "a list of token sequences", prompts)),
+        // Any iterable but a string (a list, a tuple, a 2-D array's rows), item by item.
+        let items = |v: &Bound<'py, PyAny>| -> Option<Vec<Bound<'py, PyAny>>> {
+            let text = v.is_instance_of::<PyString>()
+                || v.is_instance_of::<PyBytes>()
+                || v.is_instance_of::<PyByteArray>();
+            if text {
+                return None;
+            }
+            v.try_iter().ok()?.collect::<PyResult<Vec<_>>>().ok()
         };
+        let prompts: Vec<Vec<u32>> = items(prompts)
+            .ok_or_else(|| type_err("prompts", "an iterable of token sequences", prompts))?
+            .iter()
+            .enumerate()
+            .map(|(k, p)| tokens_arg(p, &format!("prompts[{k}]")))
+            .collect::<PyResult<_>>()?;
         let namespaces: Vec<Option<String>> = match namespaces {
             None => vec![None; prompts.len()],
             Some(v) => {
-                let list = v
-                    .cast::<PyList>()
-                    .map_err(|_| type_err("namespaces", "a list of str or None", v))?;
-                let names = list
-                    .iter()
+                let names = items(v)
+                    .ok_or_else(|| type_err("namespaces", "an iterable of str or None", v))?
+                    .into_iter()
                     .enumerate()
                     .map(|(k, n)| {
                         n.extract::<Option<String>>()
