@@ -585,6 +585,18 @@ class HybridMachine(RuleBasedStateMachine):
             m = self.cache.match_prefix(tokens, namespace=ns)
             assert (m.device_len, m.mamba_slot) == (n, slot)
 
+    @rule(data=st.data(), n=st.integers(0, 4))
+    def expect(self, data: st.DataObject, n: int) -> None:
+        """Tell eviction which prompts come next (none: clear the marks): the tree, the
+        pools and every gauge stay as they were; later evictions and checkpoints follow
+        the marks, and every invariant still holds."""
+        prompts = [self.sequence(data) for _ in range(n)]
+        before = fingerprint(self.cache)
+        marked = self.cache.expect([t for _, t in prompts], namespaces=[ns for ns, _ in prompts])
+        assert 0 <= marked <= n
+        assert self.cache.stats()["expected_nodes"] == marked
+        assert fingerprint(self.cache) == before, "expect changed the cache"
+
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
         ns, tokens = self.sequence(data)
