@@ -2,31 +2,9 @@
 //! resume from, gives out the one needed latest when nothing else is left, and lets a
 //! new state go by when every state it could displace is needed sooner.
 
-use super::test_util::{seq, stat};
+use super::test_util::{fresh as cached, policy_cache as cache, seq, stat};
 use super::*;
 use crate::RequestId;
-
-/// A cache of pages of 1 token with `states` state slots (none: full attention only).
-fn cache(policy: &str, kv: usize, states: usize) -> Cache {
-    Cache::new(Config {
-        mamba_slots: states,
-        eviction_policy: policy.parse().unwrap(),
-        ..Config::kv(kv, 1)
-    })
-    .unwrap()
-}
-
-/// Caches `toks` with fresh slots (and a state at the end in a hybrid cache), without a
-/// match.
-fn cached(c: &mut Cache, toks: &[u32]) {
-    let kv = c.alloc_kv(toks.len()).unwrap().unwrap();
-    let state = if c.is_hybrid() {
-        Some(i64::from(c.alloc_mamba().unwrap().unwrap()))
-    } else {
-        None
-    };
-    c.insert_with_state(None, toks, &kv, 0, state).unwrap();
-}
 
 /// Whether `toks` still ends a device match that uses a state.
 fn state_kept(c: &Cache, toks: &[u32]) -> bool {

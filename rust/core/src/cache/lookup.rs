@@ -322,7 +322,7 @@ impl Cache {
 
 #[cfg(test)]
 mod tests {
-    use crate::cache::test_util::{seq, stat};
+    use crate::cache::test_util::{fresh as put, seq, stat};
     use crate::cache::Cache;
     use crate::config::Config;
 
@@ -337,18 +337,6 @@ mod tests {
             ..Config::kv(128, 4)
         })
         .unwrap()
-    }
-
-    /// Caches `toks` with fresh slots (without a match: an insert is no hit), and a state
-    /// at the end in a hybrid cache.
-    fn put(c: &mut Cache, toks: &[u32]) {
-        let kv = c.alloc_kv(toks.len()).unwrap().unwrap();
-        let state = if c.is_hybrid() {
-            Some(i64::from(c.alloc_mamba().unwrap().unwrap()))
-        } else {
-            None
-        };
-        c.insert_with_state(None, toks, &kv, 0, state).unwrap();
     }
 
     /// `a`, then `b` after it.

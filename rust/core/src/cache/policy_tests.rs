@@ -1,18 +1,10 @@
 //! Unit tests of the eviction policies: the order each gives on small hand-built trees.
 
+use super::test_util::policy_cache as cache;
 use super::*;
 use crate::config::{EvictionPolicies, EvictionPolicy};
 use crate::error::Error;
 use crate::tree::Succession;
-
-fn cache(policy: &str, kv: usize, states: usize) -> Cache {
-    Cache::new(Config {
-        mamba_slots: states,
-        eviction_policy: policy.parse().unwrap(),
-        ..Config::kv(kv, 1)
-    })
-    .unwrap()
-}
 
 /// Caches `toks` (KV, and a state at the end when the cache has a state pool) with
 /// `priority`, through the low-level API and without a match (an insert is no hit):

@@ -1,6 +1,7 @@
 //! Helpers shared by the core's unit tests.
 
 use super::{Cache, Insert};
+use crate::config::Config;
 use crate::ids::NodeId;
 
 /// Tokens `1..=n`.
@@ -51,4 +52,27 @@ pub(super) fn put(c: &mut Cache, ns: Option<&str>, toks: &[u32]) -> NodeId {
     c.insert_with_state(ns, toks, &kv, m.device_len, state)
         .unwrap()
         .node
+}
+
+/// A cache of pages of 1 token under `policy`, with `kv` KV slots and `states` state
+/// slots (none: full attention only).
+pub(super) fn policy_cache(policy: &str, kv: usize, states: usize) -> Cache {
+    Cache::new(Config {
+        mamba_slots: states,
+        eviction_policy: policy.parse().unwrap(),
+        ..Config::kv(kv, 1)
+    })
+    .unwrap()
+}
+
+/// Caches `toks` with fresh slots (without a match: an insert is no hit), and a state at
+/// the end in a hybrid cache.
+pub(super) fn fresh(c: &mut Cache, toks: &[u32]) {
+    let kv = c.alloc_kv(toks.len()).unwrap().unwrap();
+    let state = if c.is_hybrid() {
+        Some(i64::from(c.alloc_mamba().unwrap().unwrap()))
+    } else {
+        None
+    };
+    c.insert_with_state(None, toks, &kv, 0, state).unwrap();
 }
