@@ -488,6 +488,25 @@ def test_write_back_makes_the_room_an_extend_asks_for_in_one_round_with_states_t
     cache.audit()
 
 
+def test_a_request_is_not_turned_away_for_slots_retracted_load_backs_still_hold() -> None:
+    """Retracted requests' load-backs hold their slots until their copies end.
+
+    On `gsp` with 8 state slots, a request left alone once found every state slot held
+    by such copies and was rejected as too big for the pool; it must wait for them.
+    """
+    cfg = sv.ReplayConfig(kv_slots=16384, mamba_slots=8)
+    cache = cfg.cache()
+    model, storage = model_for(cache)
+    sched = cfg.scheduler(cache, rc.TransferEngine(cache, storage), model)
+    sched.add(sv.gsp(32))
+    c = sched.run()
+    sched.drain()
+    assert c.copy_waits > 0  # the case arose
+    assert (c.rejected, c.finished) == (0, 32)
+    assert model.mismatches == 0
+    cache.audit()
+
+
 def test_a_request_too_big_for_the_pool_is_rejected_and_the_rest_served() -> None:
     jobs = jobs_of([1] * 100, [2] * 5000, [3] * 100)
     cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0)

@@ -302,6 +302,9 @@ class Counters:
     #: anything but 0 is a bug of the cache.
     extend_second_rounds: int = 0
     rejected: int = 0
+    #: Times a request alone (nothing left to retract) waited for the copies in flight:
+    #: the load-backs of retracted requests hold their slots until their copies end.
+    copy_waits: int = 0
     load_backs_refused: int = 0
     batches_refused: int = 0
     steps: int = 0
@@ -616,6 +619,8 @@ class Scheduler:
                 cache.evict(mamba_states=1)
                 self._run_batches()  # under write-back, evicted slots free once backed up
                 req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
+                if req is None and self._wait_copies():
+                    req = cache.admit(tokens, namespace=job.namespace, priority=job.priority)
             if req is None:
                 if not self.running:
                     self._dequeue(pos, admitted=False)
@@ -836,6 +841,9 @@ class Scheduler:
                     self.counters.extend_second_rounds += 1
         while slots is None:
             victims = [r for r in self.running if r is not live]
+            if not victims and self._wait_copies():
+                slots = cache.extend(live.req, toks)
+                continue
             if not victims:
                 # Alone and still too big for the pool: it can never be served.
                 self._drop(live)
@@ -849,6 +857,18 @@ class Scheduler:
             self._run_batches()
             slots = cache.extend(live.req, toks)
         return slots
+
+    def _wait_copies(self) -> bool:
+        """Wait for the copies in flight and end them; returns whether any were.
+
+        The load-backs of retracted requests hold their slots until their copies end:
+        a request must not be turned away for memory that is only on its way back.
+        """
+        ended = self.engine.synchronize()
+        self._end_loads(ended)
+        self._run_batches()
+        self.counters.copy_waits += bool(ended)
+        return bool(ended)
 
     def _drop(self, live: _Live) -> None:
         self._queue_moved = True
