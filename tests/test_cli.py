@@ -489,8 +489,11 @@ def test_lookahead_runs_is_reported_and_its_calls_are_timed(
     assert cli.main(["replay", *argv, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["lookahead"], r["mismatches"], r["audit"]) == (16, 0, "pass")
+    assert r["queue_cuts"] > 0  # gsp's questions leave their group's prompt
     assert cli.main(["replay", *argv]) == 0
-    assert "lookahead 16" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "lookahead 16" in text
+    assert re.search(rf"queue cuts +{r['queue_cuts']} ", text)
     assert cli.main(["bench", *argv, "--json"]) == 0
     b = json.loads(capsys.readouterr().out)
     assert b["ops"]["expect"]["calls"] > 0

@@ -192,3 +192,68 @@ def test_a_replay_with_lookahead_serves_every_sample_right() -> None:
     r, _ = sv.replay(sv.load("mixed", 96), cfg)
     assert (r["mismatches"], r["audit"], r["pools_full_at_end"]) == (0, "pass", True)
     assert r["samples_checked"] > 0
+    assert r["queue_cuts"] > 0  # the cuts were served too
+
+
+# -------------------------------------------------------------- queue cuts (lookahead)
+
+SYSTEM = list(range(1000, 1100))  # 100 tokens: with pages of 16, a state fits at 96
+
+
+def job(prompt: list[int], out: int = 4, namespace: str | None = None) -> sv.Job:
+    tail = np.arange(5000, 5000 + out, dtype=np.uint32)
+    return sv.Job(np.array(prompt, dtype=np.uint32), tail, namespace=namespace)
+
+
+def serve(jobs: list[sv.Job], lookahead: int, cached: list[int] | None = None) -> sv.Counters:
+    """Serve `jobs` one at a time (the next ones wait); the counters, after an audit."""
+    c = rc.HybridCache(kv_slots=1024, page_size=16, mamba_slots=8)
+    if cached is not None:
+        c.insert(cached, c.alloc_kv(len(cached)), mamba_slot=c.alloc_mamba())
+    s = sv.Scheduler(c, sv.InstantEngine(c), max_running=1, lookahead=lookahead)
+    s.add(jobs)
+    counters = s.run()
+    c.audit()
+    return counters
+
+
+def hits(c: sv.Counters) -> list[int]:
+    return [device for _, device, _ in c.served]
+
+
+def test_a_prefill_keeps_a_state_where_a_waiting_request_leaves_its_prompt() -> None:
+    # Nothing is cached: the first request cannot know the branch point at 100 but the
+    # queue does; without the lookahead the second finds no state on its path.
+    jobs = [job(SYSTEM + list(range(1, 51))), job(SYSTEM + list(range(60, 120)))]
+    without, told = serve(jobs, 0), serve(jobs, 4)
+    assert (hits(without), without.queue_cuts) == ([0, 0], 0)
+    assert (hits(told), told.queue_cuts) == ([0, 96], 1)
+
+
+def test_a_waiting_prompt_inside_this_one_gets_a_state_where_it_resumes() -> None:
+    jobs = [job(SYSTEM + list(range(1, 51))), job(SYSTEM)]
+    c = serve(jobs, 4)
+    assert (hits(c), c.queue_cuts) == ([0, 96], 1)  # it resumes before its last token
+
+
+def test_a_later_turn_places_no_cut_it_resumes_from_the_end_state() -> None:
+    first = job(SYSTEM + list(range(1, 51)))
+    turn = [*first.prompt.tolist(), *first.output.tolist(), 7, 8, 9]
+    c = serve([first, job(turn)], 4)
+    assert c.queue_cuts == 0
+    assert hits(c)[1] == (len(first.prompt) + len(first.output) - 1) // 16 * 16
+
+
+@pytest.mark.parametrize(
+    ("second", "cached"),
+    [
+        (job([*SYSTEM, 7], namespace="lora"), None),  # another namespace's tree
+        (job(SYSTEM[:40] + [7] * 30), SYSTEM[:64]),  # leaves it before what it matched
+        (job([7, *SYSTEM]), None),  # shares nothing
+    ],
+)
+def test_no_cut_where_no_waiting_request_would_resume_past_the_match(
+    second: sv.Job, cached: list[int] | None
+) -> None:
+    c = serve([job(SYSTEM + list(range(1, 51))), second], 4, cached)
+    assert c.queue_cuts == 0

@@ -298,7 +298,8 @@ POOL_FLAGS = (
     Flag(
         "--lookahead",
         "tell eviction the next N waiting requests (HybridCache.expect): the nodes they "
-        "will resume from go last, the one needed latest first (0: off)",
+        "will resume from go last, the one needed latest first; a prefill also stops "
+        "and keeps a state where one of them leaves its prompt (0: off)",
         default=_D.lookahead,
         hi=MAX_REQUESTS,
     ),
@@ -1062,6 +1063,8 @@ def _report_table(r: dict[str, Any]) -> Any:
         )
         + (f"; lookahead {r['lookahead']}" if r["lookahead"] else ""),
     )
+    if r["lookahead"]:
+        row("queue cuts", r["queue_cuts"], "where waiting prompts branch off")
     row(
         "queue wait",
         f"{wait['mean']:.0f} steps",

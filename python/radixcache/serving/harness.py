@@ -640,15 +640,18 @@ def _spread(values: Sequence[int]) -> dict[str, float]:
 def schedule_report(config: ReplayConfig, c: Counters) -> dict[str, Any]:
     """Return the admission order's keys of the report: the policy and what it cost.
 
-    ``queue_wait_steps``: the scheduler steps each request waited from its arrival to
-    its first admission; ``overtaken``: how many requests that arrived after it were
-    admitted before it; each as ``{"mean", "p99", "max"}`` over the admitted requests.
+    ``queue_cuts``: prefill cuts placed where a waiting request leaves a prompt (with
+    ``lookahead``); ``queue_wait_steps``: the scheduler steps each request waited from
+    its arrival to its first admission; ``overtaken``: how many requests that arrived
+    after it were admitted before it; each as ``{"mean", "p99", "max"}`` over the
+    admitted requests.
     """
     return {
         "schedule_policy": config.schedule_policy,
         "schedule_window": config.schedule_window if config.schedule_policy == "lpm" else None,
         "max_overtakes": config.max_overtakes if config.schedule_policy == "lpm" else None,
         "lookahead": config.lookahead,
+        "queue_cuts": c.queue_cuts,
         "queue_wait_steps": _spread([w for _, w, _ in c.admissions]),
         "overtaken": _spread([o for _, _, o in c.admissions]),
     }

@@ -282,6 +282,9 @@ class _Live:
     host_hit: int = 0
     #: Tokens an L3 fetch landed on the host tier for it at its admission.
     l3_landed: int = 0
+    #: Where waiting requests leave its prompt (page-aligned, past its match), known
+    #: from the queue at its admission: its prefill stops and checkpoints there too.
+    cuts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -302,6 +305,8 @@ class Counters:
     #: anything but 0 is a bug of the cache.
     extend_second_rounds: int = 0
     rejected: int = 0
+    #: Prefill cuts placed where a waiting request leaves a prompt (``lookahead``).
+    queue_cuts: int = 0
     #: Times a request alone (nothing left to retract) waited for the copies in flight:
     #: the load-backs of retracted requests hold their slots until their copies end.
     copy_waits: int = 0
@@ -526,7 +531,8 @@ class Scheduler:
             end = live.fed + 1
             if live.fed < prompt_len:  # prefill: a chunk, cut at the branch point
                 end = min(prompt_len, live.fed + self.chunk_size, live.fed + budget)
-                cuts = (live.req.branch_len if self.branch_checkpoints else 0, live.last_page)
+                branch = live.req.branch_len if self.branch_checkpoints else 0
+                cuts = (branch, live.last_page, *live.cuts)
                 for cut in cuts:
                     if live.fed < cut < end:
                         end = cut
@@ -635,6 +641,9 @@ class Scheduler:
             ps = cache.page_size
             live = _Live(index, job, seq, req, expected, last_page=len(seq) // ps * ps)
             live.l3_landed = landed
+            if self.lookahead and self.branch_checkpoints and cache.mamba_slots:
+                live.cuts = self._queue_cuts(job, req.prefix_len)
+                self.counters.queue_cuts += len(live.cuts)
             self.running.append(live)
             self._run_batches()  # the state's copy-on-write, before any compute reads it
             live.fed = live.device_hit = req.prefix_len  # a failed copy-on-write drops it
@@ -642,6 +651,33 @@ class Scheduler:
                 self.trace.use(index, job.namespace, seq, req.branch_len, self.counters.steps)
             if req.host_len > 0:
                 self._load_back(live)
+
+    def _queue_cuts(self, job: Job, start: int) -> tuple[int, ...]:
+        """Return where the first ``lookahead`` waiting prompts leave `job`'s prompt.
+
+        Each point is the longest common prefix with one waiting prompt of the same
+        namespace, rounded down to a page, past `start` (what the request matched): a
+        branch point the tree does not know yet (a waiting prompt this one holds: where it
+        would resume). A waiting prompt that holds all of this one (a later turn) gives
+        none: this request's end state serves it.
+        """
+        p, ps = job.prompt, self.cache.page_size
+        cuts = set()
+        for _, other in itertools.islice(self.waiting, self.lookahead):
+            q = other.prompt
+            if other.namespace != job.namespace or not len(q) or q[0] != p[0]:
+                continue
+            n = min(len(p), len(q))
+            differ = np.flatnonzero(p[:n] != q[:n])
+            if len(differ):
+                cut = int(differ[0]) // ps * ps
+            elif n < len(p):  # this prompt holds it: it resumes before its last token
+                cut = (n - 1) // ps * ps
+            else:
+                continue  # it holds this whole prompt: this request's end state serves it
+            if cut > start:
+                cuts.add(cut)
+        return tuple(sorted(cuts))
 
     def _expect(self) -> None:
         """Tell the cache which requests come next (``lookahead``; see the module docstring).
