@@ -271,16 +271,16 @@ def test_the_marks_name_the_requests_still_waiting_after_the_admissions() -> Non
     s.step()
     assert len(s.running) == 1
     assert c.stats()["expected_nodes"] == 1  # the second's state alone
+    s.stop()  # the first's lock goes; the marks stay until the next `expect`
     assert c.evict(mamba_states=1).mamba_states == 1
     assert (kept(c, first), kept(c, second)) == (False, True)
-    s.run()
     c.audit()
 
 
 def test_lookahead_keeps_states_where_running_requests_nearly_fill_the_pool() -> None:
-    # gsp at 16 states: 14 running requests leave the tree about two slots. With marks
-    # made after the admissions and the running requests' matched states not locked
-    # once copied, eviction keeps the two groups that come next (0.09 without either).
+    # gsp at 16 states: 14 running requests leave the tree about two slots. With the
+    # marks made after the admissions, eviction keeps the groups that come next (0.09
+    # when they were made before: they ranked the requests just admitted).
     jobs = sv.load("gsp", 256)
     rates = {}
     for lookahead in (0, 128):
@@ -290,5 +290,5 @@ def test_lookahead_keeps_states_where_running_requests_nearly_fill_the_pool() ->
         r, _ = sv.replay(jobs, cfg)
         assert (r["audit"], r["pools_full_at_end"], r["rejected"]) == ("pass", True, 0)
         rates[lookahead] = r["hit_rate"]
-    assert rates[128] > 5 * rates[0], rates
-    assert rates[128] > 0.2, rates
+    assert rates[128] > 3 * rates[0], rates
+    assert rates[128] > 0.12, rates

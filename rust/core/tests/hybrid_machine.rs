@@ -1667,13 +1667,8 @@ impl Machine {
             (BatchFor::Admit(req), false) => {
                 self.cache.complete(id).unwrap();
                 if let Some(i) = self.m.req_index(req) {
-                    let q = &mut self.m.reqs[i];
-                    if q.cow == Some(id) {
-                        q.cow = None;
-                        // Its own copy landed: the node's state leaves its lock.
-                        if let Some(m) = q.lock.as_mut() {
-                            *m = false;
-                        }
+                    if self.m.reqs[i].cow == Some(id) {
+                        self.m.reqs[i].cow = None;
                     }
                 }
             }
@@ -2089,8 +2084,7 @@ impl Machine {
         let (aligned, end) = self.m.publish_request(i);
         let has_state = self.m.content.states.contains_key(&end);
         let q = &mut self.m.reqs[i];
-        // The request reads only its own state: its new lock holds the path alone.
-        q.lock = Some(false);
+        q.lock = Some(aligned > 0 && has_state);
         let src = q.mamba;
         let emit = src.is_some() && q.tokens.len() == aligned && aligned > 0 && !has_state;
         let ok = emit && self.m.obtainable(None);

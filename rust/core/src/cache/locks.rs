@@ -93,16 +93,6 @@ impl Cache {
     }
 
     pub(crate) fn lock_index(&mut self, i: u32) -> LockReceipt {
-        self.lock_with(i, true)
-    }
-
-    /// A request's lock after its admission (a checkpoint's, a load's): the path alone,
-    /// since the request reads only its own state, never the node's.
-    pub(crate) fn lock_path(&mut self, i: u32) -> LockReceipt {
-        self.lock_with(i, false)
-    }
-
-    fn lock_with(&mut self, i: u32, state: bool) -> LockReceipt {
         let mut cur = i;
         while cur != NONE {
             let first = self.count_kv_lock(cur, true);
@@ -114,7 +104,7 @@ impl Cache {
             }
             cur = parent;
         }
-        let mamba = self.lock_components(i, state);
+        let mamba = self.lock_components(i);
         let slot = self.locks.table.insert(Held { node: i, mamba });
         self.stats.locks += 1;
         LockReceipt {
@@ -202,23 +192,6 @@ impl Cache {
         }
         self.stats.unlocks += 1;
         Ok(())
-    }
-
-    /// Gives back the state share of the live lock `id` (its path stays locked): its
-    /// holder no longer reads the node's state (a request's admission copy landed).
-    pub(crate) fn release_state_share(&mut self, id: LockId) {
-        if id.cache != self.id() {
-            return;
-        }
-        let Some(held) = self.locks.table.get_mut(id.slot) else {
-            return;
-        };
-        if !std::mem::take(&mut held.mamba) {
-            return;
-        }
-        let node = held.node;
-        self.release_state_lock(node);
-        self.refresh(node);
     }
 
     /// The node a live receipt locks.

@@ -643,7 +643,7 @@ impl Cache {
         let new_lock = if finishing {
             None
         } else {
-            Some(self.lock_path(end))
+            Some(self.lock_index(end))
         };
         let empty = self.pools.kv.empty();
         let r = self.request_mut(id)?;
@@ -675,7 +675,7 @@ impl Cache {
         fresh: Held,
     ) -> Option<SavedRequest> {
         self.request_ref(r).ok()?;
-        let new_lock = self.lock_path(j);
+        let new_lock = self.lock_index(j);
         let tokens = self.path_tokens(j);
         let rs = self.request_mut(r).ok()?;
         let saved = SavedRequest {
@@ -757,19 +757,12 @@ impl Cache {
         }
     }
 
-    /// The admission copy landed: the request's state is good, and its own. The node's
-    /// state leaves the request's lock (the path stays locked): the request never reads
-    /// it again, so eviction may take it like any unlocked state.
+    /// The admission copy landed: the request's state is good.
     fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
-        let Ok(r) = self.request_mut(id) else {
-            return;
-        };
-        if r.cow != Some(batch) {
-            return;
-        }
-        r.cow = None;
-        if let Some(lock) = r.lock.as_ref().map(LockReceipt::id) {
-            self.release_state_share(lock);
+        if let Ok(r) = self.request_mut(id) {
+            if r.cow == Some(batch) {
+                r.cow = None;
+            }
         }
     }
 
@@ -805,7 +798,7 @@ impl Cache {
         let namespace = r.namespace.clone();
         // The request now holds its namespace's root (locked, so that it stays).
         let root = self.root(namespace.as_deref());
-        let root_lock = self.lock_path(root);
+        let root_lock = self.lock_index(root);
         if let Ok(r) = self.request_mut(id) {
             r.node = root;
             if let Some(old) = r.lock.replace(root_lock) {
