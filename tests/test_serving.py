@@ -507,6 +507,50 @@ def test_a_request_is_not_turned_away_for_slots_retracted_load_backs_still_hold(
     cache.audit()
 
 
+class StillCopying(sv.InstantEngine):
+    """An engine whose copies are still running at every poll (a GPU's, behind the
+    compute); `synchronize` waits for them."""
+
+    def poll(self) -> list[rc.TransferBatch]:
+        return []
+
+    def synchronize(self) -> list[rc.TransferBatch]:
+        return super().poll()
+
+
+def test_an_admission_with_nothing_running_waits_for_the_copies_in_flight() -> None:
+    # The prompt matches a state a caller's lock keeps (no eviction frees its copy's
+    # slot), and the other two state slots are held by the load-back of a request aborted
+    # since: the admission must wait for that copy rather than turn its request away.
+    c = rc.HybridCache(kv_slots=64, mamba_slots=3, host_kv_slots=64, host_mamba_slots=4)
+    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
+    for b in c.take_batches():
+        b.start()
+        b.complete()
+    c.evict(kv_tokens=4)
+    shared = c.insert([9] * 8, c.alloc_kv(8), mamba_slot=c.alloc_mamba())
+    for b in c.take_batches():
+        b.start()
+        b.complete()
+    engine = StillCopying(c)
+    r = c.admit([1, 2, 3, 4, 5])
+    assert r is not None
+    lb = c.load_back(r)
+    assert lb is not None
+    engine.submit(lb.batch)
+    lb.commit()
+    c.abort(r)
+    assert (c.available_mamba(), c.stats()["mamba_draining_slots"]) == (0, 2)
+    with c.lock(shared.node):
+        sched = sv.Scheduler(c, engine, max_running=1)
+        sched.add(jobs_of([9] * 8 + [5]))
+        counters = sched.run()
+        sched.drain()
+    assert (counters.copy_waits, counters.rejected, counters.finished) == (1, 0, 1)
+    assert counters.served[0][1] == 8  # it reused the locked state
+    c.audit()
+
+
 def test_a_request_too_big_for_the_pool_is_rejected_and_the_rest_served() -> None:
     jobs = jobs_of([1] * 100, [2] * 5000, [3] * 100)
     cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0)
