@@ -289,9 +289,11 @@ def test_the_marks_name_the_requests_still_waiting_after_the_admissions() -> Non
 
 
 def test_lookahead_keeps_states_where_running_requests_nearly_fill_the_pool() -> None:
-    # gsp at 16 states: 14 running requests leave the tree about two slots. With the
-    # marks made after the admissions, eviction keeps the groups that come next (0.09
-    # when they were made before: they ranked the requests just admitted).
+    # gsp at 16 states: 14 running requests leave the tree about two slots. With marks
+    # made after the admissions and the running requests' matched states not locked
+    # once copied, eviction keeps the groups that come next (0.09 with marks made
+    # before the admissions: they ranked the requests just admitted; 0.165 with the
+    # matched states locked until their requests end).
     rates = gsp_rates(256, 16)
-    assert rates[128] > 3 * rates[0], rates
-    assert rates[128] > 0.12, rates
+    assert rates[128] > 5 * rates[0], rates
+    assert rates[128] > 0.2, rates

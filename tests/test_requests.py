@@ -554,6 +554,41 @@ def test_checkpoint_moves_the_lock_off_the_admission_node_and_its_state() -> Non
     c.audit()
 
 
+def test_with_a_queue_told_of_the_matched_state_is_locked_only_while_its_copy_runs() -> None:
+    c = hybrid(kv_slots=64, page_size=1, mamba_slots=4)
+    _, node_slot = with_state(c, [1, 2, 3, 4])
+    r = admitted(c, [1, 2, 3, 4, 5, 6])
+    b = one_batch(c)
+    b.complete()
+    assert gauge(c, "mamba_protected_states") == 1  # no queue: its next users may come
+    c.expect([[9, 9]])
+    # A queue told of: its marks keep what waiting requests need, so the request (which
+    # has its own copy) lets the node's state go; its path stays locked.
+    s = c.stats()
+    assert (s["mamba_protected_states"], s["mamba_evictable_states"]) == (0, 1)
+    assert c.protected_size() == 4
+    ev = c.evict(mamba_states=1)
+    assert (ev.kv_tokens, ev.mamba_states) == (0, 1)
+    assert node_slot not in tree_states(c)
+    m = c.match_prefix([1, 2, 3, 4])
+    assert (m.device_len, m.kv_len) == (0, 4)  # a tombstone, its KV kept
+    assert r.prefix_len == 4
+    assert r.mamba_slot is not None
+    # A request admitted while the queue is known lets go as soon as its copy lands.
+    with_state(c, [7, 7, 7])
+    r2 = admitted(c, [7, 7, 7, 8])
+    copy = one_batch(c)
+    assert gauge(c, "mamba_protected_states") == 1  # its copy reads it
+    copy.complete()
+    assert gauge(c, "mamba_protected_states") == 0
+    assert c.extend(r, [5, 6]) is not None
+    c.finish(r)
+    c.abort(r2)
+    assert c.match_prefix([1, 2, 3, 4, 5, 6, 7]).device_len == 6  # its own state, donated
+    assert c.protected_size() == 0
+    c.audit()
+
+
 def test_checkpoint_leaves_the_unaligned_tail_and_skips_the_state_copy() -> None:
     c = hybrid(kv_slots=64, page_size=4, mamba_slots=4)
     toks = list(range(1, 11))

@@ -551,6 +551,32 @@ def test_an_admission_with_nothing_running_waits_for_the_copies_in_flight() -> N
     c.audit()
 
 
+def test_a_request_short_of_a_state_slot_waits_for_a_load_back_rather_than_retract() -> None:
+    # Two caller-locked states and a load-back (its two state slots in flight) fill the
+    # four slots; the second request's first chunk needs a state slot. The load-back's
+    # end gives one back (its restored state is the tree's, unlocked): waiting for it
+    # must come before retracting the loading request, whose prefill would be redone.
+    c = rc.HybridCache(kv_slots=64, mamba_slots=4, host_kv_slots=64, host_mamba_slots=4)
+    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
+    for b in c.take_batches():
+        b.start()
+        b.complete()
+    c.evict(kv_tokens=4)  # on the host only now, its state too
+    pinned = [c.insert([k] * 4, c.alloc_kv(4), mamba_slot=c.alloc_mamba()) for k in (8, 9)]
+    for b in c.take_batches():
+        b.start()
+        b.complete()
+    with c.lock(pinned[0].node), c.lock(pinned[1].node):
+        sched = sv.Scheduler(c, StillCopying(c), max_running=2)
+        sched.add(jobs_of([1, 2, 3, 4, 5], [20, 21, 22]))
+        counters = sched.run()
+        sched.drain()
+    assert (counters.retractions, counters.copy_waits) == (0, 1)
+    assert (counters.rejected, counters.finished) == (0, 2)
+    assert sorted(counters.served) == [(3, 0, 0), (5, 0, 4)]  # the first loaded 4, once
+    c.audit()
+
+
 def test_a_request_too_big_for_the_pool_is_rejected_and_the_rest_served() -> None:
     jobs = jobs_of([1] * 100, [2] * 5000, [3] * 100)
     cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0)

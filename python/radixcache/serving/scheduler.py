@@ -18,7 +18,8 @@ Each step:
    what is cached) so that the state there is checkpointed into the tree: the next
    request sharing that prefix reuses it (with ``lookahead``, also where a waiting
    prompt leaves it: below). ``extend`` gives each its slots; when memory
-   runs out, the newest running request is retracted (aborted and requeued).
+   runs out, the copies in flight are waited for (their slots come back as they end),
+   and then the newest running request is retracted (aborted and requeued).
 4. **Compute**: the model's forwards are enqueued, and the event recorded after them is
    handed to the engine (``after_compute``), so that no copy runs before the compute
    that writes its source or still reads its destination.
@@ -318,8 +319,9 @@ class Counters:
     rejected: int = 0
     #: Prefill cuts placed where a waiting request leaves a prompt (``lookahead``).
     queue_cuts: int = 0
-    #: Times a request alone (nothing left to retract) waited for the copies in flight:
-    #: the load-backs of retracted requests hold their slots until their copies end.
+    #: Times a request short of memory waited for the copies in flight before any
+    #: retraction (or, alone, before its rejection): load-backs hold their slots until
+    #: their copies end.
     copy_waits: int = 0
     load_backs_refused: int = 0
     batches_refused: int = 0
@@ -888,10 +890,12 @@ class Scheduler:
                 if slots is not None:
                     self.counters.extend_second_rounds += 1
         while slots is None:
-            victims = [r for r in self.running if r is not live]
-            if not victims and self._wait_copies():
+            # The copies in flight hold slots until they end (a load-back's, a retracted
+            # request's): waiting for them costs less than recomputing a victim.
+            if self._wait_copies():
                 slots = cache.extend(live.req, toks)
                 continue
+            victims = [r for r in self.running if r is not live]
             if not victims:
                 # Alone and still too big for the pool: it can never be served.
                 self._drop(live)
@@ -909,8 +913,9 @@ class Scheduler:
     def _wait_copies(self) -> bool:
         """Wait for the copies in flight and end them; returns whether any were.
 
-        The load-backs of retracted requests hold their slots until their copies end:
-        a request must not be turned away for memory that is only on its way back.
+        Load-backs hold their slots until their copies end (a retracted request's too):
+        a request must not be turned away, nor another retracted, for memory that is
+        only on its way back.
         """
         ended = self.engine.synchronize()
         self._end_loads(ended)

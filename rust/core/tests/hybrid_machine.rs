@@ -1667,8 +1667,15 @@ impl Machine {
             (BatchFor::Admit(req), false) => {
                 self.cache.complete(id).unwrap();
                 if let Some(i) = self.m.req_index(req) {
-                    if self.m.reqs[i].cow == Some(id) {
-                        self.m.reqs[i].cow = None;
+                    let expecting = self.m.expecting;
+                    let q = &mut self.m.reqs[i];
+                    if q.cow == Some(id) {
+                        q.cow = None;
+                        // Its own copy landed: with a queue told of, the node's state
+                        // leaves its lock.
+                        if let Some(m) = q.lock.as_mut().filter(|_| expecting) {
+                            *m = false;
+                        }
                     }
                 }
             }
@@ -2069,6 +2076,14 @@ impl Machine {
         );
         assert_eq!(stat(&self.cache, "expected_nodes"), marked as u64);
         self.m.expecting = !prompts.is_empty();
+        if self.m.expecting {
+            // Requests whose admission copies landed let their matched states go.
+            for q in self.m.reqs.iter_mut().filter(|q| q.cow.is_none()) {
+                if let Some(m) = q.lock.as_mut() {
+                    *m = false;
+                }
+            }
+        }
         self.check();
     }
 
@@ -2084,7 +2099,9 @@ impl Machine {
         let (aligned, end) = self.m.publish_request(i);
         let has_state = self.m.content.states.contains_key(&end);
         let q = &mut self.m.reqs[i];
-        q.lock = Some(aligned > 0 && has_state);
+        // The request reads only its own state: with a queue told of, its new lock holds
+        // the path alone; without one, the state there too.
+        q.lock = Some(!self.m.expecting && aligned > 0 && has_state);
         let src = q.mamba;
         let emit = src.is_some() && q.tokens.len() == aligned && aligned > 0 && !has_state;
         let ok = emit && self.m.obtainable(None);

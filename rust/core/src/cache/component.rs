@@ -1112,12 +1112,12 @@ impl Cache {
         self.model
     }
 
-    /// Every component's share of a lock ending at node `i`; returns what the receipt
-    /// must give back (the state lock).
-    pub(crate) fn lock_components(&mut self, i: u32) -> bool {
+    /// Every component's share of a lock ending at node `i` (the node's state only with
+    /// `state`); returns what the receipt must give back (the state lock).
+    pub(crate) fn lock_components(&mut self, i: u32, state: bool) -> bool {
         let model = self.model;
         FullAttention::lock(self, i);
-        let mamba = model.with::<MambaStates>() && MambaStates::lock(self, i);
+        let mamba = state && model.with::<MambaStates>() && MambaStates::lock(self, i);
         if model.with::<SlidingWindow>() {
             SlidingWindow::lock(self, i);
         }
@@ -1134,6 +1134,11 @@ impl Cache {
             MambaStates::release(self, i, mamba);
         }
         FullAttention::release(self, i, false);
+    }
+
+    /// The state's share of a lock ending at node `i` only (the path stays locked).
+    pub(crate) fn release_state_lock(&mut self, i: u32) {
+        MambaStates::release(self, i, true);
     }
 
     /// Every component's share of splitting node `lower` (its new upper part `upper`).

@@ -316,6 +316,79 @@ fn cow_batch_copies_from_the_node_slot_to_the_request_slot() {
 }
 
 #[test]
+fn without_a_queue_the_request_keeps_its_matched_state_locked() {
+    let mut c = hybrid(64, 1, 4);
+    cached_with_state(&mut c, &[1, 2, 3]);
+    c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
+    let b = c.take_batches();
+    c.complete(b[0].id).unwrap();
+    // No waiting queue told of: the prefix's next users are likeliest to want it.
+    assert_eq!((c.protected_states(), c.evictable_states()), (1, 0));
+    assert_eq!(c.evict(0, 1).mamba_states, 0);
+    c.audit().unwrap();
+}
+
+#[test]
+fn with_a_queue_a_landed_admission_copy_frees_the_nodes_state_from_the_lock() {
+    let mut c = hybrid(64, 1, 4);
+    let a = cached_with_state(&mut c, &[1, 2, 3]);
+    c.expect(&[(None, &[9, 9])]);
+    let id = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
+    let b = c.take_batches();
+    // While its copy runs, the request's lock holds the state it reads.
+    assert_eq!((c.protected_states(), c.evictable_states()), (1, 0));
+    c.complete(b[0].id).unwrap();
+    // Landed: the request has its own copy; the path stays locked, the state does not.
+    assert_eq!((c.protected_states(), c.evictable_states()), (0, 1));
+    assert_eq!(c.evict(0, 1).mamba_states, 1, "eviction may take it");
+    assert_eq!(
+        c.match_prefix(None, &[1, 2, 3]).kv_len,
+        3,
+        "its KV stays locked"
+    );
+    assert_eq!(
+        c.match_prefix(None, &[1, 2, 3]).device_len,
+        0,
+        "a tombstone now"
+    );
+    assert_eq!(
+        c.request(id).unwrap().prefix_len,
+        3,
+        "the request keeps its prefix"
+    );
+    c.audit().unwrap();
+    // Its release gives back the path alone; finishing caches what it fed.
+    c.extend(id, &[4]).unwrap().unwrap();
+    c.finish(id).unwrap();
+    assert_eq!(c.protected_size(), 0, "nothing locked once it finished");
+    assert_ne!(c.match_prefix(None, &[1, 2, 3, 4]).node, a.node);
+    c.audit().unwrap();
+}
+
+#[test]
+fn a_queue_told_of_later_frees_the_states_landed_requests_matched() {
+    let mut c = hybrid(64, 1, 6);
+    cached_with_state(&mut c, &[1, 2, 3]);
+    cached_with_state(&mut c, &[5, 6, 7]);
+    let landed = c.admit(None, &[1, 2, 3, 4]).unwrap().unwrap();
+    let b = c.take_batches();
+    c.complete(b[0].id).unwrap();
+    c.admit(None, &[5, 6, 7, 8]).unwrap().unwrap();
+    let copying = c.take_batches();
+    assert_eq!(c.protected_states(), 2);
+    // The first one's copy landed: its share goes; the second's copy still reads its own.
+    c.expect(&[(None, &[9, 9])]);
+    assert_eq!((c.protected_states(), c.evictable_states()), (1, 1));
+    c.complete(copying[0].id).unwrap();
+    assert_eq!((c.protected_states(), c.evictable_states()), (0, 2));
+    // A checkpoint's lock holds the path alone too.
+    c.extend(landed, &[4]).unwrap().unwrap();
+    c.checkpoint(landed).unwrap();
+    assert_eq!(c.protected_states(), 0);
+    c.audit().unwrap();
+}
+
+#[test]
 fn admit_without_a_free_state_slot_takes_nothing() {
     let mut c = hybrid(64, 1, 1);
     cached_with_state(&mut c, &[1, 2]);

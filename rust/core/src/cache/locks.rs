@@ -93,6 +93,20 @@ impl Cache {
     }
 
     pub(crate) fn lock_index(&mut self, i: u32) -> LockReceipt {
+        self.lock_with(i, true)
+    }
+
+    /// A request's lock after its admission (a checkpoint's, a load's). The request
+    /// reads only its own state, never the node's: while the cache knows a waiting
+    /// queue (whose marks keep what waiting requests need) the lock holds the path
+    /// alone; without one, the node's state too (its prefix's next users are likeliest
+    /// to want it, and nothing else tells eviction so).
+    pub(crate) fn request_lock(&mut self, i: u32) -> LockReceipt {
+        let state = !self.lru.expecting();
+        self.lock_with(i, state)
+    }
+
+    fn lock_with(&mut self, i: u32, state: bool) -> LockReceipt {
         let mut cur = i;
         while cur != NONE {
             let first = self.count_kv_lock(cur, true);
@@ -104,7 +118,7 @@ impl Cache {
             }
             cur = parent;
         }
-        let mamba = self.lock_components(i);
+        let mamba = self.lock_components(i, state);
         let slot = self.locks.table.insert(Held { node: i, mamba });
         self.stats.locks += 1;
         LockReceipt {
@@ -192,6 +206,23 @@ impl Cache {
         }
         self.stats.unlocks += 1;
         Ok(())
+    }
+
+    /// Gives back the state share of the live lock `id` (its path stays locked): its
+    /// holder no longer reads the node's state (a request's admission copy landed).
+    pub(crate) fn release_state_share(&mut self, id: LockId) {
+        if id.cache != self.id() {
+            return;
+        }
+        let Some(held) = self.locks.table.get_mut(id.slot) else {
+            return;
+        };
+        if !std::mem::take(&mut held.mamba) {
+            return;
+        }
+        let node = held.node;
+        self.release_state_lock(node);
+        self.refresh(node);
     }
 
     /// The node a live receipt locks.

@@ -69,7 +69,11 @@ impl Cache {
             .iter()
             .map(|&(namespace, tokens)| self.peek_walk(namespace, tokens).1)
             .collect();
-        self.lru.expect(&mut self.tree, waiting)
+        let marked = self.lru.expect(&mut self.tree, waiting);
+        if self.lru.expecting() {
+            self.release_matched_states();
+        }
+        marked
     }
 
     /// [`Cache::peek_prefix`], and where the walk ended for [`Cache::expect`].

@@ -8,7 +8,7 @@
 //! everything back, and a dropped handle aborts.
 
 use crate::error::{Error, Result};
-use crate::ids::{BatchId, NodeId, RequestId};
+use crate::ids::{BatchId, LockId, NodeId, RequestId};
 use crate::pool::Pages;
 use crate::slab::Slab;
 
@@ -643,7 +643,7 @@ impl Cache {
         let new_lock = if finishing {
             None
         } else {
-            Some(self.lock_index(end))
+            Some(self.request_lock(end))
         };
         let empty = self.pools.kv.empty();
         let r = self.request_mut(id)?;
@@ -675,7 +675,7 @@ impl Cache {
         fresh: Held,
     ) -> Option<SavedRequest> {
         self.request_ref(r).ok()?;
-        let new_lock = self.lock_index(j);
+        let new_lock = self.request_lock(j);
         let tokens = self.path_tokens(j);
         let rs = self.request_mut(r).ok()?;
         let saved = SavedRequest {
@@ -757,12 +757,38 @@ impl Cache {
         }
     }
 
-    /// The admission copy landed: the request's state is good.
+    /// The admission copy landed: the request's state is good, and its own. While the
+    /// cache knows a waiting queue ([`Cache::expect`]), the node's state leaves the
+    /// request's lock (the path stays locked): the request never reads it again, and the
+    /// marks keep what waiting requests need, so eviction may take it like any unlocked
+    /// state. Without a queue the lock keeps it until the request's next checkpoint:
+    /// the requests that share its prefix are the likeliest next users of that state,
+    /// and nothing else tells eviction so.
     fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
-        if let Ok(r) = self.request_mut(id) {
-            if r.cow == Some(batch) {
-                r.cow = None;
-            }
+        let Ok(r) = self.request_mut(id) else {
+            return;
+        };
+        if r.cow != Some(batch) {
+            return;
+        }
+        r.cow = None;
+        let lock = r.lock.as_ref().map(LockReceipt::id);
+        if let Some(lock) = lock.filter(|_| self.lru.expecting()) {
+            self.release_state_share(lock);
+        }
+    }
+
+    /// A waiting queue was told of: every request whose admission copy landed lets the
+    /// state it matched go (see `admit_copy_done`).
+    pub(crate) fn release_matched_states(&mut self) {
+        let landed: Vec<LockId> = self
+            .requests
+            .iter()
+            .filter(|r| r.cow.is_none())
+            .filter_map(|r| r.lock.as_ref().map(LockReceipt::id))
+            .collect();
+        for lock in landed {
+            self.release_state_share(lock);
         }
     }
 
@@ -798,7 +824,7 @@ impl Cache {
         let namespace = r.namespace.clone();
         // The request now holds its namespace's root (locked, so that it stays).
         let root = self.root(namespace.as_deref());
-        let root_lock = self.lock_index(root);
+        let root_lock = self.request_lock(root);
         if let Ok(r) = self.request_mut(id) {
             r.node = root;
             if let Some(old) = r.lock.replace(root_lock) {
