@@ -494,6 +494,9 @@ def test_lookahead_runs_is_reported_and_its_calls_are_timed(
     text = capsys.readouterr().out
     assert "lookahead 16" in text
     assert re.search(rf"queue cuts +{r['queue_cuts']} ", text)
+    # The prompt tokens the model computed, beside the prompt tokens.
+    assert 0 < r["prefill_tokens"] < r["prompt_tokens"]
+    assert re.search(rf"prompt tokens +{r['prompt_tokens']} +{r['prefill_tokens']} computed", text)
     assert cli.main(["bench", *argv, "--json"]) == 0
     b = json.loads(capsys.readouterr().out)
     assert b["ops"]["expect"]["calls"] > 0

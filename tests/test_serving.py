@@ -577,6 +577,41 @@ def test_a_request_short_of_a_state_slot_waits_for_a_load_back_rather_than_retra
     c.audit()
 
 
+@pytest.mark.parametrize(
+    ("workload", "requests", "states", "oracle"),
+    [("gsp", 256, 16, False), ("multiturn", 300, 16, False), ("mixed", 150, 32, True)],
+)
+def test_every_prompt_token_is_a_hit_or_computed(
+    workload: str, requests: int, states: int, oracle: bool
+) -> None:
+    # With the host tier most of these load-backs restore a state alone, its node's KV
+    # still on the device (on `gsp` every one: 0 tokens copied). The device KV such a
+    # load makes usable is not recomputed: it counts as restored hits, and in compute
+    # saved. Without retractions or failed copies, the hits and the prompt tokens
+    # computed add up to the prompts.
+    cfg = sv.ReplayConfig(mamba_slots=states, oracle=oracle, attention_only=False)
+    r, _ = sv.replay(sv.load(workload, requests), cfg)
+    assert (r["audit"], r["pools_full_at_end"], r["mismatches"]) == ("pass", True, 0)
+    assert r["samples_checked"] == (r["output_tokens"] if oracle else 0)
+    assert (r["retractions"], r["batches_failed"]) == (0, 0)
+    assert r["restored_hit_tokens"] > 0  # state-only load-backs arose
+    assert r["host_hit_tokens"] == r["loaded_tokens"]  # the KV copied back
+    hits = r["device_hit_tokens"] + r["host_hit_tokens"] + r["restored_hit_tokens"]
+    assert r["prefill_tokens"] + hits == r["prompt_tokens"]
+    if oracle:
+        return
+    # Compute saved sums each request's reused prefix (`served`): the restored tokens are
+    # in it, beside the device hits and the tokens loaded back.
+    cache = cfg.cache()
+    sched = cfg.scheduler(cache, sv.InstantEngine(cache), None)
+    sched.add(sv.load(workload, requests))
+    c = sched.run()
+    assert c.restored_hit_tokens > 0
+    assert sum(d for _, d, _ in c.served) == c.device_hit_tokens
+    assert sum(load for _, _, load in c.served) == c.host_hit_tokens + c.restored_hit_tokens
+    assert c.prefill_tokens + sum(d + load for _, d, load in c.served) == c.prompt_tokens
+
+
 def test_a_request_too_big_for_the_pool_is_rejected_and_the_rest_served() -> None:
     jobs = jobs_of([1] * 100, [2] * 5000, [3] * 100)
     cfg = small(kv_slots=1024, mamba_slots=8, host_kv_slots=0)

@@ -1048,7 +1048,7 @@ def _report_table(r: dict[str, Any]) -> Any:
         return f"{100 * x:.1f}%"
 
     row("requests", r["requests"], f"{r['retractions']} retractions, {r['rejected']} rejected")
-    row("prompt tokens", r["prompt_tokens"])
+    row("prompt tokens", r["prompt_tokens"], f"{r['prefill_tokens']} computed")
     row("output tokens", r["output_tokens"])
     row("eviction policy", *_policy_text(r["eviction_policy"]))
     wait, over = r["queue_wait_steps"], r["overtaken"]
@@ -1075,6 +1075,10 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("model", model, f"window {r['swa_window']} tokens" if swa else "")
     row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
     row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
+    if r["restored_hit_tokens"]:
+        restored = pct(r["restored_hit_tokens"] / r["prompt_tokens"])
+        note = f"{restored} device KV, its state loaded back"
+        row("restored hit tokens", r["restored_hit_tokens"], note)
     if r["l3_breaker"] is not None:
         row(
             "L3 hit tokens",

@@ -267,7 +267,11 @@ def attention_only_hit_rate(jobs: Sequence[Job], config: ReplayConfig) -> float:
 
 
 def compute_saved(c: Counters, shape: ModelShape) -> float:
-    """`c`'s compute saved: the tokens reused from the device or loaded from the host."""
+    """`c`'s compute saved: the tokens reused from the device or through a load-back.
+
+    A load-back's are those it loaded from the host and the device KV whose state it
+    restored.
+    """
     return compute_saved_ratio(((p, d + h) for p, d, h in c.served), shape)
 
 
@@ -763,8 +767,10 @@ def report(
         "requests": c.finished,
         "prompt_tokens": c.prompt_tokens,
         "output_tokens": c.output_tokens,
+        "prefill_tokens": c.prefill_tokens,
         "device_hit_tokens": c.device_hit_tokens,
         "host_hit_tokens": c.host_hit_tokens,
+        "restored_hit_tokens": c.restored_hit_tokens,
         "device_hit_rate": rate,
         "host_hit_rate": c.host_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         "attention_only_hit_rate": attn,

@@ -292,6 +292,8 @@ class _Live:
     loading: int | None = None  # id of its committed, unacknowledged load-back batch
     device_hit: int = 0
     host_hit: int = 0
+    #: Device KV tokens its load-back made usable by restoring the state at their end.
+    restored_hit: int = 0
     #: Tokens an L3 fetch landed on the host tier for it at its admission.
     l3_landed: int = 0
     #: Where waiting requests leave its prompt (page-aligned, past its match), known
@@ -309,6 +311,9 @@ class Counters:
     device_hit_tokens: int = 0
     #: Tokens loaded back from the host tier that were there before the admission.
     host_hit_tokens: int = 0
+    #: Device KV tokens a load-back made usable without copying them: it restored the
+    #: state at their end from the host (their node's device state had been evicted).
+    restored_hit_tokens: int = 0
     #: Tokens loaded back that an L3 fetch had just brought to the host tier.
     l3_hit_tokens: int = 0
     retractions: int = 0
@@ -327,8 +332,13 @@ class Counters:
     batches_refused: int = 0
     steps: int = 0
     forwards: int = 0
+    #: Prompt tokens the model computed, a retracted request's recomputed ones included:
+    #: with no retraction and no failed copy, ``prompt_tokens`` minus the hits.
+    prefill_tokens: int = 0
     timeline: list[StepSample] = field(default_factory=list)
-    #: ``(prompt_len, device_hit, host_hit)`` of each finished request, in order.
+    #: ``(prompt_len, device_hit, load_hit)`` of each finished request, in order;
+    #: ``load_hit``: the tokens its load-back made reusable (loaded back, L3's included,
+    #: or restored: `restored_hit_tokens`).
     served: list[tuple[int, int, int]] = field(default_factory=list)
     #: ``(index, waited, overtaken)`` of each request's first admission, in order: the
     #: steps from its arrival to that admission, and how many requests that arrived
@@ -833,7 +843,9 @@ class Scheduler:
             live.loading = None
             live.fed = live.req.prefix_len
             if batch.outcome == "failed":
-                live.host_hit = 0
+                live.host_hit = 0  # its prefix dropped back: nothing reused through it
+            # The device KV that the state it restored made usable (not copied).
+            live.restored_hit = max(0, live.fed - live.device_hit - live.host_hit)
 
     # ------------------------------------------------------------------ compute
 
@@ -932,9 +944,10 @@ class Scheduler:
 
     def _forward(self, live: _Live, toks: np.ndarray, slots: np.ndarray, end: int) -> None:
         self.counters.forwards += 1
+        prompt_len = len(live.job.prompt)
+        self.counters.prefill_tokens += max(0, min(end, prompt_len) - (end - len(toks)))
         if self.model is None:
             return
-        prompt_len = len(live.job.prompt)
         sample = end - prompt_len
         read = expect = None
         if sample >= 0:
@@ -960,7 +973,9 @@ class Scheduler:
         l3 = min(live.l3_landed, live.host_hit)  # the deepest part of what was loaded
         c.l3_hit_tokens += l3
         c.host_hit_tokens += live.host_hit - l3
-        c.served.append((len(live.job.prompt), live.device_hit, live.host_hit))
+        c.restored_hit_tokens += live.restored_hit
+        loads = live.host_hit + live.restored_hit
+        c.served.append((len(live.job.prompt), live.device_hit, loads))
 
     def _run_batches(self) -> int:
         """Run every batch the cache emitted; returns how many."""
