@@ -297,3 +297,16 @@ def test_lookahead_keeps_states_where_running_requests_nearly_fill_the_pool() ->
     rates = gsp_rates(256, 16)
     assert rates[128] > 5 * rates[0], rates
     assert rates[128] > 0.2, rates
+
+
+def test_lookahead_ranks_the_end_state_a_later_turn_resumes_from() -> None:
+    # multiturn at 16 states: a conversation's next turn waits while the turn before
+    # decodes, so its walk sees the KV only up to that turn's prompt. The end state the
+    # turn places, deeper, is ranked from the prompt's next tokens the cache keeps; it
+    # was let go by before (0.82 of the offline bound: 8 requests hit against 10).
+    cfg = sv.ReplayConfig(
+        mamba_slots=16, host_kv_slots=0, oracle=False, lookahead=128, offline_bound=True
+    )
+    r, _ = sv.replay(sv.load("multiturn"), cfg)
+    assert (r["audit"], r["pools_full_at_end"], r["rejected"]) == ("pass", True, 0)
+    assert r["device_hit_rate"] >= 0.9 * r["offline_bound_hit_rate"] > 0, r

@@ -932,14 +932,22 @@ class HybridCache:
         state it could displace is let go by (``checkpoint_states_bypassed``), as
         Belady's rule bypasses a newcomer needed later than everything kept.
 
+        A state a checkpoint or a finish places is ranked for the waiting requests whose
+        cached KV passes its node, or whose prompt goes on along its path (up to 1,024
+        tokens past that KV are kept): a conversation's next turn, waiting while the
+        turn before decodes.
+
         Each call replaces the last call's marks; ``expect([])`` clears them. The marks
         are a hint, never a lock: a marked node is still evicted when nothing else is
         left, and a mark left on a node that no waiting request needs any more only
         delays its eviction, so a scheduler calls again as its queue and the tree
-        change (`radixcache.serving.Scheduler`'s ``lookahead``). Nothing else changes:
-        no node is split, refreshed or counted as matched, and no other statistic moves
-        (docs/contract.md rule 20). ``expected_nodes`` counts the marked nodes still
-        cached, ``expected_evictions`` the evictions that had to take one.
+        change (`radixcache.serving.Scheduler`'s ``lookahead``). While a queue is told
+        of, a request's lock holds the state it matched only while its admission copy
+        runs (one whose copy landed lets it go at this call), and its later locks hold
+        the path alone. Nothing else changes: no node is split, refreshed or counted as
+        matched, and no other statistic moves (docs/contract.md rule 20).
+        ``expected_nodes`` counts the marked nodes still cached, ``expected_evictions``
+        the evictions that had to take one.
 
         Raises:
             TypeError: ``prompts`` is not an iterable (a list, a tuple, a 2-D array;

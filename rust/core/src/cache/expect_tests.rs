@@ -2,6 +2,7 @@
 //! resume from, gives out the one needed latest when nothing else is left, and lets a
 //! new state go by when every state it could displace is needed sooner.
 
+use super::lru::WAITING_TAIL;
 use super::test_util::{fresh as cached, policy_cache as cache, seq, stat};
 use super::*;
 use crate::RequestId;
@@ -204,4 +205,46 @@ fn a_finished_requests_state_a_waiting_request_will_resume_from_is_marked_at_onc
     assert_eq!(c.evict(0, 1).mamba_states, 1);
     assert!(state_kept(&c, &[5, 5]) && !state_kept(&c, &[1, 1]));
     c.audit().unwrap();
+}
+
+/// A running request for `[5, 5, 6, 6]` fed its whole sequence while the pool is full
+/// ([1, 1] and [2, 2] cached); `next` waits second, between their prompts.
+fn checkpoint_past_the_walk(next: &[u32]) -> Cache {
+    let mut c = cache("lru", 64, 3);
+    let id = c.admit(None, &[]).unwrap().unwrap();
+    c.extend(id, &[5, 5]).unwrap().unwrap();
+    cached(&mut c, &[1, 1]);
+    cached(&mut c, &[2, 2]);
+    assert_eq!(c.available_mamba(), 0);
+    // The walks see no KV of [5, 5, ...] yet: the running request has cached nothing.
+    let (a, d) = (prompt(&[1, 1]), prompt(&[2, 2]));
+    c.expect(&[(None, &a), (None, next), (None, &d)]);
+    c.extend(id, &[6, 6]).unwrap().unwrap();
+    c.checkpoint(id).unwrap();
+    for b in c.take_batches() {
+        c.complete(b.id).unwrap();
+    }
+    c.audit().unwrap();
+    c
+}
+
+#[test]
+fn a_state_placed_past_a_waiting_prompts_walk_on_its_path_is_ranked_for_it() {
+    // The waiting prompt extends the running request's sequence (a conversation's next
+    // turn): the state its checkpoint places, deeper than any KV the walk saw, serves
+    // it second, before [2, 2]'s, which goes instead.
+    let c = checkpoint_past_the_walk(&prompt(&[5, 5, 6, 6]));
+    assert_eq!(stat(&c, "checkpoint_states_bypassed"), 0);
+    assert!(state_kept(&c, &[5, 5, 6, 6]) && state_kept(&c, &[1, 1]));
+    assert!(!state_kept(&c, &[2, 2]));
+    // One that leaves the path past the walk is not served: the state is let go by.
+    let c = checkpoint_past_the_walk(&prompt(&[5, 5, 7, 7]));
+    assert_eq!(stat(&c, "checkpoint_states_bypassed"), 1);
+    assert!(state_kept(&c, &[1, 1]) && state_kept(&c, &[2, 2]));
+    assert!(!state_kept(&c, &[5, 5, 6, 6]));
+    // A long prompt: what the walk keeps of it past its cached KV still reaches the
+    // state.
+    let far: Vec<u32> = [&[5, 5, 6, 6][..], &[6; WAITING_TAIL]].concat();
+    let c = checkpoint_past_the_walk(&far);
+    assert_eq!(stat(&c, "checkpoint_states_bypassed"), 0);
 }

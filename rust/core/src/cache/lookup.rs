@@ -4,7 +4,7 @@
 use crate::tree::{Probe, NONE};
 
 use super::component::Cut;
-use super::lru::Waiting;
+use super::lru::{Waiting, WAITING_TAIL};
 use super::sizes::Sizes;
 use super::{Cache, Match, Peek};
 
@@ -58,8 +58,12 @@ impl Cache {
     /// state it would resume from) is given out by KV and state eviction only when no
     /// other candidate is left, the one needed latest first: Belady's rule over the
     /// waiting queue. Replaces the last call's marks (an empty list clears them). A
-    /// prompt with nothing cached marks nothing. Nothing else changes: no node is
-    /// split, refreshed or counted. The marks are a hint: a scheduler calls this again
+    /// prompt with nothing cached marks nothing. Up to 1,024 tokens of each
+    /// prompt past its cached KV are kept, so that a state placed later on its path is
+    /// ranked for it. While the list is not empty, requests whose admission copies
+    /// landed let the states they matched go (their paths stay locked; see
+    /// `Cache::release_matched_states`). Nothing else changes: no node is split,
+    /// refreshed or counted. The marks are a hint: a scheduler calls this again
     /// as its queue and the tree change (a mark left on a node that no waiting request
     /// needs any more only delays that node's eviction). Returns how many nodes are
     /// marked.
@@ -67,7 +71,12 @@ impl Cache {
         self.stats.expect_calls += 1;
         let waiting = prompts
             .iter()
-            .map(|&(namespace, tokens)| self.peek_walk(namespace, tokens).1)
+            .map(|&(namespace, tokens)| {
+                let mut w = self.peek_walk(namespace, tokens).1;
+                let tail = &tokens[w.depth.min(tokens.len())..];
+                w.next = tail[..tail.len().min(WAITING_TAIL)].to_vec();
+                w
+            })
             .collect();
         let marked = self.lru.expect(&mut self.tree, waiting);
         if self.lru.expecting() {
@@ -119,6 +128,7 @@ impl Cache {
             last,
             generation: self.tree.node(last).generation,
             depth: probe.matched,
+            next: Vec::new(),
         };
         let peek = Peek {
             device_len: valid,

@@ -497,8 +497,11 @@ impl Lru {
     /// when it was told of. 0 when none would.
     pub fn rank_of(&self, tree: &Tree, i: u32, depth: usize) -> u32 {
         let serves = |w: &Waiting| {
-            if w.cut_depth >= depth || w.depth < depth || !tree.is_current(w.last, w.generation) {
+            if w.cut_depth >= depth || !tree.is_current(w.last, w.generation) {
                 return false;
+            }
+            if w.depth < depth {
+                return goes_on(tree, w, i, depth);
             }
             let mut cur = w.last;
             while cur != NONE && cur != i {
@@ -644,7 +647,7 @@ fn node_key(policy: EvictionPolicy, n: &Node) -> Key {
 
 /// A request a scheduler will admit soon (`Cache::expect`): where its match ends
 /// now, and its prompt's cached KV.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Waiting {
     /// The node its match ends at (the device cut), and how deep (0: nothing cached).
     pub cut: u32,
@@ -654,6 +657,46 @@ pub(crate) struct Waiting {
     pub last: u32,
     pub generation: u64,
     pub depth: usize,
+    /// The prompt's next tokens past the walk (at most [`WAITING_TAIL`]): a state placed
+    /// that deep later, on a path that goes on as the prompt does, serves it too.
+    pub next: Vec<u32>,
+}
+
+/// How many of a waiting prompt's tokens past its cached KV [`Cache::expect`] keeps: a
+/// running request whose prompt this one extends (a conversation's next turn, while
+/// the turn before decodes) places its end state up to its output's length deeper
+/// than the KV the walk saw.
+///
+/// [`Cache::expect`]: super::Cache::expect
+pub(crate) const WAITING_TAIL: usize = 1024;
+
+/// Whether node `i`, `depth` tokens deep (past `w`'s walk), lies on `w`'s prompt: the
+/// walk covered its last node whole, `i` descends from it, and the keys between are the
+/// prompt's next tokens.
+fn goes_on(tree: &Tree, w: &Waiting, i: u32, depth: usize) -> bool {
+    let past = depth - w.depth;
+    if past > w.next.len() || w.last == NONE {
+        return false;
+    }
+    // The path from `w.last` down to `i`, walked up from `i`: each node's key must be
+    // the prompt's tokens at the node's place.
+    let mut end = past;
+    let mut cur = i;
+    while cur != w.last {
+        if cur == NONE {
+            return false;
+        }
+        let n = tree.node(cur);
+        let Some(start) = end.checked_sub(n.key.len()) else {
+            return false; // the node starts above the walk's end: the walk ended inside it
+        };
+        if n.key[..] != w.next[start..end] {
+            return false;
+        }
+        end = start;
+        cur = n.parent;
+    }
+    end == 0
 }
 
 /// Marks node `i` with `rank` unless it has a sooner one, listing it in `expected`.
