@@ -57,7 +57,10 @@ states that requests still waiting need (on `gsp` at 16 states, 0.036 of the pro
 tokens hit instead of 0.102). Eviction keeps the nodes they will resume from until
 nothing else is left, gives out the one needed latest first, and a checkpoint whose
 state no waiting request needs sooner is let go by (the states a checkpoint or a
-finish places are ranked by the cache itself). That is Belady's rule with the queue as
+finish places are ranked by the cache itself, also for a waiting prompt that goes on
+past the KV its walk saw: a conversation's next turn). While the queue is known, a
+running request holds the state it matched only while its admission copy runs, so the
+tree's slots serve the waiting requests. That is Belady's rule with the queue as
 the future: with every request of a closed batch queued, it is what the offline bound
 (`radixcache.serving.offline`) assumes known. Under ``"lpm"`` the queue order is still
 what it is told (the ranking is not repeated). The queue also shows branch points the
