@@ -518,20 +518,29 @@ class StillCopying(sv.InstantEngine):
         return super().poll()
 
 
+def run_all(c: rc.HybridCache) -> None:
+    """Run every batch the cache emitted (backups, here) to completion."""
+    for b in c.take_batches():
+        b.start()
+        b.complete()
+
+
+def host_only_prefix(mamba_slots: int) -> rc.HybridCache:
+    """A cache whose [1, 2, 3, 4] (with its state) is on the host tier only."""
+    c = rc.HybridCache(kv_slots=64, mamba_slots=mamba_slots, host_kv_slots=64, host_mamba_slots=4)
+    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
+    run_all(c)
+    c.evict(kv_tokens=4)
+    return c
+
+
 def test_an_admission_with_nothing_running_waits_for_the_copies_in_flight() -> None:
     # The prompt matches a state a caller's lock keeps (no eviction frees its copy's
     # slot), and the other two state slots are held by the load-back of a request aborted
     # since: the admission must wait for that copy rather than turn its request away.
-    c = rc.HybridCache(kv_slots=64, mamba_slots=3, host_kv_slots=64, host_mamba_slots=4)
-    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
-    for b in c.take_batches():
-        b.start()
-        b.complete()
-    c.evict(kv_tokens=4)
+    c = host_only_prefix(mamba_slots=3)
     shared = c.insert([9] * 8, c.alloc_kv(8), mamba_slot=c.alloc_mamba())
-    for b in c.take_batches():
-        b.start()
-        b.complete()
+    run_all(c)
     engine = StillCopying(c)
     r = c.admit([1, 2, 3, 4, 5])
     assert r is not None
@@ -556,16 +565,9 @@ def test_a_request_short_of_a_state_slot_waits_for_a_load_back_rather_than_retra
     # four slots; the second request's first chunk needs a state slot. The load-back's
     # end gives one back (its restored state is the tree's, unlocked): waiting for it
     # must come before retracting the loading request, whose prefill would be redone.
-    c = rc.HybridCache(kv_slots=64, mamba_slots=4, host_kv_slots=64, host_mamba_slots=4)
-    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
-    for b in c.take_batches():
-        b.start()
-        b.complete()
-    c.evict(kv_tokens=4)  # on the host only now, its state too
+    c = host_only_prefix(mamba_slots=4)
     pinned = [c.insert([k] * 4, c.alloc_kv(4), mamba_slot=c.alloc_mamba()) for k in (8, 9)]
-    for b in c.take_batches():
-        b.start()
-        b.complete()
+    run_all(c)
     with c.lock(pinned[0].node), c.lock(pinned[1].node):
         sched = sv.Scheduler(c, StillCopying(c), max_running=2)
         sched.add(jobs_of([1, 2, 3, 4, 5], [20, 21, 22]))
