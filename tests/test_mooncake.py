@@ -483,10 +483,11 @@ def test_the_cli_replays_a_fleet_on_mooncake(
 def test_two_shard_processes_share_a_mooncake_whose_master_dies_and_comes_back(
     mc: LocalMooncake,
 ) -> None:
-    # The script starts a store of its own (`mc` only makes the test skip without one).
+    # The script starts a store of its own (`mc` only makes the test skip without one);
+    # two copies of the workload still run well past the restart.
     script = Path(__file__).parent.parent / "scripts" / "l3_shards.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--store", "mooncake", "--json"],
+        [sys.executable, str(script), "--store", "mooncake", "--json", "--copies", "2"],
         capture_output=True,
         text=True,
         timeout=600,
