@@ -945,7 +945,8 @@ class HybridCache:
         of, a request's lock holds the state it matched only while its admission copy
         runs (one whose copy landed lets it go at this call), and its later locks hold
         the path alone. Nothing else changes: no node is split, refreshed or counted as
-        matched, and no other statistic moves (docs/contract.md rule 20).
+        matched, and no other counter moves (the state gauges only as those shares go;
+        docs/contract.md rule 20).
         ``expected_nodes`` counts the marked nodes still cached, ``expected_evictions``
         the evictions that had to take one.
 
