@@ -19,6 +19,10 @@ import pytest
 
 import radixcache as rc
 
+# A churn of thousands of calls: CI's suites on the other CPythons leave it out (the
+# `slow` marker, pyproject.toml).
+pytestmark = pytest.mark.slow
+
 KV_SLOTS = 4096
 VOCAB = 50_000
 MASK = (1 << 61) - 1

@@ -481,6 +481,7 @@ def test_the_schedule_policy_runs_and_is_reported(capsys: pytest.CaptureFixture[
     assert b["ops"]["peek_prefix"]["calls"] > 0  # the ranking's cache calls are timed
 
 
+@pytest.mark.slow
 def test_lookahead_runs_is_reported_and_its_calls_are_timed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -504,6 +505,7 @@ def test_lookahead_runs_is_reported_and_its_calls_are_timed(
     assert "--lookahead" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["swa", "swa-hybrid"])
 def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
     capsys: pytest.CaptureFixture[str], model: str
@@ -546,6 +548,7 @@ def test_the_report_names_the_states_policy_and_kvs_where_they_differ() -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_offline_bound_is_reported_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["replay", "--workload", "gsp", "--requests", "48", "--kv-slots", "65536", "--quiet"]
     assert cli.main([*argv, "--mamba-slots", "16", "--offline-bound", "--json"]) == 0

@@ -17,6 +17,10 @@ import radixcache as rc
 
 from conftest import assert_pool_sums, examples, fingerprint
 
+# Property machines run for seconds: CI's suites on the other CPythons leave them out
+# (the `slow` marker, pyproject.toml).
+pytestmark = pytest.mark.slow
+
 
 def engine(kv_slots: int = 32, page_size: int = 1, mamba_slots: int = 0) -> rc.HybridCache:
     return rc.HybridCache(

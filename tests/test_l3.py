@@ -585,6 +585,7 @@ def test_a_submitted_put_whose_write_fails_fails_and_is_offered_again(tmp_path: 
     a.cache.audit()
 
 
+@pytest.mark.slow
 def test_a_fleet_prefetching_in_the_background_serves_every_sample_right(url: str) -> None:
     jobs = workloads.WORKLOADS["multiturn"](240, 0)
     r = replay_fleet(jobs, _config(url, l3_prefetch=True), 2, compare=False)
@@ -644,6 +645,7 @@ def test_a_replay_with_l3_checks_every_sample(url: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_fleet_with_l3_reaches_most_of_one_servers_hit_rate(url: str) -> None:
     jobs = workloads.WORKLOADS["multiturn"](240, 0)
     r = replay_fleet(jobs, _config(url), 2)
@@ -666,6 +668,7 @@ def _evicting(url: str) -> ReplayConfig:
     )
 
 
+@pytest.mark.slow
 def test_a_fleet_writing_on_host_eviction_hits_what_the_other_server_evicted(url: str) -> None:
     jobs = workloads.WORKLOADS["multiturn"](240, 0)
     r = replay_fleet(jobs, _evicting(url), 2, compare=False)
@@ -725,6 +728,7 @@ def test_cli_refuses_bad_l3_flags_naming_them(url: str, capsys: pytest.CaptureFi
         assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_serves_a_shard_and_a_fleet(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
@@ -747,6 +751,7 @@ def test_cli_serves_a_shard_and_a_fleet(url: str, capsys: pytest.CaptureFixture[
     assert r["l3_eviction_puts"] > 0
 
 
+@pytest.mark.slow
 def test_a_fleet_over_redis_serves_every_sample_right(redis_server: RedisServer) -> None:
     jobs = workloads.WORKLOADS["gsp"](96, 0)
     r = replay_fleet(jobs, _config(redis_server.url), 2, compare=False)
@@ -755,6 +760,7 @@ def test_a_fleet_over_redis_serves_every_sample_right(redis_server: RedisServer)
     assert r["l3_breaker"] == ["closed", "closed"]
 
 
+@pytest.mark.slow
 def test_a_fleet_over_a_redis_cluster_serves_every_sample_right(redis_cluster: str) -> None:
     jobs = workloads.WORKLOADS["multiturn"](96, 0)
     r = replay_fleet(jobs, _config(redis_cluster), 2, compare=False)
@@ -764,6 +770,7 @@ def test_a_fleet_over_a_redis_cluster_serves_every_sample_right(redis_cluster: s
     assert r["l3_breaker"] == ["closed", "closed"]
 
 
+@pytest.mark.slow
 def test_two_shard_processes_share_a_redis_that_dies_and_comes_back() -> None:
     # Three copies of multiturn, so that both processes run well past the restart.
     if shutil.which("redis-server") is None:

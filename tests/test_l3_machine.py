@@ -48,6 +48,10 @@ from radixcache.l3 import L3Fetch
 from conftest import examples
 from l3_common import L3Cache
 
+# Property machines run for seconds: CI's suites on the other CPythons leave them out
+# (the `slow` marker, pyproject.toml).
+pytestmark = pytest.mark.slow
+
 PS = 2
 SYSTEM = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 7, 7, 7], [9, 9, 8, 8]]
 MAX_FETCHES = 4

@@ -4,6 +4,7 @@ against the naive model in model.py, with audit() and exact sizes after every st
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -25,6 +26,10 @@ from conftest import (
     priority_of,
 )
 from model import Key, Model
+
+# Property machines run for seconds: CI's suites on the other CPythons leave them out
+# (the `slow` marker, pyproject.toml).
+pytestmark = pytest.mark.slow
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 NAMESPACES = st.sampled_from([None, "a"])

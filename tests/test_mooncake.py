@@ -347,6 +347,7 @@ def test_bad_arguments_are_refused_naming_them(store: MooncakeStore) -> None:
         store.get_into([b"x", b"y"], h * 2, np.zeros((8, 2), np.uint8).T)
 
 
+@pytest.mark.slow
 def test_a_master_that_is_down_fails_calls_with_l3error_and_a_new_one_serves() -> None:
     # A store of its own: the master is stopped and started again.
     need_mooncake()
@@ -405,6 +406,7 @@ def _until(ready: Any, seconds: float = 30) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_call_given_up_on_does_not_write_the_callers_array(mc: LocalMooncake) -> None:
     s = MooncakeStore(mc.url)
     try:
@@ -458,6 +460,7 @@ def _fleet(url: str, workload: str, n: int) -> dict[str, Any]:
     return replay_fleet(jobs, ReplayConfig(l3=url, attention_only=False), 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["multiturn", "gsp"])
 def test_a_fleet_over_mooncake_serves_every_sample_right(mc: LocalMooncake, workload: str) -> None:
     r = _fleet(mc.url, workload, 160)
@@ -480,6 +483,7 @@ def test_the_cli_replays_a_fleet_on_mooncake(
     assert r["l3_stored_objects"] > 0
 
 
+@pytest.mark.slow
 def test_two_shard_processes_share_a_mooncake_whose_master_dies_and_comes_back(
     mc: LocalMooncake,
 ) -> None:

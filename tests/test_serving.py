@@ -362,6 +362,7 @@ def test_replay_with_a_host_tier_is_exact(page_size: int, policy: str, inject: f
         assert r["batches_failed"] > 0
 
 
+@pytest.mark.slow
 def test_injected_failures_call_off_and_fail_load_backs_without_a_mismatch() -> None:
     r, _ = sv.replay(sv.mixed(300, seed=2), small(inject_failures=0.4))
     ok(r)
@@ -381,6 +382,7 @@ def test_an_attention_only_replay_is_exact() -> None:
     assert r["hit_rate_ratio"] == 1.0
 
 
+@pytest.mark.slow
 def test_the_hit_rate_ratio_compares_with_the_same_replay_without_states() -> None:
     jobs = sv.gsp(96)
     cfg = sv.ReplayConfig(kv_slots=65536, mamba_slots=64, host_kv_slots=0)
@@ -579,6 +581,7 @@ def test_a_request_short_of_a_state_slot_waits_for_a_load_back_rather_than_retra
     c.audit()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("workload", "requests", "states", "oracle"),
     [("gsp", 256, 16, False), ("multiturn", 300, 16, False), ("mixed", 150, 32, True)],
@@ -644,6 +647,7 @@ def test_a_bad_failure_rate_is_named() -> None:
         sv.FaultyEngine(cache, storage, 1.5)
 
 
+@pytest.mark.slow
 def test_without_a_model_the_scheduler_makes_the_same_cache_calls() -> None:
     cfg = small(host_kv_slots=0)
     counts = []
@@ -703,6 +707,7 @@ class SkipsAnArray(rc.TransferEngine):
             dst[:, cp.dst] = src[:, cp.src]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("engine", "policy"),
     [
@@ -825,6 +830,7 @@ def test_replay_exits_1_when_the_oracle_sees_a_mismatch(
 # ---------------------------------------------------------------------------- the bench
 
 
+@pytest.mark.slow
 def test_bench_makes_the_replays_cache_calls_and_times_every_one() -> None:
     from radixcache.serving.bench import bench
 
@@ -1187,6 +1193,7 @@ def test_belady_is_between_lru_and_the_exhaustive_search(
         assert belady >= sum(1 for h in simulate(events, "lru", hot_cap) if h)
 
 
+@pytest.mark.slow
 def test_on_gsp_the_bound_is_above_lru_and_its_lru_model_near_the_cache() -> None:
     jobs = sv.gsp(256)
     cfg = sv.ReplayConfig(
