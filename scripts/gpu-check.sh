@@ -113,7 +113,10 @@ fi
 failed=()
 step "GPU tests: pytest -q -m gpu tests/gpu"
 if "$py" -c 'import pytest' >/dev/null 2>&1; then
-  "$py" -m pytest -q -p no:cacheprovider -m gpu tests/gpu || failed+=("GPU tests (exit $?)")
+  # In one process: pyproject.toml's addopts spread the tests over every core with
+  # pytest-xdist, which a GPU machine's Python may lack (then its -n must not reach pytest).
+  if "$py" -c 'import xdist' >/dev/null 2>&1; then one=(-n 0); else one=(-o "addopts=-ra --strict-markers"); fi
+  "$py" -m pytest -q -p no:cacheprovider "${one[@]}" -m gpu tests/gpu || failed+=("GPU tests (exit $?)")
 else
   failed+=("GPU tests (pytest is missing)")
   cat <<EOF
