@@ -19,8 +19,6 @@ import pytest
 
 import radixcache as rc
 
-# A churn of thousands of calls: CI's suites on the other CPythons leave it out (the
-# `slow` marker, pyproject.toml).
 pytestmark = pytest.mark.slow
 
 KV_SLOTS = 4096

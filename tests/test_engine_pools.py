@@ -17,8 +17,6 @@ import radixcache as rc
 
 from conftest import assert_pool_sums, examples, fingerprint
 
-# Property machines run for seconds: CI's suites on the other CPythons leave them out
-# (the `slow` marker, pyproject.toml).
 pytestmark = pytest.mark.slow
 
 

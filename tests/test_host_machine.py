@@ -59,8 +59,6 @@ from conftest import (
     priority_of,
 )
 
-# Property machines run for seconds: CI's suites on the other CPythons leave them out
-# (the `slow` marker, pyproject.toml).
 pytestmark = pytest.mark.slow
 
 SYSTEM = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12]]

@@ -36,8 +36,6 @@ from conftest import (
     priority_of,
 )
 
-# Property machines run for seconds: CI's suites on the other CPythons leave them out
-# (the `slow` marker, pyproject.toml).
 pytestmark = pytest.mark.slow
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]

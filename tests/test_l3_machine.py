@@ -48,8 +48,6 @@ from radixcache.l3 import L3Fetch
 from conftest import examples
 from l3_common import L3Cache
 
-# Property machines run for seconds: CI's suites on the other CPythons leave them out
-# (the `slow` marker, pyproject.toml).
 pytestmark = pytest.mark.slow
 
 PS = 2

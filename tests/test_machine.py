@@ -27,8 +27,6 @@ from conftest import (
 )
 from model import Key, Model
 
-# Property machines run for seconds: CI's suites on the other CPythons leave them out
-# (the `slow` marker, pyproject.toml).
 pytestmark = pytest.mark.slow
 
 SYSTEM = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
