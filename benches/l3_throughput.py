@@ -4,7 +4,7 @@ What is measured, on a ``redis-server`` this script starts on a free loopback po
 persistence, in a temporary directory, killed at the end), for each value size (a page
 of KV: 64 KiB, 256 KiB and 1 MiB by default):
 
-- ``ours put``: ``radixcache.ObjectStore(url).put(keys, hashes, data)`` of batches of
+- ``ours put``: ``radixcache.ObjectStore(url).put(keys, hashes, data, ...)`` of batches of
   ``--batch`` pages (a C-contiguous ``[batch, size]`` uint8 array), fresh keys for every
   batch (puts are write-once), until ``--mib`` MiB were put;
 - ``ours get``: ``get_into`` of one stored batch into a ``[batch, size]`` array, again
@@ -52,6 +52,8 @@ import numpy as np
 from radixcache import ObjectStore
 
 MIB = 1 << 20
+#: The frame fields of the objects measured: KV pages of one identity (any 32 bytes).
+LABEL: dict[str, Any] = {"kind": "kv", "identity": bytes(32)}
 
 
 def free_port() -> int:
@@ -231,19 +233,19 @@ def measure_store(store: Any, size: int, batch: int, total: int) -> tuple[float,
     def keys(r: int) -> list[bytes]:
         return [f"ours:{size}:{r}:{i}".encode() for i in range(batch)]
 
-    store.put(keys(-1), hashes, data)  # warm-up (connects)
+    store.put(keys(-1), hashes, data, **LABEL)  # warm-up (connects)
     t = time.perf_counter()
     for r in range(rounds):
-        stored = store.put(keys(r), hashes, data)
+        stored = store.put(keys(r), hashes, data, **LABEL)
         assert all(stored), "the store refused a put (full?)"
     put_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
 
     out = np.zeros_like(data)
-    got = store.get_into(keys(0), hashes, out)
+    got = store.get_into(keys(0), hashes, out, **LABEL)
     rows_ok = list(got) == ["ok"] * batch and np.array_equal(out, data)
     t = time.perf_counter()
     for _ in range(rounds):
-        store.get_into(keys(0), hashes, out)
+        store.get_into(keys(0), hashes, out, **LABEL)
     get_gbs = rounds * batch * size / (time.perf_counter() - t) / 1e9
     return put_gbs, get_gbs, rows_ok
 

@@ -12,6 +12,9 @@ from radixcache import Breaker, HybridCache, Storage
 from radixcache.engine import TransferEngine
 from radixcache.l3 import L3Tier
 
+#: The model identity of the tests' tiers (one model unless a test says otherwise).
+MODEL = "test-model@1"
+
 
 class L3Cache:
     """One cache with its storage, L3 tier and engine.
@@ -24,6 +27,8 @@ class L3Cache:
         events: The cache's ``events``.
         small: One layer of one head of 2 (else 2 layers of 2 heads of 4).
         breaker: The tier's circuit breaker (its default when None).
+        model: The tier's model identity.
+        tp_rank, tp_size: The tier's tensor-parallel rank and size.
     """
 
     def __init__(
@@ -38,6 +43,9 @@ class L3Cache:
         events: bool = False,
         small: bool = False,
         breaker: Breaker | None = None,
+        model: str = MODEL,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self.cache = HybridCache(
             kv_slots=kv_slots,
@@ -62,7 +70,16 @@ class L3Cache:
             dtype="float32",
             device="cpu",
         )
-        self.tier = L3Tier(self.cache, self.storage, store, min_tokens=0, breaker=breaker)
+        self.tier = L3Tier(
+            self.cache,
+            self.storage,
+            store,
+            model=model,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            min_tokens=0,
+            breaker=breaker,
+        )
         self.engine = TransferEngine(self.cache, self.storage, l3=self.tier)
 
     def compute(self, tokens: list[int], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -124,13 +141,13 @@ class Gated:
     def exists(self, keys: Any) -> Any:
         return self.store.exists(keys)
 
-    def put(self, keys: Any, hashes: Any, data: Any) -> Any:
+    def put(self, keys: Any, hashes: Any, data: Any, **label: Any) -> Any:
         if self.puts:
             self.writing.set()
             assert self.gate.wait(30), "the test never opened the gate"
-        return self.store.put(keys, hashes, data)
+        return self.store.put(keys, hashes, data, **label)
 
-    def get_into(self, keys: Any, hashes: Any, out: Any) -> Any:
+    def get_into(self, keys: Any, hashes: Any, out: Any, **label: Any) -> Any:
         self.reading.set()
         assert self.gate.wait(30), "the test never opened the gate"
-        return self.store.get_into(keys, hashes, out)
+        return self.store.get_into(keys, hashes, out, **label)

@@ -18,12 +18,12 @@ import pytest
 
 from radixcache import Breaker, HybridCache, ObjectStore, Storage
 from radixcache.engine import TransferEngine
-from radixcache.l3 import L3Tier, layout_prefix
+from radixcache.l3 import L3Identity, L3Tier
 from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, Server, clear, deal, replay, replay_fleet
 
 from conftest import RedisServer
-from l3_common import Gated, L3Cache
+from l3_common import MODEL, Gated, L3Cache
 
 PS = 4
 
@@ -179,7 +179,7 @@ def test_a_hybrid_fetch_goes_only_as_far_as_a_stored_state(url: str) -> None:
     a.settle()
     store = ObjectStore(url)
     last = a.cache.chain_hashes(TOKENS)[-1]
-    state_key = a.tier.prefix + last.hex().encode() + b".s"
+    state_key = a.tier.identity.key("mamba", last)
     store.delete([state_key])
     assert b.tier.lookup(TOKENS) == 2, "the deepest page with a state"
     assert b.tier.fetch(TOKENS) == 8
@@ -235,7 +235,7 @@ def test_a_state_the_store_lost_is_announced_gone_and_its_pages_stay_announced(
     batch = b.cache.l3_fetch(TOKENS, 6)
     assert batch is not None
     b.cache.take_events()
-    ObjectStore(url).delete([b.tier.prefix + last.hex().encode() + b".s"])
+    ObjectStore(url).delete([b.tier.identity.key("mamba", last)])
     assert b.tier.read(batch) == 0, "a hybrid prefix lands only with its state"
     events = [(e.kind, e.medium, e.hashes) for e in b.cache.take_events()]
     assert events == [("state_removed", "EXTERNAL", [last])]
@@ -276,7 +276,7 @@ def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
     a.compute(TOKENS, rng)
     a.settle()
     hashes = a.cache.chain_hashes(TOKENS)
-    ObjectStore(url).delete([a.tier.prefix + hashes[3].hex().encode()])
+    ObjectStore(url).delete([a.tier.identity.key("kv", hashes[3])])
     assert b.tier.lookup(TOKENS) == 3
     batch = b.cache.l3_fetch(TOKENS, 6)
     assert batch is not None
@@ -316,8 +316,11 @@ def test_layouts_that_differ_name_objects_differently(url: str) -> None:
     a = L3Cache(ObjectStore(url), hybrid=False)
     other = HybridCache(kv_slots=64, page_size=8, host_kv_slots=128, page_hashes=True, l3=True)
     storage = Storage.for_cache(other, layers=2, kv_heads=2, head_dim=4, dtype="float32")
-    assert layout_prefix(a.storage, PS) != layout_prefix(storage, 8)
-    assert layout_prefix(a.storage, PS).startswith(b"rc1-")
+    theirs = L3Identity.of(storage, 8, model=MODEL)
+    assert a.tier.identity.digest != theirs.digest
+    page = bytes(32)
+    assert a.tier.identity.key("kv", page) != theirs.key("kv", page)
+    assert a.tier.identity.key("kv", page).startswith(b"rc2:")
 
 
 def test_bad_arguments_are_refused_naming_them(url: str) -> None:
@@ -325,11 +328,11 @@ def test_bad_arguments_are_refused_naming_them(url: str) -> None:
     plain = HybridCache(kv_slots=64, page_size=PS, host_kv_slots=128)
     storage = Storage.for_cache(plain, layers=1, kv_heads=1, head_dim=1)
     with pytest.raises(ValueError, match=r"^cache: .*l3=True"):
-        L3Tier(plain, storage, store)
+        L3Tier(plain, storage, store, model=MODEL)
     a = L3Cache(store, hybrid=False)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"^min_tokens"):
-            L3Tier(a.cache, a.storage, store, min_tokens=bad)  # type: ignore[arg-type]
+            L3Tier(a.cache, a.storage, store, model=MODEL, min_tokens=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^l3: needs"):
         HybridCache(kv_slots=64, page_size=PS, host_kv_slots=128, l3=True)
     with pytest.raises(ValueError, match=r"^l3: needs a host tier"):
@@ -495,7 +498,7 @@ def test_a_read_that_raises_fails_its_batch_and_the_error_reaches_the_caller(url
     gated = Gated(ObjectStore(url))
     b = L3Cache(gated, hybrid=False)
 
-    def broken(keys: Any, hashes: Any, out: Any) -> Any:
+    def broken(keys: Any, hashes: Any, out: Any, **label: Any) -> Any:
         raise RuntimeError("a store client bug")
 
     gated.get_into = broken  # type: ignore[method-assign]

@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,8 @@ from radixcache import Breaker, L3Error, ObjectStore
 from conftest import RedisServer
 
 SIZE = 4096
+#: The frame fields every object of these tests carries: a KV page of one identity.
+LABEL: dict[str, Any] = {"kind": "kv", "identity": bytes(range(32))}
 
 
 @pytest.fixture(params=["file", "redis"])
@@ -55,34 +58,34 @@ def test_put_get_into_round_trip(store: ObjectStore) -> None:
     keys, hashes, data = batch(16)
     data.flags.writeable = False  # put only reads
     assert store.exists(keys) == [False] * 16
-    assert store.put(keys, hashes, data) == [True] * 16
+    assert store.put(keys, hashes, data, **LABEL) == [True] * 16
     assert store.exists(keys) == [True] * 16
     out = np.zeros_like(data)
-    assert store.get_into(keys, hashes, out) == ["ok"] * 16
+    assert store.get_into(keys, hashes, out, **LABEL) == ["ok"] * 16
     assert np.array_equal(out, data)
 
 
 def test_put_is_write_once(store: ObjectStore) -> None:
     keys, hashes, data = batch(4)
-    assert store.put(keys, hashes, data) == [True] * 4
-    assert store.put(keys, hashes, np.full_like(data, 7)) == [False] * 4
+    assert store.put(keys, hashes, data, **LABEL) == [True] * 4
+    assert store.put(keys, hashes, np.full_like(data, 7), **LABEL) == [False] * 4
     out = np.zeros_like(data)
-    assert store.get_into(keys, hashes, out) == ["ok"] * 4
+    assert store.get_into(keys, hashes, out, **LABEL) == ["ok"] * 4
     assert np.array_equal(out, data)
 
 
 def test_missing_rows_are_left_untouched(store: ObjectStore) -> None:
     keys, hashes, data = batch(4)
-    store.put(keys[:2], hashes[:2], data[:2])
+    store.put(keys[:2], hashes[:2], data[:2], **LABEL)
     out = np.full_like(data, 0xAB)
-    assert store.get_into(keys, hashes, out) == ["ok", "ok", "missing", "missing"]
+    assert store.get_into(keys, hashes, out, **LABEL) == ["ok", "ok", "missing", "missing"]
     assert np.array_equal(out[:2], data[:2])
     assert (out[2:] == 0xAB).all()
 
 
 def test_delete(store: ObjectStore) -> None:
     keys, hashes, data = batch(4)
-    store.put(keys, hashes, data)
+    store.put(keys, hashes, data, **LABEL)
     store.delete(keys[:3])
     assert store.exists(keys) == [False, False, False, True]
     store.delete(keys[:3])  # absent keys: no error
@@ -92,29 +95,29 @@ def test_delete(store: ObjectStore) -> None:
 def test_empty_batches(store: ObjectStore) -> None:
     empty = np.zeros((0, SIZE), dtype=np.uint8)
     assert store.exists([]) == []
-    assert store.put([], [], empty) == []
-    assert store.get_into([], [], empty) == []
+    assert store.put([], [], empty, **LABEL) == []
+    assert store.get_into([], [], empty, **LABEL) == []
 
 
 def test_a_page_of_another_hash_or_size_is_corrupt_and_deleted(store: ObjectStore) -> None:
     keys, hashes, data = batch(3)
-    store.put(keys, hashes, data)
+    store.put(keys, hashes, data, **LABEL)
     out = np.zeros_like(data)
     # Asked as another page: the hash does not match.
     wrong = [hashes[1], hashes[0], hashes[2]]
-    assert store.get_into(keys, wrong, out) == ["corrupt", "corrupt", "ok"]
+    assert store.get_into(keys, wrong, out, **LABEL) == ["corrupt", "corrupt", "ok"]
     assert (out[:2] == 0).all()
     assert store.exists(keys) == [False, False, True]
     # Asked with another page size: the length does not match.
     small = np.zeros((1, SIZE // 2), dtype=np.uint8)
-    assert store.get_into(keys[2:], hashes[2:], small) == ["corrupt"]
+    assert store.get_into(keys[2:], hashes[2:], small, **LABEL) == ["corrupt"]
     assert store.exists(keys) == [False, False, False]
 
 
 def test_flipped_bytes_are_corrupt_and_deleted(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     keys, hashes, data = batch(1)
-    ObjectStore(url).put(keys, hashes, data)
+    ObjectStore(url).put(keys, hashes, data, **LABEL)
     # Flip a payload byte in the stored file itself.
     (path,) = [p for p in tmp_path.rglob("k*") if p.is_file()]
     raw = bytearray(path.read_bytes())
@@ -122,7 +125,7 @@ def test_flipped_bytes_are_corrupt_and_deleted(tmp_path: Path) -> None:
     path.write_bytes(bytes(raw))
     out = np.zeros_like(data)
     store = ObjectStore(url)
-    assert store.get_into(keys, hashes, out) == ["corrupt"]
+    assert store.get_into(keys, hashes, out, **LABEL) == ["corrupt"]
     assert (out == 0).all()
     assert not path.exists()
 
@@ -130,10 +133,10 @@ def test_flipped_bytes_are_corrupt_and_deleted(tmp_path: Path) -> None:
 def test_faulty_corrupt_is_never_ok_with_wrong_bytes(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     keys, hashes, data = batch(32)
-    ObjectStore(url).put(keys, hashes, data)
+    ObjectStore(url).put(keys, hashes, data, **LABEL)
     faulty = ObjectStore.faulty(url, seed=3, corrupt=0.5, lose=0.2)
     out = np.zeros_like(data)
-    got = faulty.get_into(keys, hashes, out)
+    got = faulty.get_into(keys, hashes, out, **LABEL)
     assert {"ok", "missing", "corrupt"} <= set(got)
     there = ObjectStore(url).exists(keys)
     for i, outcome in enumerate(got):
@@ -150,12 +153,12 @@ def test_faulty_failures_and_timeouts_raise_l3error(tmp_path: Path) -> None:
     keys, hashes, data = batch(2)
     failing = ObjectStore.faulty(url, seed=1, fail=1.0)
     with pytest.raises(L3Error, match="put failed: injected failure"):
-        failing.put(keys, hashes, data)
+        failing.put(keys, hashes, data, **LABEL)
     timing_out = ObjectStore.faulty(url, seed=1, timeout=1.0)
     with pytest.raises(L3Error, match="exists timed out"):
         timing_out.exists(keys)
     with pytest.raises(L3Error, match="get timed out"):
-        timing_out.get_into(keys, hashes, np.zeros_like(data))
+        timing_out.get_into(keys, hashes, np.zeros_like(data), **LABEL)
     with pytest.raises(L3Error, match="delete timed out"):
         timing_out.delete(keys)
 
@@ -163,7 +166,7 @@ def test_faulty_failures_and_timeouts_raise_l3error(tmp_path: Path) -> None:
 def test_faulty_is_deterministic_by_seed(tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     keys, hashes, data = batch(8)
-    ObjectStore(url).put(keys, hashes, data)
+    ObjectStore(url).put(keys, hashes, data, **LABEL)
 
     def trace(seed: int) -> list[object]:
         s = ObjectStore.faulty(url, seed=seed, fail=0.2, timeout=0.2, lose=0.2)
@@ -171,7 +174,7 @@ def test_faulty_is_deterministic_by_seed(tmp_path: Path) -> None:
 
     def attempt(s: ObjectStore) -> object:
         try:
-            return s.get_into(keys, hashes, np.zeros_like(data))
+            return s.get_into(keys, hashes, np.zeros_like(data), **LABEL)
         except L3Error as e:
             return str(e)
 
@@ -216,12 +219,37 @@ def test_unusable_directory_raises_l3error(tmp_path: Path) -> None:
         ObjectStore(f"file://{tmp_path / 'file' / 'sub'}")
 
 
-@pytest.mark.parametrize("timeout_ms", [0, -5])
+@pytest.mark.parametrize("timeout_ms", [0, -5, 86_400_001, 2**63])
 def test_bad_timeout(tmp_path: Path, timeout_ms: int) -> None:
-    with pytest.raises(ValueError, match="timeout_ms: must be at least 1"):
+    want = r"^timeout_ms: (must be in 1\.\.=86400000 \(a day\), got|.* out of the 64-bit range)"
+    with pytest.raises(ValueError, match=want):
         ObjectStore(f"file://{tmp_path}", timeout_ms=timeout_ms)
-    with pytest.raises(ValueError, match="timeout_ms: must be at least 1"):
+    with pytest.raises(ValueError, match=want):
         ObjectStore.faulty(f"file://{tmp_path}", seed=0, timeout_ms=timeout_ms)
+
+
+@pytest.mark.parametrize("timeout_ms", [True, 1.5, "200", None])
+def test_a_timeout_that_is_not_an_int_is_a_type_error(tmp_path: Path, timeout_ms: Any) -> None:
+    with pytest.raises(TypeError, match=r"^timeout_ms: expected an integer"):
+        ObjectStore(f"file://{tmp_path}", timeout_ms=timeout_ms)
+    with pytest.raises(TypeError, match=r"^timeout_ms: expected an integer"):
+        ObjectStore.faulty(f"file://{tmp_path}", seed=0, timeout_ms=timeout_ms)
+
+
+@pytest.mark.parametrize(
+    ("url", "error", "message"),
+    [
+        ("redis://127.0.0.1:1\x00", ValueError, r"^url: holds a NUL character"),
+        ("file:///tmp/\ud800", ValueError, r"^url: not valid Unicode"),
+        (b"redis://127.0.0.1:1", TypeError, r"^url: expected a str, got bytes"),
+        (None, TypeError, r"^url: expected a str, got NoneType"),
+    ],
+)
+def test_a_url_that_is_not_text_is_refused_naming_it(url: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        ObjectStore(url)
+    with pytest.raises(error, match=message):
+        ObjectStore.faulty(url, seed=0)
 
 
 @pytest.mark.parametrize("rate", ["fail", "timeout", "lose", "corrupt"])
@@ -258,28 +286,28 @@ def test_bad_hashes(tmp_path: Path) -> None:
     s = ObjectStore(f"file://{tmp_path}")
     keys, hashes, data = batch(2)
     with pytest.raises(ValueError, match="hashes: 1 given for 2 keys"):
-        s.put(keys, hashes[:1], data)
+        s.put(keys, hashes[:1], data, **LABEL)
     with pytest.raises(ValueError, match=r"hashes\[1\]: expected 32 bytes, got 31"):
-        s.put(keys, [hashes[0], hashes[1][:31]], data)
+        s.put(keys, [hashes[0], hashes[1][:31]], data, **LABEL)
     with pytest.raises(TypeError, match=r"hashes\[0\]: expected bytes, got int"):
-        s.get_into(keys, [1, 2], data)  # type: ignore[list-item]
+        s.get_into(keys, [1, 2], data, **LABEL)  # type: ignore[list-item]
 
 
 def test_bad_data(tmp_path: Path) -> None:
     s = ObjectStore(f"file://{tmp_path}")
     keys, hashes, data = batch(2)
     with pytest.raises(TypeError, match="data: expected a 2-D numpy uint8 array, got list"):
-        s.put(keys, hashes, [[1, 2]])  # type: ignore[arg-type]
+        s.put(keys, hashes, [[1, 2]], **LABEL)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"data: expected .*, got a 2-D array of int64"):
-        s.put(keys, hashes, data.astype(np.int64))
+        s.put(keys, hashes, data.astype(np.int64), **LABEL)
     with pytest.raises(TypeError, match=r"data: expected .*, got a 1-D array of uint8"):
-        s.put(keys, hashes, data[0])
+        s.put(keys, hashes, data[0], **LABEL)
     with pytest.raises(ValueError, match="data: 1 rows for 2 keys"):
-        s.put(keys, hashes, data[:1])
+        s.put(keys, hashes, data[:1], **LABEL)
     with pytest.raises(ValueError, match="data: must be C-contiguous"):
-        s.put(keys, hashes, np.asfortranarray(data))
+        s.put(keys, hashes, np.asfortranarray(data), **LABEL)
     with pytest.raises(ValueError, match="data: rows of 0 bytes"):
-        s.put(keys, hashes, np.zeros((2, 0), dtype=np.uint8))
+        s.put(keys, hashes, np.zeros((2, 0), dtype=np.uint8), **LABEL)
     # Nothing was stored by the refused calls.
     assert s.exists(keys) == [False, False]
 
@@ -287,17 +315,17 @@ def test_bad_data(tmp_path: Path) -> None:
 def test_bad_out(tmp_path: Path) -> None:
     s = ObjectStore(f"file://{tmp_path}")
     keys, hashes, data = batch(2)
-    s.put(keys, hashes, data)
+    s.put(keys, hashes, data, **LABEL)
     read_only = np.zeros_like(data)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="out: must be a writable array"):
-        s.get_into(keys, hashes, read_only)
+        s.get_into(keys, hashes, read_only, **LABEL)
     with pytest.raises(ValueError, match="out: must be C-contiguous"):
-        s.get_into(keys, hashes, np.zeros((4, SIZE), dtype=np.uint8)[::2])
+        s.get_into(keys, hashes, np.zeros((4, SIZE), dtype=np.uint8)[::2], **LABEL)
     with pytest.raises(ValueError, match="out: 3 rows for 2 keys"):
-        s.get_into(keys, hashes, np.zeros((3, SIZE), dtype=np.uint8))
+        s.get_into(keys, hashes, np.zeros((3, SIZE), dtype=np.uint8), **LABEL)
     with pytest.raises(TypeError, match="out: expected a 2-D numpy uint8 array"):
-        s.get_into(keys, hashes, bytearray(2 * SIZE))  # type: ignore[arg-type]
+        s.get_into(keys, hashes, bytearray(2 * SIZE), **LABEL)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------- redis
@@ -306,40 +334,40 @@ def test_bad_out(tmp_path: Path) -> None:
 def test_redis_down_raises_l3error_quickly_and_recovers(redis_server: RedisServer) -> None:
     s = ObjectStore(redis_server.url, timeout_ms=200)
     keys, hashes, data = batch(4)
-    assert s.put(keys, hashes, data) == [True] * 4
+    assert s.put(keys, hashes, data, **LABEL) == [True] * 4
     redis_server.stop()
     t = time.monotonic()
     with pytest.raises(L3Error, match="get failed"):
-        s.get_into(keys, hashes, np.zeros_like(data))
+        s.get_into(keys, hashes, np.zeros_like(data), **LABEL)
     assert time.monotonic() - t < 1.0
     redis_server.start()
     # Reconnected; the data went with the process (no persistence).
     assert s.exists(keys) == [False] * 4
-    assert s.put(keys, hashes, data) == [True] * 4
+    assert s.put(keys, hashes, data, **LABEL) == [True] * 4
 
 
 def test_redis_stopped_server_times_out(redis_server: RedisServer) -> None:
     s = ObjectStore(redis_server.url, timeout_ms=200)
     keys, hashes, data = batch(2)
-    s.put(keys, hashes, data)
+    s.put(keys, hashes, data, **LABEL)
     assert redis_server.proc is not None
     redis_server.proc.send_signal(signal.SIGSTOP)
     try:
         t = time.monotonic()
         with pytest.raises(L3Error, match="get timed out"):
-            s.get_into(keys, hashes, np.zeros_like(data))
+            s.get_into(keys, hashes, np.zeros_like(data), **LABEL)
         assert time.monotonic() - t < 1.0
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
     out = np.zeros_like(data)
-    assert s.get_into(keys, hashes, out) == ["ok", "ok"]
+    assert s.get_into(keys, hashes, out, **LABEL) == ["ok", "ok"]
     assert np.array_equal(out, data)
 
 
 def test_redis_corrupt_object_is_deleted(redis_server: RedisServer) -> None:
     s = ObjectStore(redis_server.url)
     keys, hashes, data = batch(2)
-    s.put(keys, hashes, data)
+    s.put(keys, hashes, data, **LABEL)
     # Overwrite one object with garbage, as a foreign writer could.
     subprocess.run(
         ["redis-cli", "-p", str(redis_server.port), "set", keys[0].decode(), "garbage"],
@@ -347,7 +375,7 @@ def test_redis_corrupt_object_is_deleted(redis_server: RedisServer) -> None:
         capture_output=True,
     )
     out = np.zeros_like(data)
-    assert s.get_into(keys, hashes, out) == ["corrupt", "ok"]
+    assert s.get_into(keys, hashes, out, **LABEL) == ["corrupt", "ok"]
     assert s.exists(keys) == [False, True]
 
 

@@ -39,6 +39,9 @@ from radixcache.mooncake import (
 from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, replay_fleet
 
+#: The frame fields of the objects of these tests: KV pages of one identity.
+LABEL: dict[str, Any] = {"kind": "kv", "identity": hashlib.sha256(b"test-model").digest()}
+
 
 def _hashes(keys: list[bytes]) -> list[bytes]:
     return [hashlib.sha256(k).digest() for k in keys]
@@ -55,9 +58,9 @@ def test_frame_encode_writes_the_bytes_the_rust_stores_write(tmp_path: Path) -> 
     keys = [b"k0", b"k1", b"k2"]
     hashes, data = _hashes(keys), _data(3, 300)
     store = ObjectStore(f"file://{tmp_path}")
-    assert store.put(keys, hashes, data) == [True] * 3
+    assert store.put(keys, hashes, data, **LABEL) == [True] * 3
     out = np.zeros((3, FRAME_HEADER_LEN + 300), dtype=np.uint8)
-    frame_encode(hashes, data, out)
+    frame_encode(hashes, data, out, **LABEL)
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert len(files) == 3
     stored = {f.read_bytes() for f in files}
@@ -69,7 +72,7 @@ def test_frame_decode_verifies_and_copies_only_good_objects() -> None:
     keys = [b"a", b"b", b"c", b"d", b"e", b"f"]
     hashes, data = _hashes(keys), _data(6, 100)
     objects = np.zeros((6, FRAME_HEADER_LEN + 100), dtype=np.uint8)
-    frame_encode(hashes, data, objects)
+    frame_encode(hashes, data, objects, **LABEL)
     objects[1, FRAME_HEADER_LEN + 7] ^= 1  # a payload bit
     objects[2, 0] = ord("X")  # the magic
     objects[3, 4] = 9  # the version
@@ -78,41 +81,58 @@ def test_frame_decode_verifies_and_copies_only_good_objects() -> None:
     wrong = list(hashes)
     wrong[5] = hashes[0]  # another page's object
     out = np.full((6, 100), 0xAA, dtype=np.uint8)
-    verdicts = frame_decode(wrong, objects, lengths, out)
-    assert verdicts[0] is None
+    verdicts = frame_decode(wrong, objects, lengths, out, **LABEL)
+    assert verdicts == ["ok"] + ["corrupt"] * 5
     np.testing.assert_array_equal(out[0], data[0])
-    assert verdicts[1:] == [
-        "checksum mismatch",
-        "bad magic [58, 43, 4c, 33]",
-        "format version 9, expected 1",
-        "object of 20 bytes is shorter than the 56-byte header",
-        "object is for another page hash",
-    ]
     assert (out[1:] == 0xAA).all()
     # A shorter object than the row holds is caught by its length.
-    verdicts = frame_decode(hashes[:1], objects[:1], [objects.shape[1] - 1], out[:1])
-    assert verdicts == ["object holds 99 payload bytes, its header says 100"]
+    verdicts = frame_decode(hashes[:1], objects[:1], [objects.shape[1] - 1], out[:1], **LABEL)
+    assert verdicts == ["corrupt"]
+
+
+def test_frame_decode_calls_another_models_or_kinds_objects_foreign() -> None:
+    hashes, data = _hashes([b"a", b"b"]), _data(2, 100)
+    objects = np.zeros((2, FRAME_HEADER_LEN + 100), dtype=np.uint8)
+    frame_encode(hashes, data, objects, **LABEL)
+    lengths = [objects.shape[1]] * 2
+    out = np.full((2, 100), 0xAA, dtype=np.uint8)
+    other_model = {"kind": "kv", "identity": hashlib.sha256(b"other-model").digest()}
+    assert frame_decode(hashes, objects, lengths, out, **other_model) == ["foreign"] * 2
+    assert (
+        frame_decode(hashes, objects, lengths, out, kind="mamba", identity=LABEL["identity"])
+        == ["foreign"] * 2
+    )
+    assert (out == 0xAA).all()
 
 
 def test_frame_bindings_refuse_bad_arguments_naming_them() -> None:
     h = _hashes([b"x"])
     data, objects = _data(1, 8), np.zeros((1, FRAME_HEADER_LEN + 8), dtype=np.uint8)
-    with pytest.raises(ValueError, match=r"^out: rows of 63 bytes, expected 64"):
-        frame_encode(h, data, np.zeros((1, 63), dtype=np.uint8))
+    width = FRAME_HEADER_LEN + 8
+    with pytest.raises(ValueError, match=rf"^out: rows of {width - 1} bytes, expected {width}"):
+        frame_encode(h, data, np.zeros((1, width - 1), dtype=np.uint8), **LABEL)
     with pytest.raises(ValueError, match=r"^hashes\[0\]: expected 32 bytes, got 3"):
-        frame_encode([b"abc"], data, objects)
+        frame_encode([b"abc"], data, objects, **LABEL)
     with pytest.raises(TypeError, match=r"^data: expected a 2-D numpy uint8 array"):
-        frame_encode(h, data.astype(np.int16), objects)
+        frame_encode(h, data.astype(np.int16), objects, **LABEL)
     with pytest.raises(ValueError, match=r"^data: 1 rows for 2 keys"):
-        frame_encode(h * 2, data, objects)
-    with pytest.raises(ValueError, match=r"^lengths\[0\]: must be in 0..=64, got 65"):
-        frame_decode(h, objects, [65], data)
-    with pytest.raises(ValueError, match=r"^lengths\[0\]: must be in 0..=64, got -1"):
-        frame_decode(h, objects, [-1], data)
+        frame_encode(h * 2, data, objects, **LABEL)
+    with pytest.raises(ValueError, match=r"^kind: expected 'kv' or 'mamba', got \"swa\""):
+        frame_encode(h, data, objects, kind="swa", identity=LABEL["identity"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^identity: expected 32 bytes, got 31"):
+        frame_encode(h, data, objects, kind="kv", identity=bytes(31))
+    with pytest.raises(TypeError, match=r"^identity: expected 32 bytes, got str"):
+        frame_decode(h, objects, [width], data, kind="kv", identity="x" * 32)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=rf"^lengths\[0\]: must be in 0..={width}, got {width + 1}"
+    ):
+        frame_decode(h, objects, [width + 1], data, **LABEL)
+    with pytest.raises(ValueError, match=rf"^lengths\[0\]: must be in 0..={width}, got -1"):
+        frame_decode(h, objects, [-1], data, **LABEL)
     with pytest.raises(ValueError, match=r"^hashes: 2 given for 1 keys"):
-        frame_decode(h * 2, objects, [64], data)
-    with pytest.raises(ValueError, match=r"^objects: rows of 64 bytes, expected 65"):
-        frame_decode(h, objects, [64], np.zeros((1, 9), dtype=np.uint8))
+        frame_decode(h * 2, objects, [width], data, **LABEL)
+    with pytest.raises(ValueError, match=rf"^objects: rows of {width} bytes, expected {width + 1}"):
+        frame_decode(h, objects, [width], np.zeros((1, 9), dtype=np.uint8), **LABEL)
 
 
 # ---------------------------------------------------------------------- the URL
@@ -156,7 +176,7 @@ def test_a_mooncake_url_names_the_master_and_its_defaults() -> None:
         ("mooncake://h:1?size=3", r"^url: unknown query parameter 'size'"),
         ("mooncake://h:1?host=a&host=b", r"^url: query parameter 'host' given twice"),
         ("mooncake://h:1?segment=3TB", r"^segment: '3TB' is not a size"),
-        ("mooncake://h:1?buffer=10", r"^buffer: must be at least 57 bytes, got 10"),
+        ("mooncake://h:1?buffer=10", r"^buffer: must be at least 89 bytes, got 10"),
         ("mooncake://h:1?timeout_ms=0", r"^timeout_ms: must be an integer >= 1"),
         ("mooncake://h:1?protocol=udp", r"^protocol: must be tcp or rdma"),
         ("mooncake://h:1?metadata=", r"^metadata: must not be empty"),
@@ -253,22 +273,22 @@ def test_a_put_is_fetched_byte_for_byte_and_written_once(store: MooncakeStore) -
     keys = _fresh(5)
     hashes, data = _hashes(keys), _data(5, 4096)
     assert store.exists(keys) == [False] * 5
-    assert store.put(keys[:2], hashes[:2], data[:2]) == [True, True]
-    assert store.put(keys, hashes, data) == [False, False, True, True, True]
+    assert store.put(keys[:2], hashes[:2], data[:2], **LABEL) == [True, True]
+    assert store.put(keys, hashes, data, **LABEL) == [False, False, True, True, True]
     # Write-once: other bytes under a stored key do not replace it.
-    assert store.put(keys[:1], hashes[:1], _data(1, 4096, seed=9)) == [False]
+    assert store.put(keys[:1], hashes[:1], _data(1, 4096, seed=9), **LABEL) == [False]
     assert store.exists(keys) == [True] * 5
     out = np.zeros_like(data)
-    assert store.get_into(keys, hashes, out) == ["ok"] * 5
+    assert store.get_into(keys, hashes, out, **LABEL) == ["ok"] * 5
     np.testing.assert_array_equal(out, data)
 
 
 def test_a_missing_object_is_a_miss_and_its_row_untouched(store: MooncakeStore) -> None:
     keys = _fresh(3)
     hashes, data = _hashes(keys), _data(3, 512)
-    store.put(keys[1:2], hashes[1:2], data[1:2])
+    store.put(keys[1:2], hashes[1:2], data[1:2], **LABEL)
     out = np.full((3, 512), 7, dtype=np.uint8)
-    assert store.get_into(keys, hashes, out) == ["missing", "ok", "missing"]
+    assert store.get_into(keys, hashes, out, **LABEL) == ["missing", "ok", "missing"]
     assert (out[0] == 7).all()
     assert (out[2] == 7).all()
     np.testing.assert_array_equal(out[1], data[1])
@@ -277,13 +297,17 @@ def test_a_missing_object_is_a_miss_and_its_row_untouched(store: MooncakeStore) 
 def test_corrupt_objects_are_reported_and_removed(store: MooncakeStore, mc: LocalMooncake) -> None:
     keys = _fresh(4)
     hashes, data = _hashes(keys), _data(4, 1000)
-    assert store.put(keys, hashes, data) == [True] * 4
+    assert store.put(keys, hashes, data, **LABEL) == [True] * 4
     # Another page's hash, a payload one byte short and one byte long of the object's.
     out = np.full((1, 1000), 5, dtype=np.uint8)
-    assert store.get_into(keys[:1], hashes[1:2], out) == ["corrupt"]
+    assert store.get_into(keys[:1], hashes[1:2], out, **LABEL) == ["corrupt"]
     assert (out == 5).all()
-    assert store.get_into(keys[1:2], hashes[1:2], np.zeros((1, 999), np.uint8)) == ["corrupt"]
-    assert store.get_into(keys[2:3], hashes[2:3], np.zeros((1, 1001), np.uint8)) == ["corrupt"]
+    assert store.get_into(keys[1:2], hashes[1:2], np.zeros((1, 999), np.uint8), **LABEL) == [
+        "corrupt"
+    ]
+    assert store.get_into(keys[2:3], hashes[2:3], np.zeros((1, 1001), np.uint8), **LABEL) == [
+        "corrupt"
+    ]
     assert store.exists(keys) == [False, False, False, True]
     # Bytes some other client wrote under a key (not framed) are corrupt too.
     from mooncake.store import MooncakeDistributedStore
@@ -294,7 +318,7 @@ def test_corrupt_objects_are_reported_and_removed(store: MooncakeStore, mc: Loca
     assert raw.put(bad.decode(), b"\x00" * (FRAME_HEADER_LEN + 1000)) == 0
     raw.close()
     out = np.zeros((1, 1000), dtype=np.uint8)
-    assert store.get_into([bad], _hashes([bad]), out) == ["corrupt"]
+    assert store.get_into([bad], _hashes([bad]), out, **LABEL) == ["corrupt"]
     assert store.exists([bad]) == [False]
 
 
@@ -308,15 +332,15 @@ def test_batches_larger_than_the_staging_buffer_go_in_rounds(mc: LocalMooncake) 
     try:
         keys = _fresh(7)
         hashes, data = _hashes(keys), _data(7, 1000)
-        assert s.put(keys, hashes, data) == [True] * 7
+        assert s.put(keys, hashes, data, **LABEL) == [True] * 7
         out = np.zeros_like(data)
-        assert s.get_into(keys, hashes, out) == ["ok"] * 7
+        assert s.get_into(keys, hashes, out, **LABEL) == ["ok"] * 7
         np.testing.assert_array_equal(out, data)
         big = _fresh(2)
         data = _data(2, 8000)
-        assert s.put(big, _hashes(big), data) == [True, True]
+        assert s.put(big, _hashes(big), data, **LABEL) == [True, True]
         out = np.zeros_like(data)
-        assert s.get_into(big, _hashes(big), out) == ["ok", "ok"]
+        assert s.get_into(big, _hashes(big), out, **LABEL) == ["ok", "ok"]
         np.testing.assert_array_equal(out, data)
     finally:
         s.close()
@@ -324,7 +348,7 @@ def test_batches_larger_than_the_staging_buffer_go_in_rounds(mc: LocalMooncake) 
 
 def test_delete_removes_and_ignores_absent_keys(store: MooncakeStore) -> None:
     keys = _fresh(2)
-    store.put(keys, _hashes(keys), _data(2, 64))
+    store.put(keys, _hashes(keys), _data(2, 64), **LABEL)
     store.delete([*keys, b"never-stored"])
     assert store.exists(keys) == [False, False]
 
@@ -338,13 +362,13 @@ def test_bad_arguments_are_refused_naming_them(store: MooncakeStore) -> None:
     with pytest.raises(ValueError, match=r"^keys\[0\]: must be ASCII"):
         store.exists([b"\xff"])
     with pytest.raises(ValueError, match=r"^hashes: 2 given for 1 keys"):
-        store.put([b"x"], h * 2, _data(1, 8))
+        store.put([b"x"], h * 2, _data(1, 8), **LABEL)
     with pytest.raises(ValueError, match=r"^data: 1 rows for 2 keys"):
-        store.put([b"x", b"y"], h * 2, _data(1, 8))
+        store.put([b"x", b"y"], h * 2, _data(1, 8), **LABEL)
     with pytest.raises(TypeError, match=r"^out: expected a 2-D numpy uint8 array"):
-        store.get_into([b"x"], h, np.zeros(8, np.uint8))
+        store.get_into([b"x"], h, np.zeros(8, np.uint8), **LABEL)
     with pytest.raises(ValueError, match=r"^out: must be C-contiguous"):
-        store.get_into([b"x", b"y"], h * 2, np.zeros((8, 2), np.uint8).T)
+        store.get_into([b"x", b"y"], h * 2, np.zeros((8, 2), np.uint8).T, **LABEL)
 
 
 @pytest.mark.slow
@@ -355,16 +379,16 @@ def test_a_master_that_is_down_fails_calls_with_l3error_and_a_new_one_serves() -
         s = MooncakeStore(m.url + "&timeout_ms=300")
         try:
             keys = _fresh(2)
-            assert s.put(keys, _hashes(keys), _data(2, 100)) == [True, True]
+            assert s.put(keys, _hashes(keys), _data(2, 100), **LABEL) == [True, True]
             m.stop_master()
             # Every call fails, each within about the deadline (3 x 300 ms), although
             # Mooncake's client holds a call to a vanished master for seconds.
             for _ in range(3):
                 t = time.monotonic()
                 with pytest.raises(L3Error, match=r"^mooncake: "):
-                    s.put(_fresh(1), _hashes([b"z"]), _data(1, 100))
+                    s.put(_fresh(1), _hashes([b"z"]), _data(1, 100), **LABEL)
                 with pytest.raises(L3Error, match=r"^mooncake: "):
-                    s.get_into(keys, _hashes(keys), np.zeros((2, 100), np.uint8))
+                    s.get_into(keys, _hashes(keys), np.zeros((2, 100), np.uint8), **LABEL)
                 assert time.monotonic() - t < 2 * 0.9 + 0.5
             # A new master (its index empty): the daemon mounts its segment again and
             # the same client serves again; what the old master indexed is a miss.
@@ -373,9 +397,9 @@ def test_a_master_that_is_down_fails_calls_with_l3error_and_a_new_one_serves() -
             _until(lambda: _answers(s))
             assert s.exists(keys) == [False, False]
             again = _fresh(1)
-            assert s.put(again, _hashes(again), _data(1, 100)) == [True]
+            assert s.put(again, _hashes(again), _data(1, 100), **LABEL) == [True]
             out = np.zeros((1, 100), np.uint8)
-            assert s.get_into(again, _hashes(again), out) == ["ok"]
+            assert s.get_into(again, _hashes(again), out, **LABEL) == ["ok"]
             np.testing.assert_array_equal(out, _data(1, 100))
             m.stop_master()
         finally:
@@ -412,18 +436,18 @@ def test_a_call_given_up_on_does_not_write_the_callers_array(mc: LocalMooncake) 
     try:
         keys = _fresh(3)
         data = _data(3, 4096)
-        assert s.put(keys, _hashes(keys), data) == [True] * 3
+        assert s.put(keys, _hashes(keys), data, **LABEL) == [True] * 3
         # The worker is held by a job of the test's, so the get waits past its deadline.
         release = threading.Event()
         s._worker.submit(release.wait)
         out = np.zeros((3, 4096), np.uint8)
         t = time.monotonic()
         with pytest.raises(L3Error, match=r"no answer from master .* within 3000 ms"):
-            s.get_into(keys, _hashes(keys), out)
+            s.get_into(keys, _hashes(keys), out, **LABEL)
         assert time.monotonic() - t < 4
         release.set()
         # The worker is free again; the given-up get was called off before it started.
-        assert s.get_into(keys, _hashes(keys), np.zeros_like(out)) == ["ok"] * 3
+        assert s.get_into(keys, _hashes(keys), np.zeros_like(out), **LABEL) == ["ok"] * 3
         assert not out.any()
     finally:
         release.set()
@@ -440,10 +464,10 @@ def test_the_l3_tier_runs_on_mooncake_unchanged(mc: LocalMooncake) -> None:
     from l3_common import L3Cache
 
     rng = np.random.default_rng(0)
-    a = L3Cache(MooncakeStore(mc.url), hybrid=True)
-    b = L3Cache(MooncakeStore(mc.url), hybrid=True)
-    # A layout prefix of their own, so that other tests' objects are not found.
-    a.tier.prefix = b.tier.prefix = _fresh(1)[0] + b":"
+    # A model of their own, so that other tests' objects are not found.
+    model = _fresh(1)[0].decode()
+    a = L3Cache(MooncakeStore(mc.url), hybrid=True, model=model)
+    b = L3Cache(MooncakeStore(mc.url), hybrid=True, model=model)
     wrote = a.compute(TOKENS, rng)
     a.settle()
     assert a.tier.counters.stored_objects == 7

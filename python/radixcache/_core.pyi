@@ -33,18 +33,24 @@ def chain_hashes(tokens: _Tokens, page_size: int, prior: bytes | None = None) ->
 FRAME_HEADER_LEN: Final[int]
 
 def frame_encode(
-    hashes: Sequence[bytes], data: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8]
+    hashes: Sequence[bytes],
+    data: npt.NDArray[np.uint8],
+    out: npt.NDArray[np.uint8],
+    *,
+    kind: Literal["kv", "mamba"],
+    identity: bytes,
 ) -> None:
     """Frame row ``i`` of ``data`` as the L3 object of page ``hashes[i]`` into ``out``.
 
     The bytes ``ObjectStore.put`` stores (a ``FRAME_HEADER_LEN``-byte header: magic,
-    format version, payload length, the page hash and a checksum of all of it; then the
-    payload), for store clients written in Python. ``data`` is ``uint8 [n, size]``,
-    ``out`` ``uint8 [n, FRAME_HEADER_LEN + size]``, both C-contiguous; runs with the GIL
-    released.
+    format version, ``kind``, payload length, the page hash, the 32-byte ``identity``
+    digest and a checksum of all of it; then the payload), for store clients written in
+    Python. ``data`` is ``uint8 [n, size]``, ``out`` ``uint8 [n, FRAME_HEADER_LEN +
+    size]``, both C-contiguous; runs with the GIL released.
 
     Raises:
-        ValueError: a hash not 32 bytes, or arrays of the wrong shape (names them).
+        ValueError: a hash or ``identity`` not 32 bytes, an unknown ``kind``, or arrays
+            of the wrong shape (names them).
         TypeError: an argument of the wrong type (names it).
     """
 
@@ -53,18 +59,24 @@ def frame_decode(
     objects: npt.NDArray[np.uint8],
     lengths: Sequence[int],
     out: npt.NDArray[np.uint8],
-) -> list[str | None]:
+    *,
+    kind: Literal["kv", "mamba"],
+    identity: bytes,
+) -> list[Literal["ok", "foreign", "corrupt"]]:
     """Verify and unframe the objects ``frame_encode`` made.
 
     Row ``i`` of ``objects`` (``uint8 [n, FRAME_HEADER_LEN + size]``) holds an object of
     ``lengths[i]`` bytes read from a store for page ``hashes[i]``; each is checked (size,
-    magic, version, flags, hash, length, checksum) and its payload copied into row ``i``
-    of ``out`` (``uint8 [n, size]``). Per row: None (verified and copied), or why the
-    object is corrupt (that row of ``out`` untouched). Runs with the GIL released.
+    magic, version, kind, identity, hash, length, checksum) and its payload copied into
+    row ``i`` of ``out`` (``uint8 [n, size]``). Per row: ``"ok"`` (verified and copied),
+    ``"foreign"`` (an intact object of another ``kind`` or ``identity``) or
+    ``"corrupt"``; a row of ``out`` is written only for ``"ok"``. Runs with the GIL
+    released.
 
     Raises:
-        ValueError: a hash not 32 bytes, a length outside ``0..=FRAME_HEADER_LEN + size``,
-            or arrays of the wrong shape (names them).
+        ValueError: a hash or ``identity`` not 32 bytes, an unknown ``kind``, a length
+            outside ``0..=FRAME_HEADER_LEN + size``, or arrays of the wrong shape (names
+            them).
         TypeError: an argument of the wrong type (names it).
     """
 
@@ -1281,7 +1293,7 @@ class HybridCache:
         """
 
 #: What ``ObjectStore.get_into`` found for one key.
-_Fetched: TypeAlias = Literal["ok", "missing", "corrupt"]
+_Fetched: TypeAlias = Literal["ok", "missing", "foreign", "corrupt"]
 
 @final
 class ObjectStore:
@@ -1294,11 +1306,13 @@ class ObjectStore:
     its calls raise ``L3Error``; after an error the next call connects again.
 
     Keys are byte strings (at most 127 bytes for the file store). Every object is framed:
-    a header holding a magic, a format version, the payload length, the 32-byte page hash
-    the object is for and a checksum of all of it, then the page's bytes; ``get_into``
-    verifies every field before a row counts as fetched. Puts are write-once: a key that
-    holds an object keeps it. Each call is one batch (one pipelined round trip per Redis
-    node) and runs with the GIL released.
+    a header holding a magic, a format version, the object's kind (``"kv"`` page or
+    ``"mamba"`` state), the payload length, the 32-byte page hash the object is for, the
+    32-byte identity digest of what its bytes mean (``radixcache.l3.L3Identity``) and a
+    checksum of all of it, then the page's bytes; ``get_into`` verifies every field
+    before a row counts as fetched. Puts are write-once: a key that holds an object keeps
+    it. Each call is one batch (one pipelined round trip per Redis node) and runs with
+    the GIL released.
 
     Raises (every method):
         ValueError: a bad argument (the message names it), including a URL that cannot
@@ -1310,8 +1324,8 @@ class ObjectStore:
     def __new__(cls, url: str, *, timeout_ms: int = 200) -> ObjectStore:
         """Open the store at ``url``.
 
-        ``timeout_ms`` (at least 1) bounds connecting and each read and write on a
-        connection, so a dead store fails a call quickly instead of holding it.
+        ``timeout_ms`` (1 to 86,400,000: a day) bounds each call, so a dead or slow
+        store fails a call quickly instead of holding it.
         """
     @staticmethod
     def faulty(
@@ -1339,7 +1353,7 @@ class ObjectStore:
         """The URL it was opened with."""
     @property
     def timeout_ms(self) -> int:
-        """The timeout of connecting and of each read and write, in milliseconds."""
+        """The timeout of each call, in milliseconds."""
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key holds an object."""
     def put(
@@ -1347,27 +1361,36 @@ class ObjectStore:
         keys: Sequence[bytes],
         hashes: Sequence[bytes],
         data: npt.NDArray[np.uint8],
+        *,
+        kind: Literal["kv", "mamba"],
+        identity: bytes,
     ) -> list[bool]:
         """Store row ``i`` of ``data`` as the page whose hash is ``hashes[i]``, under ``keys[i]``.
 
         ``data`` is a C-contiguous 2-D ``uint8`` array with one row per key (a page's
-        bytes); ``hashes`` are 32 bytes each. Write-once: a key that holds an object is
-        left alone. Returns, per key, whether this call stored it.
+        bytes); ``hashes`` are 32 bytes each; every frame records ``kind`` and
+        ``identity`` (32 bytes). Write-once: a key that holds an object is left alone.
+        Returns, per key, whether this call stored it.
         """
     def get_into(
         self,
         keys: Sequence[bytes],
         hashes: Sequence[bytes],
         out: npt.NDArray[np.uint8],
+        *,
+        kind: Literal["kv", "mamba"],
+        identity: bytes,
     ) -> list[_Fetched]:
         """Fetch ``keys`` into the rows of ``out``, verifying each as page ``hashes[i]``.
 
         ``out`` is a writable C-contiguous 2-D ``uint8`` array with one row per key, each
         the page's size. One outcome per key: ``"ok"`` (the row holds the page, every
-        header field and the checksum verified), ``"missing"`` (no object), or
-        ``"corrupt"`` (the object failed verification, including one of another page or
-        size, and was deleted). Rows not ``"ok"`` are left untouched. When it raises,
-        any row may hold part of what was read: treat none of them as fetched.
+        header field and the checksum verified), ``"missing"`` (no object),
+        ``"foreign"`` (an intact object of another ``kind`` or ``identity``: another
+        model, rank or layout; deleted) or ``"corrupt"`` (the object failed verification,
+        including one of another page or size, and was deleted). Rows not ``"ok"`` are
+        left untouched. When it raises, any row may hold part of what was read: treat
+        none of them as fetched.
         """
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove the objects under ``keys`` (absent ones are no error)."""

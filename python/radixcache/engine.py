@@ -146,11 +146,13 @@ class TransferEngine:
         storage: The memory behind the cache's slots (checked against the cache).
         stream: On a GPU, the copy stream (default: a new non-blocking stream).
         l3: The L3 tier (`radixcache.l3.L3Tier`) that writes the ``l3_put`` batches
-            this engine runs; None: such a batch fails.
+            this engine runs, a tier of this cache and storage; None: such a batch fails.
 
     Raises:
-        TypeError: `cache` is not a `HybridCache` or `storage` not a `Storage`.
-        ValueError: The storage does not fit the cache (naming the cache's argument).
+        TypeError: `cache` is not a `HybridCache`, `storage` not a `Storage`, or `l3`
+            not an `L3Tier`.
+        ValueError: The storage does not fit the cache (naming the cache's argument), or
+            `l3` is another cache's or storage's tier.
     """
 
     def __init__(
@@ -161,6 +163,17 @@ class TransferEngine:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage: expected a Storage, got {type(storage).__name__}")
         storage.check(cache)
+        if l3 is not None:
+            from .l3 import L3Tier
+
+            if not isinstance(l3, L3Tier):
+                raise TypeError(f"l3: expected an L3Tier, got {type(l3).__name__}")
+            if l3.cache is not cache:
+                raise ValueError("l3: a tier of another cache (its pages would be written from it)")
+            if l3.storage is not storage:
+                raise ValueError(
+                    "l3: a tier of another storage (it would write bytes this engine never copied)"
+                )
         self.cache = cache
         self.storage = storage
         self.l3 = l3

@@ -17,24 +17,44 @@ host, and holds no cache logic:
   or corrupt is reported ``gone`` to ``complete_l3``, which counts it and, with events
   on, announces it removed from ``EXTERNAL``.
 
-Each object is named by the page hash the core gives it (its ``keys``), prefixed by a
-name of the storage layout (``key_prefix``: dtypes, shapes and page size, so that caches
-of another layout never read these bytes), KV pages as ``{prefix}{hex}`` and states as
-``{prefix}{hex}.s``. A circuit breaker (`radixcache.Breaker`) stops asking the store
-after 3 errors in a row, for 2 seconds, then lets one call through; serving goes on
-from the device and host tiers meanwhile.
+Each object is named by the page hash the core gives it (its ``keys``) and by the
+tier's `L3Identity`: the model (an identity the caller gives: a name and revision, or a
+digest), the tensor- and pipeline-parallel rank and size, the page size and the host
+layout (each host array's dtype, layers and row shape). The key is
+``rc2:{identity}:{kind}:{page hash}`` (``kind`` ``kv`` for a KV page, ``mamba`` for a
+state), and every object's frame records the kind and the whole identity digest, checked
+on read: an object of another model, rank, layout or kind is never served, even under
+the right key (it is counted ``foreign`` and deleted). docs/design.md, "The L3 key
+scheme", gives the scheme so that another implementation can read and write it.
+
+A circuit breaker (`radixcache.Breaker`) stops asking the store after 3 errors in a row,
+for 2 seconds, then lets one call through; serving goes on from the device and host
+tiers meanwhile. Errors are counted by cause (`L3Counters.error_causes`), and the first
+error of an outage and each trip of the breaker are logged on the ``radixcache.l3``
+logger (`logging`), so that an operator sees why the store is not used.
+
+An `L3Tier` belongs to one cache: it refuses a batch or a fetch of another cache or
+tier, and a `TransferEngine` refuses a tier of another cache or storage. It may be
+used from several threads at once. A tier dropped without `L3Tier.close` ends its
+fetches as `close` would, once their reads have finished, giving back the host slots
+they hold (with a ``ResourceWarning``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
+import json
+import logging
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -45,11 +65,16 @@ from .storage import Pool, Storage
 __all__ = [
     "L3Counters",
     "L3Fetch",
+    "L3Identity",
     "L3Tier",
     "ObjectStoreLike",
-    "layout_prefix",
     "open_store",
 ]
+
+logger = logging.getLogger("radixcache.l3")
+
+#: The kinds of objects: a KV page, or the Mamba state at a page's end (a copy's pool).
+Kind = Literal["kv", "mamba"]
 
 
 class ObjectStoreLike(Protocol):
@@ -60,15 +85,34 @@ class ObjectStoreLike(Protocol):
         ...
 
     def put(
-        self, keys: Sequence[bytes], hashes: Sequence[bytes], data: npt.NDArray[np.uint8]
+        self,
+        keys: Sequence[bytes],
+        hashes: Sequence[bytes],
+        data: npt.NDArray[np.uint8],
+        *,
+        kind: Kind,
+        identity: bytes,
     ) -> list[bool]:
-        """Store row ``i`` of `data` under ``keys[i]`` as page ``hashes[i]``, write-once."""
+        """Store row ``i`` of `data` under ``keys[i]`` as page ``hashes[i]``, write-once.
+
+        Each object's frame records `kind` and `identity` (the 32-byte digest).
+        """
         ...
 
     def get_into(
-        self, keys: Sequence[bytes], hashes: Sequence[bytes], out: npt.NDArray[np.uint8]
+        self,
+        keys: Sequence[bytes],
+        hashes: Sequence[bytes],
+        out: npt.NDArray[np.uint8],
+        *,
+        kind: Kind,
+        identity: bytes,
     ) -> Sequence[str]:
-        """Read ``keys`` into the rows of `out`: ``"ok"``, ``"missing"`` or ``"corrupt"``."""
+        """Read ``keys`` into the rows of `out`, each checked as page ``hashes[i]``'s.
+
+        Per key ``"ok"``, ``"missing"``, ``"foreign"`` (an intact object of another kind
+        or identity) or ``"corrupt"``; the last two are deleted.
+        """
         ...
 
 
@@ -83,12 +127,38 @@ def open_store(url: str) -> ObjectStoreLike:
 
     Raises:
         ValueError: a bad URL (the message names the part).
+        TypeError: `url` is not a str.
+        ImportError: a ``mooncake://`` URL without Mooncake Store's client (the message
+            says how to install it).
+        L3Error: the store could not be set up (a ``file://`` directory that cannot be
+            made).
     """
-    if url.startswith("mooncake://"):
-        from .mooncake import MooncakeStore
-
+    if not isinstance(url, str):
+        raise TypeError(f"url: expected a str, got {type(url).__name__}")
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        what = "no scheme" if not sep else f"scheme {scheme!r} is not one of them"
+        raise ValueError(f"url: bad store url {url!r}: {what} (expected {', '.join(_FORMS)})")
+    if scheme == "mooncake":
+        try:
+            from .mooncake import MooncakeStore
+        except ImportError as e:
+            raise ImportError(
+                f"url: {url!r} needs Mooncake Store's client, which is not installed "
+                f"({e}): pip install 'radixcache[mooncake]'"
+            ) from e
         return MooncakeStore(url)
     return ObjectStore(url)
+
+
+#: The schemes `open_store` knows, and the URL form of each.
+_SCHEMES = ("redis", "redis+cluster", "file", "mooncake")
+_FORMS = (
+    "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]",
+    "redis+cluster://HOST:PORT[,HOST:PORT...]",
+    "file:///ABSOLUTE/DIR",
+    "mooncake://MASTER_HOST:PORT[?...]",
+)
 
 
 @dataclass
@@ -103,6 +173,7 @@ class L3Counters:
     missed_pages: int = 0
     corrupt_objects: int = 0
     missing_objects: int = 0
+    foreign_objects: int = 0
     puts: int = 0
     stored_objects: int = 0
     present_objects: int = 0
@@ -113,21 +184,112 @@ class L3Counters:
     errors: int = 0
     skipped_open: int = 0
     fetches_cancelled: int = 0
+    #: Failed store calls per cause (``"connection refused"``, ``"timeout"``, ...).
+    error_causes: dict[str, int] = field(default_factory=dict)
+    #: The first failed call's error message (None: no error yet).
+    first_error: str | None = None
 
 
-def layout_prefix(storage: Storage, page_size: int) -> bytes:
-    """Return the key prefix naming `storage`'s host layout (``rc1-<digest>:``).
+def _index(value: object, name: str, least: int) -> int:
+    """`value` as an int >= `least` (not a bool), else an error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"{name}: must be >= {least}, got {value}")
+    return int(value)
 
-    The digest covers the page size and, per pool, each host array's dtype, layer
-    count and row shape: two caches share objects only when their bytes mean the same.
+
+@dataclass(frozen=True)
+class L3Identity:
+    """What the bytes of a tier's objects mean, besides their page: part of every key.
+
+    Two tiers share an object only when their identities are equal: the same model, the
+    same tensor- and pipeline-parallel rank and size (so the same layers and heads), the
+    same page size and host layout (dtypes, layers, row shapes). `text` is its canonical
+    form and `digest` the SHA-256 of it, which every object's frame records;
+    docs/design.md, "The L3 key scheme".
+
+    Attributes:
+        model: The model: a name and revision (``"org/name@rev"``), or a digest the
+            caller computes over its weights. Required: it is what keeps another
+            model's bytes from being served.
+        page_size: Tokens per page.
+        layout: Per host array (KV pool's K and V, then the Mamba pool's conv and SSM):
+            ``(pool, dtype, layers, row shape)``.
+        tp_rank, tp_size: The tensor-parallel rank and world size.
+        pp_rank, pp_size: The pipeline-parallel rank and world size.
     """
-    h = hashlib.sha256(f"page_size={page_size}".encode())
-    for name in ("kv", "mamba"):
-        if not storage.has(name, "host"):
-            continue
-        for a in storage.pool(name, "host").arrays:
-            h.update(f"|{name}:{a.dtype.str}:{a.shape[0]}:{tuple(a.shape[2:])}".encode())
-    return f"rc1-{h.hexdigest()[:16]}:".encode()
+
+    model: str
+    page_size: int
+    layout: tuple[tuple[str, str, int, tuple[int, ...]], ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise TypeError(f"model: expected a str, got {type(self.model).__name__}")
+        if not self.model.strip():
+            raise ValueError("model: must name the model (a name and revision, or a digest)")
+        _index(self.page_size, "page_size", 1)
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            n = _index(getattr(self, size), size, 1)
+            r = _index(getattr(self, rank), rank, 0)
+            if r >= n:
+                raise ValueError(f"{rank}: must be below {size} ({n}), got {r}")
+
+    @classmethod
+    def of(
+        cls,
+        storage: Storage,
+        page_size: int,
+        *,
+        model: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> L3Identity:
+        """Return the identity of `storage`'s host tier for `model` at these ranks."""
+        layout = tuple(
+            (name, a.dtype.str, int(a.shape[0]), tuple(int(d) for d in a.shape[2:]))
+            for name in ("kv", "mamba")
+            if storage.has(name, "host")
+            for a in storage.pool(name, "host").arrays
+        )
+        return cls(model, page_size, layout, tp_rank, tp_size, pp_rank, pp_size)
+
+    @functools.cached_property
+    def text(self) -> str:
+        """The canonical form: JSON, keys sorted, no spaces, ASCII only."""
+        return json.dumps(
+            {
+                "format": "radixcache-l3/2",
+                "model": self.model,
+                "tp": [self.tp_rank, self.tp_size],
+                "pp": [self.pp_rank, self.pp_size],
+                "page_size": self.page_size,
+                "layout": [[p, d, n, list(row)] for p, d, n, row in self.layout],
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=True,
+        )
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """The SHA-256 of `text` (32 bytes): what each object's frame records."""
+        return hashlib.sha256(self.text.encode("ascii")).digest()
+
+    def key(self, kind: Kind, page_hash: bytes) -> bytes:
+        """Return the key of the object of `kind` for the page whose hash is `page_hash`."""
+        return b"rc2:%s:%s:%s" % (
+            self.digest[:16].hex().encode(),
+            kind.encode(),
+            page_hash.hex().encode(),
+        )
 
 
 def _gather(pool: Pool, slots: np.ndarray, per: int) -> np.ndarray:
@@ -171,6 +333,7 @@ class L3Fetch:
     namespace: str | None
     future: Future[Any] | None
     have: int  # whole pages the cache held when it started
+    owner: object = field(default=None, repr=False)  # the tier's token: whose fetch it is
     batch: TransferBatch | None = None
     started: float = 0.0  # when the read started (perf_counter)
     done: bool = False
@@ -186,18 +349,67 @@ def _wait(future: Future[Any], timeout: float | None) -> bool:
     return future.done()
 
 
+def _cause(e: L3Error) -> str:
+    """Why a store call failed: the error's ``cause`` (``"timeout"``, ...) or ``"error"``."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, str) and cause else "error"
+
+
+def _abandon(live: set[L3Fetch], workers: dict[str, ThreadPoolExecutor]) -> None:
+    """End what a tier collected without `L3Tier.close` left in flight.
+
+    It runs once the tier is gone, so no read of its fetches is under way any more (a
+    read holds the tier until it finished): each fetch's batch fails, and the host slots
+    it held go back, with a ``ResourceWarning`` naming how many.
+    """
+    ended = 0
+    for f in list(live):
+        batch, future = f.batch, f.future
+        if batch is not None and batch.outcome is None and (future is None or future.done()):
+            batch.fail("its L3 tier was dropped before the fetch ended")
+            ended += 1
+        f.done, f.future = True, None
+    live.clear()
+    for worker in workers.values():
+        worker.shutdown(wait=False)
+    workers.clear()
+    if ended:
+        warnings.warn(
+            f"an L3Tier was dropped with {ended} fetch(es) in flight: their batches failed "
+            "and their host slots are back; close() the tier to end its fetches as poll() "
+            "would",
+            ResourceWarning,
+            stacklevel=2,
+        )
+
+
 class L3Tier:
     """Runs a cache's L3 batches against `store` and fetches prompts' pages from it.
 
+    Thread-safe: fetches, polls, cancels and writes may come from several threads at once
+    (the cache is thread-safe too). A tier collected without `close` fails the batches
+    of its unfinished fetches once their reads are over, giving their host slots back
+    (``ResourceWarning``).
+
     Args:
         cache: A cache made with ``l3=True`` (and ``page_hashes=True``).
-        storage: Its `Storage` (the host arrays are read and written).
+        storage: Its `Storage` (the host arrays are read and written; checked against
+            the cache as `TransferEngine` checks it).
         store: The store client (`radixcache.ObjectStore`, or anything with its
             ``exists``/``put``/``get_into``).
+        model: What model the bytes are of: a name and revision, or a digest of its
+            weights (`L3Identity.model`). Required: caches of other models never read
+            these objects.
+        tp_rank, tp_size: This cache's tensor-parallel rank and world size.
+        pp_rank, pp_size: Its pipeline-parallel rank and world size.
         min_tokens: A prompt whose uncached part is shorter is not looked up.
         breaker: The circuit breaker (`radixcache.Breaker`; by default one that opens
             after 3 errors in a row, for 2 seconds).
-        key_prefix: Prepended to every object's key (`layout_prefix` by default).
+
+    Raises:
+        TypeError: an argument of the wrong type (named).
+        ValueError: a cache without an L3 tier, a storage that does not fit it, or a
+            bad count or rank (named).
     """
 
     def __init__(
@@ -206,75 +418,160 @@ class L3Tier:
         storage: Storage,
         store: ObjectStoreLike,
         *,
+        model: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
         min_tokens: int = 64,
         breaker: Breaker | None = None,
-        key_prefix: bytes | None = None,
     ) -> None:
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"cache: expected a HybridCache, got {type(cache).__name__}")
         if not cache.l3:
             raise ValueError("cache: made without an L3 tier; pass l3=True")
+        if not isinstance(storage, Storage):
+            raise TypeError(f"storage: expected a Storage, got {type(storage).__name__}")
+        storage.check(cache)
+        missing = [
+            m for m in ("exists", "put", "get_into") if not callable(getattr(store, m, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"store: a {type(store).__name__} has no {', '.join(missing)} (expected an "
+                "ObjectStore, or an object with its exists, put and get_into)"
+            )
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
             raise ValueError(f"min_tokens: must be an int >= 0, got {min_tokens!r}")
+        if breaker is not None and not isinstance(breaker, Breaker):
+            raise TypeError(f"breaker: expected a Breaker, got {type(breaker).__name__}")
+        self.identity = L3Identity.of(
+            storage,
+            cache.page_size,
+            model=model,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+        )
         self.cache = cache
         self.storage = storage
         self.store = store
         self.min_tokens = min_tokens
         self.breaker = breaker or Breaker(threshold=3, cooldown_ms=2000)
-        self.prefix = layout_prefix(storage, cache.page_size) if key_prefix is None else key_prefix
         self.counters = L3Counters()
         self.hybrid = cache.mamba_slots > 0
+        self._digest = self.identity.digest
+        self._heads = {k: self.identity.key(k, b"") for k in ("kv", "mamba")}
+        #: Guards the fetches, the counters and the workers; never held while waiting
+        #: for the store.
+        self._lock = threading.RLock()
+        #: Carried by this tier's fetches: `poll` and `cancel` refuse any other.
+        self._token = object()
+        #: Causes logged since the store last answered (an outage is logged once a cause).
+        self._logged: set[str] = set()
         # One worker thread for fetches, one for puts: a fetch never queues behind the
         # write-through of everything backed up.
         self._workers: dict[str, ThreadPoolExecutor] = {}
         self._live: set[L3Fetch] = set()  # fetches started and not yet ended
-        self._counting = threading.Lock()  # `_call` may run on the worker threads
+        weakref.finalize(self, _abandon, self._live, self._workers)
 
     # ------------------------------------------------------------------ keys
 
-    def _keys(self, hashes: Sequence[bytes], state: bool = False) -> list[bytes]:
-        tail = b".s" if state else b""
-        return [self.prefix + h.hex().encode() + tail for h in hashes]
+    def _keys(self, hashes: Sequence[bytes], kind: Kind) -> list[bytes]:
+        head = self._heads[kind]
+        return [head + h.hex().encode() for h in hashes]
 
-    def _call(self, f: Any, *args: Any) -> Any:
-        """Call the store through the breaker.
+    def _call(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call the store through the breaker; count and log a failure by its cause.
 
         Raises:
             L3Error: the breaker is open (the call was not made), or the call failed.
         """
         if not self.breaker.allow():
-            with self._counting:
+            with self._lock:
                 self.counters.skipped_open += 1
             raise L3Error("the L3 store's circuit breaker is open")
         try:
-            out = f(*args)
-        except L3Error:
-            with self._counting:
-                self.counters.errors += 1
-            self.breaker.failure()
+            out = f(*args, **kwargs)
+        except L3Error as e:
+            self._failed(e)
             raise
         self.breaker.success()
+        if self._logged:
+            with self._lock:
+                if self._logged:
+                    self._logged.clear()
+                    logger.warning("L3 store %s answers again", self._where())
         return out
 
-    def _try(self, f: Any, *args: Any) -> Any:
+    def _failed(self, e: L3Error) -> None:
+        """Count a failed store call, tell the breaker, and log what an operator needs."""
+        cause = _cause(e)
+        trips = self.breaker.trips
+        self.breaker.failure()
+        with self._lock:
+            c = self.counters
+            c.errors += 1
+            c.error_causes[cause] = c.error_causes.get(cause, 0) + 1
+            if c.first_error is None:
+                c.first_error = str(e)
+            new = cause not in self._logged
+            self._logged.add(cause)
+        if new:
+            logger.warning("L3 store %s: %s (%s)", self._where(), cause, e)
+        if self.breaker.trips > trips:
+            logger.warning(
+                "L3 store %s: circuit breaker open after %d errors in a row: serving goes "
+                "on without the store; one call goes through every %.1f s",
+                self._where(),
+                self.breaker.threshold,
+                self.breaker.cooldown_ms / 1000,
+            )
+
+    def _where(self) -> str:
+        """Return the store's name for messages (its URL where it has one)."""
+        url = getattr(self.store, "url", None)
+        return url if isinstance(url, str) else type(self.store).__name__
+
+    def _try(self, f: Any, *args: Any, **kwargs: Any) -> Any:
         """`_call`, None instead of an `L3Error` (a miss)."""
         try:
-            return self._call(f, *args)
+            return self._call(f, *args, **kwargs)
         except L3Error:
             return None
+
+    def _check_batch(self, batch: TransferBatch, kind: str) -> None:
+        """Refuse, untouched, a batch that is not this cache's `kind` batch."""
+        if not isinstance(batch, TransferBatch):
+            raise TypeError(f"batch: expected a TransferBatch, got {type(batch).__name__}")
+        if not batch.belongs_to(self.cache):
+            raise ValueError("batch: a batch of another cache (this tier runs its own cache's)")
+        if batch.kind != kind:
+            raise ValueError(f"batch: expected an {kind} batch, got {batch.kind!r}")
+
+    def _check_fetch(self, fetch: L3Fetch) -> None:
+        """Refuse a fetch another tier started."""
+        if not isinstance(fetch, L3Fetch):
+            raise TypeError(f"fetch: expected an L3Fetch, got {type(fetch).__name__}")
+        if fetch.owner is not self._token:
+            raise ValueError("fetch: started by another L3Tier (each tier drives its own)")
 
     # ------------------------------------------------------------------ puts
 
     def _objects(
         self, batch: TransferBatch
-    ) -> list[tuple[str, Pool, np.ndarray, int, list[bytes]]]:
+    ) -> list[tuple[Kind, Pool, np.ndarray, int, list[bytes]]]:
         """Per copy: (pool, its host pool, host slots, slots per object, object hashes)."""
-        out: list[tuple[str, Pool, np.ndarray, int, list[bytes]]] = []
+        out: list[tuple[Kind, Pool, np.ndarray, int, list[bytes]]] = []
         keys = batch.keys
         at = 0
         for c in batch.copies:
-            per = self.cache.page_size if c.pool == "kv" else 1
+            kind: Kind = "kv" if c.pool == "kv" else "mamba"
+            per = self.cache.page_size if kind == "kv" else 1
             host = np.asarray(c.src if c.src_tier == "host" else c.dst, dtype=np.int64)
             n = len(host) // per
-            out.append((c.pool, self.storage.pool(c.pool, "host"), host, per, keys[at : at + n]))
+            out.append((kind, self.storage.pool(kind, "host"), host, per, keys[at : at + n]))
             at += n
         return out
 
@@ -285,16 +582,16 @@ class L3Tier:
         thread for those it submits: `start_write`).
 
         Raises:
-            ValueError: `batch` is not an ``l3_put`` batch.
+            TypeError: `batch` is not a `TransferBatch`.
+            ValueError: `batch` is not an ``l3_put`` batch of this tier's cache.
             L3Error: a store call failed, or the breaker is open.
         """
-        if batch.kind != "l3_put":
-            raise ValueError(f"batch: expected an l3_put batch, got {batch.kind!r}")
+        self._check_batch(batch, "l3_put")
         start = time.perf_counter()
         present = stored = nbytes = 0
         try:
-            for pool, host, slots, per, hashes in self._objects(batch):
-                keys = self._keys(hashes, pool == "mamba")
+            for kind, host, slots, per, hashes in self._objects(batch):
+                keys = self._keys(hashes, kind)
                 there = self._call(self.store.exists, keys)
                 todo = [k for k, p in enumerate(there) if not p]
                 present += len(keys) - len(todo)
@@ -303,18 +600,23 @@ class L3Tier:
                 rows = np.asarray(todo, dtype=np.int64)
                 data = _gather(host, slots.reshape(-1, per)[rows].reshape(-1), per)
                 done = self._call(
-                    self.store.put, [keys[k] for k in todo], [hashes[k] for k in todo], data
+                    self.store.put,
+                    [keys[k] for k in todo],
+                    [hashes[k] for k in todo],
+                    data,
+                    kind=kind,
+                    identity=self._digest,
                 )
                 stored += sum(1 for s in done if s)
                 nbytes += int(data.nbytes)
         finally:
-            with self._counting:
+            with self._lock:
                 c = self.counters
                 c.present_objects += present
                 c.stored_objects += stored
                 c.bytes_stored += nbytes
                 c.put_seconds += time.perf_counter() - start
-        with self._counting:
+        with self._lock:
             self.counters.puts += 1
 
     def start_write(
@@ -329,10 +631,10 @@ class L3Tier:
         the background fetches' (a fetch never waits behind a write).
 
         Raises:
-            ValueError: `batch` is not an ``l3_put`` batch.
+            TypeError: `batch` is not a `TransferBatch`.
+            ValueError: `batch` is not an ``l3_put`` batch of this tier's cache.
         """
-        if batch.kind != "l3_put":
-            raise ValueError(f"batch: expected an l3_put batch, got {batch.kind!r}")
+        self._check_batch(batch, "l3_put")
         return self._pool("put").submit(via or self.write, batch)
 
     # ------------------------------------------------------------------ fetches
@@ -352,9 +654,11 @@ class L3Tier:
         have, last = cache.peek_hash(toks, namespace=namespace)
         whole = len(toks) // ps * ps
         if whole - have < max(self.min_tokens, ps):
-            self.counters.lookups_skipped += 1
+            with self._lock:
+                self.counters.lookups_skipped += 1
             return None
-        self.counters.lookups += 1
+        with self._lock:
+            self.counters.lookups += 1
         hashes = cache.chain_hashes(toks[have:whole], namespace=namespace, parent_hash=last)
         return toks, have // ps, hashes
 
@@ -364,13 +668,13 @@ class L3Tier:
         The leading run the store has, for a hybrid model cut back to the deepest of them
         whose state it has. Store calls only: safe on `start_fetch`'s worker thread.
         """
-        present = self._try(self.store.exists, self._keys(hashes))
+        present = self._try(self.store.exists, self._keys(hashes, "kv"))
         if not present:
             return 0
         run = next((k for k, p in enumerate(present) if not p), len(present))
         if not self.hybrid or run == 0:
             return run
-        states = self._try(self.store.exists, self._keys(hashes[:run], True))
+        states = self._try(self.store.exists, self._keys(hashes[:run], "mamba"))
         if not states:
             return 0
         return max((k + 1 for k, s in enumerate(states) if s), default=0)
@@ -410,20 +714,25 @@ class L3Tier:
 
         Starts it, reads each object into its host slots (the rows that came back whole,
         in order), and acknowledges the leading run that landed (``complete_l3``), with
-        the objects the store no longer held (missing, or corrupt and deleted) as
-        ``gone``.
+        the objects the store no longer held (missing, or corrupt or foreign and deleted)
+        as ``gone``.
 
         Returns:
             The pages that landed and the cache can use (a hybrid fetch: all or none).
 
         Raises:
-            ValueError: `batch` is not an ``l3_get`` batch (left untouched).
+            TypeError: `batch` is not a `TransferBatch`.
+            ValueError: `batch` is not an ``l3_get`` batch of this tier's cache (left
+                untouched).
         """
-        if batch.kind != "l3_get":
-            raise ValueError(f"batch: expected an l3_get batch, got {batch.kind!r}")
+        self._check_batch(batch, "l3_get")
         batch.start()
         start = time.perf_counter()
-        got = self._read_objects(batch)
+        try:
+            got = self._read_objects(batch)
+        except BaseException:
+            batch.fail("the read raised")
+            raise
         return self._settle(batch, got, time.perf_counter() - start)
 
     def _read_objects(self, batch: TransferBatch) -> list[Sequence[str] | None]:
@@ -435,10 +744,12 @@ class L3Tier:
         on `start_fetch`'s worker thread while the caller goes on with the cache.
         """
         out: list[Sequence[str] | None] = []
-        for pool, host, slots, per, hashes in self._objects(batch):
-            keys = self._keys(hashes, pool == "mamba")
+        for kind, host, slots, per, hashes in self._objects(batch):
+            keys = self._keys(hashes, kind)
             rows = np.empty((len(keys), per * host.bytes_per_slot), dtype=np.uint8)
-            got = self._try(self.store.get_into, keys, hashes, rows)
+            got = self._try(
+                self.store.get_into, keys, hashes, rows, kind=kind, identity=self._digest
+            )
             out.append(got)
             if got is None:
                 break
@@ -454,30 +765,38 @@ class L3Tier:
 
         Returns the pages that landed and the cache can use.
         """
-        c = self.counters
-        c.fetch_seconds += took
         landed, state = 0, False
         gone: list[int] = []
         first = 0  # the index in `batch.keys` of each copy's first object
-        for (pool, host, _, per, hashes), results in zip(self._objects(batch), got):
+        counts = {"corrupt": 0, "missing": 0, "foreign": 0}
+        nbytes = 0
+        for (kind, host, _, per, hashes), results in zip(self._objects(batch), got):
             if results is None:
                 break
             ok = next((k for k, g in enumerate(results) if g != "ok"), len(results))
-            c.corrupt_objects += sum(1 for g in results if g == "corrupt")
-            c.missing_objects += sum(1 for g in results if g == "missing")
-            c.bytes_fetched += ok * per * host.bytes_per_slot
+            for g in results:
+                if g in counts:
+                    counts[g] += 1
+            nbytes += ok * per * host.bytes_per_slot
             gone.extend(first + k for k, g in enumerate(results) if g != "ok")
             first += len(hashes)
-            if pool == "kv":
+            if kind == "kv":
                 landed = ok
             else:
                 state = ok == len(results)
         total = len(batch.copies[0].dst) // self.cache.page_size if batch.copies else 0
-        c.fetches += 1
-        c.fetched_pages += total
         usable = landed if not self.hybrid else (landed if state and landed == total else 0)
-        c.landed_pages += usable
-        c.missed_pages += total - usable
+        with self._lock:
+            c = self.counters
+            c.fetch_seconds += took
+            c.corrupt_objects += counts["corrupt"]
+            c.missing_objects += counts["missing"]
+            c.foreign_objects += counts["foreign"]
+            c.bytes_fetched += nbytes
+            c.fetches += 1
+            c.fetched_pages += total
+            c.landed_pages += usable
+            c.missed_pages += total - usable
         batch.complete_l3(landed, state=state, gone=gone)
         return usable
 
@@ -501,51 +820,67 @@ class L3Tier:
         if plan is None:
             return None
         toks, have, hashes = plan
-        f = L3Fetch(toks, namespace, self._pool("fetch").submit(self._probe, hashes), have)
-        self._live.add(f)
+        with self._lock:
+            f = L3Fetch(toks, namespace, None, have, owner=self._token)
+            f.future = self._pool("fetch").submit(self._probe, hashes)
+            self._live.add(f)
         return f
 
     def poll(self, fetch: L3Fetch, timeout: float | None = 0.0) -> bool:
         """Advance `fetch` as far as the store's answers allow; whether it ended.
 
         Waits up to `timeout` seconds for the store (0: not at all; None: until the
-        fetch ended). After the lookup
-        it takes host slots for the pages to fetch (``l3_fetch``) and starts the read;
-        after the read it acknowledges what landed, as `read` does. Also ends any fetch
-        `cancel` left to drain whose read has finished.
+        fetch ended). After the lookup it takes host slots for the pages to fetch
+        (``l3_fetch``) and starts the read; after the read it acknowledges what landed,
+        as `read` does. Also ends any fetch `cancel` left to drain whose read has
+        finished. Several threads may poll one fetch: one of them advances it.
+
+        Raises:
+            TypeError: `fetch` is not an `L3Fetch`.
+            ValueError: `fetch` was started by another tier.
         """
+        self._check_fetch(fetch)
         self._reap()
         deadline = None if timeout is None else time.perf_counter() + max(timeout, 0.0)
-        while not fetch.done:
-            future = fetch.future
+        while True:
+            with self._lock:
+                if fetch.done:
+                    return True
+                future = fetch.future
             left = None if deadline is None else deadline - time.perf_counter()
             if future is None or not _wait(future, left):
-                break
-            if fetch.batch is None:  # the lookup answered
-                batch = None
-                try:
-                    run = future.result()
-                    if run:
-                        upto = fetch.have + run
-                        batch = self.cache.l3_fetch(fetch.tokens, upto, namespace=fetch.namespace)
-                finally:
-                    if batch is None:
-                        self._end(fetch, 0)
+                with self._lock:
+                    return fetch.done
+            with self._lock:
+                if not fetch.done and fetch.future is future:
+                    self._advance(fetch, future)
+
+    def _advance(self, fetch: L3Fetch, future: Future[Any]) -> None:
+        """Take `fetch` past its finished `future` (under the tier's lock)."""
+        if fetch.batch is None:  # the lookup answered
+            batch = None
+            try:
+                run = future.result()
+                if run:
+                    upto = fetch.have + run
+                    batch = self.cache.l3_fetch(fetch.tokens, upto, namespace=fetch.namespace)
+            finally:
                 if batch is None:
-                    break
-                batch.start()
-                fetch.batch, fetch.started = batch, time.perf_counter()
-                fetch.future = self._pool("fetch").submit(self._read_objects, batch)
-            else:  # the read finished
-                took = time.perf_counter() - fetch.started
-                pages = 0
-                try:
-                    pages = self._settle(fetch.batch, future.result(), took)
-                finally:
-                    if fetch.batch.outcome is None:  # the read raised: nothing lands
-                        fetch.batch.fail("the read raised")
-                    self._end(fetch, pages * self.cache.page_size)
-        return fetch.done
+                    self._end(fetch, 0)
+            if batch is None:
+                return
+            batch.start()
+            fetch.batch, fetch.started = batch, time.perf_counter()
+            fetch.future = self._pool("fetch").submit(self._read_objects, batch)
+        else:  # the read finished
+            took = time.perf_counter() - fetch.started
+            pages = 0
+            try:
+                pages = self._settle(fetch.batch, future.result(), took)
+            finally:
+                if fetch.batch.outcome is None:  # the read raised: nothing lands
+                    fetch.batch.fail("the read raised")
+                self._end(fetch, pages * self.cache.page_size)
 
     def cancel(self, fetch: L3Fetch) -> None:
         """Call `fetch` off: it ends now with nothing landed.
@@ -553,15 +888,21 @@ class L3Tier:
         ``done`` is then True and ``tokens_landed`` 0. A read in flight keeps the host
         slots it writes until it finished; the next `poll` or `close` then fails its
         batch and they go back.
+
+        Raises:
+            TypeError: `fetch` is not an `L3Fetch`.
+            ValueError: `fetch` was started by another tier.
         """
-        if fetch.done:
-            return
-        fetch.cancelled = True
-        self.counters.fetches_cancelled += 1
-        if fetch.batch is None:
-            self._end(fetch, 0)  # the lookup's answer is ignored; nothing was taken
-        else:
-            fetch.done = True  # the tier ends the batch once the read finished
+        self._check_fetch(fetch)
+        with self._lock:
+            if fetch.done:
+                return
+            fetch.cancelled = True
+            self.counters.fetches_cancelled += 1
+            if fetch.batch is None:
+                self._end(fetch, 0)  # the lookup's answer is ignored; nothing was taken
+            else:
+                fetch.done = True  # the tier ends the batch once the read finished
         self._reap()
 
     def close(self) -> None:
@@ -570,59 +911,77 @@ class L3Tier:
         A cancelled fetch's batch fails, the others end as `poll` would end them. The
         tier can be used again afterwards (the workers start again when needed).
         """
-        for f in list(self._live):
+        with self._lock:
+            fetches = list(self._live)
+        for f in fetches:
             if f.cancelled:
-                if f.future is not None:
-                    _wait(f.future, None)
+                future = f.future
+                if future is not None:
+                    _wait(future, None)
             else:
                 self.poll(f, None)
         self._reap()
-        for worker in self._workers.values():
+        with self._lock:
+            workers = list(self._workers.values())
+            self._workers.clear()
+        for worker in workers:
             worker.shutdown(wait=True)
-        self._workers.clear()
 
     def _pool(self, kind: str) -> ThreadPoolExecutor:
-        worker = self._workers.get(kind)
-        if worker is None:
-            worker = ThreadPoolExecutor(1, thread_name_prefix=f"radixcache-l3-{kind}")
-            self._workers[kind] = worker
-        return worker
+        with self._lock:
+            worker = self._workers.get(kind)
+            if worker is None:
+                worker = ThreadPoolExecutor(1, thread_name_prefix=f"radixcache-l3-{kind}")
+                self._workers[kind] = worker
+            return worker
 
     def _end(self, fetch: L3Fetch, tokens: int) -> None:
-        fetch.done, fetch.tokens_landed, fetch.future = True, tokens, None
-        self._live.discard(fetch)
+        with self._lock:
+            fetch.done, fetch.tokens_landed, fetch.future = True, tokens, None
+            self._live.discard(fetch)
 
     def _reap(self) -> None:
         """Fail the batches of cancelled fetches whose read has finished."""
-        for f in [f for f in self._live if f.cancelled]:
-            if f.future is not None and not f.future.done():
-                continue
-            if f.batch is not None and f.batch.outcome is None:
-                f.batch.fail("called off")
-                self.counters.fetches += 1
-            f.future = None
-            self._live.discard(f)
+        with self._lock:
+            for f in [f for f in self._live if f.cancelled]:
+                if f.future is not None and not f.future.done():
+                    continue
+                if f.batch is not None and f.batch.outcome is None:
+                    f.batch.fail("called off")
+                    self.counters.fetches += 1
+                f.future = None
+                self._live.discard(f)
 
     def report(self) -> dict[str, Any]:
-        """Return the tier's figures: counters, GB/s of fetches and puts, the breaker."""
-        c = self.counters
-        return {
-            "l3_lookups": c.lookups,
-            "l3_fetches": c.fetches,
-            "l3_fetches_cancelled": c.fetches_cancelled,
-            "l3_landed_pages": c.landed_pages,
-            "l3_missed_pages": c.missed_pages,
-            "l3_corrupt_objects": c.corrupt_objects,
-            "l3_missing_objects": c.missing_objects,
-            "l3_stored_objects": c.stored_objects,
-            "l3_bytes_fetched": c.bytes_fetched,
-            "l3_bytes_stored": c.bytes_stored,
-            "l3_fetch_gbps": _gbps(c.bytes_fetched, c.fetch_seconds),
-            "l3_put_gbps": _gbps(c.bytes_stored, c.put_seconds),
-            "l3_errors": c.errors,
-            "l3_breaker": self.breaker.state,
-            "l3_breaker_trips": self.breaker.trips,
-        }
+        """Return the tier's figures: counters, GB/s of fetches and puts, the breaker.
+
+        ``l3_errors`` counts failed store calls, ``l3_error_causes`` splits them by
+        cause (``{"connection refused": 3}``) and ``l3_first_error`` is the first one's
+        message; ``l3_foreign_objects`` counts objects of another model, rank, layout or
+        kind found under this tier's keys (a miss each, deleted).
+        """
+        with self._lock:
+            c = self.counters
+            return {
+                "l3_lookups": c.lookups,
+                "l3_fetches": c.fetches,
+                "l3_fetches_cancelled": c.fetches_cancelled,
+                "l3_landed_pages": c.landed_pages,
+                "l3_missed_pages": c.missed_pages,
+                "l3_corrupt_objects": c.corrupt_objects,
+                "l3_missing_objects": c.missing_objects,
+                "l3_foreign_objects": c.foreign_objects,
+                "l3_stored_objects": c.stored_objects,
+                "l3_bytes_fetched": c.bytes_fetched,
+                "l3_bytes_stored": c.bytes_stored,
+                "l3_fetch_gbps": _gbps(c.bytes_fetched, c.fetch_seconds),
+                "l3_put_gbps": _gbps(c.bytes_stored, c.put_seconds),
+                "l3_errors": c.errors,
+                "l3_error_causes": dict(c.error_causes),
+                "l3_first_error": c.first_error,
+                "l3_breaker": self.breaker.state,
+                "l3_breaker_trips": self.breaker.trips,
+            }
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

@@ -13,8 +13,10 @@ a segment over the transfer engine (TCP here; RDMA where there is a NIC), zero-c
 ``get_into``, plus ``delete``), so `radixcache.l3.L3Tier` takes it as it takes
 `radixcache.ObjectStore`, and stores the same bytes: every object framed by
 `radixcache._core.frame_encode` (the Rust store's framing: magic, format version,
-payload length, page hash, checksum) and verified by `radixcache._core.frame_decode`
-on the way back; a corrupt object is reported ``"corrupt"`` and removed. Puts are
+kind, payload length, page hash, identity digest, checksum) and verified by
+`radixcache._core.frame_decode` on the way back; a corrupt object is reported
+``"corrupt"`` and removed, an intact one of another kind or identity ``"foreign"`` and
+removed. Puts are
 write-once (``exists`` first, then ``put`` of what is missing).
 
 Memory: one staging buffer per store, allocated and registered with Mooncake once
@@ -48,7 +50,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
@@ -194,6 +196,24 @@ def _route_to(host: str, port: int) -> str:
             return str(s.getsockname()[0])
     except OSError:  # no route (or no such name): the machine's name, as SGLang's default
         return socket.gethostname()
+
+
+class _Label(TypedDict):
+    """The frame fields of a call's objects (`frame_encode`/`frame_decode` keywords)."""
+
+    kind: Literal["kv", "mamba"]
+    identity: bytes
+
+
+def _label(kind: object, identity: object) -> _Label:
+    """`kind` and `identity` checked, naming them (before the store is called)."""
+    if kind not in ("kv", "mamba"):
+        raise ValueError(f"kind: expected 'kv' or 'mamba', got {kind!r}")
+    if not isinstance(identity, bytes):
+        raise TypeError(f"identity: expected 32 bytes, got {type(identity).__name__}")
+    if len(identity) != 32:
+        raise ValueError(f"identity: expected 32 bytes, got {len(identity)}")
+    return {"kind": "kv" if kind == "kv" else "mamba", "identity": identity}
 
 
 def _keys(keys: Sequence[bytes]) -> list[str]:
@@ -419,10 +439,17 @@ class MooncakeStore:
         return self._run(lambda: _exist(self._connected(), names))
 
     def put(
-        self, keys: Sequence[bytes], hashes: Sequence[bytes], data: npt.NDArray[np.uint8]
+        self,
+        keys: Sequence[bytes],
+        hashes: Sequence[bytes],
+        data: npt.NDArray[np.uint8],
+        *,
+        kind: Literal["kv", "mamba"],
+        identity: bytes,
     ) -> list[bool]:
         """Store row ``i`` of `data` under ``keys[i]`` as page ``hashes[i]``, write-once.
 
+        Each frame records `kind` and `identity` (`radixcache.l3.L3Identity.digest`).
         Per key, whether this call stored it (a key that holds an object keeps it).
 
         A put the store has no room for (every segment full) stores nothing and is no
@@ -436,12 +463,17 @@ class MooncakeStore:
         data = _rows(data, "data", len(names))
         if len(hashes) != len(names):
             raise ValueError(f"hashes: {len(hashes)} given for {len(names)} keys")
+        label = _label(kind, identity)
         if not names:
             return []
-        return self._run(self._put, names, hashes, data)
+        return self._run(self._put, names, hashes, data, label)
 
     def _put(
-        self, names: list[str], hashes: Sequence[bytes], data: npt.NDArray[np.uint8]
+        self,
+        names: list[str],
+        hashes: Sequence[bytes],
+        data: npt.NDArray[np.uint8],
+        label: _Label,
     ) -> list[bool]:
         width = FRAME_HEADER_LEN + data.shape[1]
         store = self._connected()
@@ -455,7 +487,7 @@ class MooncakeStore:
             # (the usual case): no gather.
             run = rows == list(range(rows[0], rows[0] + len(rows)))
             payloads = data[rows[0] : rows[0] + len(rows)] if run else data[rows]
-            frame_encode([hashes[k] for k in rows], payloads, objects)
+            frame_encode([hashes[k] for k in rows], payloads, objects, **label)
             base = objects.ctypes.data
             results = store.batch_put_from(
                 [names[k] for k in rows],
@@ -470,11 +502,18 @@ class MooncakeStore:
         return stored
 
     def get_into(
-        self, keys: Sequence[bytes], hashes: Sequence[bytes], out: npt.NDArray[np.uint8]
+        self,
+        keys: Sequence[bytes],
+        hashes: Sequence[bytes],
+        out: npt.NDArray[np.uint8],
+        *,
+        kind: Literal["kv", "mamba"],
+        identity: bytes,
     ) -> list[str]:
         """Read ``keys`` into the rows of `out`, each verified as page ``hashes[i]``'s.
 
-        Per key ``"ok"`` (the row holds the page), ``"missing"``, or ``"corrupt"`` (the
+        Per key ``"ok"`` (the row holds the page), ``"missing"``, ``"foreign"`` (an
+        intact object of another `kind` or `identity`: removed) or ``"corrupt"`` (the
         object failed verification, or is larger than a page's, and was removed); rows
         not ``"ok"`` are left untouched.
 
@@ -487,9 +526,10 @@ class MooncakeStore:
         out = _rows(out, "out", len(names))
         if len(hashes) != len(names):
             raise ValueError(f"hashes: {len(hashes)} given for {len(names)} keys")
+        label = _label(kind, identity)
         call = _Call()
         try:
-            return self._run(self._get, names, hashes, out, call)
+            return self._run(self._get, names, hashes, out, label, call)
         except L3Error:
             with call.lock:  # waits for a decode into `out` under way; none starts after
                 call.abandoned = True
@@ -500,6 +540,7 @@ class MooncakeStore:
         names: list[str],
         hashes: Sequence[bytes],
         out: npt.NDArray[np.uint8],
+        label: _Label,
         call: _Call,
     ) -> list[str]:
         width = FRAME_HEADER_LEN + out.shape[1]
@@ -531,15 +572,13 @@ class MooncakeStore:
             with call.lock:
                 if call.abandoned:
                     raise L3Error("mooncake: get given up on by its caller")
-                verdicts = frame_decode(list(hashes[lo:hi]), objects, lengths, out[lo:hi])
-            for j, why in enumerate(verdicts):
+                verdicts = frame_decode(list(hashes[lo:hi]), objects, lengths, out[lo:hi], **label)
+            for j, verdict in enumerate(verdicts):
                 if sizes[j] < 0:
                     continue
-                if why is None:
-                    result[lo + j] = "ok"
-                else:
+                result[lo + j] = verdict
+                if verdict != "ok":
                     corrupt.append(names[lo + j])
-                    result[lo + j] = "corrupt"
         if corrupt:
             _remove(store, corrupt)
         return result

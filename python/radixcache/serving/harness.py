@@ -129,6 +129,15 @@ class ReplayConfig:
     l3_prefetch_timeout: float = 1.0
     events: bool = False
 
+    @property
+    def l3_model(self) -> str:
+        """The model identity the L3 tier names objects by (`radixcache.l3.L3Identity`).
+
+        The checksum model's bytes are a function of its seed (its "weights"): replays
+        with another `seed` are another model, whose pages are never read as this one's.
+        """
+        return f"radixcache-checksum-model seed={self.seed}"
+
     def model_shape(self) -> ModelShape:
         """Return the shape whose compute ``compute_saved_ratio`` counts for this model.
 
@@ -303,7 +312,13 @@ class Server:
             )
             if config.l3 is not None:
                 store = open_store(config.l3)
-                self.l3 = L3Tier(cache, storage, store, min_tokens=config.l3_min_tokens)
+                self.l3 = L3Tier(
+                    cache,
+                    storage,
+                    store,
+                    model=config.l3_model,
+                    min_tokens=config.l3_min_tokens,
+                )
             self.engine = FaultyEngine(
                 cache,
                 storage,
@@ -385,12 +400,15 @@ L3_KEYS = (
     "l3_missed_pages",
     "l3_corrupt_objects",
     "l3_missing_objects",
+    "l3_foreign_objects",
     "l3_stored_objects",
     "l3_bytes_fetched",
     "l3_bytes_stored",
     "l3_fetch_gbps",
     "l3_put_gbps",
     "l3_errors",
+    "l3_error_causes",
+    "l3_first_error",
     "l3_breaker",
     "l3_breaker_trips",
     "l3_eviction_puts",
@@ -516,6 +534,7 @@ _L3_SUMS = (
     "l3_missed_pages",
     "l3_corrupt_objects",
     "l3_missing_objects",
+    "l3_foreign_objects",
     "l3_stored_objects",
     "l3_bytes_fetched",
     "l3_bytes_stored",
@@ -619,6 +638,14 @@ def replay_fleet(
         out["l3_fetch_gbps"] = out["l3_bytes_fetched"] / fetched / 1e9 if fetched else 0.0
         out["l3_put_gbps"] = out["l3_bytes_stored"] / stored / 1e9 if stored else 0.0
         out["l3_breaker"] = [s["l3_breaker"] for s in per_server]
+        causes: dict[str, int] = {}
+        for s in per_server:
+            for cause, n in s["l3_error_causes"].items():
+                causes[cause] = causes.get(cause, 0) + n
+        out["l3_error_causes"] = causes
+        out["l3_first_error"] = next(
+            (s["l3_first_error"] for s in per_server if s["l3_first_error"]), None
+        )
     else:
         out.update(dict.fromkeys(L3_KEYS))
     single = without_l3 = None

@@ -4,13 +4,15 @@
 //! hash, and fetched back by any cache that computes the same hash. This crate is the
 //! client layer; it knows nothing of the cache:
 //!
-//! - [`frame`]: every object is a header (magic, version, length, page hash, checksum)
-//!   and the page's bytes; a fetched object is verified before it is used.
+//! - [`frame`]: every object is a header (magic, version, kind, length, page hash,
+//!   identity digest, checksum) and the page's bytes; a fetched object is verified
+//!   against the [`Label`] (kind and identity) and page hash its reader expects before it
+//!   is used.
 //! - [`ObjectStore`]: batch `exists`/`put`/`get`/`delete` on byte-string keys, puts
 //!   write-once; backends [`RedisStore`], [`RedisClusterStore`] and [`FileStore`], chosen
 //!   by URL with [`open()`]; timeouts in [`Options`].
 //! - [`pages`]: framing and verification around a store: [`put_pages`] and
-//!   [`get_pages_into`] (which deletes corrupt objects).
+//!   [`get_pages_into`] (which deletes corrupt and foreign objects).
 //! - [`Faulty`]: a store wrapper that fails, times out, loses and corrupts on a seeded
 //!   schedule, for tests.
 //! - [`Breaker`]: the circuit breaker that turns the tier off after repeated errors.
@@ -28,7 +30,7 @@ pub mod store;
 pub use breaker::{Breaker, BreakerState};
 pub use faulty::{FaultRates, Faulty, RateError};
 pub use file::FileStore;
-pub use frame::Corrupt;
+pub use frame::{Corrupt, Kind, Label};
 pub use open::{open, OpenError};
 pub use pages::{get_pages_into, put_pages, Fetched};
 pub use redis_store::{RedisClusterStore, RedisStore};

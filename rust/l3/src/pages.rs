@@ -2,10 +2,12 @@
 //!
 //! What the cache stores is a page's bytes under a key derived from its page hash; these
 //! two calls frame a batch of pages ([`crate::frame`]) and put them, and get a batch,
-//! verify each object against the page hash and length the caller expects, copy the
-//! payloads that pass into the caller's buffers, and delete the objects that fail.
+//! verify each object against the label (kind and identity), page hash and length the
+//! caller expects, copy the payloads that pass into the caller's buffers, and delete the
+//! objects that fail (damaged ones, and foreign ones: the key scheme gives each identity
+//! keys of its own, so a foreign object under a key is as wrong for it as a damaged one).
 
-use crate::frame::{self, Corrupt, HASH_LEN};
+use crate::frame::{self, Corrupt, Label, HASH_LEN};
 use crate::store::{ObjectStore, Parts, StoreError};
 
 /// What [`get_pages_into`] found for one key.
@@ -15,25 +17,29 @@ pub enum Fetched {
     Ok,
     /// No object (the buffer is untouched).
     Missing,
-    /// The object failed verification and was deleted (the buffer is untouched).
+    /// The object failed verification and was deleted (the buffer is untouched): damaged,
+    /// or foreign ([`Corrupt::is_foreign`]: written for another kind or identity).
     Corrupt(Corrupt),
 }
 
 impl Fetched {
-    /// `"ok"`, `"missing"` or `"corrupt"`.
+    /// `"ok"`, `"missing"`, `"foreign"` (an intact object of another kind or identity)
+    /// or `"corrupt"`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Fetched::Ok => "ok",
             Fetched::Missing => "missing",
+            Fetched::Corrupt(c) if c.is_foreign() => "foreign",
             Fetched::Corrupt(_) => "corrupt",
         }
     }
 }
 
-/// Frames `payloads[i]` for page `hashes[i]` and puts it under `keys[i]` (write-once);
-/// per key, whether this call stored it.
+/// Frames `payloads[i]` as `label` says for page `hashes[i]` and puts it under `keys[i]`
+/// (write-once); per key, whether this call stored it.
 pub fn put_pages(
     store: &dyn ObjectStore,
+    label: &Label,
     keys: &[&[u8]],
     hashes: &[[u8; HASH_LEN]],
     payloads: &[&[u8]],
@@ -44,7 +50,7 @@ pub fn put_pages(
     let headers: Vec<[u8; frame::HEADER_LEN]> = hashes
         .iter()
         .zip(payloads)
-        .map(|(h, p)| frame::header(h, p))
+        .map(|(h, p)| frame::header(label, h, p))
         .collect();
     let values: Vec<Parts<'_>> = headers
         .iter()
@@ -54,12 +60,13 @@ pub fn put_pages(
     store.put_parts(keys, &values)
 }
 
-/// Gets `keys`, verifies each object as page `hashes[i]` with `outs[i].len()` payload
-/// bytes, and copies each verified payload into `outs[i]`; deletes the objects that fail
-/// verification. One outcome per key. After an error, some buffers may hold what was
-/// read: treat every one of them as not fetched.
+/// Gets `keys`, verifies each object as the object `label` says for page `hashes[i]`
+/// with `outs[i].len()` payload bytes, and copies each verified payload into `outs[i]`;
+/// deletes the objects that fail verification. One outcome per key. After an error,
+/// some buffers may hold what was read: treat every one of them as not fetched.
 pub fn get_pages_into(
     store: &dyn ObjectStore,
+    label: &Label,
     keys: &[&[u8]],
     hashes: &[[u8; HASH_LEN]],
     outs: &mut [&mut [u8]],
@@ -70,7 +77,7 @@ pub fn get_pages_into(
     let mut corrupt = Vec::new();
     store.get_each(keys, &mut |i, object| {
         if let Some(bytes) = object {
-            outcomes[i] = match frame::decode_into(&hashes[i], bytes, outs[i]) {
+            outcomes[i] = match frame::decode_into(label, &hashes[i], bytes, outs[i]) {
                 Ok(()) => Fetched::Ok,
                 Err(e) => {
                     corrupt.push(keys[i]);
@@ -91,6 +98,12 @@ mod tests {
     use super::*;
     use crate::faulty::{FaultRates, Faulty};
     use crate::file::FileStore;
+    use crate::frame::{Kind, IDENTITY_LEN};
+
+    const L: Label = Label {
+        kind: Kind::KvPage,
+        identity: [5; IDENTITY_LEN],
+    };
 
     struct Temp(FileStore);
 
@@ -137,7 +150,7 @@ mod tests {
     ) -> (Vec<Fetched>, Vec<Vec<u8>>) {
         let mut out = vec![vec![0u8; SIZE]; keys.len()];
         let mut rows: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-        let outcomes = get_pages_into(store, &refs(keys), hashes, &mut rows).unwrap();
+        let outcomes = get_pages_into(store, &L, &refs(keys), hashes, &mut rows).unwrap();
         (outcomes, out)
     }
 
@@ -146,18 +159,18 @@ mod tests {
         let t = temp("round");
         let (k, h, p) = batch(8);
         assert_eq!(
-            put_pages(&t.0, &refs(&k), &h, &refs(&p)).unwrap(),
+            put_pages(&t.0, &L, &refs(&k), &h, &refs(&p)).unwrap(),
             vec![true; 8]
         );
         // Stored framed.
         let raw = t.0.get(&refs(&k[..1])).unwrap().remove(0).unwrap();
-        assert_eq!(raw, frame::encode(&h[0], &p[0]));
+        assert_eq!(raw, frame::encode(&L, &h[0], &p[0]));
         let (outcomes, out) = fetch(&t.0, &k, &h);
         assert_eq!(outcomes, vec![Fetched::Ok; 8]);
         assert_eq!(out, p);
         // Write-once through pages too.
         assert_eq!(
-            put_pages(&t.0, &refs(&k), &h, &refs(&p)).unwrap(),
+            put_pages(&t.0, &L, &refs(&k), &h, &refs(&p)).unwrap(),
             vec![false; 8]
         );
     }
@@ -166,7 +179,7 @@ mod tests {
     fn missing_pages_leave_their_rows_alone() {
         let t = temp("missing");
         let (k, h, p) = batch(4);
-        put_pages(&t.0, &refs(&k[..2]), &h[..2], &refs(&p[..2])).unwrap();
+        put_pages(&t.0, &L, &refs(&k[..2]), &h[..2], &refs(&p[..2])).unwrap();
         let (outcomes, out) = fetch(&t.0, &k, &h);
         assert_eq!(
             outcomes.iter().map(Fetched::as_str).collect::<Vec<_>>(),
@@ -180,10 +193,10 @@ mod tests {
     fn corrupt_objects_are_reported_and_deleted() {
         let t = temp("corrupt");
         let (k, h, p) = batch(4);
-        put_pages(&t.0, &refs(&k[..1]), &h[..1], &refs(&p[..1])).unwrap();
+        put_pages(&t.0, &L, &refs(&k[..1]), &h[..1], &refs(&p[..1])).unwrap();
         // Raw garbage, another page's object, and a payload of another size.
-        let other = frame::encode(&h[0], &p[2]);
-        let short = frame::encode(&h[3], &p[3][..10]);
+        let other = frame::encode(&L, &h[0], &p[2]);
+        let short = frame::encode(&L, &h[3], &p[3][..10]);
         t.0.put(&refs(&k[1..]), &[b"garbage".as_slice(), &other, &short])
             .unwrap();
         let (outcomes, out) = fetch(&t.0, &k, &h);
@@ -203,10 +216,45 @@ mod tests {
     }
 
     #[test]
+    fn foreign_objects_are_reported_apart_and_deleted() {
+        let t = temp("foreign");
+        let (k, h, p) = batch(3);
+        // Another model's page, and a state, under this model's KV keys: intact objects
+        // of the same page and size, written with another label.
+        let other_model = Label {
+            identity: [6; IDENTITY_LEN],
+            ..L
+        };
+        let state = Label {
+            kind: Kind::MambaState,
+            ..L
+        };
+        put_pages(&t.0, &L, &refs(&k[..1]), &h[..1], &refs(&p[..1])).unwrap();
+        put_pages(
+            &t.0,
+            &other_model,
+            &refs(&k[1..2]),
+            &h[1..2],
+            &refs(&p[1..2]),
+        )
+        .unwrap();
+        put_pages(&t.0, &state, &refs(&k[2..]), &h[2..], &refs(&p[2..])).unwrap();
+        let (outcomes, out) = fetch(&t.0, &k, &h);
+        assert_eq!(
+            outcomes.iter().map(Fetched::as_str).collect::<Vec<_>>(),
+            ["ok", "foreign", "foreign"]
+        );
+        assert_eq!(outcomes[1], Fetched::Corrupt(Corrupt::Identity));
+        assert_eq!(out[0], p[0]);
+        assert!(out[1..].iter().all(|r| r.iter().all(|&b| b == 0)));
+        assert_eq!(t.0.exists(&refs(&k)).unwrap(), [true, false, false]);
+    }
+
+    #[test]
     fn flipped_bytes_from_the_store_never_land() {
         let t = temp("flip");
         let (k, h, p) = batch(16);
-        put_pages(&t.0, &refs(&k), &h, &refs(&p)).unwrap();
+        put_pages(&t.0, &L, &refs(&k), &h, &refs(&p)).unwrap();
         let rates = FaultRates {
             corrupt: 0.5,
             lose: 0.2,
@@ -232,14 +280,14 @@ mod tests {
     fn lengths_must_match_keys() {
         let t = temp("lengths");
         let (k, h, p) = batch(2);
-        let e = put_pages(&t.0, &refs(&k), &h[..1], &refs(&p)).unwrap_err();
+        let e = put_pages(&t.0, &L, &refs(&k), &h[..1], &refs(&p)).unwrap_err();
         assert_eq!(e.to_string(), "hashes: 1 given for 2 keys");
-        let e = put_pages(&t.0, &refs(&k), &h, &refs(&p[..1])).unwrap_err();
+        let e = put_pages(&t.0, &L, &refs(&k), &h, &refs(&p[..1])).unwrap_err();
         assert_eq!(e.to_string(), "payloads: 1 given for 2 keys");
         let mut row = [0u8; SIZE];
-        let e = get_pages_into(&t.0, &refs(&k), &h, &mut [&mut row]).unwrap_err();
+        let e = get_pages_into(&t.0, &L, &refs(&k), &h, &mut [&mut row]).unwrap_err();
         assert_eq!(e.to_string(), "outs: 1 given for 2 keys");
-        let e = get_pages_into(&t.0, &refs(&k), &h[..1], &mut []).unwrap_err();
+        let e = get_pages_into(&t.0, &L, &refs(&k), &h[..1], &mut []).unwrap_err();
         assert_eq!(e.to_string(), "hashes: 1 given for 2 keys");
     }
 
@@ -256,12 +304,12 @@ mod tests {
             },
         )
         .unwrap();
-        assert!(put_pages(&failing, &refs(&k), &h, &refs(&p))
+        assert!(put_pages(&failing, &L, &refs(&k), &h, &refs(&p))
             .unwrap_err()
             .is_timeout());
         let mut rows = [[0u8; SIZE]; 2];
         let [a, b] = &mut rows;
-        assert!(get_pages_into(&failing, &refs(&k), &h, &mut [a, b])
+        assert!(get_pages_into(&failing, &L, &refs(&k), &h, &mut [a, b])
             .unwrap_err()
             .is_timeout());
     }

@@ -15,7 +15,8 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use radixcache_l3::{
-    get_pages_into, open, put_pages, Fetched, ObjectStore, Options, Parts, RedisStore, StoreError,
+    get_pages_into, open, put_pages, Fetched, Kind, Label, ObjectStore, Options, Parts, RedisStore,
+    StoreError,
 };
 
 /// Whether redis-server can be run here; panics when it cannot but must.
@@ -308,6 +309,12 @@ fn get_each_sizes(store: &dyn ObjectStore) {
     assert_eq!(seen, want);
 }
 
+/// The label of the objects `framed_pages` writes.
+const LABEL: Label = Label {
+    kind: Kind::KvPage,
+    identity: [9; 32],
+};
+
 /// Framed pages through the store: verified on the way back, corrupt ones deleted.
 fn framed_pages(store: &dyn ObjectStore) {
     let k = keys("pg", 3);
@@ -315,7 +322,7 @@ fn framed_pages(store: &dyn ObjectStore) {
     let pages = [vec![1u8; 4096], vec![2; 4096], vec![3; 4096]];
     let p: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
     assert_eq!(
-        put_pages(store, &refs(&k[..2]), &h[..2], &p[..2]).unwrap(),
+        put_pages(store, &LABEL, &refs(&k[..2]), &h[..2], &p[..2]).unwrap(),
         [true, true]
     );
     store
@@ -323,7 +330,7 @@ fn framed_pages(store: &dyn ObjectStore) {
         .unwrap();
     let mut out = vec![vec![0u8; 4096]; 3];
     let mut rows: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-    let got = get_pages_into(store, &refs(&k), &h, &mut rows).unwrap();
+    let got = get_pages_into(store, &LABEL, &refs(&k), &h, &mut rows).unwrap();
     assert_eq!(got[..2], [Fetched::Ok, Fetched::Ok]);
     assert_eq!(got[2].as_str(), "corrupt");
     assert_eq!(out[..2], pages[..2]);

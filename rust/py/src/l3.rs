@@ -13,7 +13,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use radixcache_l3 as l3;
-use radixcache_l3::frame::{self, HASH_LEN, HEADER_LEN};
+use radixcache_l3::frame::{self, Label, HASH_LEN, HEADER_LEN, IDENTITY_LEN};
 
 use crate::convert::{type_name, Int};
 use crate::errors::{l3_err, open_err};
@@ -30,22 +30,61 @@ pub(crate) struct PyObjectStore {
     faults: Option<(u64, l3::FaultRates)>,
 }
 
-/// The store options of `timeout_ms`, which must be at least 1.
-fn options(timeout_ms: i64) -> PyResult<l3::Options> {
-    match u64::try_from(timeout_ms) {
-        Ok(ms) if ms > 0 => Ok(l3::Options::with_timeout(std::time::Duration::from_millis(
-            ms,
-        ))),
-        _ => Err(PyValueError::new_err(format!(
-            "timeout_ms: must be at least 1, got {timeout_ms}"
-        ))),
+/// The longest `timeout_ms` (a day): a deadline past it is a mistake, not a wish.
+const MAX_TIMEOUT_MS: i64 = 86_400_000;
+
+/// `timeout_ms` checked: an integer in `1..=MAX_TIMEOUT_MS`.
+fn timeout_arg(timeout_ms: Int) -> PyResult<i64> {
+    let ms = timeout_ms.get("timeout_ms")?;
+    if (1..=MAX_TIMEOUT_MS).contains(&ms) {
+        Ok(ms)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "timeout_ms: must be in 1..={MAX_TIMEOUT_MS} (a day), got {ms}"
+        )))
     }
+}
+
+/// `url` as text: a `str` of valid Unicode without NUL characters.
+fn url_arg(url: &Bound<'_, PyAny>) -> PyResult<String> {
+    let text = url.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!("url: expected a str, got {}", type_name(url)))
+    })?;
+    let text = text
+        .to_cow()
+        .map_err(|_| PyValueError::new_err("url: not valid Unicode (it holds a lone surrogate)"))?;
+    if text.contains('\0') {
+        return Err(PyValueError::new_err("url: holds a NUL character"));
+    }
+    Ok(text.into_owned())
 }
 
 /// Opens `url` with the GIL released (the file backend creates its directory).
 fn open(py: Python<'_>, url: &str, timeout_ms: i64) -> PyResult<Box<dyn l3::ObjectStore>> {
-    let options = options(timeout_ms)?;
+    // `timeout_arg` checked it positive.
+    let options = l3::Options::with_timeout(Duration::from_millis(timeout_ms.unsigned_abs()));
     py.detach(|| l3::open(url, options)).map_err(open_err)
+}
+
+/// The label of a call's objects: `kind` (`"kv"` or `"mamba"`) and `identity` (the
+/// 32-byte identity digest).
+fn label_arg(kind: &str, identity: &Bound<'_, PyAny>) -> PyResult<Label> {
+    let kind = frame::Kind::from_name(kind).ok_or_else(|| {
+        PyValueError::new_err(format!("kind: expected 'kv' or 'mamba', got {kind:?}"))
+    })?;
+    let bytes = identity.cast::<PyBytes>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "identity: expected {IDENTITY_LEN} bytes, got {}",
+            type_name(identity)
+        ))
+    })?;
+    let identity = <[u8; IDENTITY_LEN]>::try_from(bytes.as_bytes()).map_err(|_| {
+        PyValueError::new_err(format!(
+            "identity: expected {IDENTITY_LEN} bytes, got {}",
+            bytes.as_bytes().len()
+        ))
+    })?;
+    Ok(Label { kind, identity })
 }
 
 /// The items of `obj`, a list or tuple of `bytes`, copied; errors name `arg`.
@@ -146,15 +185,18 @@ fn as_refs(keys: &[Vec<u8>]) -> Vec<&[u8]> {
 #[pymethods]
 impl PyObjectStore {
     /// Opens the store at `url`; connects on first use (a store that is down opens and
-    /// fails its calls). `timeout_ms` bounds connecting and each read and write.
+    /// fails its calls). `timeout_ms` bounds each call.
     #[new]
     // The default (200 ms, also `faulty`'s) is written out: a constant would show as
     // `...` in the signature Python sees.
-    #[pyo3(signature = (url, *, timeout_ms = 200))]
-    fn new(py: Python<'_>, url: &str, timeout_ms: i64) -> PyResult<Self> {
+    #[pyo3(signature = (url, *, timeout_ms = Int::Value(200)),
+           text_signature = "(url, *, timeout_ms=200)")]
+    fn new(py: Python<'_>, url: &Bound<'_, PyAny>, timeout_ms: Int) -> PyResult<Self> {
+        let url = url_arg(url)?;
+        let timeout_ms = timeout_arg(timeout_ms)?;
         Ok(PyObjectStore {
-            store: open(py, url, timeout_ms)?,
-            url: url.to_owned(),
+            store: open(py, &url, timeout_ms)?,
+            url,
             timeout_ms,
             faults: None,
         })
@@ -163,18 +205,21 @@ impl PyObjectStore {
     /// For tests: the store at `url` with faults drawn from `seed` (rates in 0..=1):
     /// calls that fail or time out, objects lost or corrupted on `get`.
     #[staticmethod]
-    #[pyo3(signature = (url, *, seed, fail = 0.0, timeout = 0.0, lose = 0.0, corrupt = 0.0, timeout_ms = 200))]
+    #[pyo3(signature = (url, *, seed, fail = 0.0, timeout = 0.0, lose = 0.0, corrupt = 0.0, timeout_ms = Int::Value(200)),
+               text_signature = "(url, *, seed, fail=0.0, timeout=0.0, lose=0.0, corrupt=0.0, timeout_ms=200)")]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of the Python signature
     fn faulty(
         py: Python<'_>,
-        url: &str,
+        url: &Bound<'_, PyAny>,
         seed: Int,
         fail: f64,
         timeout: f64,
         lose: f64,
         corrupt: f64,
-        timeout_ms: i64,
+        timeout_ms: Int,
     ) -> PyResult<Self> {
+        let url = url_arg(url)?;
+        let timeout_ms = timeout_arg(timeout_ms)?;
         let seed = seed.count("seed")? as u64;
         let rates = l3::FaultRates {
             fail,
@@ -185,12 +230,12 @@ impl PyObjectStore {
         rates
             .validate()
             .map_err(|e| PyValueError::new_err(format!("{}: {e}", e.name)))?;
-        let inner = open(py, url, timeout_ms)?;
+        let inner = open(py, &url, timeout_ms)?;
         let store = l3::Faulty::new(inner, seed, rates)
             .map_err(|e| PyValueError::new_err(format!("{}: {e}", e.name)))?;
         Ok(PyObjectStore {
             store: Box::new(store),
-            url: url.to_owned(),
+            url,
             timeout_ms,
             faults: Some((seed, rates)),
         })
@@ -202,7 +247,7 @@ impl PyObjectStore {
         &self.url
     }
 
-    /// The timeout of connecting and of each read and write, in milliseconds.
+    /// The timeout of each call, in milliseconds.
     #[getter]
     fn timeout_ms(&self) -> i64 {
         self.timeout_ms
@@ -215,16 +260,21 @@ impl PyObjectStore {
             .map_err(l3_err)
     }
 
-    /// Frames row `i` of `data` as the object of page `hashes[i]` and stores it under
-    /// `keys[i]`, unless the key holds an object already (write-once); per key, whether
-    /// this call stored it.
+    /// Frames row `i` of `data` as the object of page `hashes[i]`, of kind `kind`
+    /// (`"kv"` or `"mamba"`) for identity `identity` (a 32-byte digest), and stores it
+    /// under `keys[i]`, unless the key holds an object already (write-once); per key,
+    /// whether this call stored it.
+    #[pyo3(signature = (keys, hashes, data, *, kind, identity))]
     fn put(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         hashes: &Bound<'_, PyAny>,
         data: &Bound<'_, PyAny>,
+        kind: &str,
+        identity: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<bool>> {
+        let label = label_arg(kind, identity)?;
         let keys = byte_strings(keys, "keys")?;
         let hashes = self::hashes(hashes, keys.len())?;
         let data = rows(data, "data", keys.len())?;
@@ -237,23 +287,28 @@ impl PyObjectStore {
             .map_err(|e| PyValueError::new_err(format!("data: {e}")))?;
         py.detach(|| {
             let payloads: Vec<&[u8]> = bytes.chunks_exact(size).collect();
-            l3::put_pages(&*self.store, &as_refs(&keys), &hashes, &payloads)
+            l3::put_pages(&*self.store, &label, &as_refs(&keys), &hashes, &payloads)
         })
         .map_err(l3_err)
     }
 
     /// Fetches `keys` into the rows of `out` (one row per key, the page's size), each
-    /// verified as the object of page `hashes[i]`. One outcome per key: `"ok"` (the row
-    /// holds the page), `"missing"`, or `"corrupt"` (the object failed verification and
-    /// was deleted); rows not `"ok"` are left untouched. When it raises, any row may hold
-    /// part of what was read.
+    /// verified as the object of page `hashes[i]`, of kind `kind`, for identity
+    /// `identity`. One outcome per key: `"ok"` (the row holds the page), `"missing"`,
+    /// `"foreign"` (an intact object of another kind or identity: deleted) or
+    /// `"corrupt"` (the object failed verification: deleted); rows not `"ok"` are left
+    /// untouched. When it raises, any row may hold part of what was read.
+    #[pyo3(signature = (keys, hashes, out, *, kind, identity))]
     fn get_into(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         hashes: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
+        kind: &str,
+        identity: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<&'static str>> {
+        let label = label_arg(kind, identity)?;
         let keys = byte_strings(keys, "keys")?;
         let hashes = self::hashes(hashes, keys.len())?;
         let out = rows(out, "out", keys.len())?;
@@ -267,7 +322,7 @@ impl PyObjectStore {
         let fetched = py
             .detach(|| {
                 let mut rows: Vec<&mut [u8]> = bytes.chunks_exact_mut(size).collect();
-                l3::get_pages_into(&*self.store, &as_refs(&keys), &hashes, &mut rows)
+                l3::get_pages_into(&*self.store, &label, &as_refs(&keys), &hashes, &mut rows)
             })
             .map_err(l3_err)?;
         Ok(fetched.iter().map(l3::Fetched::as_str).collect())
@@ -407,15 +462,20 @@ fn framed_rows<'py>(
     Ok(arr)
 }
 
-/// Frames row `i` of `data` as the object of page `hashes[i]` into row `i` of `out`
-/// (`HEADER_LEN` bytes wider than `data`): the bytes `ObjectStore.put` stores.
+/// Frames row `i` of `data` as the object of page `hashes[i]`, of kind `kind` for
+/// identity `identity`, into row `i` of `out` (`HEADER_LEN` bytes wider than `data`): the
+/// bytes `ObjectStore.put` stores.
 #[pyfunction]
+#[pyo3(signature = (hashes, data, out, *, kind, identity))]
 pub(crate) fn frame_encode(
     py: Python<'_>,
     hashes: &Bound<'_, PyAny>,
     data: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
+    kind: &str,
+    identity: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let label = label_arg(kind, identity)?;
     let count = byte_strings(hashes, "hashes")?.len();
     let hashes = self::hashes(hashes, count)?;
     let data = rows(data, "data", count)?;
@@ -439,7 +499,7 @@ pub(crate) fn frame_encode(
             .zip(objects.chunks_exact_mut(HEADER_LEN + size));
         for (hash, (payload, object)) in hashes.iter().zip(rows) {
             let (head, body) = object.split_at_mut(HEADER_LEN);
-            head.copy_from_slice(&frame::header(hash, payload));
+            head.copy_from_slice(&frame::header(&label, hash, payload));
             body.copy_from_slice(payload);
         }
     });
@@ -447,16 +507,22 @@ pub(crate) fn frame_encode(
 }
 
 /// Verifies the first `lengths[i]` bytes of row `i` of `objects` as the object of page
-/// `hashes[i]` and copies its payload into row `i` of `out`; per row, None (verified and
-/// copied) or why it is corrupt (the row of `out` left untouched).
+/// `hashes[i]`, of kind `kind` for identity `identity`, and copies its payload into row
+/// `i` of `out`; per row, `"ok"` (verified and copied), `"foreign"` (an intact object of
+/// another kind or identity) or `"corrupt"` (the row of `out` left untouched but for
+/// `"ok"`).
 #[pyfunction]
+#[pyo3(signature = (hashes, objects, lengths, out, *, kind, identity))]
 pub(crate) fn frame_decode(
     py: Python<'_>,
     hashes: &Bound<'_, PyAny>,
     objects: &Bound<'_, PyAny>,
     lengths: Vec<i64>,
     out: &Bound<'_, PyAny>,
-) -> PyResult<Vec<Option<String>>> {
+    kind: &str,
+    identity: &Bound<'_, PyAny>,
+) -> PyResult<Vec<&'static str>> {
+    let label = label_arg(kind, identity)?;
     let hashes = self::hashes(hashes, lengths.len())?;
     let out = rows(out, "out", hashes.len())?;
     let size = out.shape()[1];
@@ -493,9 +559,11 @@ pub(crate) fn frame_decode(
             .zip(&lengths)
             .zip(rows)
             .map(|((hash, &n), (object, payload))| {
-                frame::decode_into(hash, &object[..n], payload)
-                    .err()
-                    .map(|e| e.to_string())
+                match frame::decode_into(&label, hash, &object[..n], payload) {
+                    Ok(()) => "ok",
+                    Err(e) if e.is_foreign() => "foreign",
+                    Err(_) => "corrupt",
+                }
             })
             .collect()
     }))
