@@ -87,7 +87,11 @@ class ReplayConfig:
     ``"host_eviction"`` (only when host eviction deletes them); only with `l3`.
     `l3_prefetch` fetches in the background while the request waits in the queue
     (`Scheduler`, "L3 prefetch"), calling off a fetch after `l3_prefetch_timeout`
-    seconds; only with `l3`. `events`
+    seconds; only with `l3`. The tier names its objects by the model (`l3_model`: the
+    checksum model's seed) and by `tp_rank` of `tp_size`: a server that is rank
+    ``tp_rank`` of a tensor-parallel group holds other heads, so its checksum model's
+    bytes are another function of the seed (``seed ^ (tp_rank << 32)``; rank 0 is the
+    seed's own), and its objects other keys. `events`
     turns the cache's KV events on (with page hashes), for a caller that takes them
     (`radixcache.events`).
     """
@@ -127,6 +131,8 @@ class ReplayConfig:
     l3_write: Literal["backup", "host_eviction"] = "backup"
     l3_prefetch: bool = False
     l3_prefetch_timeout: float = 1.0
+    tp_rank: int = 0
+    tp_size: int = 1
     events: bool = False
 
     @property
@@ -317,6 +323,8 @@ class Server:
                     storage,
                     store,
                     model=config.l3_model,
+                    tp_rank=config.tp_rank,
+                    tp_size=config.tp_size,
                     min_tokens=config.l3_min_tokens,
                 )
             self.engine = FaultyEngine(
@@ -326,7 +334,7 @@ class Server:
                 seed=config.seed + 1 + seed_offset,
                 l3=self.l3,
             )
-            self.model = ChecksumModel(cache, storage, seed=config.seed)
+            self.model = ChecksumModel(cache, storage, seed=config.seed ^ (config.tp_rank << 32))
         elif config.l3 is not None:
             raise ValueError(
                 "l3: the L3 tier moves the checksum model's bytes; it needs oracle=True"
