@@ -151,3 +151,29 @@ class Gated:
         self.reading.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return self.store.get_into(keys, hashes, out, **label)
+
+
+class PageHashKeys:
+    """A real store reached through keys that name the page alone (kind and hash).
+
+    What a store shared with a client that leaves the model out of its keys looks like:
+    every identity's objects land under the same names, so only the frame tells them
+    apart.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.url = store.url
+
+    @staticmethod
+    def _keys(keys: list[bytes]) -> list[bytes]:
+        return [k.split(b":", 2)[2] for k in keys]  # rc2:{identity}:{kind}:{hash} -> kind:hash
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        return self.store.exists(self._keys(keys))
+
+    def put(self, keys: list[bytes], hashes: Any, data: Any, **label: Any) -> list[bool]:
+        return self.store.put(self._keys(keys), hashes, data, **label)
+
+    def get_into(self, keys: list[bytes], hashes: Any, out: Any, **label: Any) -> Any:
+        return self.store.get_into(self._keys(keys), hashes, out, **label)

@@ -31,7 +31,7 @@ from radixcache.l3 import L3Identity, L3Tier
 from radixcache.serving import harness, workloads
 from radixcache.serving.harness import ReplayConfig, replay
 
-from l3_common import MODEL, Gated, L3Cache
+from l3_common import MODEL, Gated, L3Cache, PageHashKeys
 
 TOKENS = list(range(100, 124))  # six pages of 4
 
@@ -39,32 +39,6 @@ TOKENS = list(range(100, 124))  # six pages of 4
 @pytest.fixture
 def url(tmp_path: Path) -> str:
     return f"file://{tmp_path / 'store'}"
-
-
-class PageHashKeys:
-    """A real store reached through keys that name the page alone (kind and hash).
-
-    What a store shared with a client that leaves the model out of its keys looks like:
-    every identity's objects land under the same names, so only the frame tells them
-    apart.
-    """
-
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
-        self.url = store.url
-
-    @staticmethod
-    def _keys(keys: list[bytes]) -> list[bytes]:
-        return [k.split(b":", 2)[2] for k in keys]  # rc2:{identity}:{kind}:{hash} -> kind:hash
-
-    def exists(self, keys: list[bytes]) -> list[bool]:
-        return self.store.exists(self._keys(keys))
-
-    def put(self, keys: list[bytes], hashes: Any, data: Any, **label: Any) -> list[bool]:
-        return self.store.put(self._keys(keys), hashes, data, **label)
-
-    def get_into(self, keys: list[bytes], hashes: Any, out: Any, **label: Any) -> Any:
-        return self.store.get_into(self._keys(keys), hashes, out, **label)
 
 
 def _writer_then_reader(

@@ -18,7 +18,11 @@ The data oracle: every KV slot written for token `p` of a prompt holds a value d
 from the prompt's first `p + 1` tokens, and every state slot one derived from its
 prefix, in both caches alike, so one cache's objects are right for the other. Whatever
 a match hands out, before and after a load-back of pages that came from the store,
-must hold exactly those values. After every step: `audit()` on both caches. At the end:
+must hold exactly those values. Sometimes a third cache, of another model (its values
+derived with a salt of its own), shares the store, and sometimes every client keys
+objects by page alone (`PageHashKeys`), as a client that leaves the model out of its
+keys would: then the other model's objects sit under the very keys the two caches read,
+and only their frames tell them apart; the oracle holds all the same. After every step: `audit()` on both caches. At the end:
 every fetch ends (`close`), everything is evicted, and every pool of both caches is
 full again.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,7 +51,7 @@ from radixcache import Breaker, ObjectStore
 from radixcache.l3 import L3Fetch
 
 from conftest import examples
-from l3_common import L3Cache
+from l3_common import MODEL, L3Cache, PageHashKeys
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +66,14 @@ def code(tokens: list[int], salt: bytes = b"") -> float:
 
 
 class Side(L3Cache):
-    """One cache with its storage, L3 tier and engine, and its background fetches."""
+    """One cache with its storage, L3 tier and engine, and its background fetches.
 
-    def __init__(self, store: ObjectStore, hybrid: bool, l3_write: str) -> None:
+    `salt` derives its model's values: caches of one model share a salt.
+    """
+
+    def __init__(
+        self, store: Any, hybrid: bool, l3_write: str, *, model: str = MODEL, salt: bytes = b""
+    ) -> None:
         # A breaker that never opens: the faults are drawn per call, not a dead store.
         breaker = Breaker(threshold=1 << 30, cooldown_ms=0)
         super().__init__(
@@ -75,7 +85,9 @@ class Side(L3Cache):
             l3_write=l3_write,
             small=True,
             breaker=breaker,
+            model=model,
         )
+        self.salt = salt
         self.fetches: list[L3Fetch] = []
 
 
@@ -90,15 +102,31 @@ class L3Machine(RuleBasedStateMachine):
         l3_write=st.sampled_from(["backup", "host_eviction"]),
         faulty=st.booleans(),
         seed=st.integers(0, 1 << 16),
+        stranger=st.booleans(),
+        page_keys=st.booleans(),
     )
-    def build(self, hybrid: bool, l3_write: str, faulty: bool, seed: int) -> None:
+    def build(
+        self,
+        hybrid: bool,
+        l3_write: str,
+        faulty: bool,
+        seed: int,
+        stranger: bool = False,
+        page_keys: bool = False,
+    ) -> None:
         url = f"file://{self.dir}"
         rates = {"fail": 0.1, "lose": 0.1, "corrupt": 0.1} if faulty else {}
         self.hybrid = hybrid
-        self.sides = [
-            Side(ObjectStore.faulty(url, seed=seed + k, **rates), hybrid, l3_write)
-            for k in range(2)
-        ]
+
+        def client(k: int) -> Any:
+            store = ObjectStore.faulty(url, seed=seed + k, **rates)
+            return PageHashKeys(store) if page_keys else store
+
+        self.sides = [Side(client(k), hybrid, l3_write) for k in range(2)]
+        if stranger:
+            self.sides.append(
+                Side(client(2), hybrid, l3_write, model="another-model", salt=b"another")
+            )
 
     def teardown(self) -> None:
         try:
@@ -123,7 +151,7 @@ class L3Machine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ helpers
 
     def side(self, data: st.DataObject) -> Side:
-        return self.sides[data.draw(st.integers(0, 1), label="cache")]
+        return self.sides[data.draw(st.integers(0, len(self.sides) - 1), label="cache")]
 
     @staticmethod
     def prompt(data: st.DataObject) -> list[int]:
@@ -136,12 +164,12 @@ class L3Machine(RuleBasedStateMachine):
         m = side.cache.match_prefix(tokens)
         k, v = side.storage.kv["device"]
         for p, slot in enumerate(np.asarray(m.kv_indices)[: m.device_len]):
-            want = code(tokens[: p + 1])
+            want = code(tokens[: p + 1], side.salt)
             assert np.all(k[:, slot] == want), f"device K of token {p} of {tokens}"
             assert np.all(v[:, slot] == want + 0.5), f"device V of token {p} of {tokens}"
         if self.hybrid and m.mamba_slot is not None and m.device_len:
             conv, ssm = side.storage.mamba["device"]
-            want = code(tokens[: m.device_len], b"s")
+            want = code(tokens[: m.device_len], side.salt + b"s")
             assert np.all(conv[:, m.mamba_slot] == want), f"state at {m.device_len}"
             assert np.all(ssm[:, m.mamba_slot] == want + 0.5), f"state at {m.device_len}"
 
@@ -163,8 +191,8 @@ class L3Machine(RuleBasedStateMachine):
         slots = np.asarray(got, dtype=np.int64)
         k, v = side.storage.kv["device"]
         for p, slot in enumerate(slots):
-            k[:, slot] = code(tokens[: p + 1])
-            v[:, slot] = code(tokens[: p + 1]) + 0.5
+            k[:, slot] = code(tokens[: p + 1], side.salt)
+            v[:, slot] = code(tokens[: p + 1], side.salt) + 0.5
         state = None
         if self.hybrid:
             state = cache.alloc_mamba()
@@ -172,19 +200,28 @@ class L3Machine(RuleBasedStateMachine):
                 cache.free_kv(slots)
                 return
             conv, ssm = side.storage.mamba["device"]
-            conv[:, state] = code(tokens, b"s")
-            ssm[:, state] = code(tokens, b"s") + 0.5
+            conv[:, state] = code(tokens, side.salt + b"s")
+            ssm[:, state] = code(tokens, side.salt + b"s") + 0.5
         cache.insert(tokens, slots, mamba_slot=state)
 
     @precondition(lambda self: sum(len(s.fetches) for s in self.sides) < MAX_FETCHES)
-    @rule(data=st.data(), background=st.booleans())
-    def hand_over(self, data: st.DataObject, background: bool) -> None:
-        """One cache computes a prompt and writes it; the other fetches it."""
-        a = data.draw(st.integers(0, 1), label="writer")
-        writer, reader = self.sides[a], self.sides[1 - a]
+    @rule(data=st.data(), background=st.booleans(), forget=st.booleans())
+    def hand_over(self, data: st.DataObject, background: bool, forget: bool) -> None:
+        """One cache computes a prompt and writes it; another fetches it.
+
+        `forget`: the reader first evicts what it can of both tiers, so that the fetch
+        has pages to bring (else the reader often holds the shared prefixes already).
+        """
+        writer = self.side(data)
+        reader = data.draw(st.sampled_from([s for s in self.sides if s is not writer]))
         tokens = self.prompt(data)
         self.do_compute(writer, tokens)
         writer.settle()
+        if forget:
+            reader.cache.evict(kv_tokens=1 << 20, mamba_states=1 << 20)
+            reader.settle()
+            reader.cache.evict_host(kv_tokens=1 << 20, mamba_states=1 << 20)
+            reader.settle()
         if background:
             fetch = reader.tier.start_fetch(tokens)
             if fetch is not None:
