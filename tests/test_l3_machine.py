@@ -22,9 +22,9 @@ must hold exactly those values. Sometimes a third cache, of another model (its v
 derived with a salt of its own), shares the store, and sometimes every client keys
 objects by page alone (`PageHashKeys`), as a client that leaves the model out of its
 keys would: then the other model's objects sit under the very keys the two caches read,
-and only their frames tell them apart; the oracle holds all the same. After every step: `audit()` on both caches. At the end:
-every fetch ends (`close`), everything is evicted, and every pool of both caches is
-full again.
+and only their frames tell them apart; the oracle holds all the same. After every
+step: `audit()` on every cache. At the end: every fetch ends (`close`), everything is
+evicted, and every pool of every cache is full again.
 """
 
 from __future__ import annotations
