@@ -192,11 +192,36 @@ def test_bad_mooncake_urls_are_refused_naming_the_part(url: str, match: str) -> 
 
 
 def test_open_store_picks_the_backend_by_scheme(tmp_path: Path) -> None:
-    assert isinstance(open_store("mooncake://127.0.0.1:1"), MooncakeStore)
     assert isinstance(open_store(f"file://{tmp_path}"), ObjectStore)
     assert isinstance(open_store("redis://127.0.0.1:1"), ObjectStore)
-    with pytest.raises(ValueError, match="bad store url"):
+    forms = r"redis://.*, redis\+cluster://.*, file:///ABSOLUTE/DIR, mooncake://MASTER_HOST:PORT"
+    with pytest.raises(ValueError, match=rf"^url: bad store url 'ftp://nowhere': scheme .*{forms}"):
         open_store("ftp://nowhere")
+    with pytest.raises(
+        ValueError, match=rf"^url: bad store url 'localhost:6379': no scheme .*{forms}"
+    ):
+        open_store("localhost:6379")
+    with pytest.raises(TypeError, match=r"^url: expected a str, got bytes"):
+        open_store(b"redis://127.0.0.1:1")  # type: ignore[arg-type]
+
+
+def test_a_mooncake_url_opens_a_mooncake_store() -> None:
+    need_mooncake()
+    assert isinstance(open_store("mooncake://127.0.0.1:1"), MooncakeStore)
+
+
+def test_a_mooncake_url_without_the_package_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    with pytest.raises(
+        ImportError,
+        match=r"mooncake package is not installed: pip install 'radixcache\[mooncake\]'",
+    ):
+        open_store("mooncake://127.0.0.1:1")
+    # A bad URL is said first, package or not.
+    with pytest.raises(ValueError, match=r"^url: unknown query parameter 'nope'"):
+        open_store("mooncake://h:1?nope=1")
 
 
 def test_the_local_host_defaults_to_the_address_of_the_route_to_the_master() -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import threading
@@ -140,13 +141,16 @@ def open_store(url: str) -> ObjectStoreLike:
         what = "no scheme" if not sep else f"scheme {scheme!r} is not one of them"
         raise ValueError(f"url: bad store url {url!r}: {what} (expected {', '.join(_FORMS)})")
     if scheme == "mooncake":
-        try:
-            from .mooncake import MooncakeStore
-        except ImportError as e:
+        from .mooncake import MooncakeStore, parse_mooncake_url
+
+        parse_mooncake_url(url)  # a bad URL is refused first, package or not
+        # The client is imported when it first connects: check for it now, so that a
+        # missing package is an error here, not one in the middle of serving.
+        if importlib.util.find_spec("mooncake") is None:
             raise ImportError(
-                f"url: {url!r} needs Mooncake Store's client, which is not installed "
-                f"({e}): pip install 'radixcache[mooncake]'"
-            ) from e
+                f"url: {url!r} needs Mooncake Store's client, and the mooncake package is "
+                "not installed: pip install 'radixcache[mooncake]'"
+            )
         return MooncakeStore(url)
     return ObjectStore(url)
 
