@@ -3,7 +3,7 @@
 - No tracked file points at design documents outside the repository; every rule and
   invariant of docs/contract.md that code, tests or docs cite by number exists there.
 - The README's first Python snippet runs as written on a CPU-only machine.
-- The gauge identities that the README and docs/contract.md state hold for every pool,
+- The gauge identities that docs/usage.md and docs/contract.md state hold for every pool,
   host pools included, while copies are in flight.
 """
 
@@ -25,6 +25,7 @@ import radixcache as rc
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = ROOT / "docs" / "contract.md"
 README = ROOT / "README.md"
+USAGE = ROOT / "docs" / "usage.md"
 
 #: Names of the design documents that live outside the repository, and the path to them.
 #: Written so that this file does not match its own patterns.
@@ -206,7 +207,7 @@ def moments() -> Iterator[tuple[str, dict[str, int]]]:
     yield "cleared", cache.stats()
 
 
-@pytest.mark.parametrize("path", [README, CONTRACT], ids=["README", "contract"])
+@pytest.mark.parametrize("path", [USAGE, CONTRACT], ids=["usage", "contract"])
 def test_the_stated_gauge_formulas_hold_for_every_pool_host_pools_included(path: Path) -> None:
     stated = formulas(path)
     assert sorted(stated) == ["host_kv", "host_mamba", "kv", "mamba"], stated
