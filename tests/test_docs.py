@@ -15,7 +15,8 @@ blocks in these docs", says the same for a reader):
   stderr); the blocks of one page run in order in one fresh interpreter, in one namespace,
   so a block may use what an earlier block of the same page defined;
 - unmarked ``bash`` (``sh``, ``shell``) blocks run with ``bash -euo pipefail`` in an empty
-  temporary directory, the interpreter's scripts (``radixcache``, ``python``) first on PATH;
+  temporary directory, the interpreter's scripts (``radixcache``, ``python``) first on PATH
+  (a test marked slow: they are small replays);
 - ``redis``: runs as well, against a redis-server started on loopback (tests/conftest.py),
   the block's ``redis://HOST:PORT`` replaced by its address (without redis-server its page
   is skipped, or fails under RADIXCACHE_REQUIRE_REDIS=1 as in CI);
@@ -369,6 +370,7 @@ def test_the_python_blocks_of_each_page_run(
     assert done.stderr == ""
 
 
+@pytest.mark.slow  # replays and fleets of a few seconds: the CLI's own tests run the same calls
 @pytest.mark.parametrize(
     "where",
     [b.where for p in runs("shell") for b in page_blocks(p) if b.runs and b.language == "shell"],
