@@ -135,11 +135,21 @@ def test_the_counters_follow_the_queue() -> None:
     assert (s["events_emitted"], s["events_pending"]) == (2, 0)
 
 
-def test_with_events_off_nothing_is_queued() -> None:
-    c = rc.HybridCache(kv_slots=64, page_size=2, page_hashes=True)
+@pytest.mark.parametrize("page_hashes", [False, True])
+def test_take_events_without_events_says_how_to_turn_them_on(page_hashes: bool) -> None:
+    """An empty list would leave a subscriber waiting for ever (issue 33, item 12)."""
+    c = rc.HybridCache(kv_slots=64, page_size=2, page_hashes=page_hashes)
     cached(c, [1, 2])
-    assert c.take_events() == []
-    assert c.stats()["events_emitted"] == 0
+    before = c.stats()
+    assert (before["events_emitted"], before["events_pending"]) == (0, 0)
+    with pytest.raises(
+        ValueError,
+        match=r"^events: take_events: the cache was built with events=False, so it queues no "
+        r"KV events; build it with page_hashes=True, events=True",
+    ):
+        c.take_events()
+    assert c.stats() == before, "a refused call changes nothing"
+    c.audit()
 
 
 def test_events_without_page_hashes_are_refused_naming_events() -> None:

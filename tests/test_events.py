@@ -13,6 +13,7 @@ import atexit
 import hashlib
 import importlib
 import importlib.util
+import re
 import struct
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -779,27 +781,112 @@ def test_subscriber_refuses_bad_arguments_and_times_out() -> None:
             ctx.term()
 
 
-def test_malformed_replay_answer_raises_and_leaves_no_leftovers() -> None:
+def replay_server() -> tuple[Any, Any, str]:
+    """A test-only replay socket (a ZMQ ROUTER) that answers what a test scripts: what a
+    real publisher never sends. Returns (context, socket, address)."""
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
     server.setsockopt(zmq.RCVTIMEO, 20_000)  # a broken subscriber fails the test, not hangs it
     server.bind(LOOPBACK)
-    address = server.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return ctx, server, server.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def seq_frame(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+END = [b"", seq_frame(-1), b""]
+
+
+def test_unreadable_replay_messages_are_skipped_and_resync_starts_after_them() -> None:
+    """Issue 33, item 9, in the replay: a message that is not a replay answer, a batch that
+    cannot be decoded and a negative sequence number are skipped and counted; a gap they
+    leave in a catch-up raises SequenceGap (the router resyncs), and a resync starts the
+    index over after the hole, so that nothing a lost batch removed is claimed."""
+    ctx, server, address = replay_server()
+    a, c = ev.encode_batch([stored(A)]), ev.encode_batch([stored(C)])
+    bad = BAD_PAYLOADS["unknown event type"]
+    # The history: 0 undecodable, 1 stores A, 2 (unreadable in the replays), 3 stores C.
+    answers = [
+        # catch_up from 0
+        [
+            [b"not a replay message"],
+            [b"t", seq_frame(0), bad],
+            [b"t", seq_frame(1), a],
+            [b"t", seq_frame(-5), b""],
+        ],
+        # catch_up from 2: batch 2 unreadable, so 3 shows a gap
+        [[b"t", b"\x00\x02", b"?"], [b"t", seq_frame(3), c]],
+        # resync, from 0
+        [
+            [b"t", seq_frame(0), bad],
+            [b"t", seq_frame(1), a],
+            [b"t", b"\x02"],
+            [b"t", seq_frame(3), c],
+        ],
+    ]
+    starts = []
 
     def serve() -> None:
-        client, _, _ = server.recv_multipart()
-        server.send_multipart([client, b"", b"not a replay message"])
-        server.send_multipart([client, b"", b"t", (0).to_bytes(8, "big"), b"leftover"])
-        client, _, _ = server.recv_multipart()
-        server.send_multipart([client, b"", b"", b"\xff" * 8, b""])
+        for answer in answers:
+            client, _, start = server.recv_multipart()
+            starts.append(int.from_bytes(start, "big"))
+            for frames in [*answer, END]:
+                server.send_multipart([client, b"", *frames])
 
     thread = threading.Thread(target=serve)
     thread.start()
     try:
         with ev.KvEventSubscriber("tcp://127.0.0.1:1", address) as sub:
-            with pytest.raises(ev.EventDecodeError, match="replay message: expected"):
+            assert sub.catch_up() == 1
+            assert sub.index.next_seq == 2
+            assert sub.index.pages("GPU") == {sglang_int(h) for h in chain(A, PAGE)}
+            assert (sub.decode_errors, sub.skipped_seqs) == (3, (0,))
+            error = sub.last_decode_error
+            assert error is not None
+            assert error.seq is None
+            assert "sequence number -5 is negative" in str(error)
+            with pytest.raises(ev.SequenceGap) as gap:
                 sub.catch_up()
-            assert sub.catch_up() == 0  # a fresh socket: the leftover is not read
+            assert (gap.value.expected, gap.value.received) == (2, 3)
+            assert sub.decode_errors == 4
+            assert sub.resync() == 2  # A, then C after the hole
+            assert sub.index.next_seq == 4
+            # A is forgotten: batch 2 is lost, and might have removed it.
+            assert sub.index.snapshot() == model([[stored(C)]], "sglang")
+            assert (sub.decode_errors, sub.skipped_seqs) == (5, (0,)), "batch 0 counted once"
+            assert sub.replayed_batches == 3
+    finally:
+        thread.join()
+        server.close(linger=0)
+        ctx.term()
+    assert starts == [0, 2, 0]
+
+
+def test_a_replay_cut_short_leaves_no_leftovers() -> None:
+    """After a replay that timed out, the rest of its answer is not read as the next one's
+    (a new socket)."""
+    ctx, server, address = replay_server()
+    a, c = ev.encode_batch([stored(A)]), ev.encode_batch([stored(C)])
+
+    def serve() -> None:
+        client, _, _ = server.recv_multipart()
+        server.send_multipart([client, b"", b"t", seq_frame(0), a])  # no end in time
+        again, _, start = server.recv_multipart()
+        assert start == seq_frame(1)
+        server.send_multipart([client, b"", *END])  # the first answer's end, late
+        server.send_multipart([again, b"", b"t", seq_frame(1), c])
+        server.send_multipart([again, b"", *END])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with ev.KvEventSubscriber("tcp://127.0.0.1:1", address) as sub:
+            with pytest.raises(TimeoutError, match="no end of replay"):
+                sub.catch_up(timeout=0.3)
+            assert sub.index.next_seq == 1  # batch 0 was applied before the timeout
+            assert sub.catch_up() == 1
+            assert sub.index.next_seq == 2
     finally:
         thread.join()
         server.close(linger=0)
@@ -833,25 +920,250 @@ def test_catch_up_reads_older_vllm_replay_answers() -> None:
         ctx.term()
 
 
-def test_malformed_live_message_raises() -> None:
+def test_a_live_message_without_a_sequence_number_is_skipped_and_counted() -> None:
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.bind(LOOPBACK)
     try:
         with ev.KvEventSubscriber(pub.getsockopt(zmq.LAST_ENDPOINT).decode()) as sub:
             deadline = time.monotonic() + 20
-            error: ev.EventDecodeError | None = None
-            while error is None:
+            while sub.decode_errors == 0:  # until the subscription is through
                 assert time.monotonic() < deadline
-                pub.send_multipart([b"", b"short"])
-                try:
-                    sub.poll(0.1)
-                except ev.EventDecodeError as exc:
-                    error = exc
-            assert "live message: expected [topic, seq (8 bytes), payload]" in str(error)
+                pub.send_multipart([b"", b"short", b"payload"])
+                sub.poll(0.1)
+            error = sub.last_decode_error
+            assert error is not None
+            assert error.seq is None
+            assert "a message cannot be decoded: live message: expected [topic, seq (8 bytes)" in (
+                str(error)
+            )
+            assert "got 3 frames (seq of 5 bytes)" in str(error)
+            errors = sub.decode_errors
+            pub.send_multipart([b"", seq_frame(0)])  # two frames
+            pub.send_multipart([b"", seq_frame(0), ev.encode_batch([stored(A)])])
+            while sub.index.next_seq == 0:
+                assert time.monotonic() < deadline
+                sub.poll(0.1)
+            assert sub.decode_errors == errors + 1
+            assert sub.skipped_seqs == (), "no batch was lost"
+            assert sub.index.pages("GPU") == {sglang_int(h) for h in chain(A, PAGE)}
     finally:
         pub.close(linger=0)
         ctx.term()
+
+
+# ----------------------------------------------------------------------------- undecodable
+
+
+#: Hand-made payloads a subscriber cannot decode (issue 33, item 9).
+BAD_PAYLOADS: dict[str, bytes] = {
+    "unknown event type": msgpack.packb(
+        [1.0, [{"type": "BlockMoved", "block_hashes": [1], "medium": "GPU"}], 0]
+    ),
+    "truncated msgpack": ev.encode_batch([stored(A)])[:-5],
+    "wrong field types": msgpack.packb(
+        [1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": "abcd", "block_size": 4}]]
+    ),
+    "bad hash": msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [b"short"]}], 0]),
+    "not a batch": msgpack.packb("hello"),
+}
+BAD = pytest.mark.parametrize("bad", list(BAD_PAYLOADS.values()), ids=list(BAD_PAYLOADS))
+
+
+def test_the_bad_payloads_are_refused_by_decode_batch() -> None:
+    for name, payload in BAD_PAYLOADS.items():
+        with pytest.raises(ev.EventDecodeError) as info:
+            ev.decode_batch(payload)
+        assert info.value.seq is None, name
+
+
+#: Anything msgpack encodes, as payloads are made of.
+MSGPACK_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=6) | st.integers(0, 9), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+EVENT_FIELDS = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    ev.STATE_KEY,
+    ev.STATE_HASHES_KEY,
+]
+EVENT_LIKE = (
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])},
+        optional=dict.fromkeys(EVENT_FIELDS, MSGPACK_VALUES),
+    )
+    | st.lists(MSGPACK_VALUES, max_size=8).map(lambda rest: ["BlockStored", *rest])
+    | MSGPACK_VALUES
+)
+BATCH_LIKE = st.one_of(
+    st.tuples(MSGPACK_VALUES, st.lists(EVENT_LIKE, max_size=4), MSGPACK_VALUES).map(list),
+    MSGPACK_VALUES,
+)
+
+
+def decode_or_refuse(payload: bytes) -> None:
+    """`decode_batch` decodes `payload` or raises EventDecodeError, nothing else; what it
+    decodes, an index applies."""
+    for fmt in ("sglang", "vllm"):
+        try:
+            batch = ev.decode_batch(payload, format=fmt)  # type: ignore[arg-type]
+        except ev.EventDecodeError:
+            continue
+        ev.RouterIndex(fmt).apply(0, batch)  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(BATCH_LIKE)
+def test_decode_refuses_any_malformed_batch_with_event_decode_error(obj: Any) -> None:
+    """The subscriber skips what raises EventDecodeError: any other error would stop it."""
+    decode_or_refuse(msgpack.packb(obj, use_bin_type=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(BATCHES), st.integers(0, 10_000), st.integers(0, 255), st.binary())
+def test_decode_refuses_damaged_bytes_with_event_decode_error(
+    batch: list[Event], at: int, byte: int, tail: bytes
+) -> None:
+    good = ev.encode_batch(batch)
+    at %= len(good)
+    decode_or_refuse(good[:at])
+    decode_or_refuse(good[:at] + bytes([byte]) + good[at + 1 :])
+    decode_or_refuse(tail)
+
+
+def publish_payload(pub: ev.KvEventPublisher, payload: bytes, monkeypatch: Any) -> int:
+    """Publish `payload` as is through the real publisher (sequence number, socket, replay
+    buffer), its encoder swapped for this one call: what a buggy or newer publisher sends."""
+    with monkeypatch.context() as patch:
+        patch.setattr(ev, "encode_batch", lambda events, **kwargs: payload)
+        seq = pub.publish([Event("cleared")])
+    assert seq is not None
+    return seq
+
+
+def until_live(pub: ev.KvEventPublisher, sub: ev.KvEventSubscriber) -> None:
+    """Publish clears until one arrives live: the subscription has reached the publisher."""
+    deadline = time.monotonic() + 20
+    while sub.live_batches == 0:
+        assert time.monotonic() < deadline
+        pub.publish([Event("cleared")])
+        sub.poll(0.05)
+
+
+@BAD
+def test_a_live_batch_that_cannot_be_decoded_is_skipped_and_the_index_starts_over_after_it(
+    bad: bytes, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 33, item 9: it made every later poll() and resync() raise, for good."""
+    with (
+        ev.KvEventPublisher(LOOPBACK, LOOPBACK) as pub,
+        ev.KvEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        until_live(pub, sub)
+        pub.publish([stored(A), state("state_stored", A)])
+        lost = publish_payload(pub, bad, monkeypatch)  # as if it had removed A
+        pub.publish([stored(C)])
+        drain(sub, pub.next_seq)
+        assert sub.decode_errors == 1
+        assert sub.skipped_seqs == (lost,)
+        error = sub.last_decode_error
+        assert error is not None
+        assert error.seq == lost
+        assert f"batch {lost} cannot be decoded: payload" in str(error)
+        assert isinstance(error.__cause__, ev.EventDecodeError)
+        assert f"the index starts over, empty, at batch {lost + 1}" in caplog.text
+        # A is forgotten (the lost batch may have removed it): the index under-claims the
+        # worker's cache, and never claims a page it no longer holds.
+        after = [[stored(C)]]
+        assert sub.index.snapshot() == model(after, "sglang")
+        # Later batches apply; poll, catch_up and resync go on.
+        after.append([stored(B), removed(C)])
+        pub.publish(after[-1])
+        drain(sub, pub.next_seq)
+        assert sub.index.snapshot() == model(after, "sglang")
+        assert sub.catch_up() == 0
+        assert sub.resync() == pub.next_seq - 1, "every buffered batch but the lost one"
+        assert sub.index.next_seq == pub.next_seq
+        assert sub.index.snapshot() == model(after, "sglang")
+        assert (sub.decode_errors, sub.skipped_seqs) == (1, (lost,)), "met again, counted once"
+
+
+@BAD
+def test_the_replay_skips_a_batch_that_cannot_be_decoded(
+    bad: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late joiner's catch-up and a resync read undecodable batches, the oldest buffered
+    and the newest among them, and still end with the batches after the last one."""
+    with ev.KvEventPublisher(LOOPBACK, LOOPBACK, buffer_steps=5) as pub:
+        pub.publish([stored(B)])  # 0: out of the buffer by the time the subscriber joins
+        publish_payload(pub, bad, monkeypatch)  # 1: the oldest buffered
+        pub.publish([stored(A)])  # 2
+        publish_payload(pub, bad, monkeypatch)  # 3
+        pub.publish([stored(C), state("state_stored", C)])  # 4
+        pub.publish([removed(C[:4])])  # 5
+        after = [[stored(C), state("state_stored", C)], [removed(C[:4])]]
+        with ev.KvEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            with pytest.raises(ev.SequenceGap):
+                sub.catch_up()  # batch 0 is gone
+            assert sub.resync() == 3  # A, C, the removal
+            assert sub.index.next_seq == 6
+            assert sub.index.snapshot() == model(after, "sglang")
+            assert (sub.decode_errors, sub.skipped_seqs) == (2, (1, 3))
+            assert sub.resync() == 3
+            assert sub.index.snapshot() == model(after, "sglang")
+            assert sub.decode_errors == 2
+            after.append([stored(A)])
+            pub.publish(after[-1])
+            drain(sub, pub.next_seq)
+            assert sub.index.snapshot() == model(after, "sglang")
+        with ev.KvEventSubscriber(pub.endpoint, pub.replay_endpoint) as late:
+            late.index.reset(2)  # a joiner that needs batches from 2 on: one is undecodable
+            assert late.catch_up() == 4
+            assert late.index.snapshot() == model(after, "sglang")
+            assert late.skipped_seqs == (3,)
+
+
+DOCS_EVENTS = Path(__file__).resolve().parent.parent / "docs" / "events.md"
+
+
+def doc_example(heading: str) -> str:
+    """The first python block of the section `heading` of docs/events.md."""
+    text = DOCS_EVENTS.read_text(encoding="utf-8")
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"^```python\n(.*?)^```", section, re.M | re.S)
+    assert match is not None, f"docs/events.md, {heading}: no python block"
+    return match.group(1)
+
+
+def test_the_publishing_example_of_docs_events_md_runs_as_written() -> None:
+    """Issue 33, item 12: it built a cache without events, whose subscribers waited for ever."""
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", "-c", doc_example("Publishing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    lines = done.stdout.splitlines()
+    assert [line.split(" on ")[0] for line in lines] == ["batch 0", "batch 1"], done.stdout
+    assert all(" on tcp://127.0.0.1:" in line for line in lines), done.stdout
 
 
 def test_importing_radixcache_needs_neither_zmq_nor_msgpack() -> None:

@@ -17,6 +17,7 @@ pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed")
 
 import radixcache as rc
+from radixcache import events as ev
 from radixcache.events import KvEventPublisher, KvEventSubscriber, wire_hash
 from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, Server
@@ -79,9 +80,11 @@ def wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
     w.close()
 
 
-def test_a_random_run_is_mirrored_by_the_subscribers_after_every_step(wire: Wire) -> None:
-    rng = random.Random(5)
-    cache = rc.HybridCache(
+PROMPTS = [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8], [9, 9, 8, 8]]
+
+
+def hybrid_cache() -> rc.HybridCache:
+    return rc.HybridCache(
         kv_slots=64,
         page_size=2,
         mamba_slots=4,
@@ -90,41 +93,50 @@ def test_a_random_run_is_mirrored_by_the_subscribers_after_every_step(wire: Wire
         page_hashes=True,
         events=True,
     )
-    prompts = [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8], [9, 9, 8, 8]]
+
+
+def random_step(cache: rc.HybridCache, rng: random.Random) -> None:
+    """One step of an engine: an insert, copies acknowledged, evictions, a load-back."""
+    op = rng.randrange(6)
+    if op <= 1:  # insert a prompt with a tail, with a state at its end
+        toks = rng.choice(PROMPTS) + [rng.randrange(4) for _ in range(rng.randrange(6))]
+        m = cache.match_prefix(toks)
+        with cache.lock(m.node):
+            kv = cache.alloc_kv(-(-(len(toks) - m.device_len) // 2) * 2)
+            state = cache.alloc_mamba()
+            if kv is None or state is None:
+                if kv is not None:
+                    cache.free_kv(kv)
+                if state is not None:
+                    cache.free_mamba(state)
+                return
+            slots = list(m.kv_indices) + list(kv)
+            # The insert frees the unaligned tail's page, spare slots included.
+            cache.insert(toks, slots[: len(toks)], owned_from=m.device_len, mamba_slot=state)
+    elif op == 2:  # the engine acknowledges the batches, some failed
+        for b in cache.take_batches():
+            b.start()
+            b.complete() if rng.random() < 0.8 else b.fail("injected")
+    elif op == 3:
+        cache.evict(kv_tokens=rng.randrange(1, 16), mamba_states=1)
+    elif op == 4:
+        cache.evict_host(kv_tokens=rng.randrange(1, 16), mamba_states=1)
+    else:  # a load-back of what a match finds on the host
+        m = cache.match_prefix([*rng.choice(PROMPTS), 0, 1])
+        if m.host_len:
+            lb = cache.load_back(m.host_node)
+            if lb is not None:
+                with lb:
+                    lb.batch.start()
+                    lb.commit()
+                    lb.batch.complete() if rng.random() < 0.8 else lb.batch.fail("x")
+
+
+def test_a_random_run_is_mirrored_by_the_subscribers_after_every_step(wire: Wire) -> None:
+    rng = random.Random(5)
+    cache = hybrid_cache()
     for step in range(300):
-        op = rng.randrange(6)
-        if op <= 1:  # insert a prompt with a tail, with a state at its end
-            toks = rng.choice(prompts) + [rng.randrange(4) for _ in range(rng.randrange(6))]
-            m = cache.match_prefix(toks)
-            with cache.lock(m.node):
-                kv = cache.alloc_kv(-(-(len(toks) - m.device_len) // 2) * 2)
-                state = cache.alloc_mamba()
-                if kv is None or state is None:
-                    if kv is not None:
-                        cache.free_kv(kv)
-                    if state is not None:
-                        cache.free_mamba(state)
-                    continue
-                slots = list(m.kv_indices) + list(kv)
-                # The insert frees the unaligned tail's page, spare slots included.
-                cache.insert(toks, slots[: len(toks)], owned_from=m.device_len, mamba_slot=state)
-        elif op == 2:  # the engine acknowledges the batches, some failed
-            for b in cache.take_batches():
-                b.start()
-                b.complete() if rng.random() < 0.8 else b.fail("injected")
-        elif op == 3:
-            cache.evict(kv_tokens=rng.randrange(1, 16), mamba_states=1)
-        elif op == 4:
-            cache.evict_host(kv_tokens=rng.randrange(1, 16), mamba_states=1)
-        else:  # a load-back of what a match finds on the host
-            m = cache.match_prefix([*rng.choice(prompts), 0, 1])
-            if m.host_len:
-                lb = cache.load_back(m.host_node)
-                if lb is not None:
-                    with lb:
-                        lb.batch.start()
-                        lb.commit()
-                        lb.batch.complete() if rng.random() < 0.8 else lb.batch.fail("x")
+        random_step(cache, rng)
         if step == 150:
             wire.subs.append(wire.join())  # a late joiner, through the replay socket
         wire.send(cache)
@@ -133,6 +145,54 @@ def test_a_random_run_is_mirrored_by_the_subscribers_after_every_step(wire: Wire
     assert wire.pub.next_seq > 150, "most steps changed what a router is told"
     assert wire.subs[1].replayed_batches > 0
     assert any(expected(cache, wire.fmt).values()), "the run ended holding something"
+
+
+def test_after_a_batch_it_cannot_decode_the_index_never_claims_what_the_cache_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33, item 9, with a real cache's events: one batch that removed pages goes out
+    damaged. The subscribers (one live, one joining later through the replay) skip it and
+    go on; from then on their index is within what the cache holds after every step (it
+    under-claims, never over-claims), and a reset of the cache makes it exact again."""
+    wire = Wire("sglang")
+    try:
+        rng = random.Random(11)
+        cache = hybrid_cache()
+        lost: int | None = None
+        for step in range(200):
+            random_step(cache, rng)
+            events = cache.take_events()
+            if lost is None and step >= 60 and any(e.kind == "removed" for e in events):
+                damaged = ev.encode_batch(events)[:-3]
+                with monkeypatch.context() as patch:
+                    patch.setattr(ev, "encode_batch", lambda *_, bad=damaged, **__: bad)
+                    lost = wire.pub.publish(events)
+            else:
+                wire.pub.publish(events)
+            if step == 150:
+                wire.subs.append(wire.join())
+            for sub in wire.subs:
+                while sub.index.next_seq < wire.pub.next_seq:
+                    assert sub.poll(5.0) or sub.index.next_seq == wire.pub.next_seq, "stuck"
+                if lost is not None:
+                    truth = expected(cache, "sglang")
+                    for medium, (pages, states) in seen(sub).items():
+                        held = truth.get(medium, (frozenset(), frozenset()))
+                        assert pages <= held[0], f"step {step}: {medium} pages over-claimed"
+                        assert states <= held[1], f"step {step}: {medium} states over-claimed"
+        assert lost is not None, "no step removed pages"
+        for sub in wire.subs:
+            assert sub.skipped_seqs == (lost,)
+            assert sub.decode_errors == 1
+            assert seen(sub), "later batches applied"
+        while batches := cache.take_batches():  # the cache idle, so that it may reset
+            for b in batches:
+                b.start()
+                b.complete()
+        cache.reset()
+        wire.send(cache)  # a clear: exact again (and empty)
+    finally:
+        wire.close()
 
 
 def test_a_replay_is_mirrored_after_every_scheduler_step(tmp_path: Path) -> None:

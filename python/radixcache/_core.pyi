@@ -738,7 +738,10 @@ class HybridCache:
     def take_events(self) -> list[KvEvent]:
         """Return the KV events emitted since the last call, oldest first.
 
-        Always empty with events off.
+        Raises:
+            ValueError: naming ``events`` when the cache was built without them (it
+                queues none, so a router fed from it would wait for ever): build it
+                with ``page_hashes=True, events=True``.
         """
     def note_external_stored(
         self,

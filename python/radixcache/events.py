@@ -141,7 +141,15 @@ class CacheEvent(Protocol):
 
 
 class EventDecodeError(ValueError):
-    """A payload or frame that is not an event batch of the expected format."""
+    """A payload or frame that is not an event batch of the expected format.
+
+    ``seq``: the sequence number of the batch, where known (a `KvEventSubscriber` sets it
+    on the errors it records; `decode_batch` alone does not know it: None).
+    """
+
+    def __init__(self, message: str, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.seq = seq
 
 
 class SequenceGap(RuntimeError):
@@ -535,6 +543,11 @@ class RouterIndex:
     end a recurrent state is available, as wire integers (`wire_hash`). Batches must be
     applied in sequence order starting at 0 (`apply`): a repeated batch is ignored, a
     missing one raises `SequenceGap`. One index per publisher (one worker or DP rank).
+
+    A batch that `decode_batch` refuses is lost, and with it what it removed: do as the
+    subscriber does, ``reset(seq + 1)`` (forget everything and go on after it), so that
+    the index under-claims until the worker stores its pages again and never claims a
+    page the lost batch removed (docs/events.md, "Batches that cannot be decoded").
     """
 
     def __init__(self, format: Format = "sglang") -> None:
@@ -842,7 +855,21 @@ class KvEventSubscriber:
     applies live batches in order, skipping any already applied (by sequence number) and
     filling a gap from the replay socket. A gap the replay buffer cannot fill raises
     `SequenceGap`. Not thread-safe: one thread per subscriber.
+
+    A message that cannot be decoded never stops the subscriber (docs/events.md,
+    "Batches that cannot be decoded"): it is logged (a warning on this module's logger),
+    counted in `decode_errors`, kept as `last_decode_error` (with ``seq`` where known)
+    and skipped. A batch whose payload cannot be decoded is lost, and the index starts
+    over, empty, at the batch after it (``index.reset(seq + 1)``): it under-claims the
+    worker's cache until the pages are stored again, and never claims a page that the
+    lost batch removed; its number joins `skipped_seqs`. A message whose frames carry no
+    readable sequence number is dropped without touching the index, and the gap it
+    leaves is met like any other: live, the replay socket fills it; in a replay,
+    `catch_up` raises `SequenceGap` and `resync` starts the index over after it.
     """
+
+    #: How many of the latest skipped sequence numbers `skipped_seqs` keeps.
+    SKIPPED_KEPT = 64
 
     def __init__(
         self,
@@ -872,6 +899,11 @@ class KvEventSubscriber:
         self.live_batches = 0
         self.replayed_batches = 0
         self.duplicates = 0
+        #: Messages skipped because they could not be decoded (a batch met again in a
+        #: later replay is skipped again but counted once), and the latest one's error.
+        self.decode_errors = 0
+        self.last_decode_error: EventDecodeError | None = None
+        self._skipped: deque[int] = deque(maxlen=self.SKIPPED_KEPT)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._replay: zmq.Socket[bytes] | None = None
@@ -883,6 +915,14 @@ class KvEventSubscriber:
         except BaseException:
             self._close_sockets()
             raise
+
+    @property
+    def skipped_seqs(self) -> tuple[int, ...]:
+        """The sequence numbers of the latest batches skipped as undecodable, oldest first.
+
+        At most `SKIPPED_KEPT` of them; each batch once.
+        """
+        return tuple(self._skipped)
 
     def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
         import zmq
@@ -898,6 +938,7 @@ class KvEventSubscriber:
     def catch_up(self, timeout: float = 5.0) -> int:
         """Replay every buffered batch from ``index.next_seq`` on; return how many applied.
 
+        A replayed batch that cannot be decoded is skipped (see the class docstring).
         Raises `SequenceGap` when the oldest batch the publisher still holds is past the
         one needed (nothing past the gap is applied), TimeoutError when the end marker
         does not come within `timeout` seconds, RuntimeError without a replay endpoint.
@@ -910,7 +951,10 @@ class KvEventSubscriber:
         Clears the index and applies the buffered batches from the oldest on (the index
         continues from there). Pages and states stored before the oldest buffered batch
         are unknown to it: the index may under-report a worker's cache, never over-report
-        it. Returns how many batches were applied; raises as `catch_up`.
+        it. A batch that cannot be decoded, or a message of the replay that cannot be read,
+        makes the index start over after it, as in `poll`: a resync never fails on what it
+        reads. Returns how many batches were applied; raises TimeoutError and RuntimeError
+        as `catch_up`.
         """
         self.index.reset()
         return self._replay_from(0, timeout, "resync")
@@ -920,7 +964,8 @@ class KvEventSubscriber:
         if self._replay is None or endpoint is None:
             raise RuntimeError(f"{caller}: this subscriber has no replay_endpoint")
         sock = self._replay
-        rebase = caller == "resync"
+        resync = caller == "resync"
+        first = True
         applied = 0
         try:
             sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -931,13 +976,23 @@ class KvEventSubscriber:
                     raise TimeoutError(
                         f"{caller}: no end of replay from {endpoint} within {timeout} s"
                     )
-                seq, payload = _replay_frames(sock.recv_multipart())
+                try:
+                    seq, payload = _replay_frames(sock.recv_multipart())
+                except EventDecodeError as exc:
+                    self._skip(exc, None, f"{caller} from {endpoint}")
+                    continue
                 if seq == -1:
                     return applied
-                if rebase:
+                if resync and (first or seq > self.index.next_seq):
+                    # The oldest batch buffered, or the first after a message that could
+                    # not be read: the index starts there.
                     self.index.reset(seq)
-                    rebase = False
-                if self.index.apply(seq, decode_batch(payload, format=self.format)):
+                first = False
+                if seq < self.index.next_seq:
+                    continue
+                if seq > self.index.next_seq:
+                    raise SequenceGap(self.index.next_seq, seq)
+                if self._apply(seq, payload, f"{caller} from {endpoint}"):
                     applied += 1
                     self.replayed_batches += 1
         except BaseException:
@@ -950,9 +1005,10 @@ class KvEventSubscriber:
     def poll(self, timeout: float = 0.0) -> int:
         """Apply the live batches that arrived (waiting up to `timeout` s for the first).
 
-        Returns how many batches were applied (replayed ones included). Raises
-        `SequenceGap` for a gap that cannot be filled, `EventDecodeError` for a malformed
-        message.
+        Returns how many batches were applied (replayed ones included). A message that
+        cannot be decoded is skipped (see the class docstring). Raises `SequenceGap` for a
+        gap that cannot be filled (call `resync`), TimeoutError when the replay socket
+        does not answer.
         """
         applied = 0
         wait_ms = max(0, int(timeout * 1000))
@@ -960,10 +1016,13 @@ class KvEventSubscriber:
             wait_ms = 0
             frames = self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
-                raise EventDecodeError(
+                error = EventDecodeError(
                     "live message: expected [topic, seq (8 bytes), payload], "
                     f"got {len(frames)} frames"
+                    + (f" (seq of {len(frames[1])} bytes)" if len(frames) == 3 else "")
                 )
+                self._skip(error, None, f"live from {self.endpoint}")
+                continue
             seq = int.from_bytes(frames[1], "big")
             if seq > self.index.next_seq:
                 if self._replay is None:
@@ -972,10 +1031,44 @@ class KvEventSubscriber:
             if seq < self.index.next_seq:
                 self.duplicates += 1
                 continue
-            self.index.apply(seq, decode_batch(frames[2], format=self.format))
-            applied += 1
-            self.live_batches += 1
+            if seq > self.index.next_seq:  # the replay does not hold it
+                raise SequenceGap(self.index.next_seq, seq)
+            if self._apply(seq, frames[2], f"live from {self.endpoint}"):
+                applied += 1
+                self.live_batches += 1
         return applied
+
+    def _apply(self, seq: int, payload: bytes, where: str) -> bool:
+        """Decode and apply batch `seq` (the index's next); skip it if it cannot be decoded.
+
+        Returns whether it was applied.
+        """
+        try:
+            batch = decode_batch(payload, format=self.format)
+        except EventDecodeError as exc:
+            self._skip(exc, seq, where)
+            # Its events are lost: what it removed may still be in the index. Start over
+            # after it: the index under-claims from here on, never over-claims.
+            self.index.reset(seq + 1)
+            return False
+        return self.index.apply(seq, batch)
+
+    def _skip(self, exc: EventDecodeError, seq: int | None, where: str) -> None:
+        """Record and log a message skipped as undecodable (batch `seq`, where known)."""
+        if seq is not None and seq in self._skipped:
+            return  # met again in a replay: skipped again, counted once
+        name = "a message" if seq is None else f"batch {seq}"
+        error = EventDecodeError(f"{where}: {name} cannot be decoded: {exc}", seq)
+        error.__cause__ = exc
+        self.decode_errors += 1
+        self.last_decode_error = error
+        if seq is None:
+            logger.warning("kv events: %s; skipped", error)
+        else:
+            self._skipped.append(seq)
+            logger.warning(
+                "kv events: %s; skipped: the index starts over, empty, at batch %d", error, seq + 1
+            )
 
     def close(self) -> None:
         """Close the sockets (idempotent)."""
@@ -997,10 +1090,11 @@ class KvEventSubscriber:
 
 
 def _replay_frames(frames: list[bytes]) -> tuple[int, bytes]:
-    """Return ``(seq, payload)`` of a replay answer.
+    """Return ``(seq, payload)`` of a replay answer (seq -1: the end marker).
 
     ``[b"", topic, seq, payload]`` (SGLang 0.5.23, current vLLM) or ``[b"", seq, payload]``
-    (older vLLM).
+    (older vLLM). Raises `EventDecodeError` for another shape or a negative sequence
+    number other than the end marker's.
     """
     if frames and frames[0] == b"":
         frames = frames[1:]
@@ -1010,4 +1104,7 @@ def _replay_frames(frames: list[bytes]) -> tuple[int, bytes]:
         raise EventDecodeError(
             f"replay message: expected [topic, seq, payload], got {len(frames)} frames"
         )
-    return int.from_bytes(frames[0], "big", signed=True), frames[1]
+    seq = int.from_bytes(frames[0], "big", signed=True)
+    if seq < -1:
+        raise EventDecodeError(f"replay message: sequence number {seq} is negative")
+    return seq, frames[1]

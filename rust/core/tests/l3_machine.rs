@@ -255,7 +255,7 @@ impl Machine {
 
     /// Applies cache `c`'s events to the index of the store, as a router would.
     fn drain_events(&mut self, c: usize) {
-        for e in self.nodes[c].cache.take_events() {
+        for e in self.nodes[c].cache.take_events().unwrap() {
             match e {
                 KvEvent::Stored {
                     medium: Medium::External,

@@ -564,7 +564,7 @@ impl Machine {
             self.m.cached.clear();
             self.m.forget_dropped_roots();
         } else {
-            self.cache.take_events(); // the next call releases dropped receipts: this one
+            self.cache.take_events().unwrap(); // the next call releases dropped receipts: this one
             let before = frozen(&self.cache);
             assert!(matches!(self.cache.reset(), Err(Error::Busy(_))));
             assert_eq!(

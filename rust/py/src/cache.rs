@@ -329,9 +329,10 @@ impl PyHybridCache {
         hash_list(py, &hashes)
     }
 
-    /// The KV events emitted since the last call, oldest first (empty with events off).
+    /// The KV events emitted since the last call, oldest first. `ValueError` naming
+    /// `events` when the cache was built without them (`page_hashes=True, events=True`).
     fn take_events(&self, py: Python<'_>) -> PyResult<Vec<PyKvEvent>> {
-        let events = run(py, &self.inner, 0, |c| Ok(c.take_events()))?;
+        let events = run(py, &self.inner, 0, core::Cache::take_events)?;
         let ps = self.config.page_size;
         Ok(events.into_iter().map(|e| PyKvEvent::new(e, ps)).collect())
     }

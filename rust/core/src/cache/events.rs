@@ -134,11 +134,13 @@ impl Events {
 }
 
 impl Cache {
-    /// The events emitted since the last call, oldest first (always empty with events
-    /// off).
-    pub fn take_events(&mut self) -> Vec<KvEvent> {
+    /// The events emitted since the last call, oldest first. Refused (naming `events`,
+    /// and saying how to turn them on) when the cache was built without events: it
+    /// queues none, and a router fed from it would wait for ever.
+    pub fn take_events(&mut self) -> Result<Vec<KvEvent>> {
+        self.events_on("take_events")?;
         self.reap();
-        mem::take(&mut self.events.queue)
+        Ok(mem::take(&mut self.events.queue))
     }
 
     /// Emits the events that bring what was announced of node `i` to what it holds now
@@ -265,14 +267,18 @@ impl Cache {
         }
     }
 
-    /// Refuses an external note when events are off.
+    /// Refuses an events call (`call`) when events are off, saying how to turn them on.
     fn events_on(&self, call: &str) -> Result<()> {
         if self.config.events {
             return Ok(());
         }
         Err(Error::arg(
             "events",
-            format!("{call}: the cache was built with events=False"),
+            format!(
+                "{call}: the cache was built with events=False, so it queues no KV events; \
+                 build it with page_hashes=True, events=True (events name pages by their \
+                 hashes)"
+            ),
         ))
     }
 

@@ -68,7 +68,7 @@ impl Index {
     /// Takes the cache's events, applies them, and checks the index against the cache;
     /// returns the events.
     fn sync(&mut self, c: &mut Cache) -> Vec<KvEvent> {
-        let events = c.take_events();
+        let events = c.take_events().unwrap();
         self.apply(&events);
         let want = c.event_contents();
         assert_eq!(self.pages.iter().cloned().collect::<Vec<_>>(), want.pages);
@@ -151,13 +151,13 @@ fn events_wait_in_the_queue_oldest_first() {
     put(&mut c, None, &[1, 2]);
     put(&mut c, None, &[3, 4]);
     assert_eq!(stat(&c, "events_pending"), 2);
-    let events = c.take_events();
+    let events = c.take_events().unwrap();
     let first = |e: &KvEvent| match e {
         KvEvent::Stored { token_ids, .. } => token_ids[0],
         _ => 0,
     };
     assert_eq!(events.iter().map(first).collect::<Vec<_>>(), vec![1, 3]);
-    assert!(c.take_events().is_empty());
+    assert!(c.take_events().unwrap().is_empty());
     assert_eq!(stat(&c, "events_pending"), 0);
 }
 
@@ -417,7 +417,7 @@ fn external_notes_are_queued_as_they_are_given() {
         .unwrap();
     c.note_external_removed(Some("t"), h.clone()).unwrap();
     assert_eq!(
-        c.take_events(),
+        c.take_events().unwrap(),
         vec![
             KvEvent::Stored {
                 medium: Medium::External,
@@ -453,17 +453,32 @@ fn external_notes_are_queued_as_they_are_given() {
 }
 
 #[test]
-fn with_events_off_nothing_is_queued() {
-    let mut c = Cache::new(Config {
-        page_hashes: true,
-        ..Config::kv(64, 2)
-    })
-    .unwrap();
-    put(&mut c, None, &[1, 2]);
-    c.evict(2, 0);
-    assert!(c.take_events().is_empty());
-    assert_eq!(stat(&c, "events_emitted"), 0);
-    c.audit().unwrap();
+fn with_events_off_nothing_is_queued_and_take_events_says_how_to_turn_them_on() {
+    for page_hashes in [false, true] {
+        let mut c = Cache::new(Config {
+            page_hashes,
+            ..Config::kv(64, 2)
+        })
+        .unwrap();
+        put(&mut c, None, &[1, 2]);
+        c.evict(2, 0);
+        assert_eq!(stat(&c, "events_emitted"), 0);
+        assert_eq!(stat(&c, "events_pending"), 0);
+        let before = c.stats();
+        match c.take_events() {
+            Err(Error::InvalidArgument {
+                arg: "events",
+                reason,
+            }) => assert!(
+                reason.starts_with("take_events: the cache was built with events=False")
+                    && reason.contains("page_hashes=True, events=True"),
+                "{reason}"
+            ),
+            other => panic!("expected a refusal naming events, got {other:?}"),
+        }
+        assert_eq!(c.stats(), before, "a refused take_events changes nothing");
+        c.audit().unwrap();
+    }
 }
 
 #[test]

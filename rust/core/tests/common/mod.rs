@@ -474,7 +474,7 @@ pub struct EventIndex {
 impl EventIndex {
     /// Applies the events taken from `c` and checks the index against it.
     pub fn check(&mut self, c: &mut Cache) {
-        for e in c.take_events() {
+        for e in c.take_events().unwrap() {
             match &e {
                 KvEvent::Stored {
                     medium,
