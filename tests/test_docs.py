@@ -335,22 +335,7 @@ def with_redis(block: Block, request: pytest.FixtureRequest) -> str:
     return REDIS_URL.sub(server.url, block.body)
 
 
-#: Pages whose Python blocks a change on its way makes run: they are expected to fail until
-#: it lands (strictly: once they run, the entry goes).
-PENDING = {
-    "docs/events.md": "issue 33, item 12: the example's cache is built without events",
-}
-
-
-@pytest.mark.parametrize(
-    "page",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=PENDING[p]))
-        if p in PENDING
-        else p
-        for p in runs("python")
-    ],
-)
+@pytest.mark.parametrize("page", runs("python"))
 def test_the_python_blocks_of_each_page_run(
     page: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
