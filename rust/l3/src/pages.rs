@@ -6,7 +6,7 @@
 //! payloads that pass into the caller's buffers, and delete the objects that fail.
 
 use crate::frame::{self, Corrupt, HASH_LEN};
-use crate::store::{ObjectStore, Parts, StoreError};
+use crate::store::{Object, ObjectStore, Parts, StoreError};
 
 /// What [`get_pages_into`] found for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,15 +17,19 @@ pub enum Fetched {
     Missing,
     /// The object failed verification and was deleted (the buffer is untouched).
     Corrupt(Corrupt),
+    /// The store could not read an object under the key (a Redis key of another type, a
+    /// directory or an oversized file: [`Object::Unreadable`], the reason given); it
+    /// counts as corrupt, and was deleted (the buffer is untouched).
+    Unreadable(String),
 }
 
 impl Fetched {
-    /// `"ok"`, `"missing"` or `"corrupt"`.
+    /// `"ok"`, `"missing"` or `"corrupt"` (unreadable objects included).
     pub fn as_str(&self) -> &'static str {
         match self {
             Fetched::Ok => "ok",
             Fetched::Missing => "missing",
-            Fetched::Corrupt(_) => "corrupt",
+            Fetched::Corrupt(_) | Fetched::Unreadable(_) => "corrupt",
         }
     }
 }
@@ -56,7 +60,7 @@ pub fn put_pages(
 
 /// Gets `keys`, verifies each object as page `hashes[i]` with `outs[i].len()` payload
 /// bytes, and copies each verified payload into `outs[i]`; deletes the objects that fail
-/// verification. One outcome per key. After an error, some buffers may hold what was
+/// verification and those the store cannot read. One outcome per key. After an error, some buffers may hold what was
 /// read: treat every one of them as not fetched.
 pub fn get_pages_into(
     store: &dyn ObjectStore,
@@ -69,15 +73,20 @@ pub fn get_pages_into(
     let mut outcomes = vec![Fetched::Missing; keys.len()];
     let mut corrupt = Vec::new();
     store.get_each(keys, &mut |i, object| {
-        if let Some(bytes) = object {
-            outcomes[i] = match frame::decode_into(&hashes[i], bytes, outs[i]) {
+        outcomes[i] = match object {
+            Object::Missing => Fetched::Missing,
+            Object::Bytes(bytes) => match frame::decode_into(&hashes[i], bytes, outs[i]) {
                 Ok(()) => Fetched::Ok,
                 Err(e) => {
                     corrupt.push(keys[i]);
                     Fetched::Corrupt(e)
                 }
-            };
-        }
+            },
+            Object::Unreadable(why) => {
+                corrupt.push(keys[i]);
+                Fetched::Unreadable(why.to_owned())
+            }
+        };
     })?;
     if !corrupt.is_empty() {
         store.delete(&corrupt)?;
