@@ -42,11 +42,12 @@ SLOTS = (
 
 
 def frame_input(payload: bytes) -> bytes:
-    """A round-trip input (mode 4): hash, position, mask, payload."""
+    """Return a round-trip input (mode 4): hash, position, mask, payload."""
     return bytes(range(32)) + (17).to_bytes(4, "little") + b"\x01" + payload
 
 
 def seeds() -> list[bytes]:
+    """Return every seed, its mode byte first."""
     out = [bytes([0]) + r for r in REPLIES]
     out += [bytes([1]) + SLOTS, bytes([1]) + b"*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n:1\r\n"]
     out += [bytes([2]) + b"$5\r\nhello\r\n$-1\r\n$3\r\nabc\r\n-WRONGTYPE x\r\n"]
@@ -60,6 +61,7 @@ def seeds() -> list[bytes]:
 
 
 def main() -> None:
+    """Write the seeds, each named by its SHA-1 as libFuzzer names its inputs."""
     corpus = Path(__file__).resolve().parent.parent / "corpus" / "store"
     corpus.mkdir(parents=True, exist_ok=True)
     for seed in seeds():
