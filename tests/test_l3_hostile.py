@@ -3,8 +3,8 @@
 A fake Redis on loopback (`FakeRedis`, a socket thread) sends what a real server will not:
 a bulk length of 9e18, a negative length, a line that never ends, a reply trickled a byte
 every 0.1 s, ``-WRONGTYPE`` for one key of a batch. Each call ends in `L3Error` within its
-deadline (the calls that once crashed the process run in a child interpreter), and the
-other keys of a batch are served. Against a real ``redis-server``: a list under a page's
+deadline (the calls that once crashed the process run in a child interpreter), saying
+why; the other keys of a batch are served; a trickling store opens the tier's breaker. Against a real ``redis-server``: a list under a page's
 key is a corrupt object that ``L3Tier.fetch`` counts and deletes, landing the pages
 before it.
 """
@@ -23,7 +23,7 @@ from typing import BinaryIO, Union
 import numpy as np
 import pytest
 
-from radixcache import L3Error, ObjectStore
+from radixcache import Breaker, L3Error, ObjectStore
 
 from conftest import RedisServer, assert_child_ok, run_child
 from l3_common import L3Cache
@@ -285,3 +285,21 @@ def test_a_list_under_a_pages_key_is_a_corrupt_object_the_fetch_deletes(
     assert b.cache.stats()["l3_gone_objects"] == 1
     assert _redis(redis_server.port, b"EXISTS", key) == b":0", "deleted"
     b.cache.audit()
+
+
+def test_a_trickling_store_opens_the_breaker_within_a_few_deadlines(
+    fakes: Callable[..., FakeRedis],
+) -> None:
+    slow = fakes(data_commands(trickle))
+    a = L3Cache(ObjectStore(slow.url, timeout_ms=100), hybrid=False)
+    a.tier.breaker = Breaker(threshold=2, cooldown_ms=60_000)
+    tokens = list(range(100, 124))
+    t = time.monotonic()
+    for _ in range(3):
+        assert a.tier.lookup(tokens) == 0, "a failed lookup is a miss"
+    took = time.monotonic() - t
+    assert a.tier.breaker.state == "open"
+    assert a.tier.counters.errors == 2
+    assert a.tier.counters.skipped_open == 1
+    # Two calls of about 100 ms (+100 ms for connecting), the third refused at once.
+    assert took < 1.5, f"{took:.2f} s"
