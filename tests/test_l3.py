@@ -574,7 +574,9 @@ def test_a_submitted_put_whose_write_fails_fails_and_is_offered_again(tmp_path: 
     a.engine.submit(put)
     assert a.engine.synchronize() == []
     assert put.outcome == "failed"
-    assert (put.reason or "").startswith("L3Error: exists failed: connecting to 127.0.0.1:1")
+    assert (put.reason or "").startswith(
+        "L3Error: exists failed: connection refused: connecting to 127.0.0.1:1"
+    )
     assert a.cache.stats()["l3_puts_failed"] == 1
     # The store is back (another one): the next backup on the path offers them again.
     a.tier.store = ObjectStore(f"file://{tmp_path / 'back'}")

@@ -163,6 +163,13 @@ class L3Error(CacheError):
     every operation is idempotent, so retrying is safe.
     """
 
+    #: Why, in words: ``"connection refused"``, ``"unreachable"``, ``"authentication
+    #: failed"``, ``"bad database"``, ``"timeout"``, ``"protocol error"``, ``"server
+    #: error"``, ``"cluster error"``, ``"connection closed"``, ``"i/o error"``,
+    #: ``"injected failure"`` (``ObjectStore.faulty``), or a store client's own
+    #: (``radixcache.mooncake``; ``"breaker open"`` from ``radixcache.l3.L3Tier``).
+    cause: str
+
 @final
 class Node:
     """Opaque handle to a tree node: hashable, equal for the same live node.
@@ -1357,6 +1364,13 @@ class ObjectStore:
     @property
     def timeout_ms(self) -> int:
         """The timeout of each call, in milliseconds."""
+    def check(self) -> None:
+        """Check now that the store can be used; raise ``L3Error`` saying why not.
+
+        Redis: connect, authenticate and select the database; a cluster: read its
+        topology; files: the directory is there and writable. Calls connect on first use
+        anyway: this is for refusing to start against a store that cannot be used.
+        """
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key holds an object."""
     def put(
@@ -1391,7 +1405,8 @@ class ObjectStore:
         header field and the checksum verified), ``"missing"`` (no object),
         ``"foreign"`` (an intact object of another ``kind`` or ``identity``: another
         model, rank or layout; deleted) or ``"corrupt"`` (the object failed verification,
-        including one of another page or size, and was deleted). Rows not ``"ok"`` are
+        including one of another page or size, or the store could not read it, as a
+        Redis key holding a list; deleted). Rows not ``"ok"`` are
         left untouched. When it raises, any row may hold part of what was read: treat
         none of them as fetched.
         """

@@ -495,7 +495,9 @@ class L3Tier:
         if not self.breaker.allow():
             with self._lock:
                 self.counters.skipped_open += 1
-            raise L3Error("the L3 store's circuit breaker is open")
+            e = L3Error("the L3 store's circuit breaker is open")
+            e.cause = "breaker open"
+            raise e
         try:
             out = f(*args, **kwargs)
         except L3Error as e:

@@ -198,6 +198,13 @@ def _route_to(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+def _error(message: str, cause: str = "server error") -> L3Error:
+    """Return an `L3Error` with its ``cause`` (`radixcache.L3Error.cause`)."""
+    e = L3Error(message)
+    e.cause = cause
+    return e
+
+
 class _Label(TypedDict):
     """The frame fields of a call's objects (`frame_encode`/`frame_decode` keywords)."""
 
@@ -240,7 +247,7 @@ def _exist(store: Any, names: list[str]) -> list[bool]:
     codes = store.batch_is_exist(names)
     bad = [c for c in codes if c not in (0, 1)]
     if bad or len(codes) != len(names):
-        raise L3Error(f"mooncake: exists of {len(names)} keys failed: error {bad[:1] or codes}")
+        raise _error(f"mooncake: exists of {len(names)} keys failed: error {bad[:1] or codes}")
     return [c == 1 for c in codes]
 
 
@@ -252,7 +259,7 @@ def _remove(store: Any, names: list[str]) -> None:
     """
     for name, rc in zip(names, store.batch_remove(names, True), strict=True):
         if rc not in (0, _NOT_FOUND):
-            raise L3Error(f"mooncake: remove of {name!r} failed: error {rc}")
+            raise _error(f"mooncake: remove of {name!r} failed: error {rc}")
 
 
 def _rows(arr: Any, name: str, n: int) -> npt.NDArray[np.uint8]:
@@ -340,6 +347,15 @@ class MooncakeStore:
         """
         self._run(self._connected)
 
+    def check(self) -> None:
+        """Check now that the store can be used: connect (`connect`), as ``ObjectStore.check``.
+
+        Raises:
+            L3Error: the client could not be set up (its ``cause`` says why).
+            ModuleNotFoundError: the ``mooncake`` package is not installed.
+        """
+        self.connect()
+
     def _run(self, job: Callable[..., _T], *args: Any) -> _T:
         """Run `job(*args)` on the worker; wait for it at most the call deadline.
 
@@ -352,9 +368,10 @@ class MooncakeStore:
             return fut.result(timeout=self._deadline_s)
         except FutureTimeout:
             fut.cancel()
-            raise L3Error(
+            raise _error(
                 f"mooncake: no answer from master {self._config.master} within "
-                f"{self._deadline_s * 1000:.0f} ms"
+                f"{self._deadline_s * 1000:.0f} ms",
+                "timeout",
             ) from None
 
     def _connected(self) -> Any:
@@ -376,9 +393,10 @@ class MooncakeStore:
         store = MooncakeDistributedStore()
         rc = store.setup(local, c.metadata, c.segment, 0, c.protocol, c.device, c.master)
         if rc != 0:
-            raise L3Error(
+            raise _error(
                 f"mooncake: could not set up a client of master {c.master} "
-                f"(metadata {c.metadata}, local host {local}): error {rc}"
+                f"(metadata {c.metadata}, local host {local}): error {rc}",
+                "unreachable",
             )
         self._store = store
         try:
@@ -399,7 +417,7 @@ class MooncakeStore:
         buf = np.empty(size, dtype=np.uint8)
         rc = self._store.register_buffer(buf.ctypes.data, buf.nbytes)
         if rc != 0:
-            raise L3Error(f"mooncake: could not register a {size}-byte buffer: error {rc}")
+            raise _error(f"mooncake: could not register a {size}-byte buffer: error {rc}")
         self._staging = buf
         return buf
 
@@ -498,7 +516,7 @@ class MooncakeStore:
                 if rc == 0:
                     stored[k] = True
                 elif rc != _ALREADY_EXISTS and rc not in _NO_SPACE:
-                    raise L3Error(f"mooncake: put of {names[k]!r} failed: error {rc}")
+                    raise _error(f"mooncake: put of {names[k]!r} failed: error {rc}")
         return stored
 
     def get_into(
@@ -566,12 +584,12 @@ class MooncakeStore:
                     corrupt.append(names[lo + j])
                     result[lo + j] = "corrupt"
                 elif n != _NOT_FOUND and n not in _NOT_READY:
-                    raise L3Error(f"mooncake: get of {names[lo + j]!r} failed: error {n}")
+                    raise _error(f"mooncake: get of {names[lo + j]!r} failed: error {n}")
             # Rows of missing objects (length 0) fail verification and stay as they
             # are; their verdicts are not read.
             with call.lock:
                 if call.abandoned:
-                    raise L3Error("mooncake: get given up on by its caller")
+                    raise _error("mooncake: get given up on by its caller", "timeout")
                 verdicts = frame_decode(list(hashes[lo:hi]), objects, lengths, out[lo:hi], **label)
             for j, verdict in enumerate(verdicts):
                 if sizes[j] < 0:

@@ -12,7 +12,7 @@
 use parking_lot::Mutex;
 use thiserror::Error;
 
-use crate::store::{ObjectStore, Parts, StoreError};
+use crate::store::{Cause, Object, ObjectStore, Parts, StoreError};
 
 /// A rate outside `0..=1`.
 #[derive(Debug, Clone, Error, PartialEq)]
@@ -116,10 +116,7 @@ impl<S: ObjectStore> Faulty<S> {
         let (fault, before) = {
             let mut rng = self.rng.lock();
             let fault = if rng.chance(self.rates.fail) {
-                Some(StoreError::Failed {
-                    op,
-                    detail: "injected failure".to_owned(),
-                })
+                Some(StoreError::failed(op, Cause::Injected, ""))
             } else if rng.chance(self.rates.timeout) {
                 Some(StoreError::Timeout {
                     op,
@@ -144,6 +141,30 @@ impl<S: ObjectStore> Faulty<S> {
     }
 }
 
+/// What happens to one object a `get` found.
+enum Draw {
+    Keep,
+    Lose,
+    /// The byte at this position is flipped by this (non-zero) mask, with `^`.
+    Flip(usize, u8),
+}
+
+impl<S: ObjectStore> Faulty<S> {
+    /// Draws the fate of an object of `len` bytes.
+    fn draw(&self, rng: &mut Rng, len: usize) -> Draw {
+        if rng.chance(self.rates.lose) {
+            Draw::Lose
+        } else if len > 0 && rng.chance(self.rates.corrupt) {
+            let at = rng.below(len);
+            // A non-zero mask: the byte always changes.
+            let mask = u8::try_from(rng.below(255) + 1).unwrap_or(1);
+            Draw::Flip(at, mask)
+        } else {
+            Draw::Keep
+        }
+    }
+}
+
 impl<S: ObjectStore> ObjectStore for Faulty<S> {
     fn exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>, StoreError> {
         self.call("exists", || self.inner.exists(keys))
@@ -162,16 +183,44 @@ impl<S: ObjectStore> ObjectStore for Faulty<S> {
         let mut rng = self.rng.lock();
         for slot in &mut got {
             let Some(value) = slot else { continue };
-            if rng.chance(self.rates.lose) {
-                *slot = None;
-            } else if !value.is_empty() && rng.chance(self.rates.corrupt) {
-                let at = rng.below(value.len());
-                // A non-zero mask: the byte always changes.
-                let mask = u8::try_from(rng.below(255) + 1).unwrap_or(1);
-                value[at] ^= mask;
+            match self.draw(&mut rng, value.len()) {
+                Draw::Keep => {}
+                Draw::Lose => *slot = None,
+                Draw::Flip(at, mask) => value[at] ^= mask,
             }
         }
         Ok(got)
+    }
+
+    fn get_each(
+        &self,
+        keys: &[&[u8]],
+        visit: &mut dyn FnMut(usize, Object<'_>),
+    ) -> Result<(), StoreError> {
+        let mut copy = Vec::new();
+        self.call("get", || {
+            self.inner.get_each(keys, &mut |i, object| {
+                let Object::Bytes(value) = object else {
+                    return visit(i, object);
+                };
+                let draw = self.draw(&mut self.rng.lock(), value.len());
+                match draw {
+                    Draw::Keep => visit(i, object),
+                    Draw::Lose => visit(i, Object::Missing),
+                    Draw::Flip(at, mask) => {
+                        copy.clear();
+                        copy.extend_from_slice(value);
+                        copy[at] ^= mask;
+                        visit(i, Object::Bytes(&copy));
+                    }
+                }
+            })
+        })
+    }
+
+    fn check(&self) -> Result<(), StoreError> {
+        // No faults: a check says whether the store itself can be used.
+        self.inner.check()
     }
 
     fn delete(&self, keys: &[&[u8]]) -> Result<(), StoreError> {

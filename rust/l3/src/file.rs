@@ -7,16 +7,20 @@
 //! which is then hard-linked to the key's name: the link fails when the name exists,
 //! so a write never replaces an object, and readers see either no file or a complete
 //! one. The temporary file is removed either way.
-
+//!
+//! A key whose path is not a readable regular file (a directory, a FIFO, a file that
+//! cannot be opened or read) or is a file larger than [`Options::max_object_size`] (never
+//! read) is [`Object::Unreadable`]; `delete` removes it whatever it is. A broken
+//! directory above the keys (a fan-out directory that is a file, say) fails the call.
 use std::fmt::Write as _;
 use std::fs;
-use std::io::{ErrorKind, Write as _};
+use std::io::{ErrorKind, Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::store::{ObjectStore, Parts, StoreError};
+use crate::store::{get_via_each, Cause, Object, ObjectStore, Options, Parts, StoreError};
 
 /// The longest key: its name (`k` and two hex digits a byte) must fit the usual 255-byte
 /// limit of a file name.
@@ -28,17 +32,39 @@ pub struct FileStore {
     dir: PathBuf,
     /// Makes temporary names unique within the process (the pid across processes).
     counter: AtomicU64,
+    /// Larger files are unreadable objects.
+    max_object_size: usize,
+    /// The buffer `get_each` reads files into, kept between calls.
+    scratch: parking_lot::Mutex<Vec<u8>>,
 }
 
 impl FileStore {
-    /// A store under `dir`, created (with its parents) if missing.
+    /// A store under `dir`, created (with its parents) if missing, with the default
+    /// [`Options`].
     pub fn new(dir: impl Into<PathBuf>) -> Result<FileStore, StoreError> {
+        FileStore::with_options(dir, Options::default())
+    }
+
+    /// A store under `dir`, created (with its parents) if missing; of `options`, only
+    /// `max_object_size` applies (files have no timeouts).
+    pub fn with_options(
+        dir: impl Into<PathBuf>,
+        options: Options,
+    ) -> Result<FileStore, StoreError> {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(|e| failed("open", &dir, &e))?;
         Ok(FileStore {
             dir,
             counter: AtomicU64::new(0),
+            max_object_size: options.max_object_size,
+            scratch: parking_lot::Mutex::new(Vec::new()),
         })
+    }
+
+    /// A name for a temporary file, unique among this process's and others'.
+    fn temp_name(&self, what: &str) -> String {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        format!(".{what}-{}-{n}", std::process::id())
     }
 
     /// The directory.
@@ -80,8 +106,7 @@ impl FileStore {
             return Ok(false);
         }
         fs::create_dir_all(fan).map_err(|e| failed("put", fan, &e))?;
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let tmp = fan.join(format!(".tmp-{}-{n}", std::process::id()));
+        let tmp = fan.join(self.temp_name("tmp"));
         let written = fs::File::create(&tmp).and_then(|mut f| {
             f.write_all(value[0])?;
             f.write_all(value[1])
@@ -96,14 +121,45 @@ impl FileStore {
             Err(e) => Err(failed("put", file, &e)),
         }
     }
+
+    /// Reads the object at `file` into `buf` (cleared first): `Ok(Err(why))` where the
+    /// path holds no readable object, `Ok(Ok(false))` where it holds nothing, `Err` where
+    /// the directories above it are broken.
+    fn read_one(&self, file: &Path, buf: &mut Vec<u8>) -> Result<Result<bool, String>, StoreError> {
+        let meta = match fs::metadata(file) {
+            Ok(m) => m,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Ok(false)),
+            Err(e) => return Err(failed("get", file, &e)),
+        };
+        if meta.is_dir() {
+            return Ok(Err("a directory".to_owned()));
+        }
+        if !meta.is_file() {
+            return Ok(Err("not a regular file".to_owned()));
+        }
+        let max = self.max_object_size as u64;
+        if meta.len() > max {
+            return Ok(Err(format!(
+                "{} bytes, over the maximum object size of {max}",
+                meta.len()
+            )));
+        }
+        buf.clear();
+        // A file that grew since: read one byte past the limit to notice.
+        let read = fs::File::open(file)
+            .and_then(|f| f.take(max + 1).read_to_end(buf))
+            .map_err(|e| e.to_string());
+        Ok(match read {
+            Ok(n) if n as u64 > max => Err(format!("over the maximum object size of {max}")),
+            Ok(_) => Ok(true),
+            Err(why) => Err(why),
+        })
+    }
 }
 
 /// A file-system error as a store error naming the path.
 fn failed(op: &'static str, path: &Path, e: &std::io::Error) -> StoreError {
-    StoreError::Failed {
-        op,
-        detail: format!("{}: {e}", path.display()),
-    }
+    StoreError::failed(op, Cause::Io, format!("{}: {e}", path.display()))
 }
 
 impl ObjectStore for FileStore {
@@ -133,25 +189,56 @@ impl ObjectStore for FileStore {
     }
 
     fn get(&self, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
-        self.paths(keys)?
-            .into_iter()
-            .map(|(_, file)| match fs::read(&file) {
-                Ok(v) => Ok(Some(v)),
-                Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(failed("get", &file, &e)),
-            })
-            .collect()
+        get_via_each(self, keys, Cause::Io)
+    }
+
+    fn get_each(
+        &self,
+        keys: &[&[u8]],
+        visit: &mut dyn FnMut(usize, Object<'_>),
+    ) -> Result<(), StoreError> {
+        let paths = self.paths(keys)?;
+        let mut buf = self.scratch.lock();
+        for (i, (_, file)) in paths.iter().enumerate() {
+            match self.read_one(file, &mut buf)? {
+                Ok(true) => visit(i, Object::Bytes(&buf)),
+                Ok(false) => visit(i, Object::Missing),
+                Err(why) => visit(i, Object::Unreadable(&format!("{}: {why}", file.display()))),
+            }
+        }
+        Ok(())
     }
 
     fn delete(&self, keys: &[&[u8]]) -> Result<(), StoreError> {
         for (_, file) in self.paths(keys)? {
-            match fs::remove_file(&file) {
+            let removed = match fs::remove_file(&file) {
+                // What is not a file under a key's name is removed too: only this
+                // store writes there.
+                Err(_) if file.is_dir() => fs::remove_dir_all(&file),
+                other => other,
+            };
+            match removed {
                 Ok(()) => {}
                 Err(e) if e.kind() == ErrorKind::NotFound => {}
                 Err(e) => return Err(failed("delete", &file, &e)),
             }
         }
         Ok(())
+    }
+
+    fn check(&self) -> Result<(), StoreError> {
+        let meta = fs::metadata(&self.dir).map_err(|e| failed("check", &self.dir, &e))?;
+        if !meta.is_dir() {
+            return Err(StoreError::failed(
+                "check",
+                Cause::Io,
+                format!("{}: not a directory", self.dir.display()),
+            ));
+        }
+        let probe = self.dir.join(self.temp_name("check"));
+        let written = fs::write(&probe, b"radixcache");
+        let _ = fs::remove_file(&probe);
+        written.map_err(|e| failed("check", &self.dir, &e))
     }
 }
 
@@ -329,7 +416,11 @@ mod tests {
         fs::write(&fan, b"in the way").unwrap();
         let e = s.put(&refs(&k), &refs(&k)).unwrap_err();
         match &e {
-            StoreError::Failed { op: "put", detail } => {
+            StoreError::Failed {
+                op: "put",
+                cause: Cause::Io,
+                detail,
+            } => {
                 assert!(detail.contains(&fan.display().to_string()), "{detail}");
             }
             other => panic!("{other}"),
@@ -346,5 +437,108 @@ mod tests {
             s.delete(&refs(&k)),
             Err(StoreError::Failed { op: "delete", .. })
         ));
+    }
+
+    /// What `get_each` hands out for one key, owned: the bytes or nothing, or why not.
+    type Seen = (usize, Result<Option<Vec<u8>>, String>);
+
+    fn each(s: &FileStore, k: &[Vec<u8>]) -> Vec<Seen> {
+        let mut seen = Vec::new();
+        s.get_each(&refs(k), &mut |i, object| {
+            seen.push((
+                i,
+                match object {
+                    Object::Missing => Ok(None),
+                    Object::Bytes(b) => Ok(Some(b.to_vec())),
+                    Object::Unreadable(why) => Err(why.to_owned()),
+                },
+            ));
+        })
+        .unwrap();
+        seen
+    }
+
+    #[test]
+    fn a_key_that_is_not_a_readable_file_is_unreadable_and_deletable() {
+        let t = temp("unreadable");
+        let s = &t.0;
+        let k = keys(4);
+        s.put(&refs(&k[..1]), &[b"fine".as_slice()]).unwrap();
+        // A directory (with something in it) and a FIFO (which would block a read) under
+        // keys 1 and 2; key 3 holds nothing.
+        let (fan, dir) = s.path(1, &k[1]).unwrap();
+        fs::create_dir_all(dir.join("inside")).unwrap();
+        let (fan2, fifo) = s.path(2, &k[2]).unwrap();
+        fs::create_dir_all(&fan2).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let seen = each(s, &k);
+        assert_eq!(seen[0], (0, Ok(Some(b"fine".to_vec()))));
+        let why = seen[1].1.clone().unwrap_err();
+        assert!(
+            why.ends_with(": a directory") && why.contains(&dir.display().to_string()),
+            "{why}"
+        );
+        assert!(seen[2]
+            .1
+            .clone()
+            .unwrap_err()
+            .ends_with(": not a regular file"));
+        assert_eq!(seen[3], (3, Ok(None)));
+        // `get` refuses the batch, naming the key.
+        let e = s.get(&refs(&k)).unwrap_err();
+        assert_eq!(e.cause(), Cause::Io);
+        assert!(
+            e.to_string().starts_with("get failed: i/o error: key 1: "),
+            "{e}"
+        );
+        // Deleting removes them whatever they are.
+        s.delete(&refs(&k)).unwrap();
+        assert!(!dir.exists() && !fifo.exists() && fan.is_dir());
+        assert_eq!(s.exists(&refs(&k)).unwrap(), [false; 4]);
+    }
+
+    #[test]
+    fn a_file_over_the_maximum_object_size_is_unreadable_without_being_read() {
+        let dir = std::env::temp_dir().join(format!("rcl3-file-max-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let options = Options {
+            max_object_size: 10,
+            ..Options::default()
+        };
+        let t = Temp(FileStore::with_options(&dir, options).unwrap());
+        let s = &t.0;
+        let k = keys(2);
+        s.put(&refs(&k), &[b"0123456789".as_slice(), b"0123456789!"])
+            .unwrap();
+        let seen = each(s, &k);
+        assert_eq!(seen[0], (0, Ok(Some(b"0123456789".to_vec()))));
+        let why = seen[1].1.clone().unwrap_err();
+        assert!(
+            why.ends_with(": 11 bytes, over the maximum object size of 10"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn check_says_whether_the_directory_takes_files() {
+        let t = temp("check");
+        t.0.check().unwrap();
+        // No probe file is left behind.
+        assert_eq!(fs::read_dir(t.0.dir()).unwrap().count(), 0);
+        // Gone, or a file where the directory was.
+        fs::remove_dir_all(t.0.dir()).unwrap();
+        let e = t.0.check().unwrap_err();
+        assert!(
+            e.to_string().starts_with("check failed: i/o error: "),
+            "{e}"
+        );
+        fs::write(t.0.dir(), b"x").unwrap();
+        let e = t.0.check().unwrap_err();
+        assert!(e.to_string().ends_with(": not a directory"), "{e}");
+        fs::remove_file(t.0.dir()).unwrap();
     }
 }

@@ -1,17 +1,21 @@
 //! [`open()`]: a store from its URL.
 //!
-//! | URL                                        | store                    |
-//! |--------------------------------------------|--------------------------|
-//! | `redis://HOST:PORT[/DB]`                   | [`RedisStore`]           |
-//! | `redis+cluster://HOST:PORT[,HOST:PORT...]` | [`RedisClusterStore`]: the nodes to discover the cluster from (any subset) |
-//! | `file:///ABSOLUTE/DIR`                     | [`FileStore`]            |
+//! | URL                                                             | store                    |
+//! |-----------------------------------------------------------------|--------------------------|
+//! | `redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`                      | [`RedisStore`]           |
+//! | `redis+cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`    | [`RedisClusterStore`]: the nodes to discover the cluster from (any subset) |
+//! | `file:///ABSOLUTE/DIR`                                          | [`FileStore`]            |
+//!
+//! The user and password are percent-encoded (`%40` for `@`); `HOST` may be an IPv6
+//! address in brackets.
 
 use std::path::Path;
 
 use thiserror::Error;
 
+use crate::cluster::RedisClusterStore;
 use crate::file::FileStore;
-use crate::redis_store::{RedisClusterStore, RedisStore};
+use crate::redis_store::RedisStore;
 use crate::store::{ObjectStore, Options, StoreError};
 
 /// Why a store could not be opened.
@@ -37,25 +41,9 @@ fn bad(url: &str, reason: impl Into<String>) -> OpenError {
     }
 }
 
-/// Checks a `HOST:PORT` part of `url`.
-fn host_port(url: &str, part: &str) -> Result<(), OpenError> {
-    let Some((host, number)) = part.rsplit_once(':') else {
-        return Err(bad(url, format!("{part:?} is not HOST:PORT")));
-    };
-    if host.is_empty() {
-        return Err(bad(url, format!("{part:?} has no host")));
-    }
-    match number.parse::<u16>() {
-        Ok(n) if n > 0 => Ok(()),
-        _ => Err(bad(
-            url,
-            format!("port {number:?} is not a number in 1..=65535"),
-        )),
-    }
-}
-
 /// Opens the store that `url` names (see the module docs). Redis stores connect on
-/// first use, so a store that is down opens fine and fails its calls.
+/// first use, so a store that is down opens fine and fails its calls: call
+/// [`ObjectStore::check`] to know at once.
 pub fn open(url: &str, options: Options) -> Result<Box<dyn ObjectStore>, OpenError> {
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(bad(
@@ -64,24 +52,8 @@ pub fn open(url: &str, options: Options) -> Result<Box<dyn ObjectStore>, OpenErr
         ));
     };
     match scheme {
-        "redis" => {
-            let authority = rest.split('/').next().unwrap_or_default();
-            host_port(url, authority.rsplit('@').next().unwrap_or_default())?;
-            Ok(Box::new(RedisStore::new(url, options)?))
-        }
-        "redis+cluster" => {
-            if rest.contains('/') {
-                return Err(bad(url, "a cluster has no database: drop the path"));
-            }
-            let nodes = rest
-                .split(',')
-                .map(|part| {
-                    host_port(url, part)?;
-                    Ok(format!("redis://{part}"))
-                })
-                .collect::<Result<Vec<_>, OpenError>>()?;
-            Ok(Box::new(RedisClusterStore::new(nodes, options)?))
-        }
+        "redis" => Ok(Box::new(RedisStore::new(url, options)?)),
+        "redis+cluster" => Ok(Box::new(RedisClusterStore::new(url, options)?)),
         "file" => {
             if !Path::new(rest).is_absolute() {
                 return Err(bad(
@@ -89,7 +61,7 @@ pub fn open(url: &str, options: Options) -> Result<Box<dyn ObjectStore>, OpenErr
                     format!("path {rest:?} is not absolute (file:///ABSOLUTE/DIR)"),
                 ));
             }
-            Ok(Box::new(FileStore::new(rest)?))
+            Ok(Box::new(FileStore::with_options(rest, options)?))
         }
         other => Err(bad(
             url,
@@ -101,6 +73,7 @@ pub fn open(url: &str, options: Options) -> Result<Box<dyn ObjectStore>, OpenErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::Cause;
 
     fn reason(url: &str) -> String {
         match open(url, Options::default()).unwrap_err() {
@@ -157,7 +130,14 @@ mod tests {
         let url = format!("file://{}/sub", file.display());
         let e = open(&url, Options::default()).unwrap_err();
         assert!(
-            matches!(e, OpenError::Store(StoreError::Failed { op: "open", .. })),
+            matches!(
+                e,
+                OpenError::Store(StoreError::Failed {
+                    op: "open",
+                    cause: Cause::Io,
+                    ..
+                })
+            ),
             "{e}"
         );
         std::fs::remove_file(&file).unwrap();

@@ -8,7 +8,7 @@
 //! keys of its own, so a foreign object under a key is as wrong for it as a damaged one).
 
 use crate::frame::{self, Corrupt, Label, HASH_LEN};
-use crate::store::{ObjectStore, Parts, StoreError};
+use crate::store::{Object, ObjectStore, Parts, StoreError};
 
 /// What [`get_pages_into`] found for one key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,17 +20,21 @@ pub enum Fetched {
     /// The object failed verification and was deleted (the buffer is untouched): damaged,
     /// or foreign ([`Corrupt::is_foreign`]: written for another kind or identity).
     Corrupt(Corrupt),
+    /// The store could not read an object under the key (a Redis key of another type, a
+    /// directory or an oversized file: [`Object::Unreadable`], the reason given); it
+    /// counts as corrupt, and was deleted (the buffer is untouched).
+    Unreadable(String),
 }
 
 impl Fetched {
     /// `"ok"`, `"missing"`, `"foreign"` (an intact object of another kind or identity)
-    /// or `"corrupt"`.
+    /// or `"corrupt"` (unreadable objects included).
     pub fn as_str(&self) -> &'static str {
         match self {
             Fetched::Ok => "ok",
             Fetched::Missing => "missing",
             Fetched::Corrupt(c) if c.is_foreign() => "foreign",
-            Fetched::Corrupt(_) => "corrupt",
+            Fetched::Corrupt(_) | Fetched::Unreadable(_) => "corrupt",
         }
     }
 }
@@ -62,8 +66,9 @@ pub fn put_pages(
 
 /// Gets `keys`, verifies each object as the object `label` says for page `hashes[i]`
 /// with `outs[i].len()` payload bytes, and copies each verified payload into `outs[i]`;
-/// deletes the objects that fail verification. One outcome per key. After an error,
-/// some buffers may hold what was read: treat every one of them as not fetched.
+/// deletes the objects that fail verification and those the store cannot read. One
+/// outcome per key. After an error, some buffers may hold what was read: treat every one
+/// of them as not fetched.
 pub fn get_pages_into(
     store: &dyn ObjectStore,
     label: &Label,
@@ -76,15 +81,20 @@ pub fn get_pages_into(
     let mut outcomes = vec![Fetched::Missing; keys.len()];
     let mut corrupt = Vec::new();
     store.get_each(keys, &mut |i, object| {
-        if let Some(bytes) = object {
-            outcomes[i] = match frame::decode_into(label, &hashes[i], bytes, outs[i]) {
+        outcomes[i] = match object {
+            Object::Missing => Fetched::Missing,
+            Object::Bytes(bytes) => match frame::decode_into(label, &hashes[i], bytes, outs[i]) {
                 Ok(()) => Fetched::Ok,
                 Err(e) => {
                     corrupt.push(keys[i]);
                     Fetched::Corrupt(e)
                 }
-            };
-        }
+            },
+            Object::Unreadable(why) => {
+                corrupt.push(keys[i]);
+                Fetched::Unreadable(why.to_owned())
+            }
+        };
     })?;
     if !corrupt.is_empty() {
         store.delete(&corrupt)?;

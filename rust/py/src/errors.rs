@@ -58,7 +58,8 @@ pub(crate) fn err(e: core::Error) -> PyErr {
 }
 
 /// Maps a store error: inconsistent arguments are the caller's (`ValueError`), the rest
-/// the store's (`L3Error`). Exhaustive, as [`err`].
+/// the store's (`L3Error`, whose `cause` attribute says why in words: `"connection
+/// refused"`, `"timeout"`, ...). Exhaustive, as [`err`].
 #[allow(clippy::needless_pass_by_value)] // by value so that it reads `.map_err(l3_err)`
 pub(crate) fn l3_err(e: l3::StoreError) -> PyErr {
     let msg = e.to_string();
@@ -66,7 +67,16 @@ pub(crate) fn l3_err(e: l3::StoreError) -> PyErr {
         // The binding checks lengths itself, so a mismatch names its argument already.
         l3::StoreError::Mismatch { .. } => PyValueError::new_err(msg),
         l3::StoreError::KeyTooLong { .. } => PyValueError::new_err(format!("keys: {msg}")),
-        l3::StoreError::Timeout { .. } | l3::StoreError::Failed { .. } => L3Error::new_err(msg),
+        l3::StoreError::Timeout { .. } | l3::StoreError::Failed { .. } => {
+            let cause = e.cause().as_str();
+            Python::attach(|py| {
+                let err = L3Error::new_err(msg);
+                // Setting an attribute on a fresh exception cannot fail but for memory;
+                // the error is raised either way, with or without its cause.
+                let _ = err.value(py).setattr("cause", cause);
+                err
+            })
+        }
     }
 }
 

@@ -185,7 +185,8 @@ fn as_refs(keys: &[Vec<u8>]) -> Vec<&[u8]> {
 #[pymethods]
 impl PyObjectStore {
     /// Opens the store at `url`; connects on first use (a store that is down opens and
-    /// fails its calls). `timeout_ms` bounds each call.
+    /// fails its calls). `timeout_ms` is each call's deadline (plus the connect timeout
+    /// when the call connects, plus 10 ms per MB it moves).
     #[new]
     // The default (200 ms, also `faulty`'s) is written out: a constant would show as
     // `...` in the signature Python sees.
@@ -251,6 +252,13 @@ impl PyObjectStore {
     #[getter]
     fn timeout_ms(&self) -> i64 {
         self.timeout_ms
+    }
+
+    /// Checks now that the store can be used (Redis: connect, authenticate and select the
+    /// database; a cluster: its topology; files: the directory is writable), so that a
+    /// caller can refuse to start against a store it cannot use.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.store.check()).map_err(l3_err)
     }
 
     /// Whether each key holds an object.
