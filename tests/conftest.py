@@ -323,12 +323,14 @@ class RedisServer:
     """A redis-server on loopback in ``dir``; ``stop()`` kills it, ``start()`` again.
 
     ``cluster``: a node with cluster mode on (`redis_cluster` joins three of them).
+    ``password``: the server asks for it (``requirepass``); ``url`` leaves it out.
     """
 
-    def __init__(self, dir: Path, *, cluster: bool = False) -> None:
+    def __init__(self, dir: Path, *, cluster: bool = False, password: str | None = None) -> None:
         self.dir = dir
         self.port = free_cluster_port() if cluster else free_port()
         self.cluster = cluster
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -346,6 +348,7 @@ class RedisServer:
                     if self.cluster
                     else ()
                 ),
+                *(("--requirepass", self.password) if self.password else ()),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -5,6 +5,7 @@ replay's ``--l3``, ``--servers`` and ``--shard``; and every argument refused."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -288,27 +289,43 @@ def test_a_partial_fetch_lands_the_pages_that_came_back(url: str) -> None:
     b.cache.audit()
 
 
-def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(tmp_path: Path) -> None:
+def test_a_store_that_is_down_opens_the_breaker_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     down = ObjectStore("redis://127.0.0.1:1", timeout_ms=50)
-    a = L3Cache(down, hybrid=False)
-    a.tier.breaker = Breaker(threshold=2, cooldown_ms=300)
+    a = L3Cache(down, hybrid=False, breaker=Breaker(threshold=2, cooldown_ms=300))
     rng = np.random.default_rng(5)
-    for n in range(3):
-        a.compute([7, n, 7, n, *TOKENS[: 4 * (n + 1)]], rng)
-        a.settle()
+    with caplog.at_level(logging.WARNING, logger="radixcache.l3"):
+        for n in range(3):
+            a.compute([7, n, 7, n, *TOKENS[: 4 * (n + 1)]], rng)
+            a.settle()
     assert a.tier.breaker.state == "open"
     assert a.tier.breaker.trips == 1
     assert a.tier.counters.errors == 2, "after two errors in a row no call goes out"
     assert a.tier.counters.skipped_open >= 1
     assert a.cache.stats()["l3_puts_failed"] == 3
     assert a.tier.fetch([9, 9, 9, 9, *TOKENS]) == 0
-    assert a.tier.report()["l3_breaker"] == "open"
+    report = a.tier.report()
+    assert report["l3_breaker"] == "open"
+    # Why, counted by cause, the first message kept; logged once for the outage, and the
+    # breaker's trip.
+    assert report["l3_error_causes"] == {"connection refused": 2}
+    assert "connection refused" in report["l3_first_error"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "radixcache.l3"]
+    assert len(logged) == 2, logged
+    assert logged[0].startswith("L3 store redis://127.0.0.1:1: connection refused (")
+    assert "circuit breaker open after 2 errors in a row" in logged[1]
+    caplog.clear()
     time.sleep(0.35)
     a.tier.store = ObjectStore(f"file://{tmp_path / 'back'}")
-    a.compute([8, 8, 8, 8, *TOKENS], rng)
-    a.settle()
+    with caplog.at_level(logging.WARNING, logger="radixcache.l3"):
+        a.compute([8, 8, 8, 8, *TOKENS], rng)
+        a.settle()
     assert a.tier.breaker.state == "closed", "the probe succeeded"
     assert a.tier.counters.stored_objects > 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"L3 store file://{tmp_path / 'back'} answers again"
+    ]
     a.cache.audit()
 
 

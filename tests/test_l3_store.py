@@ -213,6 +213,52 @@ def test_bad_url(url: str, match: str) -> None:
         ObjectStore(url)
 
 
+def _cause(store: ObjectStore) -> tuple[str, str]:
+    """What `check` raises: the error's cause and message."""
+    with pytest.raises(L3Error) as e:
+        store.check()
+    return e.value.cause, str(e.value)
+
+
+def test_check_says_why_a_store_cannot_be_used(tmp_path: Path) -> None:
+    from conftest import _need_redis, free_port
+
+    _need_redis("redis-server")
+    cause, message = _cause(ObjectStore(f"redis://127.0.0.1:{free_port()}"))
+    assert cause == "connection refused"
+    assert "connection refused" in message
+    server = RedisServer(tmp_path, password="sesame")
+    try:
+        host = f"127.0.0.1:{server.port}"
+        for url in (f"redis://{host}", f"redis://:wrong@{host}", f"redis://nobody:sesame@{host}"):
+            cause, message = _cause(ObjectStore(url))
+            assert cause == "authentication failed", (url, message)
+        assert _cause(ObjectStore(f"redis://:sesame@{host}/99"))[0] == "bad database"
+        ObjectStore(f"redis://:sesame@{host}/3").check()  # usable: no error
+    finally:
+        server.stop()
+    ObjectStore(f"file://{tmp_path / 'store'}").check()
+
+
+def test_a_store_error_carries_its_cause_on_every_call(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    store = ObjectStore(f"redis://127.0.0.1:{free_port()}")
+    for call in (
+        lambda: store.exists([b"k"]),
+        lambda: store.put([b"k"], [bytes(32)], np.zeros((1, 8), np.uint8), **LABEL),
+        lambda: store.get_into([b"k"], [bytes(32)], np.zeros((1, 8), np.uint8), **LABEL),
+        lambda: store.delete([b"k"]),
+    ):
+        with pytest.raises(L3Error) as e:
+            call()
+        assert e.value.cause == "connection refused"
+    faulty = ObjectStore.faulty(f"file://{tmp_path}", seed=0, fail=1.0)
+    with pytest.raises(L3Error) as e:
+        faulty.exists([b"k"])
+    assert e.value.cause == "injected failure"
+
+
 def test_unusable_directory_raises_l3error(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(L3Error, match="open failed"):
