@@ -548,6 +548,11 @@ class RouterIndex:
     subscriber does, ``reset(seq + 1)`` (forget everything and go on after it), so that
     the index under-claims until the worker stores its pages again and never claims a
     page the lost batch removed (docs/events.md, "Batches that cannot be decoded").
+
+    A publisher that restarts numbers its batches from 0 again: `apply` would take them all
+    for repeats. Whoever feeds the index tells a restart from a repeat (as
+    `KvEventSubscriber` does: docs/events.md, "A publisher that restarts") and calls
+    `reset` first.
     """
 
     def __init__(self, format: Format = "sglang") -> None:
