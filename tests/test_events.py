@@ -1499,8 +1499,28 @@ def test_our_bytes_are_sglangs_bytes(sgl: types.ModuleType) -> None:
     assert ev.encode_batch(ours, ts=1234.5, dp_rank=0) == msgspec.msgpack.encode(theirs)
 
 
+def free_ports(ports: list[int]) -> None:
+    """Wait until `ports` can be bound (a closed socket releases its port in ZMQ's own
+    thread, a moment later)."""
+    deadline = time.monotonic() + 20
+    for port in ports:
+        while True:
+            ctx = zmq.Context()
+            probe = ctx.socket(zmq.PUB)
+            try:
+                probe.bind(f"tcp://127.0.0.1:{port}")
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, f"port {port} stays taken"
+                time.sleep(0.05)
+            finally:
+                probe.close(linger=0)
+                ctx.term()
+
+
 def test_our_subscriber_reads_sglangs_publisher(sgl: types.ModuleType) -> None:
-    """SGLang's own ZmqEventPublisher (live and replay) into our subscriber and index."""
+    """SGLang's own ZmqEventPublisher (live and replay) into our subscriber and index, and
+    its restart (a new ZmqEventPublisher on the same ports, numbering from 0 again)."""
     ctx = zmq.Context()
     ports = []
     for _ in range(2):  # two free ports, released for SGLang's publisher to bind
@@ -1509,13 +1529,17 @@ def test_our_subscriber_reads_sglangs_publisher(sgl: types.ModuleType) -> None:
         ports.append(int(probe.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]))
         probe.close(linger=0)
     ctx.term()
-    pub = sgl.ZmqEventPublisher(
-        attn_dp_rank=0,
-        endpoint=f"tcp://127.0.0.1:{ports[0]}",
-        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}",
-        topic="kv",
-        bind=True,
-    )
+
+    def publisher() -> Any:
+        return sgl.ZmqEventPublisher(
+            attn_dp_rank=0,
+            endpoint=f"tcp://127.0.0.1:{ports[0]}",
+            replay_endpoint=f"tcp://127.0.0.1:{ports[1]}",
+            topic="kv",
+            bind=True,
+        )
+
+    pub = publisher()
     a = chain(A, PAGE)
     s = sglang_int
     batches = [
@@ -1553,6 +1577,29 @@ def test_our_subscriber_reads_sglangs_publisher(sgl: types.ModuleType) -> None:
                 "CPU_PINNED": (frozenset({s(a[0])}), frozenset()),
                 "GPU": (frozenset(s(h) for h in a[:3]), frozenset()),
             }
+            pub.shutdown()
+            atexit.unregister(pub.shutdown)
+            free_ports(ports)
+            pub = publisher()  # the worker restarted: batch 0 again, an empty cache
+            c = chain(C, PAGE)
+            stored_c = sgl.BlockStored(
+                block_hashes=[s(h) for h in c],
+                parent_block_hash=None,
+                token_ids=C,
+                block_size=PAGE,
+                lora_id=None,
+                medium=sgl.StorageMedium.GPU,
+            )
+            pub.publish(sgl.KVEventBatch(ts=time.time(), events=[stored_c]))
+            sub.catch_up()  # it holds no batch 2, the last one applied
+            assert sub.publisher_restarts == 1
+            deadline = time.monotonic() + 20
+            while sub.index.next_seq == 0:  # SGLang publishes from its own thread
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+                sub.catch_up()
+            assert sub.index.snapshot() == {"GPU": (frozenset(s(h) for h in c), frozenset())}
+            assert sub.publisher_restarts == 1
     finally:
         pub.shutdown()
         atexit.unregister(pub.shutdown)  # shut down already
