@@ -632,6 +632,7 @@ def test_late_subscriber_catches_up_through_replay() -> None:
             assert sub.index.next_seq == pub.next_seq
             expected = BATCHES + [extra] * (pub.next_seq - len(BATCHES))
             assert sub.index.snapshot() == model(expected, "sglang")
+            assert sub.publisher_restarts == 0, "a duplicate is not a restart"
 
 
 def test_gap_past_the_replay_buffer_is_detected() -> None:
@@ -815,8 +816,9 @@ def test_unreadable_replay_messages_are_skipped_and_resync_starts_after_them() -
             [b"t", seq_frame(1), a],
             [b"t", seq_frame(-5), b""],
         ],
-        # catch_up from 2: batch 2 unreadable, so 3 shows a gap
-        [[b"t", b"\x00\x02", b"?"], [b"t", seq_frame(3), c]],
+        # catch_up from 1 (the last batch applied, checked): batch 2 unreadable, so 3
+        # shows a gap
+        [[b"t", seq_frame(1), a], [b"t", b"\x00\x02", b"?"], [b"t", seq_frame(3), c]],
         # resync, from 0
         [
             [b"t", seq_frame(0), bad],
@@ -860,7 +862,7 @@ def test_unreadable_replay_messages_are_skipped_and_resync_starts_after_them() -
         thread.join()
         server.close(linger=0)
         ctx.term()
-    assert starts == [0, 2, 0]
+    assert starts == [0, 1, 0]
 
 
 def test_a_replay_cut_short_leaves_no_leftovers() -> None:
@@ -873,8 +875,9 @@ def test_a_replay_cut_short_leaves_no_leftovers() -> None:
         client, _, _ = server.recv_multipart()
         server.send_multipart([client, b"", b"t", seq_frame(0), a])  # no end in time
         again, _, start = server.recv_multipart()
-        assert start == seq_frame(1)
+        assert start == seq_frame(0)  # from the last batch applied, to check it
         server.send_multipart([client, b"", *END])  # the first answer's end, late
+        server.send_multipart([again, b"", b"t", seq_frame(0), a])
         server.send_multipart([again, b"", b"t", seq_frame(1), c])
         server.send_multipart([again, b"", *END])
 
@@ -1138,6 +1141,169 @@ def test_the_replay_skips_a_batch_that_cannot_be_decoded(
             assert late.skipped_seqs == (3,)
 
 
+# ----------------------------------------------------------------------------- restarts
+
+
+def restarted(pub: ev.KvEventPublisher, **kwargs: Any) -> ev.KvEventPublisher:
+    """Close `pub` and bind a new publisher on its endpoints (PUB and replay): its worker
+    restarted, and numbers its batches from 0 again."""
+    pub.close()
+    return ev.KvEventPublisher(pub.endpoint, pub.replay_endpoint, **kwargs)
+
+
+#: What the restarted worker publishes, over and over: other pages than the old worker's.
+NEW_BATCHES: list[list[Event]] = [
+    [stored(B), state("state_stored", B)],
+    [removed(B[8:]), stored(C)],
+    [stored([*B[:8], 7, 7, 7, 7]), state("state_removed", B)],
+]
+
+
+def publish_until_restart_seen(
+    pub: ev.KvEventPublisher, sub: ev.KvEventSubscriber, sent: list[list[Event]]
+) -> None:
+    """Publish NEW_BATCHES in turn (appending them to `sent`) and poll, until the
+    subscriber has found that the publisher restarted: the batches published before its
+    SUB socket reconnected never reach it live."""
+    deadline = time.monotonic() + 20
+    while sub.publisher_restarts == 0:
+        assert time.monotonic() < deadline, "the restart was never noticed"
+        sent.append(NEW_BATCHES[len(sent) % len(NEW_BATCHES)])
+        pub.publish(sent[-1])
+        sub.poll(0.05)
+
+
+def test_a_restarted_publisher_seen_live_starts_the_index_over_from_its_batches(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 33, item 9: a worker restarted (numbers from 0 again) and the subscriber took
+    every batch after for a duplicate, until the router called resync() on its own. It
+    now starts over from the new publisher's batches, and still ignores a batch it gets
+    twice."""
+    old = ev.KvEventPublisher(LOOPBACK, LOOPBACK)
+    with ev.KvEventSubscriber(old.endpoint, old.replay_endpoint) as sub:
+        until_live(old, sub)
+        for batch in BATCHES * 10:
+            old.publish(batch)
+        drain(sub, old.next_seq)
+        assert sub.index.snapshot() == model(BATCHES, "sglang")
+        with restarted(old) as new:
+            sent: list[list[Event]] = []
+            publish_until_restart_seen(new, sub, sent)
+            # Its first batch to arrive is numbered below the old publisher's last one.
+            assert re.search(
+                r"the publisher restarted \(live batch \d+ came after live", caplog.text
+            )
+            assert "the index starts over from every batch it buffers" in caplog.text
+            drain(sub, new.next_seq)
+            assert sub.publisher_restarts == 1
+            assert sub.index.snapshot() == model(sent, "sglang"), "nothing of the old worker"
+            # A batch that comes both ways (replay, then live) is a duplicate, no restart.
+            sent.append([removed(C), state("state_stored", B[:8])])
+            new.publish(sent[-1])
+            assert sub.catch_up() == 1
+            before = sub.duplicates
+            deadline = time.monotonic() + 20
+            while sub.duplicates == before:
+                assert time.monotonic() < deadline
+                sub.poll(0.05)
+            assert sub.publisher_restarts == 1
+            assert sub.index.next_seq == new.next_seq
+            assert sub.index.snapshot() == model(sent, "sglang")
+
+
+def test_a_subscriber_that_only_replayed_knows_the_new_publishers_batches_by_their_bytes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A late joiner applied everything from the replay and nothing live yet: the new
+    publisher's batches come under numbers it already holds, and differ from the bytes
+    the replay brought under them."""
+    old = ev.KvEventPublisher(LOOPBACK, LOOPBACK)
+    for batch in BATCHES * 8:
+        old.publish(batch)
+    with ev.KvEventSubscriber(old.endpoint, old.replay_endpoint) as sub:
+        assert sub.catch_up() == len(BATCHES) * 8
+        with restarted(old) as new:
+            sent: list[list[Event]] = []
+            publish_until_restart_seen(new, sub, sent)
+            assert new.next_seq < len(BATCHES) * 8, "seen below the index's next batch"
+            assert "is not the batch" in caplog.text
+            assert "a replay brought" in caplog.text
+            drain(sub, new.next_seq)
+            assert sub.index.snapshot() == model(sent, "sglang")
+            assert sub.publisher_restarts == 1
+
+
+def test_catch_up_checks_the_last_batch_applied_against_the_publisher() -> None:
+    """A catch-up asks from the last batch the index applied and compares it: a new
+    publisher holds no such batch, or another one under its number; the same publisher
+    holds it byte for byte; one whose buffer no longer holds it cannot be checked."""
+    old = ev.KvEventPublisher(LOOPBACK, LOOPBACK)
+    for batch in BATCHES[:5]:
+        old.publish(batch)
+    with ev.KvEventSubscriber(old.endpoint, old.replay_endpoint) as sub:
+        assert sub.catch_up() == 5
+        # Restarted with fewer batches: nothing from batch 4 on.
+        new = restarted(old)
+        new.publish([stored(C)])
+        new.publish([stored(B)])
+        assert sub.catch_up() == 2
+        assert sub.publisher_restarts == 1
+        assert sub.index.snapshot() == model([[stored(C)], [stored(B)]], "sglang")
+        # Restarted with more: its batch 1 is another one. Its buffer has lost batch 0,
+        # so the index starts at batch 1 (it under-claims the worker's cache).
+        newer = restarted(new, buffer_steps=3)
+        with newer:
+            for batch in BATCHES[:4]:
+                newer.publish(batch)
+            assert sub.catch_up() == 3
+            assert sub.publisher_restarts == 2
+            assert sub.index.snapshot() == model(BATCHES[1:4], "sglang")
+            # The same publisher: checked, and the catch-up goes on.
+            newer.publish(BATCHES[4])
+            assert sub.catch_up() == 1
+            assert sub.index.snapshot() == model(BATCHES[1:5], "sglang")
+            # The last batch applied has left the buffer: a gap, not a restart.
+            for batch in BATCHES[:4]:
+                newer.publish(batch)
+            with pytest.raises(ev.SequenceGap):
+                sub.catch_up()
+            assert sub.publisher_restarts == 2
+
+
+def test_without_a_replay_socket_a_restart_starts_the_index_at_the_batch_that_shows_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    old = ev.KvEventPublisher(LOOPBACK, None)
+    with ev.KvEventSubscriber(old.endpoint) as sub:
+        deadline = time.monotonic() + 20
+        while sub.live_batches == 0:  # until the subscription is through
+            assert time.monotonic() < deadline
+            old.publish([Event("cleared")])
+            try:
+                sub.poll(0.05)
+            except ev.SequenceGap as gap:  # the clears sent before it
+                sub.index.reset(gap.received + 1)
+        for batch in BATCHES * 4:
+            old.publish(batch)
+        while sub.index.next_seq < old.next_seq:
+            assert time.monotonic() < deadline
+            sub.poll(0.05)
+        with restarted(old) as new:
+            sent: list[list[Event]] = []
+            publish_until_restart_seen(new, sub, sent)
+            found = re.search(r"starts over, empty, at batch (\d+)", caplog.text)
+            assert found is not None
+            first = int(found.group(1))
+            while sub.index.next_seq < new.next_seq:
+                assert time.monotonic() < deadline
+                sub.poll(0.05)
+            # Batches the new publisher sent before the subscriber reconnected are lost:
+            # the index under-claims, and holds nothing of the old worker.
+            assert sub.index.snapshot() == model(sent[first:], "sglang")
+            assert sub.publisher_restarts == 1
+
+
 DOCS_EVENTS = Path(__file__).resolve().parent.parent / "docs" / "events.md"
 
 
@@ -1333,8 +1499,28 @@ def test_our_bytes_are_sglangs_bytes(sgl: types.ModuleType) -> None:
     assert ev.encode_batch(ours, ts=1234.5, dp_rank=0) == msgspec.msgpack.encode(theirs)
 
 
+def free_ports(ports: list[int]) -> None:
+    """Wait until `ports` can be bound (a closed socket releases its port in ZMQ's own
+    thread, a moment later)."""
+    deadline = time.monotonic() + 20
+    for port in ports:
+        while True:
+            ctx = zmq.Context()
+            probe = ctx.socket(zmq.PUB)
+            try:
+                probe.bind(f"tcp://127.0.0.1:{port}")
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, f"port {port} stays taken"
+                time.sleep(0.05)
+            finally:
+                probe.close(linger=0)
+                ctx.term()
+
+
 def test_our_subscriber_reads_sglangs_publisher(sgl: types.ModuleType) -> None:
-    """SGLang's own ZmqEventPublisher (live and replay) into our subscriber and index."""
+    """SGLang's own ZmqEventPublisher (live and replay) into our subscriber and index, and
+    its restart (a new ZmqEventPublisher on the same ports, numbering from 0 again)."""
     ctx = zmq.Context()
     ports = []
     for _ in range(2):  # two free ports, released for SGLang's publisher to bind
@@ -1343,13 +1529,17 @@ def test_our_subscriber_reads_sglangs_publisher(sgl: types.ModuleType) -> None:
         ports.append(int(probe.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]))
         probe.close(linger=0)
     ctx.term()
-    pub = sgl.ZmqEventPublisher(
-        attn_dp_rank=0,
-        endpoint=f"tcp://127.0.0.1:{ports[0]}",
-        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}",
-        topic="kv",
-        bind=True,
-    )
+
+    def publisher() -> Any:
+        return sgl.ZmqEventPublisher(
+            attn_dp_rank=0,
+            endpoint=f"tcp://127.0.0.1:{ports[0]}",
+            replay_endpoint=f"tcp://127.0.0.1:{ports[1]}",
+            topic="kv",
+            bind=True,
+        )
+
+    pub = publisher()
     a = chain(A, PAGE)
     s = sglang_int
     batches = [
@@ -1387,6 +1577,29 @@ def test_our_subscriber_reads_sglangs_publisher(sgl: types.ModuleType) -> None:
                 "CPU_PINNED": (frozenset({s(a[0])}), frozenset()),
                 "GPU": (frozenset(s(h) for h in a[:3]), frozenset()),
             }
+            pub.shutdown()
+            atexit.unregister(pub.shutdown)
+            free_ports(ports)
+            pub = publisher()  # the worker restarted: batch 0 again, an empty cache
+            c = chain(C, PAGE)
+            stored_c = sgl.BlockStored(
+                block_hashes=[s(h) for h in c],
+                parent_block_hash=None,
+                token_ids=C,
+                block_size=PAGE,
+                lora_id=None,
+                medium=sgl.StorageMedium.GPU,
+            )
+            pub.publish(sgl.KVEventBatch(ts=time.time(), events=[stored_c]))
+            sub.catch_up()  # it holds no batch 2, the last one applied
+            assert sub.publisher_restarts == 1
+            deadline = time.monotonic() + 20
+            while sub.index.next_seq == 0:  # SGLang publishes from its own thread
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+                sub.catch_up()
+            assert sub.index.snapshot() == {"GPU": (frozenset(s(h) for h in c), frozenset())}
+            assert sub.publisher_restarts == 1
     finally:
         pub.shutdown()
         atexit.unregister(pub.shutdown)  # shut down already

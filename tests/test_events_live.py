@@ -7,6 +7,7 @@ subscriber that joins late catching up through the replay socket."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,7 @@ def test_a_random_run_is_mirrored_by_the_subscribers_after_every_step(wire: Wire
         wire.send(cache)
         cache.audit()
     assert len(wire.subs) == 2
+    assert [sub.publisher_restarts for sub in wire.subs] == [0, 0], "no restart made up"
     assert wire.pub.next_seq > 150, "most steps changed what a router is told"
     assert wire.subs[1].replayed_batches > 0
     assert any(expected(cache, wire.fmt).values()), "the run ended holding something"
@@ -191,6 +193,49 @@ def test_after_a_batch_it_cannot_decode_the_index_never_claims_what_the_cache_lo
                 b.complete()
         cache.reset()
         wire.send(cache)  # a clear: exact again (and empty)
+    finally:
+        wire.close()
+
+
+def test_after_its_worker_restarts_the_index_follows_the_new_workers_cache_exactly() -> None:
+    """Issue 33, item 9: a restarted worker (its publisher numbering from 0 again, its cache
+    empty) left the subscriber taking every batch for a duplicate, its index stuck on the
+    old worker's cache until the router called resync() itself. The subscriber finds the
+    restart on its own; from then on its index equals the new worker's cache after every
+    step, and a batch that arrives twice (replay, then live) is still ignored."""
+    wire = Wire("sglang")
+    try:
+        rng = random.Random(7)
+        cache = hybrid_cache()
+        for _ in range(60):
+            random_step(cache, rng)
+            wire.send(cache)
+        assert any(expected(cache, "sglang").values())
+        sub = wire.subs[0]
+        old = wire.pub
+        old.close()
+        wire.pub = KvEventPublisher(old.endpoint, old.replay_endpoint, format="sglang")
+        cache = hybrid_cache()  # the new worker's, empty
+        deadline = time.monotonic() + 20
+        while sub.publisher_restarts == 0:
+            assert time.monotonic() < deadline, "the restart was never noticed"
+            random_step(cache, rng)
+            wire.pub.publish(cache.take_events())
+            sub.poll(0.05)
+        assert seen(sub) == expected(cache, "sglang")
+        for step in range(60):
+            random_step(cache, rng)
+            if step % 10 == 0 and (events := cache.take_events()):
+                wire.pub.publish(events)
+                assert sub.catch_up() == 1  # the replay brings it first ...
+                before = sub.duplicates
+                while sub.duplicates == before:  # ... then it comes live: a duplicate
+                    assert time.monotonic() < deadline
+                    sub.poll(0.05)
+            wire.send(cache)
+            cache.audit()
+        assert sub.publisher_restarts == 1
+        assert sub.duplicates > 0
     finally:
         wire.close()
 

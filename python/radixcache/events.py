@@ -548,6 +548,11 @@ class RouterIndex:
     subscriber does, ``reset(seq + 1)`` (forget everything and go on after it), so that
     the index under-claims until the worker stores its pages again and never claims a
     page the lost batch removed (docs/events.md, "Batches that cannot be decoded").
+
+    A publisher that restarts numbers its batches from 0 again: `apply` would take them all
+    for repeats. Whoever feeds the index tells a restart from a repeat (as
+    `KvEventSubscriber` does: docs/events.md, "A publisher that restarts") and calls
+    `reset` first.
     """
 
     def __init__(self, format: Format = "sglang") -> None:
@@ -819,6 +824,19 @@ class KvEventPublisher:
 _POLL_MS = 50
 _CLOSE_LINGER_MS = 200
 
+#: Digests of replayed batches a subscriber keeps at most (16 bytes each); only those whose
+#: live copy has not passed yet are kept, so this bounds a router that never polls.
+_REPLAYED_KEPT = 16_384
+
+
+def _digest(payload: bytes) -> bytes:
+    """Return what a subscriber keeps of a batch to know it again (the same bytes)."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+class _PublisherRestarted(Exception):
+    """A replay showed that the publisher is not the one the index follows (the reason)."""
+
 
 def _open(sock: zmq.Socket[bytes], address: str, name: str, *, bind: bool) -> None:
     import zmq
@@ -866,6 +884,16 @@ class KvEventSubscriber:
     readable sequence number is dropped without touching the index, and the gap it
     leaves is met like any other: live, the replay socket fills it; in a replay,
     `catch_up` raises `SequenceGap` and `resync` starts the index over after it.
+
+    A publisher that restarts (its worker restarted: numbers from 0 again, an empty cache)
+    never leaves the index stuck on batches it takes for duplicates (docs/events.md, "A
+    publisher that restarts"). The subscriber knows it by a live batch numbered at or
+    below the previous live one (one publisher's stream only goes up), by a live batch
+    that is not byte for byte the one a replay brought under its number, or, in
+    `catch_up` (and so on every gap), by the publisher no longer holding, byte for byte,
+    the last batch the index applied. It then counts it in `publisher_restarts`, logs a
+    warning and starts the index over: from everything the new publisher buffers
+    (`resync`), or, without a replay socket, empty at the batch that showed it.
     """
 
     #: How many of the latest skipped sequence numbers `skipped_seqs` keeps.
@@ -904,6 +932,14 @@ class KvEventSubscriber:
         self.decode_errors = 0
         self.last_decode_error: EventDecodeError | None = None
         self._skipped: deque[int] = deque(maxlen=self.SKIPPED_KEPT)
+        #: Times the publisher was found restarted (the index started over each time).
+        self.publisher_restarts = 0
+        # The number of the last live message; the (seq, digest) of the last batch applied
+        # or skipped (checked against the publisher by `catch_up`); the digests of
+        # replayed batches whose live copy may still come (a duplicate is the same bytes).
+        self._last_live: int | None = None
+        self._anchor: tuple[int, bytes] | None = None
+        self._replayed: dict[int, bytes] = {}
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._replay: zmq.Socket[bytes] | None = None
@@ -920,7 +956,8 @@ class KvEventSubscriber:
     def skipped_seqs(self) -> tuple[int, ...]:
         """The sequence numbers of the latest batches skipped as undecodable, oldest first.
 
-        At most `SKIPPED_KEPT` of them; each batch once.
+        At most `SKIPPED_KEPT` of them; each batch once; since the publisher's last
+        restart (the numbers start again with it).
         """
         return tuple(self._skipped)
 
@@ -938,12 +975,25 @@ class KvEventSubscriber:
     def catch_up(self, timeout: float = 5.0) -> int:
         """Replay every buffered batch from ``index.next_seq`` on; return how many applied.
 
+        The request starts one batch earlier, at the last batch the index applied, when
+        the subscriber has it: a publisher that answers without that batch, byte for
+        byte, has restarted, and the index starts over from what it buffers (counted in
+        `publisher_restarts`, as `resync`). When that batch has left the publisher's
+        buffer there is nothing to compare: the replay goes on unchecked.
+
         A replayed batch that cannot be decoded is skipped (see the class docstring).
         Raises `SequenceGap` when the oldest batch the publisher still holds is past the
         one needed (nothing past the gap is applied), TimeoutError when the end marker
         does not come within `timeout` seconds, RuntimeError without a replay endpoint.
         """
-        return self._replay_from(self.index.next_seq, timeout, "catch_up")
+        start = self.index.next_seq
+        anchor = self._anchor
+        if anchor is None or anchor[0] != start - 1:
+            anchor = None  # nothing applied yet, or the router reset the index
+        try:
+            return self._replay_from(start if anchor is None else anchor[0], timeout, anchor)
+        except _PublisherRestarted as restart:
+            return self._restarted(str(restart), f"catch_up from {self.replay_endpoint}", timeout)
 
     def resync(self, timeout: float = 5.0) -> int:
         """Rebuild the index from every batch the publisher still buffers, after a gap.
@@ -957,14 +1007,28 @@ class KvEventSubscriber:
         as `catch_up`.
         """
         self.index.reset()
-        return self._replay_from(0, timeout, "resync")
+        self._replayed.clear()
+        return self._replay_from(0, timeout, None, resync=True)
 
-    def _replay_from(self, start: int, timeout: float, caller: str) -> int:
+    def _replay_from(
+        self,
+        start: int,
+        timeout: float,
+        anchor: tuple[int, bytes] | None,
+        *,
+        resync: bool = False,
+    ) -> int:
+        """Ask for the batches from `start` on and apply them; return how many applied.
+
+        `anchor`: ``(seq, digest)`` of the last batch applied, with ``start == seq``: the
+        answer must bring that batch, the same bytes, else `_PublisherRestarted`.
+        """
+        caller = "resync" if resync else "catch_up"
         endpoint = self.replay_endpoint
         if self._replay is None or endpoint is None:
             raise RuntimeError(f"{caller}: this subscriber has no replay_endpoint")
+        where = f"{caller} from {endpoint}"
         sock = self._replay
-        resync = caller == "resync"
         first = True
         applied = 0
         try:
@@ -979,8 +1043,21 @@ class KvEventSubscriber:
                 try:
                     seq, payload = _replay_frames(sock.recv_multipart())
                 except EventDecodeError as exc:
-                    self._skip(exc, None, f"{caller} from {endpoint}")
+                    self._skip(exc, None, where)
                     continue
+                if anchor is not None and (seq == -1 or seq >= anchor[0]):
+                    if seq == -1:
+                        raise _PublisherRestarted(
+                            f"it holds no batch from {anchor[0]} on, the last one applied"
+                        )
+                    if seq == anchor[0] and _digest(payload) != anchor[1]:
+                        raise _PublisherRestarted(
+                            f"its batch {seq} is not the batch {seq} the index applied"
+                        )
+                    # Checked; or gone from its buffer, and nothing to check it against.
+                    verified, anchor = seq == anchor[0], None
+                    if verified:
+                        continue
                 if seq == -1:
                     return applied
                 if resync and (first or seq > self.index.next_seq):
@@ -992,7 +1069,7 @@ class KvEventSubscriber:
                     continue
                 if seq > self.index.next_seq:
                     raise SequenceGap(self.index.next_seq, seq)
-                if self._apply(seq, payload, f"{caller} from {endpoint}"):
+                if self._apply(seq, payload, where, replayed=True):
                     applied += 1
                     self.replayed_batches += 1
         except BaseException:
@@ -1002,13 +1079,42 @@ class KvEventSubscriber:
             self._replay = self._dealer(endpoint)
             raise
 
+    def _restarted(self, reason: str, where: str, timeout: float, seq: int | None = None) -> int:
+        """Count, log and recover from a restart of the publisher: start the index over.
+
+        From everything the publisher buffers (`resync`; returns how many applied), or,
+        without a replay socket, empty at live batch `seq`, the one that showed it.
+        """
+        self.publisher_restarts += 1
+        self._skipped.clear()  # its numbers name the old publisher's batches
+        self._replayed.clear()
+        self._anchor = None
+        if self._replay is None and seq is not None:
+            logger.warning(
+                "kv events: %s: the publisher restarted (%s); the index starts over, "
+                "empty, at batch %d",
+                where,
+                reason,
+                seq,
+            )
+            self.index.reset(seq)
+            return 0
+        logger.warning(
+            "kv events: %s: the publisher restarted (%s); the index starts over from "
+            "every batch it buffers",
+            where,
+            reason,
+        )
+        return self.resync(timeout)
+
     def poll(self, timeout: float = 0.0) -> int:
         """Apply the live batches that arrived (waiting up to `timeout` s for the first).
 
         Returns how many batches were applied (replayed ones included). A message that
-        cannot be decoded is skipped (see the class docstring). Raises `SequenceGap` for a
-        gap that cannot be filled (call `resync`), TimeoutError when the replay socket
-        does not answer.
+        cannot be decoded is skipped; a batch that shows that the publisher restarted
+        starts the index over from the new publisher's batches (see the class
+        docstring). Raises `SequenceGap` for a gap that cannot be filled (call `resync`),
+        TimeoutError when the replay socket does not answer.
         """
         applied = 0
         wait_ms = max(0, int(timeout * 1000))
@@ -1024,6 +1130,11 @@ class KvEventSubscriber:
                 self._skip(error, None, f"live from {self.endpoint}")
                 continue
             seq = int.from_bytes(frames[1], "big")
+            restart = self._restart_shown(seq, frames[2])
+            self._last_live = seq
+            if restart is not None:
+                applied += self._restarted(restart, f"live from {self.endpoint}", 5.0, seq)
+            self._forget_replayed(seq)
             if seq > self.index.next_seq:
                 if self._replay is None:
                     raise SequenceGap(self.index.next_seq, seq)
@@ -1038,11 +1149,38 @@ class KvEventSubscriber:
                 self.live_batches += 1
         return applied
 
-    def _apply(self, seq: int, payload: bytes, where: str) -> bool:
+    def _restart_shown(self, seq: int, payload: bytes) -> str | None:
+        """Why live batch `seq` shows that the publisher restarted; None if it does not."""
+        last = self._last_live
+        if last is not None and seq <= last:
+            return f"live batch {seq} came after live batch {last}"
+        if seq < self.index.next_seq:
+            replayed = self._replayed.get(seq)
+            if replayed is not None and replayed != _digest(payload):
+                return f"live batch {seq} is not the batch {seq} a replay brought"
+        return None
+
+    def _forget_replayed(self, seq: int) -> None:
+        """Drop the digests of replayed batches up to `seq`: no live copy of them can come."""
+        replayed = self._replayed
+        while replayed:
+            oldest = next(iter(replayed))
+            if oldest > seq:
+                return
+            del replayed[oldest]
+
+    def _apply(self, seq: int, payload: bytes, where: str, *, replayed: bool = False) -> bool:
         """Decode and apply batch `seq` (the index's next); skip it if it cannot be decoded.
 
-        Returns whether it was applied.
+        Returns whether it was applied. Either way it becomes the anchor `catch_up`
+        checks; a `replayed` one's digest is kept until its live copy has passed.
         """
+        digest = _digest(payload)
+        self._anchor = (seq, digest)
+        if replayed:
+            self._replayed[seq] = digest
+            if len(self._replayed) > _REPLAYED_KEPT:
+                del self._replayed[next(iter(self._replayed))]
         try:
             batch = decode_batch(payload, format=self.format)
         except EventDecodeError as exc:
