@@ -29,6 +29,7 @@ import radixcache as rc
 
 from conftest import (
     EVICTION_POLICIES,
+    GAUGES,
     EventIndex,
     assert_pool_sums,
     examples,
@@ -62,6 +63,15 @@ def hashes_of(ns: str | None, tokens: list[int]) -> list[int]:
     return out
 
 
+def without_state_shares(fp: tuple[object, ...], let_go: int) -> tuple[object, ...]:
+    """A `fingerprint` as it was before `let_go` states turned from protected to
+    evictable (the gauges moved back)."""
+    gauges = dict(zip(GAUGES, fp[5]))  # type: ignore[call-overload]
+    gauges["mamba_evictable_states"] -= let_go
+    gauges["mamba_protected_states"] += let_go
+    return (*fp[:5], tuple(gauges[k] for k in GAUGES), *fp[6:])
+
+
 @dataclass
 class Req:
     handle: rc.Request | None
@@ -85,6 +95,8 @@ class Batch:
     #: The object that owns the batch (acknowledged through it or by id).
     obj: rc.TransferBatch | None
     req: Req | None = None
+    #: A checkpoint's: the namespace and tokens whose end its state is for.
+    end: tuple[str | None, tuple[int, ...]] | None = None
 
 
 class HybridMachine(RuleBasedStateMachine):
@@ -267,7 +279,8 @@ class HybridMachine(RuleBasedStateMachine):
             assert n > 0
             assert n == self.aligned(n), "a state copy at no node's end"
             assert list(cp.src) == [h.mamba_slot]
-            self.batches[b.id] = Batch("checkpoint", int(cp.src[0]), int(cp.dst[0]), b)
+            end = (r.ns, tuple(r.tokens))
+            self.batches[b.id] = Batch("checkpoint", int(cp.src[0]), int(cp.dst[0]), b, end=end)
 
     def do_finish(self, r: Req) -> None:
         h = r.handle
@@ -280,10 +293,14 @@ class HybridMachine(RuleBasedStateMachine):
             return
         self.check_kv(r.ns, r.tokens, h.kv_indices)
         self.remember(r.ns, r.tokens)
+        held = h.mamba_slot is not None
+        lost = self.cache.stats()["finish_states_lost"]
         self.cache.finish(h)
         assert not h.live
         r.handle = None
         n = len(r.tokens)
+        lost = self.cache.stats()["finish_states_lost"] - lost
+        self.check_end_state(r, held, bool(lost))
         if n > 0 and n == self.aligned(n):
             # A state sits at the end now: the request's, or the one the node had.
             m = self.cache.match_prefix(r.tokens, namespace=r.ns)
@@ -291,6 +308,22 @@ class HybridMachine(RuleBasedStateMachine):
             self.check_kv(r.ns, r.tokens, m.kv_indices)
             assert m.mamba_slot is not None
             assert self.mamba_mem[m.mamba_slot] == hashes_of(r.ns, r.tokens)[n]
+
+    def check_end_state(self, r: Req, held: bool, lost: bool) -> None:
+        """A finish of `r` (`held`: with its own state) counted `lost` when its length is
+        unaligned and no state, nor a checkpoint copy, is where its last whole page ends
+        (``finish_states_lost``)."""
+        n, aligned = len(r.tokens), self.aligned(len(r.tokens))
+        if not held or n == aligned or aligned == 0:
+            assert not lost, "finish_states_lost counted a state it could not keep"
+            return
+        there = self.cache.peek_prefix(r.tokens[:aligned], namespace=r.ns)[0] == aligned
+        if lost:
+            assert not there, "finish_states_lost counted a state the tree has"
+        else:
+            end = (r.ns, tuple(r.tokens[:aligned]))
+            copying = any(b.end == end for b in self.batches.values())
+            assert there or copying, "an end state lost, not counted"
 
     def do_acknowledge(self, bid: int, how: str, via_object: bool = False) -> None:
         """End batch `bid`: by id through the cache, or through its object; `how` is
@@ -594,10 +627,18 @@ class HybridMachine(RuleBasedStateMachine):
         the marks, and every invariant still holds."""
         prompts = [self.sequence(data) for _ in range(n)]
         before = fingerprint(self.cache)
+        shares = self.cache.stats()["mamba_protected_states"]
         marked = self.cache.expect([t for _, t in prompts], namespaces=[ns for ns, _ in prompts])
         assert 0 <= marked <= n
         assert self.cache.stats()["expected_nodes"] == marked
-        assert fingerprint(self.cache) == before, "expect changed the cache"
+        # Told of a queue, the requests whose admission copy landed let go of the state
+        # they matched (docs/contract.md rule 20): those states turn from protected to
+        # evictable, and nothing else changes.
+        let_go = shares - self.cache.stats()["mamba_protected_states"]
+        assert let_go == 0 or (n > 0 and let_go > 0), "expect locked a state"
+        assert without_state_shares(fingerprint(self.cache), let_go) == without_state_shares(
+            before, 0
+        ), "expect changed the cache"
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:

@@ -589,6 +589,25 @@ def test_with_a_queue_told_of_the_matched_state_is_locked_only_while_its_copy_ru
     c.audit()
 
 
+def test_a_turn_finished_at_an_unaligned_length_keeps_its_end_state_only_if_checkpointed() -> None:
+    c = hybrid(kv_slots=128, page_size=4, mamba_slots=4)
+    turn = list(range(1, 11))  # 10 tokens: the state of all 10 ends at no node's end
+    c.finish(served(c, turn))
+    assert gauge(c, "finish_states_lost") == 1
+    assert c.match_prefix([*turn, 11, 12]).device_len == 0, "the next turn starts over"
+    # Checkpointed at 8, its last aligned length, the state there stays (docs/contract.md
+    # rule 2), and the next turn resumes from it.
+    turn = list(range(21, 31))
+    r = served(c, turn[:8])
+    c.checkpoint(r)
+    one_batch(c).complete()
+    assert c.extend(r, turn[8:]) is not None
+    c.finish(r)
+    assert gauge(c, "finish_states_lost") == 1
+    assert c.match_prefix([*turn, 31, 32]).device_len == 8
+    c.audit()
+
+
 def test_checkpoint_leaves_the_unaligned_tail_and_skips_the_state_copy() -> None:
     c = hybrid(kv_slots=64, page_size=4, mamba_slots=4)
     toks = list(range(1, 11))

@@ -581,6 +581,96 @@ def test_a_request_short_of_a_state_slot_waits_for_a_load_back_rather_than_retra
     c.audit()
 
 
+def test_the_next_turn_resumes_from_the_last_whole_page_of_an_unaligned_turn() -> None:
+    # The first turn feeds 300 prompt tokens and 21 of its 22 output tokens: 321, pages of
+    # 16. `finish` places no state at 321; the scheduler checkpoints at 320, and the next
+    # turn (the whole first turn, then 50 new tokens) resumes there, its samples checked.
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 1000, 300).astype(np.uint32)
+    output = rng.integers(0, 1000, 22).astype(np.uint32)
+    second = np.concatenate([prompt, output, rng.integers(0, 1000, 50).astype(np.uint32)])
+    jobs = [Job(prompt, output), Job(second, rng.integers(0, 1000, 10).astype(np.uint32))]
+    cache = rc.HybridCache(kv_slots=2048, page_size=16, mamba_slots=8)
+    model, storage = model_for(cache)
+    sched = sv.Scheduler(cache, rc.TransferEngine(cache, storage), model, max_running=1)
+    sched.add(jobs)
+    counters = sched.run()
+    assert [hit for _, hit, _ in counters.served] == [0, 320]
+    assert (model.mismatches, model.samples) == (0, 32)
+    assert cache.stats()["finish_states_lost"] == 0
+    cache.audit()
+
+
+class SlowCopies(rc.TransferEngine):
+    """A CPU engine whose submitted copies are still running at every poll (a GPU's,
+    behind the compute); `synchronize` waits for them."""
+
+    waiting = False
+
+    def poll(self) -> list[rc.TransferBatch]:
+        return super().poll() if self.waiting else []
+
+    def synchronize(self) -> list[rc.TransferBatch]:
+        self.waiting = True
+        try:
+            return super().synchronize()
+        finally:
+            self.waiting = False
+
+
+def test_a_turns_end_state_waits_for_the_state_slots_copies_in_flight_hold() -> None:
+    # Three state slots: a load-back of a request aborted since holds two until its
+    # copies end, and the running request the third. At its last whole page (12 of the
+    # 13 tokens it feeds, pages of 4) its checkpoint finds no slot: the scheduler waits
+    # for the copies and checkpoints again, so the next turn resumes from 12.
+    c = rc.HybridCache(
+        kv_slots=128, page_size=4, mamba_slots=3, host_kv_slots=128, host_mamba_slots=4
+    )
+    c.insert([1, 2, 3, 4], c.alloc_kv(4), mamba_slot=c.alloc_mamba())
+    run_all(c)
+    c.evict(kv_tokens=4)  # [1, 2, 3, 4] and its state are on the host only
+    model, storage = model_for(c)
+    engine = SlowCopies(c, storage)
+    r = c.admit([1, 2, 3, 4, 5])
+    assert r is not None
+    lb = c.load_back(r)
+    assert lb is not None
+    engine.submit(lb.batch)
+    lb.commit()
+    c.abort(r)
+    assert (c.available_mamba(), c.stats()["mamba_draining_slots"]) == (1, 2)
+    first = Job(np.arange(50, 60, dtype=np.uint32), np.arange(80, 84, dtype=np.uint32))
+    second = Job(np.concatenate([first.prompt, first.output, [70, 71]]).astype(np.uint32),
+                 np.array([90, 91], dtype=np.uint32))  # fmt: skip
+    sched = sv.Scheduler(c, engine, model, max_running=1)
+    sched.add([first, second])
+    counters = sched.run()
+    assert (counters.end_state_waits, counters.copy_waits) == (1, 1)
+    assert [hit for _, hit, _ in counters.served] == [0, 12]
+    assert (model.mismatches, model.samples) == (0, 6)
+    assert c.stats()["finish_states_lost"] == 0
+    c.audit()
+
+
+def test_short_of_state_slots_every_turn_keeps_its_end_state() -> None:
+    # 16 state slots and the host tier: at their last whole page, turns often find every
+    # slot held by running requests, load-backs in flight and states the step's backups
+    # read. The scheduler runs those batches, waits for those copies and checkpoints
+    # again, so that no turn loses its end state (41 of these 64 did before), and the
+    # next turns resume from them, their samples checked.
+    cfg = sv.ReplayConfig(mamba_slots=16, attention_only=False)
+    cache = cfg.cache()
+    model, storage = model_for(cache)
+    sched = cfg.scheduler(cache, rc.TransferEngine(cache, storage), model)
+    sched.add(sv.load("multiturn", 64))
+    counters = sched.run()
+    assert counters.end_state_waits > 0  # the case arose
+    assert cache.stats()["finish_states_lost"] == 0
+    assert counters.finished == 64
+    assert model.mismatches == 0
+    cache.audit()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("workload", "requests", "states", "oracle"),

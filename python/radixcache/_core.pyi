@@ -1176,7 +1176,11 @@ class HybridCache:
         """Cache every token fed, donate the state slot, unlock; the request holds nothing.
 
         The state is freed instead when the end node has one already or the length is
-        not page-aligned.
+        not page-aligned. To keep a turn's end state at an unaligned length,
+        ``checkpoint`` the request when its length is page-aligned for the last time
+        (docs/contract.md rule 2); a finish that lost it (no state where its last whole
+        page ends, and no checkpoint copy on its way there) counts
+        ``stats()["finish_states_lost"]``.
 
         Raises:
             CacheError: the request is finished, or its admission copy or a load-back
@@ -1278,6 +1282,12 @@ class HybridCache:
         ``mamba_engine_slots`` and ``mamba_queued_slots`` say so by name (0 with
         ``pools="cache"``), and ``kv_slots_returned`` / ``mamba_slots_returned`` count
         the slots handed back to the engine by ``evict`` and ``take_freed``.
+
+        ``checkpoint_states_skipped`` counts checkpoints that placed no state (an
+        unaligned length, or no slot); ``finish_states_lost`` counts finishes at an
+        unaligned length that lost the turn's end state: the request held a state, and
+        where its last whole page ends the tree has no state on either tier and no
+        checkpoint copy is on its way (docs/contract.md rule 2 says how to keep it).
 
         ``events_emitted`` counts the KV events queued since the cache was built
         (``events=True``), ``events_pending`` those ``take_events()`` has not taken yet.

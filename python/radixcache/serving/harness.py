@@ -817,6 +817,7 @@ def report(
         else 0.0,
         "cow_copies": s["cow_copies"],
         "checkpoints": s["checkpoints"],
+        "finish_states_lost": s["finish_states_lost"],
         "backups": s["backups_done"],
         "backups_failed": s["backups_failed"],
         "demotions": s["demotions"],

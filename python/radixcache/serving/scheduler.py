@@ -24,8 +24,12 @@ Each step:
    handed to the engine (``after_compute``), so that no copy runs before the compute
    that writes its source or still reads its destination.
 5. **Cache**: ``checkpoint`` after each prefill chunk (the last one too, so that requests
-   admitted while this one decodes reuse its prompt); ``finish`` as soon as a request's
-   last token is enqueued (the CPU runs ahead of the
+   admitted while this one decodes reuse its prompt) and when the request reaches the
+   last whole page of what it feeds (its end state, which a conversation's next turn
+   resumes from: ``finish`` at an unaligned length places none; a checkpoint there that
+   finds no state slot runs the step's batches, waits for the copies in flight and is
+   made again);
+   ``finish`` as soon as a request's last token is enqueued (the CPU runs ahead of the
    compute, as in overlap scheduling); the batches that emits (backups, state forks)
    run on the engine. The compute enqueued by the step before is then waited for.
 
@@ -328,9 +332,12 @@ class Counters:
     #: Prefill cuts placed where a waiting request leaves a prompt (``lookahead``).
     queue_cuts: int = 0
     #: Times a request short of memory waited for the copies in flight before any
-    #: retraction (or, alone, before its rejection): load-backs hold their slots until
-    #: their copies end.
+    #: retraction (or, alone, before its rejection), or short of a state slot for its
+    #: end state (`end_state_waits`): load-backs hold their slots until their copies end.
     copy_waits: int = 0
+    #: Checkpoints at a request's last whole page that found no state slot and were made
+    #: again after the step's batches ran or copies in flight ended (`Scheduler._checkpoint`).
+    end_state_waits: int = 0
     load_backs_refused: int = 0
     batches_refused: int = 0
     steps: int = 0
@@ -574,7 +581,7 @@ class Scheduler:
             self.engine.after_compute(event)
         for live in checkpoints:
             if live in self.running:
-                self.cache.checkpoint(live.req)
+                self._checkpoint(live)
                 if self.trace is not None:
                     self.trace.offer(live.index, live.job.namespace, live.seq, live.fed, c.steps)
         for live in finished:
@@ -587,6 +594,29 @@ class Scheduler:
             self._event = event
         if self.every and c.steps % self.every == 0:
             c.timeline.append(self.sample())
+
+    def _checkpoint(self, live: _Live) -> None:
+        """Checkpoint `live`; at its last whole page, keep its end state if it can be had.
+
+        A conversation's next turn resumes from the state there (`finish`, at an
+        unaligned length, places none). When the checkpoint finds no state slot, the
+        batches this step emitted so far are run (a backup pins the states it reads
+        until it ends) and the copies in flight waited for (a load-back holds two state
+        slots until its copies end); if any ended, the checkpoint is made again. This
+        step's compute is enqueued and its event handed to the engine already, so every
+        copy waits for it, and the checkpoint's copy reads the state of exactly these
+        tokens, before the next step's forward overwrites it.
+        """
+        cache = self.cache
+        end = live.fed == live.last_page and cache.mamba_slots > 0
+        skipped = cache.stats()["checkpoint_states_skipped"] if end else 0
+        cache.checkpoint(live.req)
+        if not end or cache.stats()["checkpoint_states_skipped"] == skipped:
+            return
+        ran = self._run_batches()
+        if self._wait_copies() or ran:
+            self.counters.end_state_waits += 1
+            cache.checkpoint(live.req)
 
     def sample(self) -> StepSample:
         """Return the state now, as recorded in the timeline."""

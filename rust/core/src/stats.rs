@@ -69,6 +69,11 @@ pub(crate) struct Stats {
     /// request's length is not page-aligned).
     pub checkpoint_states_skipped: u64,
     pub finishes: u64,
+    /// Finishes at a length that is not page-aligned, of a request holding a state, whose
+    /// last whole page ends where the tree has no state on any tier and no checkpoint
+    /// copy on its way: the turn's end state is lost, and a next turn resumes from an
+    /// earlier state (docs/contract.md rule 2).
+    pub finish_states_lost: u64,
     pub aborts: u64,
     /// Requests released because their handle was dropped while still holding slots.
     pub requests_dropped: u64,
@@ -201,6 +206,7 @@ impl Stats {
             ("checkpoints", self.checkpoints),
             ("checkpoint_states_skipped", self.checkpoint_states_skipped),
             ("finishes", self.finishes),
+            ("finish_states_lost", self.finish_states_lost),
             ("aborts", self.aborts),
             ("requests_dropped", self.requests_dropped),
             ("cow_copies", self.cow_copies),

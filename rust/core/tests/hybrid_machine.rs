@@ -25,8 +25,10 @@
 //! * request views after every step (`prefix_len`, `len`, `branch_len`, the node, the
 //!   state slot, `copy_pending`, `request_tokens`, every entry of `request_kv_indices`);
 //! * what `checkpoint` and `finish` publish (pages the tree lacks, duplicates freed, the
-//!   lock moved to the end node or released, the state donated or freed) and which
-//!   checkpoint emits a copy;
+//!   lock moved to the end node or released, the state donated or freed), which
+//!   checkpoint emits a copy, and which finish loses its turn's end state
+//!   (`finish_states_lost`: an unaligned length, no state at its last whole page and no
+//!   checkpoint copy on its way there);
 //! * every batch `take_batches` returns (ids in order, kind `cow`, one device-to-device
 //!   Mamba copy from the matched state / the request's slot to the new slot), and what
 //!   `complete` and `fail` do (a checkpoint state published on its node if that node is
@@ -585,6 +587,8 @@ struct Model {
     /// by, which the model does not compute (the order is the unit tests'), so it checks
     /// only that victims are candidates.
     expecting: bool,
+    /// Finishes that lost their turn's end state (`stats()["finish_states_lost"]`).
+    states_lost: u64,
 }
 
 impl Model {
@@ -907,6 +911,7 @@ impl Machine {
                 clock: 0,
                 policy,
                 expecting: false,
+                states_lost: 0,
             },
             read: Read::default(),
         }
@@ -2175,7 +2180,26 @@ impl Machine {
                 self.m.place_state(&end, s);
             }
         }
+        // At an unaligned length the state is freed; the turn's end state is lost unless
+        // its last whole page has a state, or a checkpoint copy on its way there.
+        let copying = self.m.batches.values().any(|b| {
+            matches!(b.what, BatchFor::Checkpoint(node) if self.read.ids.get(&node) == Some(&end))
+        });
+        if q.mamba.is_some()
+            && q.tokens.len() != aligned
+            && aligned > 0
+            && !self.m.content.states.contains_key(&end)
+            && !copying
+        {
+            self.m.states_lost += 1;
+        }
         self.cache.finish(id).unwrap();
+        assert_eq!(
+            stat(&self.cache, "finish_states_lost"),
+            self.m.states_lost,
+            "finish_states_lost after finishing {} tokens",
+            q.tokens.len()
+        );
         self.m.dead_reqs.push(id);
         remember(&mut self.m.history, &q.tokens);
         self.check();

@@ -1,10 +1,10 @@
 //! Unit tests of the Mamba component, transfer batches and requests.
 
-use super::test_util::prefix_and_fresh;
+use super::test_util::{prefix_and_fresh, stat};
 use super::*;
 use crate::error::Error;
 use crate::handle::HybridCache;
-use crate::ids::BatchId;
+use crate::ids::{BatchId, RequestId};
 use crate::pool::{PageState, PoolCounts};
 
 fn hybrid(kv: usize, ps: usize, states: usize) -> Cache {
@@ -457,6 +457,69 @@ fn checkpoint_publishes_the_state_copy_only_when_the_batch_completes() {
     assert_eq!(c.available_mamba(), free + 1);
     assert_eq!(c.match_prefix(None, &[1, 2, 3, 4]).device_len, 3);
     c.finish(id).unwrap();
+    c.audit().unwrap();
+}
+
+/// A request admitted for `toks` (its admission copy completed), extended by the rest of
+/// them (holding its own state).
+fn fed(c: &mut Cache, toks: &[u32]) -> RequestId {
+    let id = c.admit(None, toks).unwrap().unwrap();
+    for b in c.take_batches() {
+        c.complete(b.id).unwrap();
+    }
+    let from = c.request(id).unwrap().prefix_len;
+    c.extend(id, &toks[from..]).unwrap().unwrap();
+    id
+}
+
+#[test]
+fn a_finish_at_an_unaligned_length_loses_the_end_state_unless_a_checkpoint_kept_it() {
+    let mut c = hybrid(64, 4, 6);
+    // 10 tokens, pages of 4: the state of all 10 ends at no node's end, and nothing sits
+    // at 8, so the next turn resumes from nothing.
+    let turn: Vec<u32> = (1..=10).collect();
+    let id = fed(&mut c, &turn);
+    c.finish(id).unwrap();
+    assert_eq!(stat(&c, "finish_states_lost"), 1);
+    let next: Vec<u32> = (1..=14).collect();
+    assert_eq!(c.match_prefix(None, &next).device_len, 0);
+    // Checkpointed when its length was aligned for the last time (8), the state of 8
+    // tokens stays: not lost, and the next turn resumes from 8.
+    let turn: Vec<u32> = (21..=30).collect();
+    let id = fed(&mut c, &turn[..8]);
+    c.checkpoint(id).unwrap();
+    let b = c.take_batches();
+    assert_eq!(b.len(), 1);
+    c.complete(b[0].id).unwrap();
+    c.extend(id, &turn[8..]).unwrap().unwrap();
+    c.finish(id).unwrap();
+    assert_eq!(stat(&c, "finish_states_lost"), 1);
+    let next: Vec<u32> = (21..=34).collect();
+    assert_eq!(c.match_prefix(None, &next).device_len, 8);
+    // Its checkpoint copy still on its way at the finish: not lost either, and the state
+    // lands once the copy completes.
+    let turn: Vec<u32> = (41..=50).collect();
+    let id = fed(&mut c, &turn[..8]);
+    c.checkpoint(id).unwrap();
+    let b = c.take_batches();
+    c.extend(id, &turn[8..]).unwrap().unwrap();
+    c.finish(id).unwrap();
+    assert_eq!(stat(&c, "finish_states_lost"), 1);
+    c.complete(b[0].id).unwrap();
+    let next: Vec<u32> = (41..=54).collect();
+    assert_eq!(c.match_prefix(None, &next).device_len, 8);
+    // Nothing is lost at an aligned length (the state is donated), nor shorter than a
+    // page (no page to keep it at), nor where the last whole page has a state already.
+    for toks in [
+        &[61, 62, 63, 64][..],
+        &[71, 72, 73],
+        &[21, 22, 23, 24, 25, 26, 27, 28, 9],
+    ] {
+        let id = fed(&mut c, toks);
+        c.finish(id).unwrap();
+        assert_eq!(stat(&c, "finish_states_lost"), 1, "{toks:?}");
+    }
+    assert_eq!(stat(&c, "finishes"), 6);
     c.audit().unwrap();
 }
 

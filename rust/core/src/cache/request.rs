@@ -448,18 +448,49 @@ impl Cache {
     /// (freed instead when the node has one, or when the request's length is not
     /// page-aligned), releases its lock and frees the rest. The request holds nothing
     /// afterwards.
+    ///
+    /// At an unaligned length the state (of every token) ends at no node's end and is
+    /// freed: to keep the turn's end state, the engine checkpoints the request when its
+    /// length is page-aligned for the last time (docs/contract.md rule 2). A finish whose
+    /// last whole page ends with no state on any tier, and no checkpoint copy on its way
+    /// there, counts `finish_states_lost`.
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
         self.cache_owned("finish")?;
         self.refuse_while_copying(id, "finish")?;
         let (end, cached) = self.cache_request(id, true)?;
         let mut r = self.take_request(id)?;
         let at_end = r.tokens.len() == cached && !self.tree.node(end).is_root();
+        if self.end_state_lost(&r, end, cached) {
+            self.stats.finish_states_lost += 1;
+        }
         // The end node keeps what it can use of what the request holds (its state).
         self.donate_components(end, at_end, &mut r.held);
         drop(r);
         self.maybe_backup(end);
         self.stats.finishes += 1;
         Ok(())
+    }
+
+    /// Whether finishing request `r`, cached up to node `end` (`cached` tokens), loses
+    /// its turn's end state: it holds a state, its length is not page-aligned, its whole
+    /// pages were all cached (no load in flight stopped the insert short of them) and
+    /// there is at least one, and `end` has no state on any tier and no checkpoint copy
+    /// on its way (a checkpoint at its last whole page would have kept one there).
+    fn end_state_lost(&self, r: &RequestState, end: u32, cached: usize) -> bool {
+        let ps = self.page_size();
+        let len = r.tokens.len();
+        if r.held.state.is_none() || len.is_multiple_of(ps) || cached != len / ps * ps {
+            return false;
+        }
+        let n = self.tree.node(end);
+        if n.is_root() || n.mamba.device.is_some() || n.mamba.host.is_some() {
+            return false;
+        }
+        let node = self.tree.id(end);
+        !self
+            .batches
+            .payloads()
+            .any(|p| matches!(p, Payload::Cow(Cow::Checkpoint { node: to, .. }) if *to == node))
     }
 
     /// Gives back everything the request holds and caches nothing.
