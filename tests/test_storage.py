@@ -209,3 +209,44 @@ def test_for_cache_and_the_engine_refuse_what_is_not_a_cache_or_a_storage() -> N
         rc.TransferEngine(None, s)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^cache: expected a HybridCache, got str"):
         s.check("cache")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- sizes, named
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        # More than an address space: refused before anything is allocated.
+        ({"kv_slots": 2**62}, r"^kv_slots: 4611686018427387904 makes kv\['device'\]\[0\] .*EiB"),
+        ({"kv_heads": 2**70}, r"^kv_heads: 1180591620717411303424 makes kv\['device'\]\[0\]"),
+        (
+            {"host_kv_slots": 2**62},
+            r"^host_kv_slots: 4611686018427387904 makes kv\['host'\]\[0\]",
+        ),
+        # More than this machine has: the allocator's refusal, named.
+        (
+            {"head_dim": 2**40},
+            r"^head_dim: 1099511627776 makes kv\['device'\]\[0\] 256 TiB \(shape \(2, 8, 8, "
+            r"1099511627776\) of float16\), which cannot be allocated on the device$",
+        ),
+        (
+            {"mamba_slots": 2, "ssm_shape": (4, 2**40)},
+            r"^ssm_shape\[1\]: 1099511627776 makes mamba\['device'\]\[1\] 64 TiB",
+        ),
+    ],
+)
+def test_an_impossible_size_is_a_memory_error_naming_the_argument(
+    model: dict[str, Any], message: str
+) -> None:
+    """NumPy's errors for these named no argument (a ValueError for 2**62 slots)."""
+    with pytest.raises(MemoryError, match=message):
+        rc.Storage.for_model(**{"kv_slots": 8, "layers": 2, **model})
+
+
+@pytest.mark.parametrize("arg", ["dtype", "ssm_dtype"])
+def test_a_dtype_of_none_is_refused_not_taken_as_float64(arg: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{arg}: expected a dtype name, got None"):
+        rc.Storage.for_model(kv_slots=8, mamba_slots=2, layers=2, **{arg: None})
+    with pytest.raises(ValueError, match=r"^dtype: unknown dtype 5"):
+        rc.Storage.for_model(kv_slots=8, layers=2, dtype=5)  # type: ignore[arg-type]

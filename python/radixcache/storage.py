@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -384,6 +385,10 @@ class Storage:
             ValueError: A count that is not an int (a bool is not a count), a slot
                 count < 0, a layer count, head count, head size or state dimension
                 < 1, or an unknown dtype or device, naming it.
+            MemoryError: An array that no address space holds (checked before anything
+                is allocated), or one the allocator refuses, naming the argument that
+                sizes it most (``head_dim: 1099511627776 makes kv['device'][0] ...``);
+                what was allocated before it is freed.
         """
         slot_counts = {
             "kv_slots": kv_slots,
@@ -409,31 +414,37 @@ class Storage:
                 _count(n, f"{name}[{i}]", 1)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-        m_layers = layers if mamba_layers is None else mamba_layers
-        s_layers = layers if swa_layers is None else swa_layers
-        alloc = _allocator(device)
         kv_dt = _dtype(dtype, "dtype")
-        conv_dt = _dtype(conv_dtype or dtype, "conv_dtype")
+        conv_dt = _dtype(dtype if conv_dtype is None else conv_dtype, "conv_dtype")
         ssm_dt = _dtype(ssm_dtype, "ssm_dtype")
-        kv: dict[str, tuple[Any, Any]] = {}
-        mamba: dict[str, tuple[Any, Any]] = {}
-        swa: dict[str, tuple[Any, Any]] = {}
-        for tier, n_kv, n_state, n_swa in (
-            ("device", kv_slots, mamba_slots, swa_slots),
-            ("host", host_kv_slots, host_mamba_slots, host_swa_slots),
-        ):
-            if n_kv:
-                shape = (layers, n_kv, kv_heads, head_dim)
-                kv[tier] = (alloc(tier, shape, kv_dt), alloc(tier, shape, kv_dt))
-            if n_swa:
-                shape = (s_layers, n_swa, kv_heads, head_dim)
-                swa[tier] = (alloc(tier, shape, kv_dt), alloc(tier, shape, kv_dt))
-            if n_state:
-                mamba[tier] = (
-                    alloc(tier, (m_layers, n_state, *conv_shape), conv_dt),
-                    alloc(tier, (m_layers, n_state, *ssm_shape), ssm_dt),
-                )
-        return cls(kv=kv, mamba=mamba, swa=swa, pinned_host=device == "cuda")
+        # Every array, with the argument behind each dimension, checked before any is made.
+        m_layers = ("layers", layers) if mamba_layers is None else ("mamba_layers", mamba_layers)
+        s_layers = ("layers", layers) if swa_layers is None else ("swa_layers", swa_layers)
+        heads = (("kv_heads", kv_heads), ("head_dim", head_dim))
+        conv = tuple((f"conv_shape[{i}]", n) for i, n in enumerate(conv_shape))
+        ssm = tuple((f"ssm_shape[{i}]", n) for i, n in enumerate(ssm_shape))
+        plan: list[tuple[str, str, str, tuple[tuple[str, int], ...], np.dtype[Any]]] = []
+        for tier, prefix in (("device", ""), ("host", "host_")):
+            for pool, layer_dim, rows, dts in (
+                ("kv", ("layers", layers), (heads, heads), (kv_dt, kv_dt)),
+                ("swa", s_layers, (heads, heads), (kv_dt, kv_dt)),
+                ("mamba", m_layers, (conv, ssm), (conv_dt, ssm_dt)),
+            ):
+                slots = f"{prefix}{pool}_slots"
+                if slot_counts[slots]:
+                    for i in (0, 1):
+                        dims = (layer_dim, (slots, slot_counts[slots]), *rows[i])
+                        plan.append((f"{pool}[{tier!r}][{i}]", pool, tier, dims, dts[i]))
+        for name, _, _, dims, dt in plan:
+            _check_size(name, dims, dt)
+        alloc = _allocator(device)
+        made: dict[tuple[str, str], list[Any]] = {}
+        for name, pool, tier, dims, dt in plan:
+            made.setdefault((pool, tier), []).append(_allocate(alloc, name, tier, dims, dt))
+        per_pool: dict[str, dict[str, tuple[Any, Any]]] = {"kv": {}, "mamba": {}, "swa": {}}
+        for (pool, tier), (a, b) in made.items():
+            per_pool[pool][tier] = (a, b)
+        return cls(**per_pool, pinned_host=device == "cuda")
 
     @classmethod
     def for_cache(cls, cache: HybridCache, **model: Any) -> Storage:
@@ -566,12 +577,57 @@ def _check_cache(cache: object) -> None:
         raise TypeError(f"cache: expected a HybridCache, got {type(cache).__name__}")
 
 
-def _dtype(name: str, arg: str) -> np.dtype[Any]:
+def _bytes(n: int) -> str:
+    """Return `n` bytes in the largest binary unit that keeps it >= 1 (``256 TiB``)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024:
+            return f"{size:.3g} {unit}"
+        size /= 1024
+    return f"{size:,.0f} EiB"
+
+
+def _sizer(dims: tuple[tuple[str, int], ...]) -> tuple[str, int]:
+    """Return the argument that sizes an array most (its largest dimension, the first)."""
+    return max(dims, key=lambda d: int(d[1]))
+
+
+def _check_size(name: str, dims: tuple[tuple[str, int], ...], dt: np.dtype[Any]) -> None:
+    """Refuse an array larger than any address space holds, before allocating anything."""
+    shape = tuple(int(n) for _, n in dims)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes > sys.maxsize:
+        arg, n = _sizer(dims)
+        raise MemoryError(
+            f"{arg}: {n} makes {name} {_bytes(nbytes)} (shape {shape} of {dt}), more than"
+            " an array can address"
+        )
+
+
+def _allocate(
+    alloc: Any, name: str, tier: str, dims: tuple[tuple[str, int], ...], dt: np.dtype[Any]
+) -> Any:
+    """Allocate one array; a refusal is a `MemoryError` naming the argument that sizes it."""
+    shape = tuple(int(n) for _, n in dims)
+    try:
+        return alloc(tier, shape, dt)
+    except MemoryError:  # NumPy's, or CuPy's OutOfMemoryError
+        arg, n = _sizer(dims)
+        nbytes = math.prod(shape) * dt.itemsize
+        raise MemoryError(
+            f"{arg}: {n} makes {name} {_bytes(nbytes)} (shape {shape} of {dt}), which"
+            f" cannot be allocated on the {tier}"
+        ) from None
+
+
+def _dtype(name: object, arg: str) -> np.dtype[Any]:
     if name == "bfloat16":
         return np.dtype(np.uint16)
+    if name is None:  # NumPy would take it as float64
+        raise ValueError(f"{arg}: expected a dtype name, got None")
     try:
-        dt = np.dtype(name)
-    except TypeError:
+        dt: np.dtype[Any] = np.dtype(name)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
         raise ValueError(f"{arg}: unknown dtype {name!r}") from None
     if dt.kind not in _NUMERIC_KINDS:
         raise ValueError(f"{arg}: expected a numeric dtype, got {name!r}")
