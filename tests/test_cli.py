@@ -653,6 +653,59 @@ def test_ctrl_c_prints_interrupted_and_exits_130() -> None:
     assert child.returncode == 130
 
 
+TRIP = """
+import os, signal, sys
+from importlib.metadata import entry_points
+
+eps = entry_points()
+eps = eps.select(group="console_scripts") if hasattr(eps, "select") else eps["console_scripts"]
+(command,) = [ep for ep in eps if ep.name == "radixcache"]
+
+
+class Trip:
+    \"\"\"Ctrl-C the moment {target!r} starts to load.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == {target!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, Trip())
+sys.argv = ["radixcache", "replay", "--requests", "3", "--kv-slots", "8192", "--quiet"]
+sys.exit(command.load()())  # what the installed `radixcache` script does
+"""
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "radixcache.cli",  # the command line itself
+        "radixcache._core",  # the extension
+        "numpy",  # turns an interrupt inside its import into an ImportError
+        "radixcache.serving.harness",
+        "rich.progress",  # loaded once the flags are checked
+    ],
+)
+def test_ctrl_c_while_the_command_loads_prints_interrupted_and_exits_130(target: str) -> None:
+    """The `radixcache` command, Ctrl-C while it imports: "interrupted", status 130.
+
+    It used to print a traceback for the first tenths of a second, the imports of the
+    package and the command line, before `main` could catch it.
+    """
+    child = subprocess.run(
+        [sys.executable, "-c", TRIP.format(target=target)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        check=False,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert (child.returncode, child.stderr) == (130, "interrupted\n")
+
+
 def test_a_first_ctrl_c_waits_for_the_step_and_a_second_is_at_once() -> None:
     """The run stops between scheduler steps, never inside a cache call; twice: at once."""
 
