@@ -23,6 +23,7 @@ import pytest
 import radixcache.serving.bench as bench_module
 from radixcache import cli
 from radixcache.serving import harness
+from radixcache.serving.workloads import Job
 
 SMALL = ["--requests", "5", "--kv-slots", "8192", "--quiet"]
 
@@ -134,6 +135,12 @@ GOOD = '{"prompt": [1, 2, 3], "output_len": 2}'
             id="priority-str",
         ),
         pytest.param("[1, 2]", ["a job is an object with a 'prompt'"], id="not-an-object"),
+        pytest.param(
+            # json.loads would keep the last one: the line means one of two jobs.
+            '{"prompt": [1, 2], "output_len": 1, "prompt": [3]}',
+            ["key 'prompt' appears twice"],
+            id="duplicated-key",
+        ),
         pytest.param("{nope", ["not JSON"], id="not-json"),
     ],
 )
@@ -354,6 +361,55 @@ def test_a_workload_file_that_cannot_be_read_is_named(
         ["replay", "--workload", str(path)],
         f"--workload {path}: cannot read it (Permission denied)",
     )
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError(28, "No space left on device")])
+def test_an_interrupted_or_failed_workload_out_leaves_the_old_file_and_no_other(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    error: BaseException,
+) -> None:
+    """`workload --out F` renames a whole file into place: F is never a part that bench
+    would take as a shorter workload."""
+    out = tmp_path / "w.jsonl"
+    out.write_text(GOOD + "\n")
+    written = []
+    to_json = Job.to_json
+
+    def cut_short(job: Job) -> str:
+        if len(written) == 3:  # some lines are out: the cut is mid-file
+            raise error
+        written.append(job)
+        return to_json(job)
+
+    monkeypatch.setattr(Job, "to_json", cut_short)
+    status = cli.main(["workload", "gsp", "--requests", "8", "--out", str(out)])
+    err = capsys.readouterr().err
+    if error is KeyboardInterrupt:
+        assert (status, err) == (130, "interrupted\n")
+    else:
+        assert status == 1
+        assert one_line(err).endswith("cannot write it (No space left on device)")
+    assert out.read_text() == GOOD + "\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["w.jsonl"]  # no temporary file left
+
+
+def test_a_workload_out_replaces_a_links_target_and_keeps_its_permissions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "w.jsonl"
+    target.write_text("old\n")
+    target.chmod(0o640)
+    link = tmp_path / "w.jsonl"
+    link.symlink_to(target)
+    assert cli.main(["workload", "gsp", "--requests", "2", "--out", str(link)]) == 0
+    capsys.readouterr()
+    assert link.is_symlink()
+    assert len(target.read_text().splitlines()) == 2
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["w.jsonl"]
 
 
 def test_workload_needs_out(capsys: pytest.CaptureFixture[str], no_run: None) -> None:

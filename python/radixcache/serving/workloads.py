@@ -28,17 +28,23 @@ a job without ``output`` gets the checksum model's own samples (what the model w
 generate). `parse_line` checks every field: a prompt and an output of at least one
 token id each (integers in ``[0, 2**32)``), at most `MAX_OUTPUT_LEN` output tokens, a
 namespace that is a string of valid Unicode, a priority that is a 64-bit integer, no
-other field; a file with no job is refused.
+other field, no key given twice; a file with no job is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
 import random
+import secrets
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 
@@ -235,14 +241,53 @@ def mixed(requests: int | None = None, seed: int = 0) -> list[Job]:
 WORKLOADS = {"mixed": mixed, "gsp": gsp, "multiturn": multiturn}
 
 
-def save_jsonl(jobs: Iterable[Job], path: str | Path) -> int:
-    """Write `jobs` as JSONL; returns how many."""
+def _write(jobs: Iterable[Job], f: IO[str]) -> int:
     n = 0
-    with open(path, "w") as f:
-        for job in jobs:
-            f.write(job.to_json() + "\n")
-            n += 1
+    for job in jobs:
+        f.write(job.to_json() + "\n")
+        n += 1
     return n
+
+
+def save_jsonl(jobs: Iterable[Job], path: str | Path) -> int:
+    """Write `jobs` as JSONL; returns how many.
+
+    The file is written whole under a temporary name in its directory (flushed to the
+    disk), then renamed over `path`: a write that fails or is interrupted leaves `path`
+    as it was (absent, or the old file, never a part) and no temporary file. A symbolic
+    link is followed (its target is replaced, keeping its permissions); a `path` that is
+    not a regular file (a device such as ``/dev/stdout``, a pipe) is written in place.
+    """
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        with open(target, "w") as f:
+            return _write(jobs, f)
+    directory, name = os.path.split(target)
+    fd, tmp = _create_beside(directory, name)
+    try:
+        with os.fdopen(fd, "w") as f:
+            if os.path.exists(target):
+                os.chmod(f.fileno(), stat.S_IMODE(os.stat(target).st_mode))
+            n = _write(jobs, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:  # Ctrl-C too: the temporary file goes, then the error
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return n
+
+
+def _create_beside(directory: str, name: str) -> tuple[int, str]:
+    """Create a new file ``.NAME.XXXXXXXX.tmp`` in `directory` (the umask's permissions)."""
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
 
 
 #: The most output tokens one job may ask for (``output_len`` or ``len(output)``): a job
@@ -286,6 +331,23 @@ def _count(value: object, line: int) -> int:
     return value
 
 
+class _DuplicateKey(Exception):
+    """A JSON object gives one key twice (`json.loads` would keep the last)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in d:
+            raise _DuplicateKey(key)
+        d[key] = value
+    return d
+
+
 def parse_line(text: str, line: int, ref: Reference | None = None) -> Job:
     """Check one JSONL line (every field) and make its job.
 
@@ -300,7 +362,11 @@ def parse_line(text: str, line: int, ref: Reference | None = None) -> Job:
             names the field.
     """
     try:
-        d = json.loads(text)
+        d = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ValueError(
+            f"line {line}: key {_short(e.key)} appears twice (a line gives each once)"
+        ) from None
     except RecursionError:
         raise ValueError(f"line {line}: not JSON (nested too deeply)") from None
     except json.JSONDecodeError as e:
