@@ -202,6 +202,41 @@ def test_a_device_pool_too_small_for_any_request_is_refused(
     refused(capsys, [command, "--kv-slots", "16"], "request 1: needs", "--kv-slots 16")
 
 
+# ---------------------------------------------------------------- the L3 store
+
+
+@pytest.mark.parametrize(
+    ("url", "names"),
+    [
+        # A file store's directory that cannot be made: it exists as a file, or in /proc.
+        ("file:///dev/null", ["--l3: open failed: /dev/null"]),
+        ("file:///proc/self/nope", ["--l3: open failed: /proc/self/nope"]),
+        ("localhost:6379", ["--l3: no scheme", "redis://", "file:///", "mooncake://"]),
+        ("http://localhost:6379", ["--l3: unknown scheme 'http'", "mooncake://"]),
+        ("redis://localhost", ["--l3: ", "is not HOST:PORT"]),
+    ],
+)
+def test_an_l3_store_that_cannot_be_opened_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], no_run: None, url: str, names: list[str]
+) -> None:
+    refused(capsys, ["replay", "--l3", url], *names)
+
+
+def test_mooncake_without_its_package_is_one_line_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_run: None
+) -> None:
+    # Not installed here (None in sys.modules: the import fails as if it were absent).
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    refused(
+        capsys,
+        ["replay", "--l3", "mooncake://127.0.0.1:1"],
+        "--l3: ",
+        "mooncake",
+        'pip install "radixcache[mooncake]"',
+    )
+
+
 # ---------------------------------------------------------------- flags
 
 

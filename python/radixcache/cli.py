@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from . import __version__
+from . import L3Error, __version__
 from .serving import harness as _replay
 from .serving import workloads as _workloads
 from .serving.model import MODELS
@@ -66,6 +66,15 @@ MAX_SEED = (1 << 63) - 1
 DEFAULT_WINDOW = 1024
 #: ``--swa-slots`` by default: this share of ``--kv-slots``, in whole pages.
 SWA_SHARE = 4
+#: The forms of an ``--l3`` URL (docs/design.md, "The L3 store" and its "Mooncake Store",
+#: says what each part means).
+L3_URLS = (
+    "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]",
+    "redis+cluster://HOST:PORT[,HOST:PORT...]",
+    "file:///ABSOLUTE/DIR",
+    "mooncake://MASTER_HOST:PORT[?metadata=URL&host=ADDR&segment=SIZE&buffer=SIZE"
+    "&protocol=tcp&device=NAMES&timeout_ms=N]",
+)
 
 
 class InputError(Exception):
@@ -884,6 +893,41 @@ def _shard(text: str | None) -> tuple[int, int] | None:
     return int(k), int(n)
 
 
+def _open_l3(url: str) -> None:
+    """Open the ``--l3`` store once before the run, as the replay will.
+
+    Raises:
+        InputError: The URL names no store (no scheme or an unknown one: the message
+            lists `L3_URLS`), or opening it fails: a bad part of the URL
+            (`ValueError`), a store that cannot be set up, such as a ``file://``
+            directory that cannot be made (`radixcache.L3Error`), or a missing package
+            (`ImportError`: ``mooncake://`` without the ``mooncake`` extra).
+    """
+    from .l3 import open_store
+
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in {u.partition("://")[0] for u in L3_URLS}:
+        why = "no scheme" if not sep else f"unknown scheme {_short(scheme)}"
+        raise InputError(f"--l3: {why}; a store URL is one of: {', '.join(L3_URLS)}")
+    if scheme == "mooncake":
+        # Until `open_store` checks it: the package loads at the store's first call,
+        # in the middle of the run.
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as e:
+            raise InputError(
+                f"--l3: mooncake:// needs the mooncake package ({e}); "
+                'pip install "radixcache[mooncake]"'
+            ) from None
+    try:
+        store = open_store(url)
+    except (ValueError, L3Error, ImportError) as e:
+        raise InputError(f"--l3: {e}") from None
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
+
+
 def _replay_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -893,12 +937,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
     if shard and servers > 1:
         raise InputError("--shard: one process serves one shard; not with --servers")
     if args.l3 is not None:
-        from .l3 import open_store
-
-        try:
-            open_store(args.l3)
-        except ValueError as e:
-            raise InputError(f"--l3: {e}") from None
+        _open_l3(args.l3)
     elif args.l3_write is not None:
         raise InputError("--l3-write: only with --l3 (there is no store to write to)")
     elif args.l3_prefetch:
