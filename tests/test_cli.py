@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import radixcache.serving.bench as bench_module
@@ -618,6 +619,66 @@ def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
         assert row in text, row
     assert cli.main(["bench", *argv[1:], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == model
+
+
+@pytest.mark.parametrize("command", ["replay", "bench"])
+def test_an_swa_pool_smaller_than_the_window_is_refused_with_the_smallest_that_works(
+    capsys: pytest.CaptureFixture[str], no_run: None, command: str
+) -> None:
+    # It used to start, reject every request and exit 1.
+    argv = [command, "--model", "swa", "--swa-slots", "512", "--requests", "5"]
+    line = refused(capsys, argv, "--swa-slots 512", "--window 1024", "--chunk-size 2048")
+    assert "request 1 needs at least 2048 SWA slots" in line
+    assert "the smallest pool for every request is --swa-slots 2048" in line
+    # The default pool (a quarter of --kv-slots) is named as the default.
+    argv = [command, "--model", "swa", "--kv-slots", "4096", "--requests", "5"]
+    refused(capsys, argv, "--swa-slots 1024 (the default, 1/4 of --kv-slots)")
+
+
+def test_the_smallest_swa_pool_named_serves_the_workload_and_a_page_less_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", "--model", "swa", "--requests", "5", "--quiet", "--no-attention-only"]
+    assert cli.main([*argv, "--swa-slots", "2032"]) == 2
+    assert "--swa-slots 2048" in one_line(capsys.readouterr().err)
+    assert cli.main([*argv, "--swa-slots", "2048", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["rejected"], r["mismatches"]) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("window", "chunk", "prompt", "output", "need"),
+    [
+        (1024, 2048, 3000, 16, 2048),  # the first chunk, whole
+        (1024, 2048, 5000, 16, 3072),  # a chunk after the window: window + chunk
+        (1024, 512, 2000, 16, 1536),
+        (1024, 2048, 2000, 2000, 2064),  # decode: the prompt's window stays locked
+        (40, 2048, 2000, 500, 2048),  # pages of 64, larger than the window
+    ],
+)
+def test_swa_needed_is_what_one_request_alone_needs(
+    window: int, chunk: int, prompt: int, output: int, need: int
+) -> None:
+    """The bound against the scheduler itself: `need` serves the request, a page less not."""
+    page = 64 if window < 64 else 16
+    assert cli.swa_needed(prompt, prompt + output - 1, window, chunk, page) == need
+    rng = np.random.default_rng(0)
+    job = Job(rng.integers(0, 1000, prompt, dtype=np.uint32), np.ones(output, dtype=np.uint32))
+    for swa_slots, rejected in ((need, 0), (need - page, 1)):
+        config = harness.ReplayConfig(
+            kv_slots=8192,
+            mamba_slots=0,
+            host_kv_slots=0,
+            host_mamba_slots=0,
+            page_size=page,
+            swa_slots=swa_slots,
+            swa_window=window,
+            host_swa_slots=0,
+            chunk_size=chunk,
+            oracle=False,
+            attention_only=False,
+        )
+        assert harness.replay([job], config)[0]["rejected"] == rejected, swa_slots
 
 
 def test_the_swa_defaults_scale_with_the_kv_pools() -> None:

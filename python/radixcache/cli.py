@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import re
 import signal
@@ -104,6 +105,7 @@ class Flag:
     name: str
     help: str
     kind: str = "int"
+    metavar: str = ""
     default: Any = None
     lo: int = 0
     hi: int = 0
@@ -207,8 +209,9 @@ POOL_FLAGS = (
     ),
     Flag(
         "--swa-slots",
-        "device SWA KV pool, in tokens: a multiple of --page-size; only with --model swa "
-        "or swa-hybrid",
+        "device SWA KV pool, in tokens: a multiple of --page-size, enough for one request's "
+        "window and prefill chunk; only with --model swa or swa-hybrid",
+        metavar="TOKENS",
         lo=1,
         hi=MAX_KV_SLOTS,
         shown=f"1/{SWA_SHARE} of --kv-slots in whole pages, with an SWA model",
@@ -729,18 +732,106 @@ def kv_needed(job: _workloads.Job, page_size: int) -> int:
     return -(-fed // page_size) * page_size
 
 
-def _check_fits(args: argparse.Namespace, jobs: Sequence[_workloads.Job], kv_slots: int) -> None:
-    """Refuse a workload with a request that the device pool cannot hold even alone."""
-    ps = _value(args, "--page-size")
+def swa_needed(prompt_len: int, fed: int, window: int, chunk: int, page_size: int) -> int:
+    """SWA slots a request needs at least, alone in an empty cache (the replay's scheduler).
+
+    The scheduler feeds the prompt in chunks of `chunk` tokens from 0 (cut at the last
+    whole page of the `fed` tokens), checkpointing after each, then one token a step up
+    to `fed`. At an extend of tokens ``[s, e)`` the request holds the SWA KV of its pages
+    up to `e` from where its window at `s` starts: 0 while `s` is within the window in
+    whole pages (``W``), else ``s``'s page start less ``W`` (docs/contract.md rule 15: a
+    request gives back its pages before its last whole page's window). While it decodes,
+    the window the prompt's last checkpoint locked (the ``W`` before the prompt's last
+    whole page) stays too, until the checkpoint at the sequence's last whole page: with
+    an output longer than the window that is about twice the window. The largest of
+    these over the extends (a few of each kind: every kind repeats) is the answer. A
+    lower bound: the tree may pin a few pages more.
+    """
+    ps = page_size
+
+    def up(n: int) -> int:
+        return -(-n // ps) * ps
+
+    need_w = up(window)
+
+    def held(s: int, e: int) -> int:
+        return up(e) - (s // ps * ps - need_w if s >= need_w else 0)
+
+    last_page = fed // ps * ps
+    limit = last_page if 0 < last_page < prompt_len else prompt_len
+    chunks = -(-limit // chunk)  # the chunks that start at a multiple of `chunk`
+
+    def at(k: int) -> int:
+        s = k * chunk
+        return held(s, min(limit, s + chunk))
+
+    after = -(-need_w // chunk)  # the first chunk that starts past the window
+    period = min(ps // math.gcd(chunk, ps), 64)  # their starts' offsets in a page repeat
+    ks = {0, min(after, chunks) - 1, chunks - 1, *range(after, min(after + period, chunks))}
+    peak = max(at(k) for k in ks if 0 <= k < chunks)
+    if limit < prompt_len:  # the prompt's tail after the cut
+        peak = max(peak, held(limit, min(prompt_len, limit + chunk)))
+    if fed > prompt_len:  # decode, one token a step; after `last_page`, its window alone
+        peak = max(peak, need_w + ps if fed - 1 >= need_w else up(fed))
+        c = prompt_len // ps * ps  # the prompt's last checkpoint
+        s = (last_page if prompt_len < last_page else fed) - 1  # the last before it moves
+        if s >= prompt_len:
+            own_freed = max(0, s // ps * ps - need_w - c)
+            peak = max(peak, up(s + 1) - max(0, c - need_w) - own_freed)
+    return peak
+
+
+def _check_fits(
+    args: argparse.Namespace, jobs: Sequence[_workloads.Job], config: _replay.ReplayConfig
+) -> None:
+    """Refuse a workload with a request that a device pool cannot hold even alone.
+
+    The KV pool must hold all a request feeds (`kv_needed`); with SWA layers, the SWA
+    pool its window and a prefill chunk (`swa_needed`), and the message gives the
+    smallest ``--swa-slots`` that holds every request of the workload so.
+    """
+    ps = config.page_size
+    name = _value(args, "--workload")
+
+    def where(i: int, job: _workloads.Job) -> str:
+        return f"line {job.line}" if job.line is not None else f"request {i + 1}"
+
     for i, job in enumerate(jobs):
         need = kv_needed(job, ps)
-        if need > kv_slots:
-            where = f"line {job.line}" if job.line is not None else f"request {i + 1}"
+        if need > config.kv_slots:
             raise InputError(
-                f"--workload {_value(args, '--workload')}: {where}: needs {need} KV slots "
+                f"--workload {name}: {where(i, job)}: needs {need} KV slots "
                 f"(prompt {len(job.prompt)} + output {len(job.output)} tokens, in pages of "
-                f"{ps}), more than --kv-slots {kv_slots}: it could never be served"
+                f"{ps}), more than --kv-slots {config.kv_slots}: it could never be served"
             )
+    if not config.swa_slots:
+        return
+    chunk = min(config.chunk_size, config.step_tokens)
+    slots, window = config.swa_slots, config.swa_window
+    first: tuple[int, _workloads.Job, int] | None = None
+    most = 0
+    seen: dict[tuple[int, int], int] = {}
+    for i, job in enumerate(jobs):
+        fed = len(job.prompt) + len(job.output) - 1
+        if -(-fed // ps) * ps <= slots:
+            continue  # it never holds more than all its pages
+        key = (len(job.prompt), fed)
+        if key not in seen:
+            seen[key] = swa_needed(len(job.prompt), fed, window, chunk, ps)
+        need = seen[key]
+        if need > slots:
+            first = first or (i, job, need)
+            most = max(most, need)
+    if first is not None:
+        i, job, need = first
+        given = "" if args.swa_slots is not None else f" (the default, 1/{SWA_SHARE} of --kv-slots)"
+        raise InputError(
+            f"--swa-slots {slots}{given}: too small for --window {window}: "
+            f"--workload {name}: {where(i, job)} needs at least {need} SWA slots alone (its "
+            f"last --window {window} tokens and a --chunk-size {chunk} prefill chunk, in "
+            f"pages of {ps}); the smallest pool for every request is --swa-slots {most} "
+            "(or pass a smaller --chunk-size)"
+        )
 
 
 def _setup(
@@ -755,7 +846,7 @@ def _setup(
     if getattr(args, "plot", None) is not None:
         _check_plot(args.plot)
     jobs = _jobs(args)
-    _check_fits(args, jobs, config.kv_slots)
+    _check_fits(args, jobs, config)
     return jobs, config
 
 
