@@ -720,7 +720,11 @@ def plot(pyplot: Any, rows: list[Row], peak_gbps: dict[str, float], path: str, t
     shapes = list(dict.fromkeys(r.shape for r in rows))
     paths = list(dict.fromkeys(r.path for r in rows))
     fig, axes = pyplot.subplots(
-        len(shapes), len(DIRECTIONS), figsize=(16, 4.5 * len(shapes)), squeeze=False
+        len(shapes),
+        len(DIRECTIONS),
+        figsize=(18, 4.5 * len(shapes)),
+        squeeze=False,
+        layout="constrained",
     )
     width = 0.8 / max(len(paths), 1)
     for i, shape in enumerate(shapes):
@@ -742,10 +746,10 @@ def plot(pyplot: Any, rows: list[Row], peak_gbps: dict[str, float], path: str, t
             ax.set_title(f"{shape} {direction}")
             ax.set_ylabel("GB/s (median)")
             ax.grid(True, axis="y", which="both", alpha=0.3)
-            ax.legend(fontsize="small")
+            # Right of the axes: inside, it covered bars.
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"wrote {path}", file=sys.stderr)
 
 

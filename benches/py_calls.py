@@ -607,7 +607,7 @@ def plot(pyplot: Any, cells: list[Cell], path: str, ctx: dict[str, Any]) -> None
     panels = [(op, [(v, op, v) for v in INPUTS]) for op in TOKEN_OPS]
     panels.append(("checkpoint / finish", [(op, op, "-") for op in REQUEST_OPS]))
     panels += [(f"getters, {p}", [(n, n, p) for n in GETTERS]) for p in PATTERNS]
-    fig, axes = pyplot.subplots(2, 4, figsize=(17, 8), constrained_layout=True)
+    fig, axes = pyplot.subplots(2, 4, figsize=(19, 9), constrained_layout=True)
     for ax, (title, series) in zip(axes.flat, panels):
         for label, op, variant in series:
             points = [(c.length, c.median_us) for c in cells if (c.op, c.variant) == (op, variant)]
@@ -616,12 +616,13 @@ def plot(pyplot: Any, cells: list[Cell], path: str, ctx: dict[str, Any]) -> None
         ax.set_xlabel("tokens (prompt or request length)")
         ax.set_ylabel("us per call (median)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        # Below the axes: inside, it covered the curves.
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     fig.suptitle(
         f"radixcache {ctx['radixcache']} Python call cost (Python {ctx['python']}, "
         f"numpy {ctx['numpy']}, {ctx['cpus']} CPUs)"
     )
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -521,7 +521,9 @@ def _draw(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     configs = sorted({r["config"] for r in report["results"]}, key=CONFIGS.index)
-    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(configs), figsize=(6 * len(configs), 5), squeeze=False, layout="constrained"
+    )
     for ax, config in zip(axes[0], configs):
         for r in report["results"]:
             if r["config"] != config:
@@ -542,9 +544,9 @@ def _draw(report: dict[str, Any], path: str) -> None:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{report['workload']}, {config}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        # Below the axes: inside, the legend covered radixcache's curve (top left).
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

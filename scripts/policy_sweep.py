@@ -256,7 +256,8 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 4), sharey=True)
+    size = (4.5 * len(workloads) + 1.5, 4)  # and the legend's column
+    fig, axes = plt.subplots(1, len(workloads), figsize=size, sharey=True, layout="constrained")
     for ax, w in zip(axes if len(workloads) > 1 else [axes], workloads):
         for p in policies:
             ax.plot(states, [_ratio(cells, w, m, p) for m in states], marker="o", label=p)
@@ -272,9 +273,9 @@ def plot(
         ax.set_title(w)
         ax.set_ylim(0, 1.02)
     (axes[0] if len(workloads) > 1 else axes).set_ylabel("hybrid / attention-only hit rate")
-    (axes[0] if len(workloads) > 1 else axes).legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # Right of the last panel, outside every axes: it covers no curve.
+    (axes[-1] if len(workloads) > 1 else axes).legend(loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
