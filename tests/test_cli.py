@@ -517,7 +517,7 @@ def test_without_the_attention_only_replay_its_figures_are_null(
     assert r["hit_rate_ratio"] is None
     assert cli.main(argv) == 0
     row = next(x for x in capsys.readouterr().out.splitlines() if "attention-only" in x)
-    assert row.split()[3:] == ["n/a", "not", "run"]
+    assert row.split()[4:] == ["n/a", "not", "run"]
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "state-value"])
@@ -535,23 +535,33 @@ def test_each_eviction_policy_runs_and_is_reported(
 
 
 @pytest.mark.parametrize(
-    ("policy", "value", "note"),
+    ("policy", "model", "value", "note"),
     [
-        ({"kv": "lru", "mamba": "lru"}, "lru", ""),
-        ({"kv": "lru", "mamba": "state-value"}, "state-value", "states; KV lru"),
+        ({"kv": "lru", "mamba": "lru"}, "hybrid", "lru", ""),
+        ({"kv": "lru", "mamba": "state-value"}, "hybrid", "state-value", "states; KV lru"),
         (
             {"kv": "lru", "mamba": "state-value", "swa": "lru"},
+            "swa-hybrid",
             "state-value",
             "states; KV lru, SWA lru",
         ),
-        ({"kv": "lfu", "mamba": "lfu", "swa": "lfu"}, "lfu", ""),
-        ({"kv": "lfu", "mamba": "lfu", "swa": "priority"}, "lfu", "states; SWA priority"),
+        ({"kv": "lfu", "mamba": "lfu", "swa": "lfu"}, "swa-hybrid", "lfu", ""),
+        (
+            {"kv": "lfu", "mamba": "lfu", "swa": "priority"},
+            "swa-hybrid",
+            "lfu",
+            "states; SWA priority",
+        ),
+        # No states: the states' policy (the replay's default) is not shown.
+        ({"kv": "lru", "mamba": "state-value", "swa": "lru"}, "swa", "lru", ""),
+        ({"kv": "lru", "mamba": "state-value", "swa": "lfu"}, "swa", "lru", "KV; SWA lfu"),
+        ({"kv": "lru", "mamba": "state-value"}, "attention", "lru", ""),
     ],
 )
 def test_the_report_names_each_components_policy_where_it_differs(
-    policy: dict[str, str], value: str, note: str
+    policy: dict[str, str], model: str, value: str, note: str
 ) -> None:
-    assert cli._policy_text(policy) == (value, note)
+    assert cli._policy_text(policy, model) == (value, note)
 
 
 def test_the_schedule_policy_runs_and_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
@@ -615,8 +625,12 @@ def test_an_swa_model_runs_and_reports_its_hit_rate_against_full_attention(
     )
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
-    for row in ("window 512 tokens", "full-attention hit rate", "swa/full", "SWA pages freed"):
+    rows = ("window 512 tokens", "full-attention device hit rate", f"{model}/full", "SWA pages")
+    for row in rows:
         assert row in text, row
+    policy = next(x for x in text.splitlines() if "eviction policy" in x)
+    # A model without states shows no states' policy.
+    assert ("states" in policy) == (model == "swa-hybrid"), policy
     assert cli.main(["bench", *argv[1:], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == model
 
@@ -693,8 +707,8 @@ def test_the_swa_defaults_scale_with_the_kv_pools() -> None:
 
 
 def test_the_report_names_the_states_policy_and_kvs_where_they_differ() -> None:
-    assert cli._policy_text({"kv": "lfu", "mamba": "lfu"}) == ("lfu", "")
-    assert cli._policy_text({"kv": "lru", "mamba": "state-value"}) == (
+    assert cli._policy_text({"kv": "lfu", "mamba": "lfu"}, "hybrid") == ("lfu", "")
+    assert cli._policy_text({"kv": "lru", "mamba": "state-value"}, "hybrid") == (
         "state-value",
         "states; KV lru",
     )
@@ -754,12 +768,146 @@ def test_help_gives_every_flags_default_and_meaning(
     usage = text.split("\n\n")[0]
     given = set(re.findall(r"--[a-z0-9-]+", usage))
     assert given == {f.name for f in cli.FLAGS[command]}, "every flag is in the table"
+    if command != "workload":  # the epilog: where the report's terms are explained
+        text, epilog = text.rstrip("\n").rsplit("\n\n", 1)
+        assert "radixcache glossary" in epilog
     # One entry per option (its help may start on the next line), whitespace joined.
     entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", text)]
     for f in cli.FLAGS[command]:
         entry = next(e for e in entries if e.startswith(f.name + " "))
         assert re.fullmatch(r"--\S+( \S+)? \w{3,}.*\((default: .+|required)\)", entry), entry
     assert "(default: 262144)" in text or command == "workload"
+
+
+def test_help_says_what_each_value_is_and_lists_the_l3_urls(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli.main(["replay", "--help"]) == 0
+    text = capsys.readouterr().out
+    for shown in ("--l3 URL", "--shard K/N", "--plot FILE", "--workload NAME|FILE"):
+        assert shown in text, shown
+    assert "--kv-slots TOKENS" in text
+    assert "PATH" not in text  # what every string flag was, a URL and K/N included
+    flat = " ".join(text.split())
+    for url in cli.L3_URLS:
+        assert url in flat, url
+    assert "radixcache glossary" in flat
+    assert cli.main(["workload", "--help"]) == 0
+    assert "--out FILE" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert "radixcache glossary" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_glossary_command_prints_docs_glossary_md(capsys: pytest.CaptureFixture[str]) -> None:
+    """One text for the wheel and the repository."""
+    assert cli.main(["glossary"]) == 0
+    doc = Path(__file__).parents[1] / "docs" / "glossary.md"
+    assert capsys.readouterr().out == doc.read_text(), (
+        "docs/glossary.md is stale: python -m radixcache.glossary > docs/glossary.md"
+    )
+
+
+def labels(table: Any) -> list[str]:
+    """The first column of a rich table: the rows' names."""
+    return [str(cell) for cell in table.columns[0]._cells]
+
+
+def test_every_row_of_every_report_is_in_the_glossary(capsys: pytest.CaptureFixture[str]) -> None:
+    from radixcache.glossary import terms
+
+    known = terms()
+    assert cli.main(["replay", *SMALL, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # Every optional row on: L3, restored hits, the offline bound, SWA, injected failures.
+    r |= {key: 0 for key, value in r.items() if key.startswith("l3_") and value is None}
+    r |= {"l3_breaker": "closed", "l3_prefetches": 1, "restored_hit_tokens": 1}
+    r |= {"offline_bound_hit_rate": 0.5, "offline_bound_ratio": 1.0, "lookahead": 4}
+    r |= {"offline_lru_hit_rate": 0.4, "swa_window": 512, "full_attention_hit_rate": 0.5}
+    r["injected_failures"] = dict.fromkeys(r["injected_failures"], 1)
+    rows = labels(cli._report_table(r))
+    assert len(rows) == 33, " | ".join(rows)
+    assert cli.main(["replay", *SMALL, "--servers", "2", "--json"]) == 0
+    fleet = json.loads(capsys.readouterr().out)
+    fleet |= {"workload": "mixed", "l3_breaker": ["closed"], "l3_prefetches": 1}
+    fleet |= dict.fromkeys(["l3_bytes_fetched", "l3_bytes_stored", "l3_fetch_gbps"], 0)
+    fleet |= dict.fromkeys(["l3_prefetch_timeouts", "l3_prefetch_wait_steps"], 0)
+    rows += labels(cli._fleet_table(fleet))
+    assert cli.main(["bench", *SMALL, "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    rows += [*labels(cli._bench_table(b)), "operation"]
+    assert set(rows) <= set(known), set(rows) - set(known)
+    # The terms the reports' notes use, and the figures they compare.
+    for term in ("retractions", "computed", "overtaken", "checkpoints", "hit rate, all tiers"):
+        assert term in known
+
+
+def test_the_report_says_which_tier_each_hit_rate_counts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row
+    assert cli.main(["replay", *SMALL, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    text = cli._render(cli._report_table(r | {"workload": "mixed"}))
+    rows = {line.split("  ")[0].strip(): line for line in text.splitlines()[1:]}
+    assert "device hit rate" in rows["device hit tokens"]
+    assert "host tier" in rows["host hit tokens"]
+    assert f"{100 * r['hit_rate']:.1f}%" in rows["hit rate, all tiers"]
+    assert "device hit rates hybrid/attention" in rows["attention-only device hit rate"]
+
+
+def drawn(monkeypatch: pytest.MonkeyPatch, draw: Any) -> list[Any]:
+    """The figures `draw()` saves (drawn, as saved)."""
+    from matplotlib.figure import Figure
+
+    figures: list[Any] = []
+
+    def keep(fig: Any, *args: Any, **kwargs: Any) -> None:
+        fig.canvas.draw()
+        figures.append(fig)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    draw()
+    return figures
+
+
+def test_the_plots_legends_stand_outside_the_axes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A legend inside the axes covered curves: the replay's --plot, the figures in docs/
+    (benches/vs_sglang.py's, scripts/policy_sweep.py's)."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    from conftest import load_bench_script
+
+    cli._import_matplotlib()
+    config = harness.ReplayConfig(kv_slots=8192, timeline=1, attention_only=False)
+    _, timeline = harness.replay(cli._workloads.mixed(5), config)
+    figures = drawn(monkeypatch, lambda: cli._plot(timeline, str(tmp_path / "r.png"), "mixed"))
+    curves = {"per_request_us": [1.0, 2.0], "per_request_us_without_allocator": [1.0]}
+    report = {"workload": "gsp", "results": [{"config": "hybrid", "system": "x", **curves}]}
+    vs = load_bench_script("vs_sglang")
+    figures += drawn(monkeypatch, lambda: vs.plot(report, str(tmp_path / "vs.png")))
+    path = Path(__file__).parents[1] / "scripts" / "policy_sweep.py"
+    spec = importlib.util.spec_from_file_location("policy_sweep", path)
+    assert spec is not None
+    assert spec.loader is not None
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    cell = {"device_hit_rate": 0.5, "offline_bound_hit_rate": 0.9}
+    cells = {("cell", w, "16", "lru"): cell for w in ("gsp", "mixed")}
+    cells |= {("attention", w, "lru"): {"hit_rate": 1.0} for w in ("gsp", "mixed")}
+    args = (cells, ["gsp", "mixed"], [16], ["lru"], str(tmp_path / "sweep.png"))
+    figures += drawn(monkeypatch, lambda: sweep.plot(*args))
+    assert len(figures) == 3
+    for fig in figures:
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+        assert legends
+        for legend in legends:
+            box = legend.get_window_extent()
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent()), fig.axes[0].get_title()
 
 
 CHILD = """

@@ -9,7 +9,11 @@ radixcache replay [--workload mixed|gsp|multiturn|PATH] [--requests N] [--seed S
 [--no-branch-checkpoints] [--inject-failures RATE] [--offline-bound]
 [--no-attention-only] [--json] [--plot PATH] [--quiet]
 radixcache bench [the workload, cache and scheduler flags] [--numpy] [--json] [--quiet]
-radixcache workload NAME --out PATH [--requests N] [--seed S]
+radixcache workload NAME --out FILE [--requests N] [--seed S]
+radixcache glossary
+
+The reports' terms are explained once, in `radixcache.glossary` (``radixcache glossary``
+prints it; docs/glossary.md is its output).
 
 Everything is checked before any work starts, in one place: every flag's type and range
 (`FLAGS`), the flags together (the cache's own checks, reported with the flags' names;
@@ -94,7 +98,10 @@ class Flag:
         name: The option (``--kv-slots``).
         help: What it does.
         kind: ``int``, ``rate`` (a float in [0, 1]), ``seconds`` (a float in
-            (0, `hi`]), ``choice``, ``path`` (a string) or ``switch`` (present or not).
+            (0, `hi`]), ``choice``, ``text`` (a string) or ``switch`` (present or not).
+        metavar: What the value is, as ``--help`` names it (``TOKENS``, ``URL``, ``K/N``);
+            an ``int``, ``rate`` or ``seconds`` without one is ``N``, ``RATE``,
+            ``SECONDS``; a ``text`` must have one.
         default: The value when the option is not given.
         lo, hi: The range of an ``int``; `hi` bounds ``seconds`` too.
         choices: The values of a ``choice``.
@@ -175,12 +182,14 @@ POOL_FLAGS = (
         "--workload",
         "a built-in workload (mixed, gsp, multiturn) or a JSONL file, one request a line "
         "(docs/serving.md)",
-        kind="path",
+        kind="text",
+        metavar="NAME|FILE",
         default="mixed",
     ),
     Flag(
         "--requests",
         f"serve only the first N requests (at most {MAX_REQUESTS})",
+        metavar="N",
         lo=1,
         hi=MAX_REQUESTS,
         shown="all of them",
@@ -188,6 +197,7 @@ POOL_FLAGS = (
     Flag(
         "--seed",
         "seeds the built-in workloads (and in replay the model's hashes and the injected failures)",
+        metavar="SEED",
         default=0,
         hi=MAX_SEED,
     ),
@@ -203,6 +213,7 @@ POOL_FLAGS = (
     Flag(
         "--window",
         "the sliding window of the SWA layers, in tokens; only with --model swa or swa-hybrid",
+        metavar="TOKENS",
         lo=1,
         hi=MAX_KV_SLOTS,
         shown=f"{DEFAULT_WINDOW} with an SWA model",
@@ -219,6 +230,7 @@ POOL_FLAGS = (
     Flag(
         "--kv-slots",
         f"device KV pool, in tokens: a multiple of --page-size (at most {MAX_KV_SLOTS})",
+        metavar="TOKENS",
         default=_D.kv_slots,
         lo=1,
         hi=MAX_KV_SLOTS,
@@ -227,18 +239,21 @@ POOL_FLAGS = (
         "--mamba-slots",
         "device Mamba state slots (0 with --model hybrid: an attention-only model); only "
         "with --model hybrid or swa-hybrid",
+        metavar="STATES",
         hi=MAX_MAMBA_SLOTS,
         shown=f"{_D.mamba_slots}; 0 with --model attention or swa",
     ),
     Flag(
         "--host-kv-slots",
         "host-tier KV pool, in tokens: a multiple of --page-size (0: no host tier)",
+        metavar="TOKENS",
         default=_D.host_kv_slots,
         hi=MAX_KV_SLOTS,
     ),
     Flag(
         "--host-mamba-slots",
         "host-tier state slots",
+        metavar="STATES",
         hi=MAX_MAMBA_SLOTS,
         shown=f"{_D.host_mamba_slots}; 0 with --mamba-slots 0 or --host-kv-slots 0",
     ),
@@ -246,11 +261,19 @@ POOL_FLAGS = (
         "--host-swa-slots",
         "host-tier SWA KV pool, in tokens: a multiple of --page-size, at most "
         "--host-kv-slots; only with --model swa or swa-hybrid and a host tier",
+        metavar="TOKENS",
         hi=MAX_KV_SLOTS,
         shown="--swa-slots scaled as --host-kv-slots is to --kv-slots, in whole pages; 0 "
         "without a host tier",
     ),
-    Flag("--page-size", "tokens per page", default=_D.page_size, lo=1, hi=MAX_KV_SLOTS),
+    Flag(
+        "--page-size",
+        "tokens per page",
+        metavar="TOKENS",
+        default=_D.page_size,
+        lo=1,
+        hi=MAX_KV_SLOTS,
+    ),
     Flag(
         "--write-policy",
         "when KV is copied to the host tier: write_through (when it is cached), "
@@ -263,6 +286,7 @@ POOL_FLAGS = (
     Flag(
         "--write-through-threshold",
         "hits before a backup; only with --write-policy write_through_selective",
+        metavar="HITS",
         lo=1,
         hi=(1 << 32) - 1,
         shown="2",
@@ -280,6 +304,7 @@ POOL_FLAGS = (
     Flag(
         "--max-running",
         "requests served at once",
+        metavar="REQUESTS",
         default=_D.max_running,
         lo=1,
         hi=MAX_RUNNING,
@@ -296,6 +321,7 @@ POOL_FLAGS = (
     Flag(
         "--schedule-window",
         "waiting requests lpm ranks at each admission; only with --schedule-policy lpm",
+        metavar="REQUESTS",
         lo=1,
         hi=MAX_REQUESTS,
         shown=str(_D.schedule_window),
@@ -304,6 +330,7 @@ POOL_FLAGS = (
         "--max-overtakes",
         "fairness of lpm: a waiting request overtaken this many times goes next; only "
         "with --schedule-policy lpm",
+        metavar="TIMES",
         hi=MAX_REQUESTS,
         shown=str(_D.max_overtakes),
     ),
@@ -312,12 +339,14 @@ POOL_FLAGS = (
         "tell eviction the next N waiting requests (HybridCache.expect): the nodes they "
         "will resume from go last, the one needed latest first; a prefill also stops "
         "and keeps a state where one of them leaves its prompt (0: off)",
+        metavar="REQUESTS",
         default=_D.lookahead,
         hi=MAX_REQUESTS,
     ),
     Flag(
         "--chunk-size",
         "most prefill tokens a request feeds in one step",
+        metavar="TOKENS",
         default=_D.chunk_size,
         lo=1,
         hi=MAX_KV_SLOTS,
@@ -350,10 +379,10 @@ REPLAY_FLAGS = (
     ),
     Flag(
         "--l3",
-        "an L3 store shared with other caches: redis://HOST:PORT, redis+cluster://HOST:PORT,"
-        "..., file:///DIR or mooncake://MASTER_HOST:PORT?... (host pages are written there "
-        "and fetched from there)",
+        "an L3 store shared with other caches (host pages are written there and fetched "
+        "from there), one of: " + ", ".join(L3_URLS),
         kind="text",
+        metavar="URL",
         shown="none",
     ),
     Flag(
@@ -376,6 +405,7 @@ REPLAY_FLAGS = (
         "seconds a background fetch may take before it is called off and its request "
         "admitted without it; only with --l3-prefetch",
         kind="seconds",
+        metavar="SECONDS",
         default=_D.l3_prefetch_timeout,
         hi=3600,
     ),
@@ -383,6 +413,7 @@ REPLAY_FLAGS = (
         "--servers",
         "serve with N caches (own pools, tiers and engine each) behind a round-robin "
         "router, sharing the --l3 store; reports the fleet and compares it with one server",
+        metavar="N",
         default=1,
         lo=1,
         hi=64,
@@ -392,6 +423,7 @@ REPLAY_FLAGS = (
         "serve only requests K, K+N, K+2N, ... (K/N): one of N processes splitting the "
         "workload as a round-robin router would",
         kind="text",
+        metavar="K/N",
         shown="all requests",
     ),
     Flag("--json", "print the report as one JSON object", kind="switch"),
@@ -399,7 +431,8 @@ REPLAY_FLAGS = (
         "--plot",
         "write hit rates and pool occupancy to this image; the extension names the "
         "format (png, svg, pdf, ...); needs matplotlib",
-        kind="path",
+        kind="text",
+        metavar="FILE",
         shown="no plot",
     ),
     Flag("--quiet", "no progress bar", kind="switch"),
@@ -412,15 +445,23 @@ BENCH_FLAGS = (
 )
 
 WORKLOAD_FLAGS = (
-    Flag("--out", "the JSONL file to write", kind="path", required=True),
+    Flag(
+        "--out",
+        "the JSONL file to write (written whole, then renamed into place: an interrupted "
+        "command leaves the file as it was)",
+        kind="text",
+        metavar="FILE",
+        required=True,
+    ),
     Flag(
         "--requests",
         f"the first N requests of the workload (at most {MAX_REQUESTS})",
+        metavar="N",
         lo=1,
         hi=MAX_REQUESTS,
         shown="all of them",
     ),
-    Flag("--seed", "seeds the workload", default=0, hi=MAX_SEED),
+    Flag("--seed", "seeds the workload", metavar="SEED", default=0, hi=MAX_SEED),
 )
 
 FLAGS = {"replay": POOL_FLAGS + REPLAY_FLAGS, "bench": POOL_FLAGS + BENCH_FLAGS}
@@ -441,7 +482,7 @@ def _add(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
         elif f.kind == "choice":
             p.add_argument(f.name, choices=f.choices, help=f.help_text())
         else:
-            metavar = {"int": "N", "rate": "RATE", "seconds": "SECONDS"}.get(f.kind, "PATH")
+            metavar = f.metavar or {"int": "N", "rate": "RATE", "seconds": "SECONDS"}[f.kind]
             p.add_argument(
                 f.name, type=f.parse, metavar=metavar, required=f.required, help=f.help_text()
             )
@@ -453,7 +494,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="radixcache",
         description="Prefix-cache manager for hybrid LLMs: replay workloads end to end.",
         epilog="Exit status: 0 done; 1 the run failed or an output could not be written; "
-        "2 a bad flag or input; 130 interrupted.",
+        "2 a bad flag or input; 130 interrupted. The reports' terms: radixcache glossary.",
     )
     ap.add_argument("--version", action="version", version=f"radixcache {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -469,6 +510,7 @@ def _parser() -> argparse.ArgumentParser:
             "not full after the cache is cleared, or a request was rejected; 2 on a bad "
             "flag or input (checked before the run); 130 when interrupted."
         ),
+        epilog=_GLOSSARY_HINT,
     )
     _add(r, FLAGS["replay"])
 
@@ -482,6 +524,7 @@ def _parser() -> argparse.ArgumentParser:
             "prompt token, hit rate, memory. Exits 1 if a pool is not full after the "
             "cache is cleared or a request was rejected; 2 on a bad flag or input."
         ),
+        epilog=_GLOSSARY_HINT,
     )
     _add(b, FLAGS["bench"])
 
@@ -496,7 +539,17 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the built-in workload: {', '.join(sorted(_workloads.WORKLOADS))} (required)",
     )
     _add(w, FLAGS["workload"])
+
+    sub.add_parser(
+        "glossary",
+        help="explain the terms of the reports",
+        description="Print what each row and note of the replay's and bench's reports "
+        "means (Markdown; docs/glossary.md holds the same text).",
+    )
     return ap
+
+
+_GLOSSARY_HINT = "What each row of the report means: radixcache glossary (docs/glossary.md)."
 
 
 def _value(args: argparse.Namespace, name: str) -> Any:
@@ -530,7 +583,12 @@ def _main(argv: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
-    run = {"workload": _workload_cmd, "bench": _bench_cmd, "replay": _replay_cmd}
+    run = {
+        "workload": _workload_cmd,
+        "bench": _bench_cmd,
+        "replay": _replay_cmd,
+        "glossary": _glossary_cmd,
+    }
     try:
         return run[args.command](args)
     except InputError as e:
@@ -865,6 +923,13 @@ def _emit(text: str) -> None:
         raise OutputError(f"cannot write to stdout ({e.strerror})") from None
 
 
+def _glossary_cmd(args: argparse.Namespace) -> int:
+    from .glossary import markdown
+
+    _emit(markdown().rstrip("\n"))
+    return 0
+
+
 def _workload_cmd(args: argparse.Namespace) -> int:
     out = args.out
     _check_out("--out", out)
@@ -1084,7 +1149,6 @@ def _replay_cmd(args: argparse.Namespace) -> int:
 
 def _bench_cmd(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from .serving.bench import bench
 
@@ -1098,15 +1162,28 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     if args.json:
         _emit(json.dumps(r, indent=2))
         return _verdict("radixcache bench", r)
-    head = Table(title=f"radixcache bench: {workload}", show_header=False, box=None)
+    _emit(_render(_bench_table(r), ops_table(r["ops"], "per operation")))
+    return _verdict("radixcache bench", r)
+
+
+def _bench_table(r: dict[str, Any]) -> Any:
+    """Return bench's report (but the table of operations) as a rich table."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    head = Table(
+        title=f"radixcache bench: {escape(str(r['workload']))}", show_header=False, box=None
+    )
     head.add_column(style="bold")
     head.add_column(justify="right")
     head.add_column(style="dim")
     head.add_row("requests", str(r["requests"]), f"{r['prompt_tokens']} prompt tokens")
     head.add_row("tokens passed as", r["tokens"])
-    head.add_row("eviction policy", *_policy_text(r["eviction_policy"]))
+    head.add_row("eviction policy", *_policy_text(r["eviction_policy"], r["model"]))
     head.add_row("model", r["model"])
-    head.add_row("hit rate", f"{100 * r['hit_rate']:.1f}%", "state-valid device hits")
+    head.add_row(
+        "device hit rate", f"{100 * r['hit_rate']:.1f}%", "device hit tokens / prompt tokens"
+    )
     head.add_row(
         "cache time per request",
         f"{r['us_per_request']:.1f} us",
@@ -1122,8 +1199,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
         "memory", f"{r['rss_growth_mb']:.1f} MB", f"process peak {r['peak_rss_mb']:.0f} MB"
     )
     head.add_row("pools full at end", str(r["pools_full_at_end"]), "after clearing: no leak")
-    _emit(_render(head, ops_table(r["ops"], "per operation")))
-    return _verdict("radixcache bench", r)
+    return head
 
 
 def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = None) -> Any:
@@ -1180,7 +1256,7 @@ def _report_table(r: dict[str, Any]) -> Any:
     row("requests", r["requests"], f"{r['retractions']} retractions, {r['rejected']} rejected")
     row("prompt tokens", r["prompt_tokens"], f"{r['prefill_tokens']} computed")
     row("output tokens", r["output_tokens"])
-    row("eviction policy", *_policy_text(r["eviction_policy"]))
+    row("eviction policy", *_policy_text(r["eviction_policy"], r["model"]))
     wait, over = r["queue_wait_steps"], r["overtaken"]
     row(
         "schedule policy",
@@ -1203,18 +1279,29 @@ def _report_table(r: dict[str, Any]) -> Any:
     )
     model, swa = r["model"], r["swa_window"] > 0
     row("model", model, f"window {r['swa_window']} tokens" if swa else "")
-    row("device hit tokens", r["device_hit_tokens"], pct(r["device_hit_rate"]))
-    row("host hit tokens", r["host_hit_tokens"], pct(r["host_hit_rate"]) + " loaded back")
+    row(
+        "device hit tokens",
+        r["device_hit_tokens"],
+        f"{pct(r['device_hit_rate'])} of prompt tokens: device hit rate",
+    )
+    row(
+        "host hit tokens",
+        r["host_hit_tokens"],
+        f"{pct(r['host_hit_rate'])}: loaded back from the host tier",
+    )
     if r["restored_hit_tokens"]:
         restored = pct(r["restored_hit_tokens"] / r["prompt_tokens"])
-        note = f"{restored} device KV, its state loaded back"
+        note = f"{restored}: device KV whose state was loaded back"
         row("restored hit tokens", r["restored_hit_tokens"], note)
     if r["l3_breaker"] is not None:
         row(
             "L3 hit tokens",
             r["l3_hit_tokens"],
-            f"{pct(r['l3_hit_rate'])} fetched, then loaded back; all tiers {pct(r['hit_rate'])}",
+            f"{pct(r['l3_hit_rate'])}: fetched from the L3 store, then loaded back",
         )
+    tiers = "device + host" + (" + L3" if r["l3_breaker"] is not None else "")
+    row("hit rate, all tiers", pct(r["hit_rate"]), f"{tiers} hit tokens / prompt tokens")
+    if r["l3_breaker"] is not None:
         row(
             "L3 store",
             f"{r['l3_bytes_fetched'] / 1e6:.1f} MB fetched",
@@ -1239,23 +1326,24 @@ def _report_table(r: dict[str, Any]) -> Any:
         )
 
     compared(
-        "attention-only hit rate",
+        "attention-only device hit rate",
         r["attention_only_hit_rate"],
         r["hit_rate_ratio"],
-        f"{model}/attention ",
+        f"states off, same pools; device hit rates {model}/attention ",
     )
     if swa:
         compared(
-            "full-attention hit rate",
+            "full-attention device hit rate",
             r["full_attention_hit_rate"],
             r["swa_vs_full_hit_ratio"],
-            "SWA layers as full attention; swa/full ",
+            f"SWA layers as full attention; device hit rates {model}/full ",
         )
     attn_saved = r["attention_only_compute_saved_ratio"]
     row(
         "compute saved",
         pct(r["compute_saved_ratio"]),
-        "prefill FLOPs" + ("" if attn_saved is None else f"; attention-only {pct(attn_saved)}"),
+        "prefill FLOPs, hits of every tier"
+        + ("" if attn_saved is None else f"; attention-only {pct(attn_saved)}"),
     )
     bound = r["offline_bound_hit_rate"]
     if bound is not None:
@@ -1263,12 +1351,13 @@ def _report_table(r: dict[str, Any]) -> Any:
         row(
             "offline bound",
             pct(bound),
-            ("" if b_ratio is None else f"hybrid/attention {b_ratio:.3f}; ")
+            "device; "
+            + ("" if b_ratio is None else f"hybrid/attention {b_ratio:.3f}; ")
             + f"LRU model {pct(r['offline_lru_hit_rate'])}",
         )
     row("copy-on-write copies", r["cow_copies"], f"{r['checkpoints']} checkpoints")
     row("backups", r["backups"], f"{r['backups_failed']} failed")
-    row("demotions", r["demotions"])
+    row("demotions", r["demotions"], "device evictions that kept a host copy")
     reasons = ", ".join(f"{k} {v}" for k, v in r["load_backs_called_off_by_reason"].items() if v)
     row("load-backs committed", r["load_backs_committed"], f"{r['loaded_tokens']} tokens")
     row("load-backs called off", r["load_backs_called_off"], reasons)
@@ -1325,16 +1414,18 @@ def _fleet_table(r: dict[str, Any]) -> Any:
     t.add_row(
         "fleet hit rate",
         pct(r["hit_rate"]),
-        f"device {pct(r['device_hit_rate'])}, host {pct(r['host_hit_rate'])}, "
+        f"all tiers: device {pct(r['device_hit_rate'])}, host {pct(r['host_hit_rate'])}, "
         f"L3 {pct(r['l3_hit_rate'])}",
     )
     ratio = r["fleet_vs_single_ratio"]
     t.add_row(
         "one server, every request",
         pct(r["single_server_hit_rate"]),
-        "same pools; fleet/one " + ("n/a" if ratio is None else f"{ratio:.3f}"),
+        "all tiers, same pools; fleet/one " + ("n/a" if ratio is None else f"{ratio:.3f}"),
     )
-    t.add_row("fleet without L3", pct(r["fleet_without_l3_hit_rate"]), "the same servers")
+    t.add_row(
+        "fleet without L3", pct(r["fleet_without_l3_hit_rate"]), "all tiers, the same servers"
+    )
     if r["l3_breaker"] is not None:
         t.add_row(
             "L3 store",
@@ -1361,20 +1452,38 @@ def _fleet_table(r: dict[str, Any]) -> Any:
     return t
 
 
-def _policy_text(policy: dict[str, str]) -> tuple[str, str]:
-    """Return the eviction policy as a value (the states') and a note (KV's, SWA's)."""
-    states = policy["mamba"]
+def _policy_text(policy: dict[str, str], model: str) -> tuple[str, str]:
+    """Return the eviction policy as a value and a note naming the others where they differ.
+
+    The value is the states' policy in a model with states (``hybrid``, ``swa-hybrid``),
+    else the KV's; a model without states has no states' policy to show.
+    """
+    states = model in ("hybrid", "swa-hybrid")
+    first, first_name = ("mamba", "states") if states else ("kv", "KV")
+    value = policy[first]
     others = [
         f"{name} {policy[key]}"
         for key, name in (("kv", "KV"), ("swa", "SWA"))
-        if policy.get(key, states) != states
+        if key != first and policy.get(key, value) != value
     ]
-    return (states, "states; " + ", ".join(others) if others else "")
+    return (value, f"{first_name}; " + ", ".join(others) if others else "")
 
 
 def _plot(timeline: list[StepSample], path: str, title: str) -> None:
     plt = _import_matplotlib()
-    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig = _figure(plt, timeline, title)
+    try:
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+
+
+def _figure(plt: Any, timeline: list[StepSample], title: str) -> Any:
+    """Return the ``--plot`` figure: hit rates and pool occupancy against requests finished.
+
+    The legends stand to the right of the axes, so that they never cover a curve.
+    """
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, layout="constrained")
     x = [s.finished for s in timeline]
     dev = [s.device_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0 for s in timeline]
     host = [
@@ -1385,7 +1494,7 @@ def _plot(timeline: list[StepSample], path: str, title: str) -> None:
     a.plot(x, host, label="device + host hits")
     a.set_ylabel("hit rate (cumulative)")
     a.set_ylim(0, 1)
-    a.legend(loc="lower right")
+    a.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
     a.set_title(f"radixcache replay: {title}")
     b.plot(x, [s.kv_used for s in timeline], label="device KV")
     b.plot(x, [s.mamba_used for s in timeline], label="device states")
@@ -1393,12 +1502,8 @@ def _plot(timeline: list[StepSample], path: str, title: str) -> None:
     b.set_ylabel("pool occupancy")
     b.set_ylim(0, 1.05)
     b.set_xlabel("requests finished")
-    b.legend(loc="lower right")
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
+    b.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
 
 
 if __name__ == "__main__":
