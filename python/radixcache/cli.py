@@ -71,8 +71,9 @@ MAX_SEED = (1 << 63) - 1
 DEFAULT_WINDOW = 1024
 #: ``--swa-slots`` by default: this share of ``--kv-slots``, in whole pages.
 SWA_SHARE = 4
-#: The forms of an ``--l3`` URL (docs/design.md, "The L3 store" and its "Mooncake Store",
-#: says what each part means).
+#: The forms of an ``--l3`` URL, as ``--help`` lists them (`radixcache.l3.open_store`'s,
+#: with the Mooncake URL's parameters; docs/design.md, "The L3 store" and its "Mooncake
+#: Store", says what each part means).
 L3_URLS = (
     "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]",
     "redis+cluster://HOST:PORT[,HOST:PORT...]",
@@ -1053,28 +1054,14 @@ def _open_l3(url: str) -> None:
     """Open the ``--l3`` store once before the run, as the replay will.
 
     Raises:
-        InputError: The URL names no store (no scheme or an unknown one: the message
-            lists `L3_URLS`), or opening it fails: a bad part of the URL
-            (`ValueError`), a store that cannot be set up, such as a ``file://``
-            directory that cannot be made (`radixcache.L3Error`), or a missing package
-            (`ImportError`: ``mooncake://`` without the ``mooncake`` extra).
+        InputError: Opening it fails (`radixcache.l3.open_store`): a URL of no scheme,
+            an unknown one (the message lists the forms) or a bad part (`ValueError`),
+            a store that cannot be set up, such as a ``file://`` directory that cannot
+            be made (`radixcache.L3Error`), or a missing package (`ImportError`:
+            ``mooncake://`` without the ``mooncake`` extra).
     """
     from .l3 import open_store
 
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme not in {u.partition("://")[0] for u in L3_URLS}:
-        why = "no scheme" if not sep else f"unknown scheme {_short(scheme)}"
-        raise InputError(f"--l3: {why}; a store URL is one of: {', '.join(L3_URLS)}")
-    if scheme == "mooncake":
-        # Until `open_store` checks it: the package loads at the store's first call,
-        # in the middle of the run.
-        try:
-            import mooncake.store  # noqa: F401
-        except ImportError as e:
-            raise InputError(
-                f"--l3: mooncake:// needs the mooncake package ({e}); "
-                'pip install "radixcache[mooncake]"'
-            ) from None
     try:
         store = open_store(url)
     except (ValueError, L3Error, ImportError) as e:
