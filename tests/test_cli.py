@@ -855,10 +855,10 @@ def test_the_report_says_which_tier_each_hit_rate_counts(
     r = json.loads(capsys.readouterr().out)
     text = cli._render(cli._report_table(r | {"workload": "mixed"}))
     rows = {line.split("  ")[0].strip(): line for line in text.splitlines()[1:]}
-    assert "device hit rate" in rows["device hit tokens"]
-    assert "host tier" in rows["host hit tokens"]
-    assert f"{100 * r['hit_rate']:.1f}%" in rows["hit rate, all tiers"]
-    assert "device hit rates hybrid/attention" in rows["attention-only device hit rate"]
+    assert "on the device" in rows["device hit tokens"]
+    assert "loaded back from the host" in rows["host hit tokens"]
+    assert f"{100 * r['hit_rate']:.1f}%  device + host" in rows["hit rate, all tiers"]
+    assert "hybrid/attention" in rows["attention-only device hit rate"]
 
 
 def drawn(monkeypatch: pytest.MonkeyPatch, draw: Any) -> list[Any]:

@@ -1269,25 +1269,25 @@ def _report_table(r: dict[str, Any]) -> Any:
     row(
         "device hit tokens",
         r["device_hit_tokens"],
-        f"{pct(r['device_hit_rate'])} of prompt tokens: device hit rate",
+        f"{pct(r['device_hit_rate'])} on the device",
     )
     row(
         "host hit tokens",
         r["host_hit_tokens"],
-        f"{pct(r['host_hit_rate'])}: loaded back from the host tier",
+        f"{pct(r['host_hit_rate'])} loaded back from the host",
     )
     if r["restored_hit_tokens"]:
         restored = pct(r["restored_hit_tokens"] / r["prompt_tokens"])
-        note = f"{restored}: device KV whose state was loaded back"
+        note = f"{restored} device KV, its state from the host"
         row("restored hit tokens", r["restored_hit_tokens"], note)
     if r["l3_breaker"] is not None:
         row(
             "L3 hit tokens",
             r["l3_hit_tokens"],
-            f"{pct(r['l3_hit_rate'])}: fetched from the L3 store, then loaded back",
+            f"{pct(r['l3_hit_rate'])} fetched from L3, then loaded back",
         )
     tiers = "device + host" + (" + L3" if r["l3_breaker"] is not None else "")
-    row("hit rate, all tiers", pct(r["hit_rate"]), f"{tiers} hit tokens / prompt tokens")
+    row("hit rate, all tiers", pct(r["hit_rate"]), tiers)
     if r["l3_breaker"] is not None:
         row(
             "L3 store",
@@ -1316,20 +1316,20 @@ def _report_table(r: dict[str, Any]) -> Any:
         "attention-only device hit rate",
         r["attention_only_hit_rate"],
         r["hit_rate_ratio"],
-        f"states off, same pools; device hit rates {model}/attention ",
+        f"{model}/attention ",
     )
     if swa:
         compared(
             "full-attention device hit rate",
             r["full_attention_hit_rate"],
             r["swa_vs_full_hit_ratio"],
-            f"SWA layers as full attention; device hit rates {model}/full ",
+            f"SWA as full attention; {model}/full ",
         )
     attn_saved = r["attention_only_compute_saved_ratio"]
     row(
         "compute saved",
         pct(r["compute_saved_ratio"]),
-        "prefill FLOPs, hits of every tier"
+        "prefill FLOPs, all tiers"
         + ("" if attn_saved is None else f"; attention-only {pct(attn_saved)}"),
     )
     bound = r["offline_bound_hit_rate"]
@@ -1344,7 +1344,7 @@ def _report_table(r: dict[str, Any]) -> Any:
         )
     row("copy-on-write copies", r["cow_copies"], f"{r['checkpoints']} checkpoints")
     row("backups", r["backups"], f"{r['backups_failed']} failed")
-    row("demotions", r["demotions"], "device evictions that kept a host copy")
+    row("demotions", r["demotions"], "kept on the host")
     reasons = ", ".join(f"{k} {v}" for k, v in r["load_backs_called_off_by_reason"].items() if v)
     row("load-backs committed", r["load_backs_committed"], f"{r['loaded_tokens']} tokens")
     row("load-backs called off", r["load_backs_called_off"], reasons)
