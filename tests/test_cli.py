@@ -1011,6 +1011,22 @@ def test_ctrl_c_while_the_command_loads_prints_interrupted_and_exits_130(target:
     assert (child.returncode, child.stderr) == (130, "interrupted\n")
 
 
+def test_import_radixcache_loads_nothing_until_a_name_is_used() -> None:
+    """What makes the command's first moments Ctrl-C safe; the first use loads all that
+    ``import radixcache`` used to (NumPy too: the extension must not be the first to
+    import it, under its lock), and ``rc._core`` still works."""
+    code = (
+        "import sys, radixcache as rc\n"
+        "before = sorted(m for m in sys.modules if m.startswith(('numpy', 'radixcache.')))\n"
+        "rc._core\n"
+        "print(before, 'numpy' in sys.modules, sorted(set(rc.__all__) - set(vars(rc))))\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert child.stdout == "[] True []\n"
+
+
 def test_a_first_ctrl_c_waits_for_the_step_and_a_second_is_at_once() -> None:
     """The run stops between scheduler steps, never inside a cache call; twice: at once."""
 

@@ -64,20 +64,30 @@ __all__ = [
     "chain_hashes",
 ]
 
-#: The module of each name of `__all__` that is not the extension's.
-_HOMES = {"TransferEngine": "radixcache.engine", "Storage": "radixcache.storage"}
+#: The modules ``import radixcache`` loaded before its names were loaded on first use.
+_MODULES = ("_core", "_kernels", "engine", "storage")
 
 if not TYPE_CHECKING:  # type checkers see the imports above, never a module __getattr__
 
     def __getattr__(name):
-        """Load a public name on first use (then it is an ordinary attribute)."""
-        if name not in __all__:
+        """Load the package on first use of a name (then they are ordinary attributes).
+
+        The first use loads what ``import radixcache`` used to: the extension, the engine
+        and storage modules, and NumPy with them, so that nothing later (the extension
+        building an array under its lock) is the first to import NumPy.
+        """
+        if name not in __all__ and name not in _MODULES:
             raise AttributeError(f"module 'radixcache' has no attribute {name!r}")
         import importlib
 
-        value = getattr(importlib.import_module(_HOMES.get(name, "radixcache._core")), name)
-        globals()[name] = value
-        return value
+        core = importlib.import_module("radixcache._core")
+        homes = {
+            "TransferEngine": importlib.import_module("radixcache.engine"),
+            "Storage": importlib.import_module("radixcache.storage"),
+        }
+        for public in __all__:
+            globals()[public] = getattr(homes.get(public, core), public)
+        return globals()[name]
 
     def __dir__():
         return sorted({*globals(), *__all__})
