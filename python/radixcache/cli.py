@@ -44,7 +44,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
 from . import L3Error, __version__
+from .glossary import markdown
+from .l3 import open_store
+from .serving import bench as _bench
 from .serving import harness as _replay
 from .serving import workloads as _workloads
 from .serving.model import MODELS
@@ -617,8 +631,10 @@ def _check_out(flag: str, path: str) -> None:
 
 def _import_matplotlib() -> Any:
     # Older matplotlib releases (the last ones for Python 3.9) warn about their own
-    # dependencies while importing: not the user's concern.
-    with warnings.catch_warnings():
+    # dependencies while importing: not the user's concern. Ctrl-C is held off until
+    # the import is done (then raised): inside it, C extensions turn it into an
+    # ImportError, which would read as matplotlib missing.
+    with _Interrupts(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import matplotlib
 
@@ -925,7 +941,6 @@ def _emit(text: str) -> None:
 
 
 def _glossary_cmd(args: argparse.Namespace) -> int:
-    from .glossary import markdown
 
     _emit(markdown().rstrip("\n"))
     return 0
@@ -998,13 +1013,6 @@ class _Interrupts:
 
 
 def _progress(err: Any, quiet: bool) -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     return Progress(
         "[progress.description]{task.description}",
@@ -1060,8 +1068,6 @@ def _open_l3(url: str) -> None:
             be made (`radixcache.L3Error`), or a missing package (`ImportError`:
             ``mooncake://`` without the ``mooncake`` extra).
     """
-    from .l3 import open_store
-
     try:
         store = open_store(url)
     except (ValueError, L3Error, ImportError) as e:
@@ -1072,7 +1078,6 @@ def _open_l3(url: str) -> None:
 
 
 def _replay_cmd(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     err = Console(stderr=True)
     shard = _shard(args.shard)
@@ -1135,16 +1140,13 @@ def _replay_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_cmd(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from .serving.bench import bench
 
     err = Console(stderr=True)
     jobs, config = _setup(args)
     workload = _value(args, "--workload")
     with _Interrupts() as stop, _progress(err, args.quiet) as bar:
         task = bar.add_task(f"bench {workload}", total=len(jobs))
-        r = bench(jobs, config, numpy_tokens=args.numpy, progress=stop.between(bar, task))
+        r = _bench.bench(jobs, config, numpy_tokens=args.numpy, progress=stop.between(bar, task))
     r["workload"] = workload
     if args.json:
         _emit(json.dumps(r, indent=2))
@@ -1155,9 +1157,6 @@ def _bench_cmd(args: argparse.Namespace) -> int:
 
 def _bench_table(r: dict[str, Any]) -> Any:
     """Return bench's report (but the table of operations) as a rich table."""
-    from rich.markup import escape
-    from rich.table import Table
-
     head = Table(
         title=f"radixcache bench: {escape(str(r['workload']))}", show_header=False, box=None
     )
@@ -1191,8 +1190,6 @@ def _bench_table(r: dict[str, Any]) -> Any:
 
 def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = None) -> Any:
     """Return a rich table of per-operation figures (``bench``'s ``ops``), `limit` rows."""
-    from rich.table import Table
-
     table = Table(title=title)
     for col in ("operation", "calls", "p50 us", "p99 us", "share"):
         table.add_column(col, justify="left" if col == "operation" else "right")
@@ -1209,8 +1206,6 @@ def ops_table(ops: dict[str, dict[str, Any]], title: str, limit: int | None = No
 
 def _render(*tables: Any) -> str:
     """Render rich tables as stdout would show them (colour on a terminal only)."""
-    from rich.console import Console
-
     stdout = Console()
     text = io.StringIO()
     console = Console(
@@ -1226,9 +1221,6 @@ def _render(*tables: Any) -> str:
 
 def _report_table(r: dict[str, Any]) -> Any:
     """Return the replay's report as a rich table."""
-    from rich.markup import escape
-    from rich.table import Table
-
     t = Table(title=f"radixcache replay: {escape(str(r['workload']))}", show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -1385,9 +1377,6 @@ def _report_table(r: dict[str, Any]) -> Any:
 
 def _fleet_table(r: dict[str, Any]) -> Any:
     """Return a fleet replay's report as a rich table."""
-    from rich.markup import escape
-    from rich.table import Table
-
     title = f"radixcache replay: {escape(str(r['workload']))} on {r['servers']} servers"
     t = Table(title=title, show_header=False, box=None)
     t.add_column(style="bold")
