@@ -1014,11 +1014,12 @@ def test_ctrl_c_while_the_command_loads_prints_interrupted_and_exits_130(target:
 def test_import_radixcache_loads_nothing_until_a_name_is_used() -> None:
     """What makes the command's first moments Ctrl-C safe; the first use loads all that
     ``import radixcache`` used to (NumPy too: the extension must not be the first to
-    import it, under its lock), and ``rc._core`` still works."""
+    import it, under its lock); ``rc._core`` still works, alone."""
     code = (
         "import sys, radixcache as rc\n"
         "before = sorted(m for m in sys.modules if m.startswith(('numpy', 'radixcache.')))\n"
-        "rc._core\n"
+        "rc._core._int_fast_path\n"
+        "rc.HybridCache\n"
         "print(before, 'numpy' in sys.modules, sorted(set(rc.__all__) - set(vars(rc))))\n"
     )
     child = subprocess.run(

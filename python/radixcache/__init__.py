@@ -72,14 +72,17 @@ if not TYPE_CHECKING:  # type checkers see the imports above, never a module __g
     def __getattr__(name):
         """Load the package on first use of a name (then they are ordinary attributes).
 
-        The first use loads what ``import radixcache`` used to: the extension, the engine
-        and storage modules, and NumPy with them, so that nothing later (the extension
-        building an array under its lock) is the first to import NumPy.
+        A module it used to load (``rc._core``) loads alone. The first public name
+        loads what ``import radixcache`` used to: the extension, the engine and storage
+        modules, and NumPy with them, so that nothing later (the extension building an
+        array under its lock) is the first to import NumPy.
         """
-        if name not in __all__ and name not in _MODULES:
-            raise AttributeError(f"module 'radixcache' has no attribute {name!r}")
         import importlib
 
+        if name in _MODULES:  # `from radixcache import _core` asks here first
+            return importlib.import_module(f"radixcache.{name}")
+        if name not in __all__:
+            raise AttributeError(f"module 'radixcache' has no attribute {name!r}")
         core = importlib.import_module("radixcache._core")
         homes = {
             "TransferEngine": importlib.import_module("radixcache.engine"),
