@@ -210,8 +210,8 @@ def test_a_device_pool_too_small_for_any_request_is_refused(
     ("url", "names"),
     [
         # A file store's directory that cannot be made: it exists as a file, or in /proc.
-        ("file:///dev/null", ["--l3: open failed: /dev/null"]),
-        ("file:///proc/self/nope", ["--l3: open failed: /proc/self/nope"]),
+        ("file:///dev/null", ["--l3: open failed: ", "/dev/null: File exists"]),
+        ("file:///proc/self/nope", ["--l3: open failed: ", "/proc/self/nope: No such file"]),
         ("localhost:6379", ["--l3: ", "no scheme", "redis://", "file:///", "mooncake://"]),
         ("http://localhost:6379", ["--l3: ", "scheme 'http' is not one of them", "mooncake://"]),
         ("redis://localhost", ["--l3: ", "is not HOST:PORT"]),
