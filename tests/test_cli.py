@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ import numpy as np
 import pytest
 
 import radixcache.serving.bench as bench_module
-from radixcache import cli
+from radixcache import ObjectStore, cli
 from radixcache.serving import harness
 from radixcache.serving.workloads import Job
+
+from conftest import RedisServer, _need_redis, free_port
 
 SMALL = ["--requests", "5", "--kv-slots", "8192", "--quiet"]
 
@@ -236,6 +239,55 @@ def test_mooncake_without_its_package_is_one_line_naming_the_extra(
         "mooncake package is not installed",
         "pip install 'radixcache[mooncake]'",
     )
+
+
+@pytest.fixture
+def password_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server asking for the password ``sesame``."""
+    _need_redis("redis-server")
+    server = RedisServer(tmp_path, password="sesame")
+    yield server
+    server.stop()
+
+
+def test_an_l3_store_that_cannot_be_used_at_the_start_is_one_line_naming_why(
+    capsys: pytest.CaptureFixture[str], no_run: None, password_redis: RedisServer
+) -> None:
+    host = f"127.0.0.1:{password_redis.port}"
+    refused(capsys, ["replay", "--l3", f"redis://127.0.0.1:{free_port()}"], "connection refused")
+    refused(capsys, ["replay", "--l3", f"redis://{host}"], "authentication failed", "NOAUTH")
+    msg = refused(
+        capsys, ["replay", "--l3", f"redis://:wrong@{host}"], "authentication failed", ":***@"
+    )
+    assert "wrong" not in msg  # the password is never printed
+    refused(capsys, ["replay", "--l3", f"redis://:sesame@{host}/99"], "bad database")
+
+
+def test_l3_errors_during_a_replay_are_printed_when_they_happen_and_counted_by_cause(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The store answers the check, then every call of the run fails (as a store that
+    # went away after the start would).
+    url = f"file://{tmp_path / 'store'}"
+    failing = ObjectStore.faulty(url, seed=0, fail=1.0)
+    monkeypatch.setattr(harness, "open_store", lambda u: failing)
+    argv = ["replay", "--workload", "multiturn", "--requests", "24", "--l3", url, "--quiet"]
+    assert cli.main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    assert r["l3_errors"] > 0
+    assert r["l3_error_causes"] == {"injected failure": r["l3_errors"]}
+    assert "injected failure" in r["l3_first_error"]
+    assert r["mismatches"] == 0
+    lines = err.splitlines()
+    assert lines[0].startswith(f"radixcache: L3 store {url}: injected failure (")
+    assert any("circuit breaker open after 3 errors in a row" in line for line in lines)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("L3 errors"))
+    assert "breaker open" in row or "breaker half_open" in row
+    assert f"{r['l3_errors']} injected failure" in row
 
 
 # ---------------------------------------------------------------- flags
@@ -827,16 +879,21 @@ def test_every_row_of_every_report_is_in_the_glossary(capsys: pytest.CaptureFixt
     # Every optional row on: L3, restored hits, the offline bound, SWA, injected failures.
     r |= {key: 0 for key, value in r.items() if key.startswith("l3_") and value is None}
     r |= {"l3_breaker": "closed", "l3_prefetches": 1, "restored_hit_tokens": 1}
+    r |= {"l3_error_causes": {"timeout": 1}, "l3_first_error": "get timed out"}
     r |= {"offline_bound_hit_rate": 0.5, "offline_bound_ratio": 1.0, "lookahead": 4}
     r |= {"offline_lru_hit_rate": 0.4, "swa_window": 512, "full_attention_hit_rate": 0.5}
     r["injected_failures"] = dict.fromkeys(r["injected_failures"], 1)
     rows = labels(cli._report_table(r))
-    assert len(rows) == 33, " | ".join(rows)
+    assert len(rows) == 34, " | ".join(rows)
     assert cli.main(["replay", *SMALL, "--servers", "2", "--json"]) == 0
     fleet = json.loads(capsys.readouterr().out)
     fleet |= {"workload": "mixed", "l3_breaker": ["closed"], "l3_prefetches": 1}
     fleet |= dict.fromkeys(["l3_bytes_fetched", "l3_bytes_stored", "l3_fetch_gbps"], 0)
     fleet |= dict.fromkeys(["l3_prefetch_timeouts", "l3_prefetch_wait_steps"], 0)
+    fleet |= dict.fromkeys(["l3_corrupt_objects", "l3_foreign_objects", "l3_errors"], 0)
+    fleet |= {"l3_error_causes": {}}
+    for one in fleet["per_server"]:
+        one |= {"l3_breaker": "closed", "l3_errors": 0}
     rows += labels(cli._fleet_table(fleet))
     assert cli.main(["bench", *SMALL, "--json"]) == 0
     b = json.loads(capsys.readouterr().out)

@@ -30,8 +30,10 @@ full once the cache is cleared, a request rejected) or an output could not be wr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -39,7 +41,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -57,7 +59,7 @@ from rich.table import Table
 
 from . import L3Error, __version__
 from .glossary import markdown
-from .l3 import open_store
+from .l3 import open_store, redact
 from .serving import bench as _bench
 from .serving import harness as _replay
 from .serving import workloads as _workloads
@@ -1027,6 +1029,14 @@ def _progress(err: Any, quiet: bool) -> Any:
     )
 
 
+def _causes(causes: dict[str, int]) -> str:
+    """Return the L3 errors by cause, most first (``"3 connection refused, 1 timeout"``)."""
+    if not causes:
+        return "no errors"
+    order = sorted(causes.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{n} {cause}" for cause, n in order)
+
+
 def _failures(r: dict[str, Any]) -> list[str]:
     """Why a run failed (empty: it did not)."""
     why = []
@@ -1059,22 +1069,34 @@ def _shard(text: str | None) -> tuple[int, int] | None:
 
 
 def _open_l3(url: str) -> None:
-    """Open the ``--l3`` store once before the run, as the replay will.
+    """Open the ``--l3`` store once before the run, as the replay will, and check it.
+
+    The check (`radixcache.ObjectStore.check`) connects, authenticates and selects the
+    database now: a store that cannot be reached or refuses the credentials ends the run
+    before it starts, naming the cause.
 
     Raises:
         InputError: Opening it fails (`radixcache.l3.open_store`): a URL of no scheme,
             an unknown one (the message lists the forms) or a bad part (`ValueError`),
             a store that cannot be set up, such as a ``file://`` directory that cannot
             be made (`radixcache.L3Error`), or a missing package (`ImportError`:
-            ``mooncake://`` without the ``mooncake`` extra).
+            ``mooncake://`` without the ``mooncake`` extra); or the check fails
+            (connection refused, authentication failed, bad database, timeout, ...).
     """
     try:
         store = open_store(url)
     except (ValueError, L3Error, ImportError) as e:
         raise InputError(f"--l3: {e}") from None
-    close = getattr(store, "close", None)
-    if close is not None:
-        close()
+    try:
+        check = getattr(store, "check", None)
+        if check is not None:
+            check()
+    except L3Error as e:
+        raise InputError(f"--l3 {redact(url)}: the store cannot be used: {e}") from None
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
 
 
 def _replay_cmd(args: argparse.Namespace) -> int:
@@ -1106,6 +1128,48 @@ def _replay_cmd(args: argparse.Namespace) -> int:
     workload = _value(args, "--workload")
     if shard:
         jobs = _replay.deal(jobs, shard[1], shard[0])
+    with _store_log(err):
+        return _serve(args, err, jobs, config, workload, shard, servers)
+
+
+class _ConsoleLog(logging.Handler):
+    """Writes log records on stderr's console, above a live progress bar."""
+
+    def __init__(self, console: Any) -> None:
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = f"radixcache: {record.getMessage()}"
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _store_log(err: Any) -> Iterator[None]:
+    """Print what the L3 tier logs on stderr while the replay runs, when it happens.
+
+    That is an outage's first error of each cause, the breaker's trips, and the store
+    answering again.
+    """
+    log = logging.getLogger("radixcache.l3")
+    handler = _ConsoleLog(err)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
+def _serve(
+    args: argparse.Namespace,
+    err: Any,
+    jobs: Any,
+    config: Any,
+    workload: str,
+    shard: tuple[int, int] | None,
+    servers: int,
+) -> int:
+    """Serve the replay (or the fleet) and report; the exit status."""
     if servers > 1:
         with _Interrupts() as stop, _progress(err, args.quiet) as bar:
             task = bar.add_task(f"replay {workload} on {servers} servers", total=len(jobs))
@@ -1285,9 +1349,13 @@ def _report_table(r: dict[str, Any]) -> Any:
             "L3 store",
             f"{r['l3_bytes_fetched'] / 1e6:.1f} MB fetched",
             f"{r['l3_fetch_gbps']:.2f} GB/s; {r['l3_bytes_stored'] / 1e6:.1f} MB stored, "
-            f"{r['l3_put_gbps']:.2f} GB/s; breaker {r['l3_breaker']}, "
-            f"{r['l3_errors']} errors, {r['l3_corrupt_objects']} corrupt, "
-            f"{r['l3_missing_objects']} missing",
+            f"{r['l3_put_gbps']:.2f} GB/s; {r['l3_corrupt_objects']} corrupt, "
+            f"{r['l3_foreign_objects']} foreign, {r['l3_missing_objects']} missing",
+        )
+        row(
+            "L3 errors",
+            r["l3_errors"],
+            f"breaker {r['l3_breaker']}; {_causes(r['l3_error_causes'])}",
         )
         if r["l3_prefetches"]:
             row(
@@ -1407,7 +1475,13 @@ def _fleet_table(r: dict[str, Any]) -> Any:
             "L3 store",
             f"{r['l3_bytes_fetched'] / 1e6:.1f} MB fetched",
             f"{r['l3_fetch_gbps']:.2f} GB/s; {r['l3_bytes_stored'] / 1e6:.1f} MB stored; "
-            f"breakers {', '.join(r['l3_breaker'])}",
+            f"{r['l3_corrupt_objects']} corrupt, {r['l3_foreign_objects']} foreign",
+        )
+        breakers = ", ".join(f"{s['l3_breaker']} ({s['l3_errors']})" for s in r["per_server"])
+        t.add_row(
+            "L3 errors",
+            str(r["l3_errors"]),
+            f"breakers {breakers}; {_causes(r['l3_error_causes'])}",
         )
         if r["l3_prefetches"]:
             t.add_row(

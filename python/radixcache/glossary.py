@@ -211,11 +211,18 @@ SECTIONS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         (
             (
                 "L3 store",
-                "With `--l3`: bytes fetched and stored and their speed; the breaker "
+                "With `--l3`: bytes fetched and stored and their speed; corrupt objects "
+                "(failed their checks: deleted, and a miss); foreign objects (intact, but "
+                "of another model, rank, layout or kind: deleted, and a miss); missing "
+                "objects (announced, then gone).",
+            ),
+            (
+                "L3 errors",
+                "With `--l3`: store calls that failed, by cause (connection refused, "
+                "authentication failed, timeout, protocol error, ...), and the breaker "
                 "(`closed`: calls go to the store; `open`: after errors in a row the "
-                "store is skipped for a while; `half_open`: one call tries it again); "
-                "errors (failed calls); corrupt objects (failed their checks: deleted, and "
-                "a miss); missing objects (announced, then gone).",
+                "store is skipped for a while; `half_open`: one call tries it again). The "
+                "first error of each cause is also printed on stderr when it happens.",
             ),
             (
                 "L3 prefetches",

@@ -70,6 +70,7 @@ __all__ = [
     "L3Tier",
     "ObjectStoreLike",
     "open_store",
+    "redact",
 ]
 
 logger = logging.getLogger("radixcache.l3")
@@ -153,6 +154,19 @@ def open_store(url: str) -> ObjectStoreLike:
             )
         return MooncakeStore(url)
     return ObjectStore(url)
+
+
+def redact(url: str) -> str:
+    """Return `url` with its password, if it has one, written as ``***`` (for messages)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    cred, at, hosts = authority.rpartition("@")
+    if not at or ":" not in cred:
+        return url
+    user = cred.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{hosts}{slash}{path}"
 
 
 #: The schemes `open_store` knows, and the URL form of each.
@@ -538,7 +552,7 @@ class L3Tier:
     def _where(self) -> str:
         """Return the store's name for messages (its URL where it has one)."""
         url = getattr(self.store, "url", None)
-        return url if isinstance(url, str) else type(self.store).__name__
+        return redact(url) if isinstance(url, str) else type(self.store).__name__
 
     def _try(self, f: Any, *args: Any, **kwargs: Any) -> Any:
         """`_call`, None instead of an `L3Error` (a miss)."""
