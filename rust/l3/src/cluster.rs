@@ -25,9 +25,9 @@ use std::fmt;
 use parking_lot::Mutex;
 
 use crate::deadline::Deadline;
-use crate::open::OpenError;
 use crate::redis_store::{self, OnReply, Pipelined, RedisUrl};
 use crate::resp::{describe, one, Addr, Cmd, Conn, Head, Reply};
+use crate::store::OpenError;
 use crate::store::{get_via_each, Cause, Object, ObjectStore, Options, Parts, StoreError};
 
 /// The number of hash slots.

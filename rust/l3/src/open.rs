@@ -11,28 +11,10 @@
 
 use std::path::Path;
 
-use thiserror::Error;
-
 use crate::cluster::RedisClusterStore;
 use crate::file::FileStore;
 use crate::redis_store::RedisStore;
-use crate::store::{ObjectStore, Options, StoreError};
-
-/// Why a store could not be opened.
-#[derive(Debug, Clone, Error, PartialEq, Eq)]
-pub enum OpenError {
-    /// The URL is malformed; `reason` names the bad part.
-    #[error("bad store url {url:?}: {reason}")]
-    Url {
-        /// The URL given.
-        url: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// The store could not be set up (the file backend's directory).
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
+use crate::store::{ObjectStore, OpenError, Options};
 
 fn bad(url: &str, reason: impl Into<String>) -> OpenError {
     OpenError::Url {
@@ -74,6 +56,7 @@ pub fn open(url: &str, options: Options) -> Result<Box<dyn ObjectStore>, OpenErr
 mod tests {
     use super::*;
     use crate::store::Cause;
+    use crate::store::StoreError;
 
     fn reason(url: &str) -> String {
         match open(url, Options::default()).unwrap_err() {

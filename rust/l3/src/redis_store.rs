@@ -20,8 +20,8 @@ use std::fmt;
 use parking_lot::Mutex;
 
 use crate::deadline::Deadline;
-use crate::open::OpenError;
 use crate::resp::{describe, one, Addr, Cmd, Conn, Head, Reply};
+use crate::store::OpenError;
 use crate::store::{get_via_each, Cause, Object, ObjectStore, Options, Parts, StoreError};
 
 /// What a `redis://` or `redis+cluster://` URL says.

@@ -165,6 +165,22 @@ fn colon(detail: &str) -> &'static str {
 /// `connect_timeout` when it had to connect, plus one second per `min_rate` bytes it
 /// moved (sent and received): a store that trickles its reply fails at about `timeout`,
 /// while a batch of hundreds of megabytes moving faster than `min_rate` is never cut.
+/// Why a store could not be opened (`crate::open()`, and each backend's `new`).
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum OpenError {
+    /// The URL is malformed; `reason` names the bad part.
+    #[error("bad store url {url:?}: {reason}")]
+    Url {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The store could not be set up (the file backend's directory).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 /// Connecting (with `AUTH` and `SELECT`) is bounded by `connect_timeout` as well.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
