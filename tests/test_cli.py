@@ -1089,6 +1089,10 @@ FIRST_AND_SECOND = """
 import signal
 from radixcache import cli
 
+# Python's own handler, as in a command run from a terminal (a process started in the
+# background of a script inherits SIGINT ignored, and `_Interrupts` then stays out).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def raises(f):
     try:
@@ -1119,8 +1123,9 @@ print("ok")
 def test_a_first_ctrl_c_waits_for_the_step_and_a_second_is_at_once() -> None:
     """The run stops between scheduler steps, never inside a cache call; twice: at once.
 
-    In a fresh interpreter, whose main thread has Python's own SIGINT handler (a test
-    worker's may not run the test in its main thread, where `_Interrupts` stays out).
+    In a fresh interpreter with Python's own SIGINT handler: a test worker may have
+    SIGINT ignored (started in the background of a script), and `_Interrupts` rightly
+    leaves an ignored SIGINT alone.
     """
     child = run_child(FIRST_AND_SECOND)
     assert_child_ok(child)
