@@ -994,17 +994,8 @@ MSGPACK_VALUES = st.recursive(
     ),
     max_leaves=12,
 )
-EVENT_FIELDS = [
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    ev.STATE_KEY,
-    ev.STATE_HASHES_KEY,
-]
+#: Every field a stored event may carry, hybrid state fields included.
+EVENT_FIELDS = [*ev._ARRAY_FIELDS["BlockStored"], ev.STATE_KEY, ev.STATE_HASHES_KEY]
 EVENT_LIKE = (
     st.fixed_dictionaries(
         {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])},
