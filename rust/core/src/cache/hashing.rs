@@ -78,7 +78,7 @@ impl Cache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::test_util::{cached, seq};
+    use crate::cache::tests::util::{cached, seq};
     use crate::config::Config;
     use sha2::{Digest, Sha256};
 

@@ -336,7 +336,7 @@ impl Cache {
 
 #[cfg(test)]
 mod tests {
-    use crate::cache::test_util::{fresh as put, seq, stat};
+    use crate::cache::tests::util::{fresh as put, seq, stat};
     use crate::cache::Cache;
     use crate::config::Config;
 

@@ -32,46 +32,24 @@
 mod alloc;
 pub(crate) mod batch;
 pub(crate) mod component;
-#[cfg(test)]
-mod engine_tests;
 mod events;
-#[cfg(test)]
-mod events_tests;
 mod evict;
-#[cfg(test)]
-mod expect_tests;
 mod hashing;
 pub(crate) mod host;
-#[cfg(test)]
-mod host_tests;
-#[cfg(test)]
-mod hybrid_tests;
 mod insert;
 pub(crate) mod l3;
-#[cfg(test)]
-mod l3_tests;
 pub(crate) mod load;
 pub(crate) mod locks;
 mod lookup;
 pub(crate) mod lru;
 mod namespaces;
-#[cfg(test)]
-mod policy_tests;
 pub(crate) mod report;
 pub(crate) mod request;
 mod reset;
-#[cfg(test)]
-mod reset_tests;
 mod results;
 pub(crate) mod returns;
 pub(crate) mod sizes;
 pub(crate) mod swa;
-#[cfg(test)]
-mod swa_host_tests;
-#[cfg(test)]
-mod swa_tests;
-#[cfg(test)]
-mod test_util;
 #[cfg(test)]
 mod tests;
 

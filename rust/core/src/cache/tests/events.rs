@@ -7,8 +7,8 @@
 
 use std::collections::BTreeSet;
 
-use super::test_util::put;
-use super::*;
+use super::util::put;
+use crate::cache::*;
 use crate::config::{Config, WritePolicy};
 use crate::error::Error;
 use crate::hashes::{self, PageHash};
@@ -491,4 +491,4 @@ fn audit_catches_an_unannounced_change() {
     assert!(err.to_string().contains("events announced"), "{err}");
 }
 
-use super::test_util::stat;
+use super::util::stat;

@@ -1,7 +1,7 @@
 //! Unit tests of the eviction policies: the order each gives on small hand-built trees.
 
-use super::test_util::policy_cache as cache;
-use super::*;
+use super::util::policy_cache as cache;
+use crate::cache::*;
 use crate::config::{EvictionPolicies, EvictionPolicy};
 use crate::error::Error;
 use crate::tree::Succession;

@@ -1,7 +1,7 @@
 //! Unit tests of the Mamba component, transfer batches and requests.
 
-use super::test_util::{prefix_and_fresh, stat};
-use super::*;
+use super::util::{prefix_and_fresh, stat};
+use crate::cache::*;
 use crate::error::Error;
 use crate::handle::HybridCache;
 use crate::ids::{BatchId, RequestId};

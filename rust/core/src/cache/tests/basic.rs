@@ -1,6 +1,6 @@
 //! Unit tests of the KV component: LRU eviction, splits under locks, inserts, audit.
 
-use super::*;
+use crate::cache::*;
 use crate::config::Config;
 use crate::error::Error;
 

@@ -2,9 +2,9 @@
 //! resume from, gives out the one needed latest when nothing else is left, and lets a
 //! new state go by when every state it could displace is needed sooner.
 
-use super::lru::WAITING_TAIL;
-use super::test_util::{fresh as cached, policy_cache as cache, seq, stat};
-use super::*;
+use super::util::{fresh as cached, policy_cache as cache, seq, stat};
+use crate::cache::lru::WAITING_TAIL;
+use crate::cache::*;
 use crate::RequestId;
 
 /// Whether `toks` still ends a device match that uses a state.

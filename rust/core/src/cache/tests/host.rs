@@ -3,7 +3,7 @@
 
 #![allow(clippy::many_single_char_names)]
 
-use super::*;
+use crate::cache::*;
 use crate::config::{Config, WritePolicy};
 use crate::ids::NodeId;
 use crate::pool::PoolCounts;

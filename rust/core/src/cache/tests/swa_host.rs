@@ -3,8 +3,8 @@
 //! tombstone's full KV, load-backs restore the window and give every SWA page back when
 //! released or failed, host eviction frees host SWA pages with their host pages.
 
-use super::test_util::{cached, seq, stat};
-use super::*;
+use super::util::{cached, seq, stat};
+use crate::cache::*;
 use crate::config::WritePolicy;
 use crate::error::Error;
 use crate::ids::NodeId;

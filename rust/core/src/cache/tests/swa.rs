@@ -1,8 +1,8 @@
 //! Unit tests of the sliding-window attention component: the match cut, tombstones,
 //! window locks, the SWA pool's accounting, and the failure classes of other systems.
 
-use super::test_util::{cached, prefix_and_fresh, seq, stat};
-use super::*;
+use super::util::{cached, prefix_and_fresh, seq, stat};
+use crate::cache::*;
 use crate::config::EvictionPolicies;
 use crate::error::Error;
 use crate::ids::NodeId;

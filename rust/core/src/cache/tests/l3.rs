@@ -1,7 +1,7 @@
 //! Unit tests of the L3 tier: what a landed backup offers, what a fetch takes and where
 //! its pages land, partial and failed fetches, and the arguments refused.
 
-use super::*;
+use crate::cache::*;
 use crate::config::Config;
 use crate::error::Error;
 use crate::hashes::{chain, namespace_seed};
@@ -455,7 +455,7 @@ fn the_l3_tier_is_refused_where_it_cannot_work_naming_l3() {
 
 #[test]
 fn a_landed_put_announces_its_pages_and_state_on_the_external_medium() {
-    use super::events::{KvEvent, Medium};
+    use crate::cache::{KvEvent, Medium};
     let mut c = Cache::new(Config {
         events: true,
         ..l3_cache(true).config().clone()

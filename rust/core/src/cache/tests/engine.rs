@@ -3,8 +3,8 @@
 //! handed back once by `take_freed`, `evict` returns what it frees, and the calls that
 //! allocate from the cache's pools are refused.
 
-use super::test_util::stat;
-use super::*;
+use super::util::stat;
+use crate::cache::*;
 use crate::config::{Config, PoolOwner};
 use crate::error::Error;
 use crate::pool::PageState;

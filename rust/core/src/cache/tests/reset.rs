@@ -4,8 +4,8 @@
 
 #![allow(clippy::many_single_char_names)]
 
-use super::test_util::{put, stat};
-use super::*;
+use super::util::{put, stat};
+use crate::cache::*;
 use crate::config::{Config, L3Write, PoolOwner, WritePolicy};
 use crate::error::Error;
 use crate::ids::NodeId;
