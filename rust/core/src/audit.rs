@@ -6,12 +6,11 @@
 
 use std::collections::HashSet;
 
-use crate::cache::batch::Payload;
 use crate::cache::load::CopyOutcome;
 use crate::cache::lru::{LruSet, HOT};
 use crate::cache::report::POOLS;
 use crate::cache::sizes::Sizes;
-use crate::cache::{Cache, PoolKind, Tier};
+use crate::cache::{Cache, Payload, PoolKind, Tier};
 use crate::config::EvictionPolicy;
 use crate::error::{Error, Result};
 use crate::pool::{PageState, PoolCounts};

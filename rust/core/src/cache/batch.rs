@@ -7,173 +7,19 @@
 //! from emission on, so that whoever gives such a slot back meanwhile only marks it
 //! draining, and no copy ever reads a reused slot or writes one handed to someone else.
 //!
-//! This module knows batches, not their clients: each batch carries an opaque
-//! [`Payload`] of its kind, defined by the module that emits it (`request.rs` for
-//! copy-on-write, `host.rs` for backups, `load.rs` for load-backs), and when the batch
-//! ends the payload goes back to that module to settle, with whether the copies landed.
+//! This module keeps the books of batches in flight and names none of their clients:
+//! each batch carries an opaque [`Payload`] of its kind (defined with its routing in the
+//! composition root, `mod.rs`), and when the batch ends [`Cache::settle`] hands the
+//! payload back to the module that emitted it, with whether the copies landed. The copy
+//! vocabulary lives in `copies.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
 use crate::ids::BatchId;
 
-use super::Cache;
-
-/// Why a batch exists.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BatchKind {
-    /// Copy-on-write of a Mamba state (device to device).
-    Cow,
-    /// Device to host backup.
-    Backup,
-    /// Host to device load.
-    LoadBack,
-    /// Host pages written to the L3 tier (`l3.rs`).
-    L3Put,
-    /// Pages fetched from the L3 tier into host pages (`l3.rs`).
-    L3Get,
-}
-
-impl BatchKind {
-    /// The name used in the Python API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BatchKind::Cow => "cow",
-            BatchKind::Backup => "backup",
-            BatchKind::LoadBack => "load_back",
-            BatchKind::L3Put => "l3_put",
-            BatchKind::L3Get => "l3_get",
-        }
-    }
-}
-
-/// Which pool a copy moves slots of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PoolKind {
-    /// The attention KV pool (token slots).
-    Kv,
-    /// The Mamba state pool (one slot per state).
-    Mamba,
-    /// The sliding-window attention KV pool (token slots, paired page by page with the
-    /// KV pool's: a copy of SWA slots comes with the copy of their KV pages' slots).
-    Swa,
-}
-
-impl PoolKind {
-    /// The name used in the Python API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PoolKind::Kv => "kv",
-            PoolKind::Mamba => "mamba",
-            PoolKind::Swa => "swa",
-        }
-    }
-}
-
-/// Which memory a slot index refers to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    /// GPU memory.
-    Device,
-    /// Host (pinned CPU) memory.
-    Host,
-    /// The L3 tier's store: a slot is a position in the batch's objects (object `k` of
-    /// a KV copy is slots `k * page_size..(k + 1) * page_size`, of a state copy slot
-    /// `k`), each object named by the batch's `keys`.
-    External,
-}
-
-impl Tier {
-    /// The name used in the Python API.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::External => "external",
-        }
-    }
-}
-
-/// One copy: slot `src[i]` of `src_tier` to slot `dst[i]` of `dst_tier`, in `pool`
-/// (Python: `Copy`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlotCopy {
-    /// The pool whose slots move.
-    pub pool: PoolKind,
-    /// Where the data is read.
-    pub src_tier: Tier,
-    /// Where the data is written.
-    pub dst_tier: Tier,
-    /// Source slots.
-    pub src: Vec<i64>,
-    /// Destination slots, one per source slot.
-    pub dst: Vec<i64>,
-}
-
-/// A batch of copies for the engine to run, then `complete` or `fail`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransferBatch {
-    /// The id to acknowledge.
-    pub id: BatchId,
-    /// Why it exists.
-    pub kind: BatchKind,
-    /// The copies, in the order they may run.
-    pub copies: Vec<SlotCopy>,
-    /// For a batch with an [`Tier::External`] side (`l3_put`, `l3_get`): the page hash
-    /// naming each object, those of the KV copy's pages first, then those of the state
-    /// copy's states (a state is named by the hash of the page it ends). Empty otherwise.
-    pub keys: Vec<crate::hashes::PageHash>,
-}
-
-/// What a batch carries for the module that owns its kind, handed back to that module
-/// when the batch ends (`complete` or `fail`): this module only keeps it and says how
-/// the batch ended.
-pub(crate) enum Payload {
-    /// A copy-on-write of a state (`request.rs`).
-    Cow(super::request::Cow),
-    /// Device to host copies of the nodes on a path (`host.rs`).
-    Backup(super::host::Backup),
-    /// Host to device copies of a load-back: what it carries lives in `Cache::loads`
-    /// under the batch's id (`load.rs`; gone when its guard was dropped uncommitted).
-    LoadBack,
-    /// Host pages written to the L3 tier (`l3.rs`).
-    L3Put(super::l3::Put),
-    /// Pages fetched from the L3 tier (`l3.rs`).
-    L3Get(super::l3::Get),
-}
-
-impl Payload {
-    /// The kind of batch that carries it.
-    fn kind(&self) -> BatchKind {
-        match self {
-            Payload::Cow(_) => BatchKind::Cow,
-            Payload::Backup(_) => BatchKind::Backup,
-            Payload::LoadBack => BatchKind::LoadBack,
-            Payload::L3Put(_) => BatchKind::L3Put,
-            Payload::L3Get(_) => BatchKind::L3Get,
-        }
-    }
-}
-
-/// What [`Cache::abandon`] did with a batch whose owner let go of it before it ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Abandoned {
-    /// Nothing: the batch had ended, was abandoned already, or is still owned by its
-    /// load-back guard.
-    Nothing,
-    /// Never started: failed, and every slot it held is back.
-    Failed,
-    /// Started: its copies may still run, so it stays in flight, holding everything
-    /// it holds, until it is acknowledged by id; either acknowledgement then fails it.
-    Draining,
-}
-
-/// Pages of one pool and tier that a batch reads or writes.
-pub(crate) struct Pins {
-    pub pool: PoolKind,
-    pub tier: Tier,
-    pub pages: Vec<u32>,
-}
+use super::copies::{Abandoned, BatchKind, Pins, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::{Cache, Payload};
 
 struct Pending {
     batch: TransferBatch,
@@ -481,31 +327,13 @@ impl Cache {
             (pages, state)
         };
         let landed = pages > 0;
-        if let Payload::L3Get(get) = p.payload {
-            self.l3_get_ended(get, pages, state, gone);
-        }
+        self.settle_part(p.payload, pages, state, gone);
         self.count_ended(landed);
         Ok(())
     }
 
-    /// Hands an ended batch's payload back to the module that owns it, with whether
-    /// the copies landed.
-    fn settle(&mut self, id: BatchId, payload: Payload, landed: bool) {
-        match payload {
-            Payload::Cow(cow) => self.cow_ended(id, cow, landed),
-            Payload::Backup(b) => self.backup_ended(b, landed),
-            Payload::LoadBack => self.load_ended(id, landed),
-            Payload::L3Put(put) => self.l3_put_ended(put, landed),
-            Payload::L3Get(get) => {
-                let pages = if landed { usize::MAX } else { 0 };
-                self.l3_get_ended(get, pages, landed, &[]);
-            }
-        }
-        self.count_ended(landed);
-    }
-
     /// Counts an ended batch.
-    fn count_ended(&mut self, landed: bool) {
+    pub(super) fn count_ended(&mut self, landed: bool) {
         if landed {
             self.stats.batches_completed += 1;
         } else {

@@ -13,10 +13,10 @@ use crate::config::WritePolicy;
 use crate::ids::NodeId;
 use crate::pool::{PageRun, Pages};
 
-use super::batch::{Payload, PoolKind, SlotCopy, Tier};
-use super::component::{BackupHeld, BackupShare};
+use super::copies::{PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
-use super::Cache;
+use super::shares::{BackupHeld, BackupShare};
+use super::{Cache, Payload};
 
 /// Pages for page offsets along a root-to-node path, handed out node by node as a walk
 /// goes down the path. Offsets are ascending and unique; the `k`-th page is for

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::pool::{as_i64, page_of_slot, Pages};
 use crate::tree::Probe;
 
-use super::component::Held;
+use super::shares::Held;
 use super::{Cache, Insert};
 
 /// What [`Cache::publish`] did.

@@ -32,10 +32,10 @@ use crate::ids::NodeId;
 use crate::pool::{as_i64, Pages};
 use crate::tree::{KvState, NONE};
 
-use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
+use super::copies::{PoolKind, SlotCopy, Tier, TransferBatch};
 use super::events::{KvEvent, Medium};
 use super::locks::LockReceipt;
-use super::Cache;
+use super::{Cache, Payload};
 
 /// What an `l3_put` batch carries: the nodes whose data it writes (split-stable ids: a
 /// split keeps the lower identity), marked as written when the batch lands.

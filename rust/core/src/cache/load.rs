@@ -27,11 +27,12 @@ use crate::ids::{BatchId, NodeId, RequestId};
 use super::request::SavedRequest;
 use crate::pool::Pages;
 
-use super::batch::{Payload, PoolKind, SlotCopy, Tier, TransferBatch};
-use super::component::{LoadHeld, LoadShare};
+use super::copies::{PoolKind, SlotCopy, Tier, TransferBatch};
 use super::locks::LockReceipt;
+use super::results::CallOff;
 use super::returns::{Returned, Returns};
-use super::Cache;
+use super::shares::{LoadHeld, LoadShare};
+use super::{Cache, Payload};
 
 /// What to load back: the path to a node, or what a request's admission found on the
 /// host.
@@ -41,42 +42,6 @@ pub enum LoadTarget {
     Node(NodeId),
     /// Load what the request's admission match found on the host (`host_len` tokens).
     Request(RequestId),
-}
-
-/// Why a load-back was called off: `load_back` returned `None`, or the guard was
-/// released uncommitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallOff {
-    /// No KV token and no state to load.
-    Nothing,
-    /// Part of the path is being loaded by a committed load-back still in flight.
-    Busy,
-    /// More KV tokens than `mem_quota` plus what the lock newly protected.
-    Quota,
-    /// No room for the KV pages even after eviction.
-    Room,
-    /// No state slot even after eviction.
-    State,
-    /// SWA: the target's window is not live (counting host-only nodes by their host SWA
-    /// pages), or no device SWA pages for it even after SWA eviction.
-    Swa,
-    /// The guard was released (or dropped) without `commit`.
-    Released,
-}
-
-impl CallOff {
-    /// The name used in stats (`load_backs_called_off_<name>`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CallOff::Nothing => "nothing",
-            CallOff::Busy => "busy",
-            CallOff::Quota => "quota",
-            CallOff::Room => "room",
-            CallOff::State => "state",
-            CallOff::Swa => "swa",
-            CallOff::Released => "released",
-        }
-    }
 }
 
 /// Where a load-back's batch stands.

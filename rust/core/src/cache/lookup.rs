@@ -5,24 +5,9 @@ use crate::tree::{Probe, NONE};
 
 use super::component::Cut;
 use super::lru::{Waiting, WAITING_TAIL};
+use super::results::Found;
 use super::sizes::Sizes;
 use super::{Cache, Match, Peek};
-
-/// What a match found, without the slots (see [`Cache::find`]).
-pub(crate) struct Found {
-    /// Tokens reusable from device memory now.
-    pub device_len: usize,
-    /// Further tokens present only on the host tier.
-    pub host_len: usize,
-    /// The last device node of the match.
-    pub end: u32,
-    /// The last node counting host data.
-    pub host_end: u32,
-    /// Device state slot at `device_len`.
-    pub mamba_slot: Option<u32>,
-    /// The deepest page-aligned KV match on any tier (the branch point).
-    pub kv_len: usize,
-}
 
 impl Cache {
     /// Longest cached prefix of `tokens` in `namespace`. Splits the last node when the

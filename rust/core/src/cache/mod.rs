@@ -8,8 +8,11 @@
 //!
 //! | file | owns | does |
 //! |---|---|---|
+//! | `copies.rs` | — (a leaf: names nothing of the cache) | the copy vocabulary: `SlotCopy`, `PoolKind`, `Tier`, `TransferBatch`, `BatchKind`, `Abandoned`, a batch's `Pins` |
+//! | `results.rs` | — (a leaf) | the plain answers: `Match`, `Peek`, `Insert`, `Evicted`, `NodeInfo`, what a match found (`Found`), why a load-back was called off (`CallOff`) |
+//! | `shares.rs` | — (a leaf) | what a request, an insert, a backup and a load-back hold or carry per component beyond the KV |
 //! | `component.rs` | the model; what a request, backup and load hold per component | the components (full attention, Mamba, SWA) and their hooks: match cut, locks, splits, a request's share (admit, extend, checkpoint, finish), publication on nodes, backup and load-back copies, eviction of a node's data, audit |
-//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it) |
+//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
 //! | `lru.rs` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order, passing over what waiting requests need |
@@ -22,7 +25,7 @@
 //! | `events.rs` | the KV event queue | events for routers, emitted from `edit` |
 //! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
 //! | `alloc.rs` | — | allocation, evicting first when short |
-//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`; hands each batch's payload back to its owner |
+//! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`, the books of batches in flight (names no client: an ended batch's payload goes to `Cache::settle`) |
 //! | `host.rs` | — | backups to the host tier |
 //! | `l3.rs` | — | pages put to and fetched from the L3 tier |
 //! | `load.rs` | load-back records | `load_back`, commit, cancel, settle (through `request.rs` for the request) |
@@ -32,6 +35,7 @@
 mod alloc;
 pub(crate) mod batch;
 pub(crate) mod component;
+pub(crate) mod copies;
 mod events;
 mod evict;
 mod hashing;
@@ -48,6 +52,7 @@ pub(crate) mod request;
 mod reset;
 mod results;
 pub(crate) mod returns;
+pub(crate) mod shares;
 pub(crate) mod sizes;
 pub(crate) mod swa;
 #[cfg(test)]
@@ -55,16 +60,17 @@ mod tests;
 
 use std::sync::Arc;
 
-pub use batch::{Abandoned, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
 pub use component::{ComponentKind, Model};
+pub use copies::{Abandoned, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
 pub use events::{EventContents, KvEvent, Medium};
-pub use load::{CallOff, LoadRecord, LoadTarget};
+pub use load::{LoadRecord, LoadTarget};
 pub use locks::LockReceipt;
 pub use request::{Grown, RequestView};
-pub use results::{Evicted, Insert, Match, NodeInfo, Peek};
+pub use results::{CallOff, Evicted, Insert, Match, NodeInfo, Peek};
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::ids::BatchId;
 use crate::pool::{as_i64, Fault, Pool};
 use crate::stats::Stats;
 use crate::tree::{KvState, Node, Probe, StateMark, Tree, NONE};
@@ -93,6 +99,37 @@ impl Pools {
             (PoolKind::Mamba, Tier::Device) => Some(&self.mamba),
             (PoolKind::Mamba, Tier::Host) => Some(&self.host_mamba),
             (PoolKind::Swa, _) | (_, Tier::External) => None,
+        }
+    }
+}
+
+/// What a batch carries for the module that owns its kind, handed back to that module
+/// when the batch ends (`complete` or `fail`, [`Cache::settle`]): `batch.rs` only keeps
+/// it. Defined here, in the composition root, the one place that names every client of
+/// the batches.
+pub(crate) enum Payload {
+    /// A copy-on-write of a state (`request.rs`).
+    Cow(request::Cow),
+    /// Device to host copies of the nodes on a path (`host.rs`).
+    Backup(host::Backup),
+    /// Host to device copies of a load-back: what it carries lives in `Cache::loads`
+    /// under the batch's id (`load.rs`; gone when its guard was dropped uncommitted).
+    LoadBack,
+    /// Host pages written to the L3 tier (`l3.rs`).
+    L3Put(l3::Put),
+    /// Pages fetched from the L3 tier (`l3.rs`).
+    L3Get(l3::Get),
+}
+
+impl Payload {
+    /// The kind of batch that carries it.
+    pub fn kind(&self) -> BatchKind {
+        match self {
+            Payload::Cow(_) => BatchKind::Cow,
+            Payload::Backup(_) => BatchKind::Backup,
+            Payload::LoadBack => BatchKind::LoadBack,
+            Payload::L3Put(_) => BatchKind::L3Put,
+            Payload::L3Get(_) => BatchKind::L3Get,
         }
     }
 }
@@ -433,6 +470,37 @@ impl Cache {
                     *slot = base + offset;
                 }
             }
+        }
+    }
+
+    /// Hands an ended batch's payload back to the module that owns it, with whether
+    /// the copies landed.
+    pub(crate) fn settle(&mut self, id: BatchId, payload: Payload, landed: bool) {
+        match payload {
+            Payload::Cow(cow) => self.cow_ended(id, cow, landed),
+            Payload::Backup(b) => self.backup_ended(b, landed),
+            Payload::LoadBack => self.load_ended(id, landed),
+            Payload::L3Put(put) => self.l3_put_ended(put, landed),
+            Payload::L3Get(get) => {
+                let pages = if landed { usize::MAX } else { 0 };
+                self.l3_get_ended(get, pages, landed, &[]);
+            }
+        }
+        self.count_ended(landed);
+    }
+
+    /// Hands an `l3_get` batch's payload back to `l3.rs`, its first `pages` pages and
+    /// (`state`) the state landed, the objects at `gone` missing from the store (a
+    /// payload of another kind: nothing to do, `batch.rs` refused it before).
+    pub(crate) fn settle_part(
+        &mut self,
+        payload: Payload,
+        pages: usize,
+        state: bool,
+        gone: &[usize],
+    ) {
+        if let Payload::L3Get(get) = payload {
+            self.l3_get_ended(get, pages, state, gone);
         }
     }
 }

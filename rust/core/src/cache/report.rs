@@ -8,9 +8,8 @@ use crate::ids::NodeId;
 use crate::pool::{as_i64, PageState, PoolCounts};
 use crate::tree::NONE;
 
-use super::batch::Payload;
 use super::request::SavedRequest;
-use super::{Cache, NodeInfo};
+use super::{Cache, NodeInfo, Payload};
 
 /// Who holds pages as owned values (what a pool counts as `owned`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,7 +295,7 @@ impl Cache {
     }
 
     /// A short description of a node for handles' `repr`: its id, depth, the end of its
-    /// key and its lock count. A stale handle gives [`Error::StaleNode`].
+    /// key and its lock count. A stale handle gives `Error::StaleNode`.
     pub fn describe(&self, node: NodeId) -> Result<String> {
         let i = self.tree.resolve(node)?;
         let n = self.tree.node(i);

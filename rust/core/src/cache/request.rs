@@ -12,10 +12,9 @@ use crate::ids::{BatchId, LockId, NodeId, RequestId};
 use crate::pool::Pages;
 use crate::slab::Slab;
 
-use super::batch::Payload;
-use super::component::{Held, Replaced, Wants};
 use super::locks::LockReceipt;
-use super::Cache;
+use super::shares::{Held, Replaced, Wants};
+use super::{Cache, Payload};
 
 /// A request as it was before a committed load changed it: restored if the load fails,
 /// released when it completes.

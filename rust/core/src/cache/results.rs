@@ -95,3 +95,55 @@ pub struct NodeInfo {
     /// Its device data arrived by a load-back whose copies are not acknowledged yet.
     pub loading: bool,
 }
+
+/// What a match found, without the slots (see `Cache::find`).
+pub(crate) struct Found {
+    /// Tokens reusable from device memory now.
+    pub device_len: usize,
+    /// Further tokens present only on the host tier.
+    pub host_len: usize,
+    /// The last device node of the match.
+    pub end: u32,
+    /// The last node counting host data.
+    pub host_end: u32,
+    /// Device state slot at `device_len`.
+    pub mamba_slot: Option<u32>,
+    /// The deepest page-aligned KV match on any tier (the branch point).
+    pub kv_len: usize,
+}
+
+/// Why a load-back was called off: `load_back` returned `None`, or the guard was
+/// released uncommitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOff {
+    /// No KV token and no state to load.
+    Nothing,
+    /// Part of the path is being loaded by a committed load-back still in flight.
+    Busy,
+    /// More KV tokens than `mem_quota` plus what the lock newly protected.
+    Quota,
+    /// No room for the KV pages even after eviction.
+    Room,
+    /// No state slot even after eviction.
+    State,
+    /// SWA: the target's window is not live (counting host-only nodes by their host SWA
+    /// pages), or no device SWA pages for it even after SWA eviction.
+    Swa,
+    /// The guard was released (or dropped) without `commit`.
+    Released,
+}
+
+impl CallOff {
+    /// The name used in stats (`load_backs_called_off_<name>`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallOff::Nothing => "nothing",
+            CallOff::Busy => "busy",
+            CallOff::Quota => "quota",
+            CallOff::Room => "room",
+            CallOff::State => "state",
+            CallOff::Swa => "swa",
+            CallOff::Released => "released",
+        }
+    }
+}
