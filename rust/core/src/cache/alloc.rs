@@ -1,19 +1,12 @@
-//! Allocation: device KV pages and state slots (evicting first when short, or refusing
-//! having evicted nothing), host pages and state slots for backups, and giving back
+//! Allocation: device KV pages (evicting first when short, or refusing having evicted
+//! nothing), state slots for a caller (`alloc_mamba`, through the Mamba component's
+//! `alloc_state` in `components/mamba.rs`), host pages for backups, and giving back
 //! what a caller holds.
 
 use crate::error::{Error, Result};
 use crate::pool::{as_i64, page_of_slot, Pages};
 
-use super::{Cache, Evicted};
-
-/// A device state slot asked for: had now, on its way (it is freed when the backups of
-/// the eviction that made it land), or not to be had.
-pub(crate) enum StateRoom {
-    Now(Pages),
-    Coming,
-    No,
-}
+use super::Cache;
 
 impl Cache {
     /// `n` device KV slots (whole pages) as raw indices the caller now holds, evicting
@@ -106,47 +99,6 @@ impl Cache {
             .and_then(|s| s.into_caller().first().copied()))
     }
 
-    /// One device state slot as an owned value (see [`Cache::alloc_mamba`]). When the
-    /// pool is empty it evicts the least recently used state that no transfer pins (a
-    /// pinned one would only drain); when there is none it evicts nothing.
-    pub(crate) fn alloc_state(&mut self) -> Option<Pages> {
-        match self.take_state() {
-            StateRoom::Now(s) => Some(s),
-            StateRoom::Coming | StateRoom::No => None,
-        }
-    }
-
-    /// [`Cache::alloc_state`], telling apart a slot that is on its way: under write-back
-    /// the state evicted for it may sit on a leaf that is backed up first, and its slot
-    /// is freed when that backup lands (in the round this call started).
-    pub(crate) fn take_state(&mut self) -> StateRoom {
-        if self.pools.mamba.free_pages() == 0 {
-            let Some(victim) = self.lru.pop_state(&mut self.tree) else {
-                self.stats.mamba_alloc_failures += 1;
-                return StateRoom::No;
-            };
-            let mut out = Evicted::default();
-            self.evict_state_of(victim, &mut out);
-            self.count_evicted(&out);
-            if self.pools.mamba.free_pages() == 0 && out.mamba_states > 0 {
-                self.stats.mamba_alloc_failures += 1;
-                return StateRoom::Coming;
-            }
-        }
-        if let Some(s) = self.pools.mamba.try_alloc(1) {
-            StateRoom::Now(s)
-        } else {
-            self.stats.mamba_alloc_failures += 1;
-            StateRoom::No
-        }
-    }
-
-    /// Whether `n` state slots can be had now: free, or held by states that can be
-    /// reclaimed (unlocked, unpinned: the state eviction set).
-    pub(crate) fn states_available(&self, n: usize) -> bool {
-        self.pools.mamba.free_pages() + self.lru.state_count() >= n
-    }
-
     /// Whether `pages` KV pages can be had now, by allocation or eviction (exact: every
     /// unlocked node is reclaimable), counting the room evictions already on their way
     /// will make (write-back: once their backups land).
@@ -207,25 +159,6 @@ impl Cache {
             self.make_host_room(n, 0);
         }
         let got = self.pools.host_kv.try_alloc(n);
-        if got.is_none() {
-            self.stats.host_alloc_waits += 1;
-        }
-        got
-    }
-
-    /// One host state slot; when none is free, evicts the least recently used unlocked
-    /// host-only leaf that holds one (and nothing when there is none, or when a slot
-    /// is on its way: one an eviction put still reads, see [`Cache::alloc_host_pages`]).
-    pub(crate) fn alloc_host_state(&mut self) -> Option<Pages> {
-        if self.pools.host_mamba.free_pages() == 0 {
-            if self.host_draining()[1] > 0 {
-                self.stats.host_alloc_waits += 1;
-                return None;
-            }
-            let victim = self.lru.first_host_state()?;
-            self.delete_host_leaf(victim);
-        }
-        let got = self.pools.host_mamba.try_alloc(1);
         if got.is_none() {
             self.stats.host_alloc_waits += 1;
         }

@@ -2,9 +2,7 @@
 //! of deletion, and host eviction.
 
 use crate::error::Result;
-use crate::tree::{StateMark, NONE};
 
-use super::lru::HOT;
 use super::{Cache, Evicted};
 
 impl Cache {
@@ -80,45 +78,6 @@ impl Cache {
     pub(crate) fn count_evicted(&mut self, out: &Evicted) {
         self.stats.evicted_kv_tokens += out.kv_tokens as u64;
         self.stats.evicted_mamba_states += out.mamba_states as u64;
-    }
-
-    /// Evicts node `i`'s (unlocked) state: an unlocked leaf goes with its KV, any other
-    /// node stays as a tombstone.
-    pub(crate) fn evict_state_of(&mut self, i: u32, out: &mut Evicted) {
-        if self.tree.node(i).mamba.last_access & HOT != 0 {
-            self.stats.evicted_used_states += 1;
-        }
-        self.lru.unlist_state(&mut self.tree, i);
-        if self.tree.node(i).kv.state.in_lru() {
-            self.lru.unlist_kv(&mut self.tree, i);
-            self.remove_leaf(i, out);
-        } else {
-            self.drop_state(i, out);
-            self.stats.tombstones += 1;
-            self.refresh(i);
-        }
-    }
-
-    /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
-    /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
-    pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
-        if self.tree.node(i).mamba.lock != 0 {
-            self.pools.mamba.record_fault(format!(
-                "illegal state transition: the locked state of node {} was to be freed",
-                self.tree.id(i)
-            ));
-            return;
-        }
-        self.lru.unlist_state(&mut self.tree, i);
-        if let Some(slot) = self.edit(i, |n| {
-            n.mamba.mark = StateMark::Idle;
-            n.mamba.device.take()
-        }) {
-            self.place_state(slot, NONE);
-            self.pools.mamba.release_tree(&[slot]);
-            out.mamba_states += 1;
-            self.lru.ancestor_state_changed(&mut self.tree, i);
-        }
     }
 
     /// Evicts a KV candidate (out of the KV set already): an unlocked device leaf, or a

@@ -13,9 +13,9 @@ use crate::config::WritePolicy;
 use crate::ids::NodeId;
 use crate::pool::{PageRun, Pages};
 
+use super::components::shares::{BackupExtraSlots, BackupExtras};
 use super::copies::{PoolKind, SlotCopy, Tier};
 use super::locks::LockReceipt;
-use super::shares::{BackupHeld, BackupShare};
 use super::{Cache, Payload};
 
 /// Pages for page offsets along a root-to-node path, handed out node by node as a walk
@@ -68,7 +68,7 @@ pub(crate) struct Backup {
     /// Host pages for the KV of the nodes backed up, by page offset along the path.
     pub kv: PathPages,
     /// What the components other than full attention back up (host state slots).
-    pub held: BackupHeld,
+    pub held: BackupExtraSlots,
     /// The node being evicted under write-back: demoted when the backup completes,
     /// removed when it fails.
     pub demote: Option<NodeId>,
@@ -108,7 +108,7 @@ impl Cache {
         let mut host_kv = self.pools.host_kv.empty();
         let mut offsets = Vec::new();
         let (mut kv_src, mut kv_dst) = (Vec::new(), Vec::new());
-        let mut share = BackupShare::default();
+        let mut share = BackupExtras::default();
         let mut marked = Vec::new();
         let mut offset = 0;
         for (k, &i) in path.iter().enumerate() {
@@ -130,7 +130,7 @@ impl Cache {
                     }
                     self.expand_into(h.pages(), &mut kv_dst);
                     // Short of host SWA pages: the KV goes without its SWA KV.
-                    self.backup_pages_components(i, h.pages(), &mut share);
+                    self.backup_paired_pages_components(i, h.pages(), &mut share);
                     offsets.extend(offset..offset + np);
                     host_kv.append(h);
                     in_batch = true;
@@ -161,7 +161,7 @@ impl Cache {
         marked: &[u32],
         kv: PathPages,
         kv_copy: (Vec<i64>, Vec<i64>),
-        share: BackupShare,
+        share: BackupExtras,
         demote: Option<NodeId>,
     ) {
         for &i in marked {
@@ -220,7 +220,7 @@ impl Cache {
             None
         };
         // The node's other data (its state); a leaf must have it on the host.
-        let mut share = BackupShare::default();
+        let mut share = BackupExtras::default();
         let backed = self.backup_components(i, true, &mut share, false);
         if leaf && backed.short {
             self.stats.backups_skipped += 1;
@@ -236,7 +236,7 @@ impl Cache {
             // A leaf backed up without its SWA KV could never be matched on the host
             // (a host tombstone leaf): it is not backed up. An internal node (an SWA
             // tombstone included) keeps its full KV for the deeper matches below it.
-            if !self.backup_pages_components(i, h.pages(), &mut share) && leaf {
+            if !self.backup_paired_pages_components(i, h.pages(), &mut share) && leaf {
                 self.stats.backups_skipped += 1;
                 return false;
             }

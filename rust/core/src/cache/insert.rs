@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::pool::{as_i64, page_of_slot, Pages};
 use crate::tree::Probe;
 
-use super::shares::Held;
+use super::components::shares::RequestShare;
 use super::{Cache, Insert};
 
 /// What [`Cache::publish`] did.
@@ -208,7 +208,7 @@ impl Cache {
                     self.revive(node, here);
                 } else {
                     duplicates += next - owned_pos;
-                    self.duplicate_components(node, here.pages());
+                    self.passed_duplicate_components(node, here.pages());
                     drop(here);
                 }
                 owned_pos = next;
@@ -238,7 +238,8 @@ impl Cache {
         };
         // What the caller hands over beside its KV (a state, taken at tokens.len()).
         let at_end = end != root && cached == tokens.len();
-        let mamba_existed = self.donate_components(end, at_end, &mut Held::state(state));
+        let mamba_existed =
+            self.keep_on_node_components(end, at_end, &mut RequestShare::state(state));
         self.stats.insert_calls += 1;
         self.stats.duplicate_tokens += duplicates as u64;
         Published {
@@ -271,37 +272,6 @@ impl Cache {
         self.refresh(parent);
         self.refresh(i);
         self.swa_enqueue(i);
-    }
-
-    /// Publishes a state slot on node `i` (which has device KV and no state). Anything
-    /// else would be a bug, which breaks the cache (see [`Cache::fault`]); the slot then
-    /// goes back to the pool.
-    pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
-        let n = self.tree.node(i);
-        if n.mamba.device.is_some() || n.kv.device.is_none() || state.len() != 1 {
-            self.pools.mamba.record_fault(format!(
-                "illegal state transition: {} state slots for node {}, which has a state: {}, \
-                 device KV: {}",
-                state.len(),
-                self.tree.id(i),
-                n.mamba.device.is_some(),
-                n.kv.device.is_some()
-            ));
-            return;
-        }
-        let slot = state.into_tree();
-        for &s in &slot {
-            // Marked pinned or not first, so that the tallies count it right at once.
-            self.place_state(s, i);
-        }
-        self.edit(i, |n| {
-            n.mamba.device = slot.first().copied();
-            n.mamba.hits = 0;
-        });
-        self.stats.states_cached += 1;
-        self.touch_state(i, false);
-        self.refresh(i);
-        self.lru.state_placed(&mut self.tree, i);
     }
 
     /// Validates the page structure of caller slots for positions starting at `start`

@@ -27,11 +27,11 @@ use crate::ids::{BatchId, NodeId, RequestId};
 use super::request::SavedRequest;
 use crate::pool::Pages;
 
+use super::components::shares::{LoadExtraSlots, LoadExtras};
 use super::copies::{PoolKind, SlotCopy, Tier, TransferBatch};
 use super::locks::LockReceipt;
 use super::results::CallOff;
 use super::returns::{Returned, Returns};
-use super::shares::{LoadHeld, LoadShare};
 use super::{Cache, Payload};
 
 /// What to load back: the path to a node, or what a request's admission found on the
@@ -64,7 +64,7 @@ pub(crate) struct Load {
     pub kv: Pages,
     /// What it holds for the other components: a state slot restoring the target's
     /// state in the tree, the request's fresh one (moved into the request at commit).
-    pub held: LoadHeld,
+    pub held: LoadExtraSlots,
     kv_tokens: usize,
     pub copies: CopyOutcome,
     /// Set at commit.
@@ -164,7 +164,7 @@ struct Plan {
     pages: usize,
     busy: bool,
     /// What the other components load (a state; SWA's window).
-    share: LoadShare,
+    share: LoadExtras,
 }
 
 impl Plan {
@@ -243,7 +243,7 @@ impl Cache {
         }
         // Both checked before anything is evicted; states first (evicting one never
         // lowers free + evictable KV).
-        if !self.wants_available(plan.share.wants()) {
+        if !self.slots_available(plan.share.wants()) {
             let _ = self.unlock(lock);
             return Ok(self.called_off(CallOff::State));
         }
@@ -292,7 +292,7 @@ impl Cache {
     /// The copies of a load: host KV to the new device pages, then the other
     /// components' (host SWA to their device SWA pages, the host state to the restoring
     /// slot and to the request's); and what the load holds for those components.
-    fn load_copies(&self, mut plan: Plan, kv: &Pages) -> (Vec<SlotCopy>, LoadHeld) {
+    fn load_copies(&self, mut plan: Plan, kv: &Pages) -> (Vec<SlotCopy>, LoadExtraSlots) {
         let mut copies = Vec::new();
         if plan.pages > 0 {
             let mut dst = Vec::with_capacity(plan.host_slots.len());
@@ -348,7 +348,7 @@ impl Cache {
     fn take_load_slots(
         &mut self,
         pages: usize,
-        share: &mut LoadShare,
+        share: &mut LoadExtras,
     ) -> std::result::Result<Pages, CallOff> {
         self.load_take_components(share)?;
         let kv = if pages > 0 {
@@ -356,7 +356,7 @@ impl Cache {
         } else {
             self.pools.kv.empty()
         };
-        self.load_pages_components(&kv, share)?;
+        self.load_paired_pages_components(&kv, share)?;
         Ok(kv)
     }
 
@@ -423,7 +423,7 @@ impl Cache {
             host_slots: Vec::new(),
             pages: 0,
             busy: false,
-            share: LoadShare::default(),
+            share: LoadExtras::default(),
         };
         let mut offset = 0;
         let mut first = None;
@@ -605,7 +605,7 @@ impl Cache {
         // The target gets the node data restored for it (its state).
         let at_end = ok && self.tree.node(j).kv.device.is_some();
         let had_state = self.tree.node(j).mamba.device.is_some();
-        self.donate_components(j, at_end, &mut load.held.for_target());
+        self.keep_on_node_components(j, at_end, &mut load.held.for_target());
         if request.is_some() && !had_state && self.tree.node(j).mamba.device.is_some() {
             self.lru.state_restored(&mut self.tree, j);
         }

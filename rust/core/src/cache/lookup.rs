@@ -3,7 +3,7 @@
 
 use crate::tree::{Probe, NONE};
 
-use super::component::Cut;
+use super::components::Cut;
 use super::lru::{Waiting, WAITING_TAIL};
 use super::results::Found;
 use super::sizes::Sizes;
@@ -87,11 +87,11 @@ impl Cache {
             let nd = self.tree.node(i);
             on_device = on_device && !nd.kv.state.loading() && nd.kv.device.is_some();
             let (here, anywhere) = if n < nd.key.len() {
-                cut.inside(self, i, n, depth, on_device)
+                cut.cut_inside(self, i, n, depth, on_device)
             } else {
                 (
                     cut.step(self, i, depth, on_device),
-                    cut.anywhere(self, i, depth),
+                    cut.cut_any_tier(self, i, depth),
                 )
             };
             if here {
@@ -187,7 +187,7 @@ impl Cache {
                 valid = (node, depth);
                 used = k + 1;
             }
-            if cut.anywhere(self, node, depth) {
+            if cut.cut_any_tier(self, node, depth) {
                 any = (node, depth);
             }
         }

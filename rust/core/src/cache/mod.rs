@@ -10,31 +10,33 @@
 //! |---|---|---|
 //! | `copies.rs` | — (a leaf: names nothing of the cache) | the copy vocabulary: `SlotCopy`, `PoolKind`, `Tier`, `TransferBatch`, `BatchKind`, `Abandoned`, a batch's `Pins` |
 //! | `results.rs` | — (a leaf) | the plain answers: `Match`, `Peek`, `Insert`, `Evicted`, `NodeInfo`, what a match found (`Found`), why a load-back was called off (`CallOff`) |
-//! | `shares.rs` | — (a leaf) | what a request, an insert, a backup and a load-back hold or carry per component beyond the KV |
-//! | `component.rs` | the model; what a request, backup and load hold per component | the components (full attention, Mamba, SWA) and their hooks: match cut, locks, splits, a request's share (admit, extend, checkpoint, finish), publication on nodes, backup and load-back copies, eviction of a node's data, audit |
+//! | `components/mod.rs` | the model | the `Component` trait, the match walk (`Cut`), the list of components and the one macro that dispatches every hook over it: match cut, locks, splits, a request's share (admit, extend, checkpoint, finish), what a node keeps, backup and load-back copies, eviction of a node's data, audit |
+//! | `components/shares.rs` | — (a leaf) | what a request, an insert, a backup and a load-back hold or carry per component beyond the KV |
+//! | `components/full.rs` | — | full attention (the tree's pages: the shared machinery's) |
+//! | `components/mamba.rs` | the state-slot map | the Mamba component: its hooks; allocating, placing, evicting and freeing states |
+//! | `components/swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), window locks, SWA backup copies, a request's window; its eviction in `components/swa/evict.rs` (tombstones, the queue) |
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
 //! | `lru.rs` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order, passing over what waiting requests need |
-//! | `swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), tombstones, window locks, SWA backup copies |
 //! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
-//! | `insert.rs` | — | `insert`, `publish`, placing pages and states on nodes |
+//! | `insert.rs` | — | `insert`, `publish`, placing pages on nodes |
 //! | `hashing.rs` | — | page hashes of new nodes, `node_hashes`, `chain_hashes` |
 //! | `events.rs` | the KV event queue | events for routers, emitted from `edit` |
 //! | `evict.rs` | — | device eviction, demotion, host eviction, `take_freed` |
-//! | `alloc.rs` | — | allocation, evicting first when short |
+//! | `alloc.rs` | — | KV and host page allocation, evicting first when short (state slots: `components/mamba.rs`) |
 //! | `batch.rs` | batches in flight | emit, pins, `start`/`complete`/`fail`, the books of batches in flight (names no client: an ended batch's payload goes to `Cache::settle`) |
 //! | `host.rs` | — | backups to the host tier |
 //! | `l3.rs` | — | pages put to and fetched from the L3 tier |
 //! | `load.rs` | load-back records | `load_back`, commit, cancel, settle (through `request.rs` for the request) |
-//! | `request.rs` | the request table | `admit`, `extend`, `checkpoint`, `finish`, `abort`; moves a request to a load's target and back |
+//! | `request.rs` | the request table | `admit`, `extend`, `abort`, the views of a request; `checkpoint` and `finish` in `request/checkpoint.rs`; moving a request to a load's target and back in `request/moves.rs` |
 //! | `report.rs` | — | `stats`, `snapshot`, `pretty` |
 
 mod alloc;
 pub(crate) mod batch;
-pub(crate) mod component;
+pub(crate) mod components;
 pub(crate) mod copies;
 mod events;
 mod evict;
@@ -52,15 +54,13 @@ pub(crate) mod request;
 mod reset;
 mod results;
 pub(crate) mod returns;
-pub(crate) mod shares;
 pub(crate) mod sizes;
-pub(crate) mod swa;
 #[cfg(test)]
 mod tests;
 
 use std::sync::Arc;
 
-pub use component::{ComponentKind, Model};
+pub use components::{ComponentKind, Model};
 pub use copies::{Abandoned, BatchKind, PoolKind, SlotCopy, Tier, TransferBatch};
 pub use events::{EventContents, KvEvent, Medium};
 pub use load::{LoadRecord, LoadTarget};
@@ -73,7 +73,7 @@ use crate::error::Result;
 use crate::ids::BatchId;
 use crate::pool::{as_i64, Fault, Pool};
 use crate::stats::Stats;
-use crate::tree::{KvState, Node, Probe, StateMark, Tree, NONE};
+use crate::tree::{KvState, Node, Probe, Tree};
 
 /// The four pools: device and host, KV and states.
 pub(crate) struct Pools {
@@ -142,13 +142,13 @@ impl Payload {
 pub struct Cache {
     config: Config,
     /// The components the model is made of.
-    model: component::Model,
+    model: components::Model,
     tree: Tree,
     pools: Pools,
     roots: namespaces::Namespaces,
     sizes: sizes::Sizes,
     lru: lru::Lru,
-    swa: swa::Swa,
+    swa: components::swa::Swa,
     locks: locks::Locks,
     returns: Arc<returns::Returns>,
     requests: request::Requests,
@@ -209,7 +209,7 @@ impl Cache {
         // Up to three quarters of the state slots keep states that matches used.
         let hot_cap = config.mamba_slots * 3 / 4;
         let policy = config.eviction_policy;
-        let swa = swa::Swa::new(config.swa_window, config.page_size);
+        let swa = components::swa::Swa::new(config.swa_window, config.page_size);
         let mut tree = Tree::new(config.page_size);
         let roots = namespaces::Namespaces::new(&mut tree);
         if config.page_hashes {
@@ -217,7 +217,7 @@ impl Cache {
             tree.node_mut(roots.read(None)).hashes = seed.into_iter().collect();
         }
         Ok(Cache {
-            model: component::Model::of(&config),
+            model: components::Model::of(&config),
             config,
             tree,
             pools,
@@ -397,46 +397,6 @@ impl Cache {
     /// Puts node `i` in or out of the eviction sets according to what it is now.
     pub(crate) fn refresh(&mut self, i: u32) {
         self.lru.refresh(&mut self.tree, i);
-    }
-
-    /// Records that device state `slot` now sits on node `node` (`NONE`: left the tree),
-    /// with whether a transfer pins it.
-    pub(crate) fn place_state(&mut self, slot: u32, node: u32) {
-        let i = slot as usize;
-        if i >= self.state_nodes.len() {
-            self.state_nodes.resize(i + 1, NONE);
-        }
-        self.state_nodes[i] = node;
-        if node != NONE {
-            let pinned = self.pools.mamba.pins(slot) > 0;
-            self.mark_pinned(node, pinned);
-        }
-    }
-
-    /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
-    /// the state eviction set first; an unpinned one is listed again by the next
-    /// [`Cache::refresh`].
-    fn mark_pinned(&mut self, i: u32, pinned: bool) {
-        let mark = self.tree.node(i).mamba.mark;
-        if pinned && mark != StateMark::Pinned {
-            self.lru.unlist_state(&mut self.tree, i);
-            self.edit(i, |n| n.mamba.mark = StateMark::Pinned);
-        } else if !pinned && mark == StateMark::Pinned {
-            self.edit(i, |n| n.mamba.mark = StateMark::Idle);
-        }
-    }
-
-    /// After device state slots were pinned or unpinned: the nodes holding them become
-    /// eviction candidates, or stop being ones, accordingly.
-    pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
-        for &slot in slots {
-            let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
-            if i != NONE {
-                let pinned = self.pools.mamba.pins(slot) > 0;
-                self.mark_pinned(i, pinned);
-                self.refresh(i);
-            }
-        }
     }
 
     /// Marks node `i` as accessed now; `hit`: used by a match (counted).

@@ -1,5 +1,7 @@
-//! The request-level API a serving scheduler uses: `admit`, `extend`, `checkpoint`,
-//! `finish`, `abort`.
+//! The request-level API a serving scheduler uses: the request table, `admit`, `extend`,
+//! `abort` and the views of a request (`checkpoint` and `finish` are in
+//! `request/checkpoint.rs`, a request's moves to and from a load's target in
+//! `request/moves.rs`).
 //!
 //! A request owns what it holds: a lock receipt on the cached prefix it reuses, owned
 //! KV pages for every token it added, and its own Mamba state slot. All of it lives in
@@ -8,13 +10,16 @@
 //! everything back, and a dropped handle aborts.
 
 use crate::error::{Error, Result};
-use crate::ids::{BatchId, LockId, NodeId, RequestId};
+use crate::ids::{BatchId, NodeId, RequestId};
 use crate::pool::Pages;
 use crate::slab::Slab;
 
+use super::components::shares::{NeededSlots, RequestShare, SwappedOut};
 use super::locks::LockReceipt;
-use super::shares::{Held, Replaced, Wants};
 use super::{Cache, Payload};
+
+mod checkpoint;
+mod moves;
 
 /// A request as it was before a committed load changed it: restored if the load fails,
 /// released when it completes.
@@ -25,7 +30,7 @@ pub(crate) struct SavedRequest {
     node: u32,
     lock: Option<LockReceipt>,
     /// What the load replaced of what the request holds (its earlier state slot).
-    replaced: Replaced,
+    replaced: SwappedOut,
 }
 
 impl SavedRequest {
@@ -74,7 +79,7 @@ pub(crate) struct RequestState {
     pub kv: Pages,
     /// What it holds of each component beyond its KV pages and lock (its state slot, its
     /// window's progress).
-    pub held: Held,
+    pub held: RequestShare,
     pub branch_len: usize,
     pub host_len: usize,
     /// The admission copy-on-write, until it is acknowledged.
@@ -232,7 +237,7 @@ impl Cache {
         let node = m.end;
         let lock = self.lock_index(node);
         // What the request holds of each component (its state slot, with its copy).
-        let mut held = Held::default();
+        let mut held = RequestShare::default();
         let mut copies = Vec::new();
         if !self.admit_components(&m, &mut held, &mut copies) {
             let _ = self.unlock(lock);
@@ -280,18 +285,18 @@ impl Cache {
         self.cache_owned("extend")?;
         let ps = self.page_size();
         // A stale `id` is refused by the lookup below; advancing passes over it.
-        self.advance_components(id);
+        self.before_growth_components(id);
         let r = self.request_ref(id)?;
         let own = r.tokens.len() - r.prefix_len;
         let need = (own + tokens.len()).div_ceil(ps) - r.kv.len();
         // What the request wants of the components' own pools (a state slot).
-        let wants = self.wants(r);
+        let wants = self.slots_needed(r);
         // Both checked before anything is evicted, so a refusal costs the cache nothing
         // (under write-back, an eviction that did run may have started backups:
         // docs/contract.md rule 11).
         // The state first: evicting one never lowers free + evictable KV, so the KV
         // allocation that follows succeeds.
-        if !self.kv_available(need) || !self.wants_available(wants) {
+        if !self.kv_available(need) || !self.slots_available(wants) {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
@@ -301,7 +306,7 @@ impl Cache {
         // everything taken goes back.
         let mut taken = None;
         if wants.any() {
-            let Some(t) = self.take_wants(wants) else {
+            let Some(t) = self.take_slots(wants) else {
                 self.stats.extends_refused += 1;
                 return Ok(None);
             };
@@ -322,10 +327,11 @@ impl Cache {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
+        let model = self.model();
         let r = self.request_mut(id)?;
         r.kv.append(pages);
         if let Some(t) = &mut taken {
-            t.give(r);
+            model.give_slots(t, r);
         }
         let start = r.tokens.len() - r.prefix_len;
         r.tokens.extend_from_slice(tokens);
@@ -358,16 +364,16 @@ impl Cache {
         let ps = self.page_size();
         // Pages each request needs (0 while its last page has room), and states wanted.
         let mut needs = Vec::with_capacity(ids.len());
-        let mut wants = Wants::default();
+        let mut wants = NeededSlots::default();
         for id in ids {
             self.request_ref(*id)?;
         }
         for id in ids {
-            self.advance_components(*id);
+            self.before_growth_components(*id);
             let r = self.request_ref(*id)?;
             let own = r.tokens.len() - r.prefix_len;
             needs.push((own + 1).div_ceil(ps) - r.kv.len());
-            wants += self.wants(r);
+            wants += self.slots_needed(r);
         }
         // Every id is this cache's (checked above), so the slot alone tells them apart.
         let mut slots_seen: Vec<_> = ids.iter().map(|id| id.slot).collect();
@@ -384,13 +390,13 @@ impl Cache {
         }
         let need: usize = needs.iter().sum();
         // As in `extend`: both checked first, states before KV.
-        if !self.kv_available(need) || !self.wants_available(wants) {
+        if !self.kv_available(need) || !self.slots_available(wants) {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
         // As in `extend`: every state slot and the KV are asked for in this one round,
         // even when some state slots are on their way (they come with its backups).
-        let Some(mut taken) = self.take_wants(wants) else {
+        let Some(mut taken) = self.take_slots(wants) else {
             // The states taken so far went back to the pool.
             self.stats.extends_refused += 1;
             return Ok(None);
@@ -409,13 +415,14 @@ impl Cache {
             self.stats.extends_refused += 1;
             return Ok(None);
         }
+        let model = self.model();
         let mut slots = Vec::with_capacity(ids.len());
         for ((id, &token), n) in ids.iter().zip(tokens).zip(needs) {
             let r = self.request_mut(*id)?;
             if n > 0 {
                 r.kv.append(pages.take(n));
             }
-            taken.give(r);
+            model.give_slots(&mut taken, r);
             let q = r.tokens.len() - r.prefix_len;
             r.tokens.push(token);
             let page = r.kv.pages()[q / ps];
@@ -423,73 +430,6 @@ impl Cache {
         }
         self.stats.extends += ids.len() as u64;
         Ok(Some(slots))
-    }
-
-    /// Caches what the request holds so far (chunked prefill): inserts its whole pages,
-    /// moves its lock to the new end node, and (with Mamba layers, at a page-aligned
-    /// length) gives the tree a copy of the request's state through a `cow` batch. The
-    /// unaligned tail stays with the request. Re-read the request's `kv_indices`
-    /// afterwards: tokens another request cached meanwhile now use the cache's slots.
-    pub fn checkpoint(&mut self, id: RequestId) -> Result<()> {
-        self.cache_owned("checkpoint")?;
-        self.refuse_while_copying(id, "checkpoint")?;
-        let (end, cached) = self.cache_request(id, false)?;
-        self.maybe_backup(end);
-        let r = self.request_ref(id)?;
-        let at_end = r.tokens.len() == cached && !self.tree.node(end).is_root();
-        // The tree's copy of what the request holds (its state).
-        self.checkpoint_components(id, end, at_end);
-        self.stats.checkpoints += 1;
-        Ok(())
-    }
-
-    /// Caches every whole page the request holds, donates its state slot to the end node
-    /// (freed instead when the node has one, or when the request's length is not
-    /// page-aligned), releases its lock and frees the rest. The request holds nothing
-    /// afterwards.
-    ///
-    /// At an unaligned length the state (of every token) ends at no node's end and is
-    /// freed: to keep the turn's end state, the engine checkpoints the request when its
-    /// length is page-aligned for the last time (docs/contract.md rule 2). A finish whose
-    /// last whole page ends with no state on any tier, and no checkpoint copy on its way
-    /// there, counts `finish_states_lost`.
-    pub fn finish(&mut self, id: RequestId) -> Result<()> {
-        self.cache_owned("finish")?;
-        self.refuse_while_copying(id, "finish")?;
-        let (end, cached) = self.cache_request(id, true)?;
-        let mut r = self.take_request(id)?;
-        let at_end = r.tokens.len() == cached && !self.tree.node(end).is_root();
-        if self.end_state_lost(&r, end, cached) {
-            self.stats.finish_states_lost += 1;
-        }
-        // The end node keeps what it can use of what the request holds (its state).
-        self.donate_components(end, at_end, &mut r.held);
-        drop(r);
-        self.maybe_backup(end);
-        self.stats.finishes += 1;
-        Ok(())
-    }
-
-    /// Whether finishing request `r`, cached up to node `end` (`cached` tokens), loses
-    /// its turn's end state: it holds a state, its length is not page-aligned, its whole
-    /// pages were all cached (no load in flight stopped the insert short of them) and
-    /// there is at least one, and `end` has no state on any tier and no checkpoint copy
-    /// on its way (a checkpoint at its last whole page would have kept one there).
-    fn end_state_lost(&self, r: &RequestState, end: u32, cached: usize) -> bool {
-        let ps = self.page_size();
-        let len = r.tokens.len();
-        if r.held.state.is_none() || len.is_multiple_of(ps) || cached != len / ps * ps {
-            return false;
-        }
-        let n = self.tree.node(end);
-        if n.is_root() || n.mamba.device.is_some() || n.mamba.host.is_some() {
-            return false;
-        }
-        let node = self.tree.id(end);
-        !self
-            .batches
-            .payloads()
-            .any(|p| matches!(p, Payload::Cow(Cow::Checkpoint { node: to, .. }) if *to == node))
     }
 
     /// Gives back everything the request holds and caches nothing.
@@ -554,313 +494,6 @@ impl Cache {
             )));
         }
         Ok(())
-    }
-
-    /// SWA: gives back the SWA pages of the request's own pages whose tokens all left
-    /// the window (every page ending at or before `len - W`, `len` the request's
-    /// tokens): the next token attends to the last W tokens only. The window before the
-    /// request's last whole page stays too (one page more when pages are larger than
-    /// the window), so that what `checkpoint` and `finish` cache ends in a live window
-    /// and can be matched (no tombstone leaf).
-    pub(crate) fn slide_window(&mut self, id: RequestId) {
-        let w = self.config.swa_window;
-        if w == 0 {
-            return;
-        }
-        let ps = self.config.page_size;
-        let need = self.swa.need();
-        let Ok(r) = self.request_ref(id) else {
-            return;
-        };
-        let len = r.tokens.len();
-        let cut = (len.saturating_sub(w) / ps * ps).min((len / ps * ps).saturating_sub(need));
-        let from = r.held.swa_freed_to.max(r.prefix_len);
-        if cut <= from {
-            return;
-        }
-        let pages = &r.kv.pages()[(from - r.prefix_len) / ps..(cut - r.prefix_len) / ps];
-        let freed = self.pools.kv.detach_companion(pages);
-        self.stats.swa_window_freed_pages += freed as u64;
-        if let Ok(r) = self.request_mut(id) {
-            r.held.swa_freed_to = cut;
-        }
-    }
-
-    /// SWA: the window of request `id`: `(start, slots)`, the SWA slot of each of its
-    /// tokens from `start` to its end. `start` is the first token whose SWA KV the
-    /// request still holds (its own pages, or the locked prefix's window): at most the
-    /// last `swa_window` tokens before its last `extend` (what the forward pass of the
-    /// tokens that extend added reads), aligned to `tokens[start:]`. Without SWA layers
-    /// `(len, [])`.
-    pub fn request_swa_indices(&self, id: RequestId) -> Result<(usize, Vec<i64>)> {
-        let r = self.request_ref(id)?;
-        let (start, pages) = self.window_of(r);
-        let ps = self.config.page_size;
-        let slots = (start..r.tokens.len())
-            .map(|q| {
-                // Every token of the window has its SWA page (`audit()` checks it).
-                let page = pages.get(q / ps - start / ps).copied().flatten();
-                page.map_or(-1, |p| {
-                    i64::from(p) * crate::pool::as_i64(ps) + crate::pool::as_i64(q % ps)
-                })
-            })
-            .collect();
-        Ok((start, slots))
-    }
-
-    /// SWA: where request `r`'s window starts, and the SWA page of each page from there
-    /// to its end (`None`: none, a bug).
-    pub(crate) fn window_of(&self, r: &RequestState) -> (usize, Vec<Option<u32>>) {
-        let w = self.config.swa_window;
-        let len = r.tokens.len();
-        if w == 0 {
-            return (len, Vec::new());
-        }
-        let ps = self.config.page_size;
-        let start = r.held.swa_freed_to.max(r.prefix_len.saturating_sub(w));
-        // Pages of the path to the request's node, then its own.
-        let mut pages: Vec<u32> = Vec::new();
-        for i in self.path_to(r.node) {
-            if let Some(p) = &self.tree.node(i).kv.device {
-                pages.extend_from_slice(p);
-            }
-        }
-        pages.truncate(r.prefix_len / ps);
-        pages.extend_from_slice(r.kv.pages());
-        let last = len.div_ceil(ps).min(pages.len());
-        let first = (start / ps).min(last);
-        (start, self.pools.kv.companions(&pages[first..last]))
-    }
-
-    /// Inserts the request's whole pages; the lock moves to the end node (unless the
-    /// request is finishing). Returns the end node and the length now cached (the
-    /// aligned length, or less when a load in flight stopped the insert: the pages past
-    /// it stay the request's).
-    fn cache_request(&mut self, id: RequestId, finishing: bool) -> Result<(u32, usize)> {
-        let ps = self.page_size();
-        // Pages out of the window are published as SWA tombstones.
-        self.request_ref(id)?;
-        self.advance_components(id);
-        let r = self.request_mut(id)?;
-        let tokens = std::mem::take(&mut r.tokens);
-        let aligned = tokens.len() / ps * ps;
-        let prefix_len = r.prefix_len;
-        let give = (aligned - prefix_len) / ps;
-        let rest = r.kv.split_off(give);
-        let given = std::mem::replace(&mut r.kv, rest);
-        let namespace = r.namespace.clone();
-        let priority = r.priority;
-        let root = self.root(namespace.as_deref());
-        let mut probe = std::mem::take(&mut self.probe);
-        self.tree.probe(root, &tokens[..aligned], &mut probe);
-        // The request's prefix is locked, so the probe passes it: the pages given cover
-        // exactly tokens[prefix_len..aligned].
-        let published = self.publish(
-            root,
-            &probe,
-            &tokens[..aligned],
-            prefix_len,
-            given,
-            None,
-            priority,
-        );
-        self.probe = probe;
-        let (end, cached) = (published.end, published.cached);
-        if let Ok(r) = self.request_mut(id) {
-            // Slots of pages another request cached meanwhile are now the tree's.
-            r.epoch += 1;
-        }
-        let new_lock = if finishing {
-            None
-        } else {
-            Some(self.request_lock(end))
-        };
-        let empty = self.pools.kv.empty();
-        let r = self.request_mut(id)?;
-        r.tokens = tokens;
-        let old = if finishing {
-            drop(published.unpublished);
-            None
-        } else {
-            r.node = end;
-            r.prefix_len = cached;
-            let mut kv = published.unpublished;
-            kv.append(std::mem::replace(&mut r.kv, empty));
-            r.kv = kv;
-            std::mem::replace(&mut r.lock, new_lock)
-        };
-        if let Some(old) = old {
-            let _ = self.unlock(old);
-        }
-        Ok((end, cached))
-    }
-
-    /// The request's prefix grows to node `j` (its lock moves there) and it gets what
-    /// the load brought it (`fresh`: a state slot). Returns what it was, to restore on
-    /// failure. `None` (nothing changed) when the request is gone.
-    pub(crate) fn move_request_to(
-        &mut self,
-        r: RequestId,
-        j: u32,
-        fresh: Held,
-    ) -> Option<SavedRequest> {
-        self.request_ref(r).ok()?;
-        let new_lock = self.request_lock(j);
-        let tokens = self.path_tokens(j);
-        let rs = self.request_mut(r).ok()?;
-        let saved = SavedRequest {
-            prefix_len: rs.prefix_len,
-            host_len: rs.host_len,
-            host_node: rs.host_node,
-            node: rs.node,
-            lock: rs.lock.replace(new_lock),
-            replaced: rs.held.swap_in(fresh),
-        };
-        rs.prefix_len = tokens.len();
-        rs.tokens = tokens;
-        rs.epoch += 1;
-        rs.node = j;
-        rs.host_len = 0;
-        rs.host_node = None;
-        Some(saved)
-    }
-
-    /// A committed load of request `r` failed: the request goes back to what it was
-    /// before the load (`saved`), keeping what the load gave it until it ends. Returns
-    /// the load's lock on the request, to be released.
-    pub(crate) fn restore_request(
-        &mut self,
-        r: RequestId,
-        saved: SavedRequest,
-    ) -> Option<LockReceipt> {
-        let empty = self.pools.kv.empty();
-        let Ok(rs) = self.request_mut(r) else {
-            return saved.release();
-        };
-        let lock = std::mem::replace(&mut rs.lock, saved.lock);
-        rs.node = saved.node;
-        rs.prefix_len = saved.prefix_len;
-        rs.host_len = saved.host_len;
-        rs.host_node = saved.host_node;
-        rs.tokens.truncate(saved.prefix_len);
-        rs.epoch += 1;
-        let kv = std::mem::replace(&mut rs.kv, empty);
-        let fresh = rs.held.swap_back(saved.replaced);
-        rs.retired.keep(kv, fresh.state);
-        lock
-    }
-
-    /// Request `r` has load-back `id` pending.
-    pub(crate) fn set_request_load(&mut self, r: RequestId, id: BatchId) {
-        if let Ok(rs) = self.request_mut(r) {
-            rs.load = Some(id);
-        }
-    }
-
-    /// Load-back `id` of request `r` ended or was called off.
-    pub(crate) fn clear_request_load(&mut self, r: RequestId, id: BatchId) {
-        if let Ok(rs) = self.request_mut(r) {
-            if rs.load == Some(id) {
-                rs.load = None;
-            }
-        }
-    }
-
-    /// A copy-on-write batch ended (`landed`: its copies are done).
-    pub(crate) fn cow_ended(&mut self, batch: BatchId, cow: Cow, landed: bool) {
-        match cow {
-            Cow::Admit { request } if landed => self.admit_copy_done(request, batch),
-            Cow::Admit { request } => self.admit_copy_failed(request, batch),
-            Cow::Checkpoint { node, dst } if landed => {
-                let live = self.tree.resolve(node).ok().filter(|&i| {
-                    let n = self.tree.node(i);
-                    n.kv.device.is_some() && !n.kv.state.loading()
-                });
-                let mut held = Held::state(Some(dst));
-                if let Some(i) = live {
-                    if !self.donate_components(i, true, &mut held) {
-                        self.maybe_backup(i);
-                    }
-                }
-            }
-            Cow::Checkpoint { dst, .. } => drop(dst),
-        }
-    }
-
-    /// The admission copy landed: the request's state is good, and its own. While the
-    /// cache knows a waiting queue ([`Cache::expect`]), the node's state leaves the
-    /// request's lock (the path stays locked): the request never reads it again, and the
-    /// marks keep what waiting requests need, so eviction may take it like any unlocked
-    /// state. Without a queue the lock keeps it until the request's next checkpoint:
-    /// the requests that share its prefix are the likeliest next users of that state,
-    /// and nothing else tells eviction so.
-    fn admit_copy_done(&mut self, id: RequestId, batch: BatchId) {
-        let Ok(r) = self.request_mut(id) else {
-            return;
-        };
-        if r.cow != Some(batch) {
-            return;
-        }
-        r.cow = None;
-        let lock = r.lock.as_ref().map(LockReceipt::id);
-        if let Some(lock) = lock.filter(|_| self.lru.expecting()) {
-            self.release_state_share(lock);
-        }
-    }
-
-    /// A waiting queue was told of: every request whose admission copy landed lets the
-    /// state it matched go (see `admit_copy_done`).
-    pub(crate) fn release_matched_states(&mut self) {
-        let landed: Vec<LockId> = self
-            .requests
-            .iter()
-            .filter(|r| r.cow.is_none())
-            .filter_map(|r| r.lock.as_ref().map(LockReceipt::id))
-            .collect();
-        for lock in landed {
-            self.release_state_share(lock);
-        }
-    }
-
-    /// The admission copy failed: the request's state is garbage, so the request drops
-    /// back to nothing reused (`prefix_len == 0`, no tokens, no slots) and recomputes.
-    fn admit_copy_failed(&mut self, id: RequestId, batch: BatchId) {
-        let model = self.model();
-        let empty = self.pools.kv.empty();
-        let Ok(r) = self.request_mut(id) else {
-            return;
-        };
-        if r.cow != Some(batch) {
-            return;
-        }
-        r.cow = None;
-        r.epoch += 1;
-        // The admitted sequence stays what it was (docs/contract.md rule 9 still refers to
-        // it): its head moves from the tokens, which the request no longer holds, to the tail.
-        let mut admitted = std::mem::take(&mut r.tokens);
-        admitted.truncate(r.admitted_from);
-        admitted.append(&mut r.admitted_tail);
-        r.admitted_tail = admitted;
-        r.admitted_from = 0;
-        r.prefix_len = 0;
-        r.branch_len = 0;
-        r.host_len = 0;
-        r.host_node = None;
-        let kv = std::mem::replace(&mut r.kv, empty);
-        r.retired.keep(kv, None);
-        // Its pages are retired: what it holds of each component is too (its state
-        // slot), or starts over (its window, with the tokens it recomputes).
-        model.restart(r);
-        let namespace = r.namespace.clone();
-        // The request now holds its namespace's root (locked, so that it stays).
-        let root = self.root(namespace.as_deref());
-        let root_lock = self.request_lock(root);
-        if let Ok(r) = self.request_mut(id) {
-            r.node = root;
-            if let Some(old) = r.lock.replace(root_lock) {
-                let _ = self.unlock(old);
-            }
-        }
     }
 
     /// What the request holds.

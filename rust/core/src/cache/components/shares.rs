@@ -1,27 +1,27 @@
 //! The components' shares: what a request, an insert, a backup and a load-back hold or
 //! carry of each component beyond the KV pages, and the plain answers of the hooks. Plain
-//! data: the components (`component.rs`) fill and read it; a leaf that names nothing of
+//! data: the components (`full.rs`, `mamba.rs`, `swa.rs`) fill and read it; a leaf that names nothing of
 //! the cache's behaviour.
 
 use crate::ids::NodeId;
 use crate::pool::Pages;
 
-use super::copies::{CopySlots, PoolKind, SlotCopy, Tier};
-use super::results::CallOff;
+use crate::cache::copies::{CopySlots, PoolKind, SlotCopy, Tier};
+use crate::cache::results::CallOff;
 
 /// What [`Component::backup`] did.
 #[derive(Clone, Copy, Default)]
-pub(crate) struct Backed {
+pub(crate) struct BackupOutcome {
     /// Data of the node joins the batch.
     pub copied: bool,
     /// Data of the node lacks a host copy and host room could not be had.
     pub short: bool,
 }
 
-impl Backed {
+impl BackupOutcome {
     /// What two components did together.
-    pub(super) fn or(self, other: Backed) -> Backed {
-        Backed {
+    pub(super) fn or(self, other: BackupOutcome) -> BackupOutcome {
+        BackupOutcome {
             copied: self.copied || other.copied,
             short: self.short || other.short,
         }
@@ -31,18 +31,23 @@ impl Backed {
 /// What a backup takes beyond the KV's host pages, with its copies (device slots, host
 /// slots), per component. The host slots it holds go back to their pools as it drops.
 #[derive(Default)]
-pub(crate) struct BackupShare {
-    pub held: BackupHeld,
+pub(crate) struct BackupExtras {
+    pub held: BackupExtraSlots,
     /// Mamba: the state copies.
     pub(super) state_copy: CopySlots,
     /// SWA: the copies into the host SWA pages paired with the new host KV pages.
     pub(super) swa_copy: CopySlots,
 }
 
-impl BackupShare {
+impl BackupExtras {
     /// What the batch holds until it ends, and its copies by pool (those with no slot
     /// left out).
-    pub fn into_parts(self) -> (BackupHeld, impl Iterator<Item = (PoolKind, CopySlots)>) {
+    pub fn into_parts(
+        self,
+    ) -> (
+        BackupExtraSlots,
+        impl Iterator<Item = (PoolKind, CopySlots)>,
+    ) {
         let copies = [
             (PoolKind::Mamba, self.state_copy),
             (PoolKind::Swa, self.swa_copy),
@@ -56,7 +61,7 @@ impl BackupShare {
 /// What a load-back loads beyond the KV pages of the host-only nodes, per component:
 /// planned ([`Component::load_plan`]), then taken, with its copies (host to device).
 #[derive(Default)]
-pub(crate) struct LoadShare {
+pub(crate) struct LoadExtras {
     /// Mamba: the target's host state, when it has no device state.
     pub(super) restore_from: Option<u32>,
     /// Mamba: the load is for a request, which gets a copy of the state too.
@@ -67,10 +72,10 @@ pub(crate) struct LoadShare {
     pub(super) window_dead: bool,
     /// SWA: the copies of the window's SWA pages.
     pub(super) swa_copy: CopySlots,
-    pub held: LoadHeld,
+    pub held: LoadExtraSlots,
 }
 
-impl LoadShare {
+impl LoadExtras {
     /// Whether it loads node data (a state) of its own.
     pub fn loads_data(&self) -> bool {
         self.restore_from.is_some()
@@ -82,8 +87,8 @@ impl LoadShare {
     }
 
     /// What it wants of the components' own pools.
-    pub fn wants(&self) -> Wants {
-        Wants {
+    pub fn wants(&self) -> NeededSlots {
+        NeededSlots {
             states: if self.restore_from.is_some() {
                 1 + usize::from(self.for_request)
             } else {
@@ -121,19 +126,19 @@ impl LoadShare {
 
 /// What a load-back holds beyond its KV pages until it ends.
 #[derive(Default)]
-pub(crate) struct LoadHeld {
+pub(crate) struct LoadExtraSlots {
     /// Mamba: restores the target's state in the tree.
     pub(super) restore: Option<Pages>,
     /// What the request gets at commit (a fresh state slot).
-    pub request: Held,
+    pub request: RequestShare,
     /// SWA: pages copied back (on the KV's last pages, which own them).
     pub(super) swa_pages: usize,
 }
 
-impl LoadHeld {
+impl LoadExtraSlots {
     /// What the target node gets once the copies land.
-    pub fn for_target(&mut self) -> Held {
-        Held::state(self.restore.take())
+    pub fn for_target(&mut self) -> RequestShare {
+        RequestShare::state(self.restore.take())
     }
 
     /// SWA pages it copies back.
@@ -152,12 +157,12 @@ impl LoadHeld {
 /// The host slots a backup batch holds for the components beyond the KV's pages, until
 /// it ends.
 #[derive(Default)]
-pub(crate) struct BackupHeld {
+pub(crate) struct BackupExtraSlots {
     /// Mamba: host state slots, per node.
     pub(super) states: Vec<(NodeId, Pages)>,
 }
 
-impl BackupHeld {
+impl BackupExtraSlots {
     /// Calls `f(pool, pages)` for the host slots held (`pool` as in `report::POOLS`).
     pub fn owned(&self, mut f: impl FnMut(usize, &[u32])) {
         for (_, s) in &self.states {
@@ -169,7 +174,7 @@ impl BackupHeld {
 /// What a request holds of each component beyond its KV pages and path lock (and what
 /// an insert's caller hands over with its KV).
 #[derive(Default)]
-pub(crate) struct Held {
+pub(crate) struct RequestShare {
     /// Mamba: the request's own state slot.
     pub state: Option<Pages>,
     /// SWA: the token position up to which the request's own pages gave back their SWA
@@ -178,12 +183,12 @@ pub(crate) struct Held {
     pub swa_freed_to: usize,
 }
 
-impl Held {
+impl RequestShare {
     /// What an insert's caller hands over: a state slot.
-    pub fn state(state: Option<Pages>) -> Held {
-        Held {
+    pub fn state(state: Option<Pages>) -> RequestShare {
+        RequestShare {
             state,
-            ..Held::default()
+            ..RequestShare::default()
         }
     }
 
@@ -194,33 +199,33 @@ impl Held {
 
     /// A committed load gives the request what it brought (`fresh`): returns what that
     /// replaced, kept until the load ends.
-    pub fn swap_in(&mut self, fresh: Held) -> Replaced {
+    pub fn swap_in(&mut self, fresh: RequestShare) -> SwappedOut {
         let swapped = fresh.state.is_some();
-        Replaced {
+        SwappedOut {
             state: fresh.state.and_then(|s| self.state.replace(s)),
             swapped,
         }
     }
 
     /// The load failed: what it replaced comes back; returns what it had brought.
-    pub fn swap_back(&mut self, replaced: Replaced) -> Held {
+    pub fn swap_back(&mut self, replaced: SwappedOut) -> RequestShare {
         let fresh = if replaced.swapped {
             std::mem::replace(&mut self.state, replaced.state)
         } else {
             None
         };
-        Held::state(fresh)
+        RequestShare::state(fresh)
     }
 }
 
-/// What a committed load replaced of what a request holds ([`Held::swap_in`]).
-pub(crate) struct Replaced {
+/// What a committed load replaced of what a request holds ([`RequestShare::swap_in`]).
+pub(crate) struct SwappedOut {
     /// The request's earlier state slot, when the load gave it a fresh one (`swapped`).
     pub(super) state: Option<Pages>,
     pub(super) swapped: bool,
 }
 
-impl Replaced {
+impl SwappedOut {
     /// The request's earlier state slot, kept until the load ends.
     pub fn state(&self) -> Option<&Pages> {
         self.state.as_ref()
@@ -229,11 +234,11 @@ impl Replaced {
 
 /// Slots of the components' own pools that requests need before they grow.
 #[derive(Clone, Copy, Default)]
-pub(crate) struct Wants {
+pub(crate) struct NeededSlots {
     pub(super) states: usize,
 }
 
-impl Wants {
+impl NeededSlots {
     /// Whether anything is wanted.
     #[inline]
     pub fn any(self) -> bool {
@@ -241,16 +246,16 @@ impl Wants {
     }
 }
 
-impl std::ops::AddAssign for Wants {
+impl std::ops::AddAssign for NeededSlots {
     #[inline]
-    fn add_assign(&mut self, other: Wants) {
+    fn add_assign(&mut self, other: NeededSlots) {
         self.states += other.states;
     }
 }
 
-/// Slots taken for what requests [`Wants`]; they go back to their pools as this drops.
+/// Slots taken for what requests [`NeededSlots`]; they go back to their pools as this drops.
 #[derive(Default)]
-pub(crate) struct Taken {
+pub(crate) struct TakenSlots {
     /// State slots: the first apart (one request's extend allocates nothing more).
     pub(super) state: Option<Pages>,
     pub(super) more_states: Vec<Pages>,

@@ -30,11 +30,19 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use crate::error::{Error, Result};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, RequestId};
+use crate::pool::Pages;
 use crate::tree::NONE;
 
-use super::lru::Key;
-use super::{Cache, Evicted, PoolKind, Tier};
+use super::shares::{BackupExtras, LoadExtras};
+use super::{Component, ComponentKind, Model};
+use crate::cache::copies::{PoolKind, Tier};
+use crate::cache::lru::Key;
+use crate::cache::request::RequestState;
+use crate::cache::results::CallOff;
+use crate::cache::Cache;
+
+mod evict;
 
 /// An SWA eviction queue entry: `(key, node index, node generation)`.
 type QueueEntry = (Key, u32, u64);
@@ -74,6 +82,139 @@ impl Swa {
     #[inline]
     pub fn need(&self) -> usize {
         self.need
+    }
+}
+
+/// Sliding-window attention.
+pub(crate) struct SlidingWindow;
+
+impl Component for SlidingWindow {
+    /// The live SWA tokens ending at the current node: on the device, and counting
+    /// host-only nodes by their host SWA pages.
+    type Walk = (usize, usize);
+
+    #[inline]
+    fn active(model: Model) -> bool {
+        model.has(ComponentKind::Swa)
+    }
+
+    #[inline]
+    fn cut(c: &Cache, walk: &mut (usize, usize), i: u32, depth: usize, on_device: bool) -> bool {
+        walk.0 = if on_device { c.swa_run(i, walk.0) } else { 0 };
+        // A prefix shorter than the window needs all its tokens live.
+        walk.0 >= c.swa.need() || walk.0 == depth
+    }
+
+    #[inline]
+    fn cut_any_tier(c: &Cache, walk: &mut (usize, usize), i: u32, depth: usize) -> bool {
+        walk.1 = c.swa_run_any(i, walk.1);
+        walk.1 >= c.swa.need() || walk.1 == depth
+    }
+
+    fn cut_inside(
+        c: &Cache,
+        walk: &mut (usize, usize),
+        i: u32,
+        len: usize,
+        depth: usize,
+        on_device: bool,
+    ) -> (bool, bool) {
+        let need = c.swa.need();
+        let device = if on_device {
+            c.swa_run_inside(i, len, walk.0, false)
+        } else {
+            0
+        };
+        let any = c.swa_run_inside(i, len, walk.1, true);
+        (
+            device >= need || device == depth,
+            any >= need || any == depth,
+        )
+    }
+
+    fn lock(c: &mut Cache, i: u32, _: bool) -> bool {
+        c.swa_lock(i);
+        false
+    }
+
+    fn release(c: &mut Cache, i: u32, _: bool) {
+        c.swa_unlock(i);
+    }
+
+    fn split(c: &mut Cache, upper: u32, lower: u32) {
+        c.swa_split(upper, lower);
+    }
+
+    fn audit(c: &Cache) -> Result<()> {
+        c.audit_swa()
+    }
+
+    /// The request's own pages whose tokens left the window give back their SWA pages.
+    fn before_growth(c: &mut Cache, id: RequestId) {
+        c.slide_window(id);
+    }
+
+    /// The window starts over with the tokens it recomputes.
+    fn restart(r: &mut RequestState) {
+        r.held.swa_freed_to = 0;
+    }
+
+    /// Dead window pages of the node revive from the duplicate's SWA pages.
+    fn passed_duplicate(c: &mut Cache, i: u32, dup: &[u32]) {
+        c.swa_revive(i, dup);
+    }
+
+    /// A leaf ending in a dead SWA page would be a host tombstone leaf.
+    fn backup_useless(c: &Cache, i: u32) -> bool {
+        c.swa_dead_end(i)
+    }
+
+    /// The host SWA pages of the device pages that have an SWA page (all or nothing).
+    fn backup_paired_pages(c: &mut Cache, i: u32, host: &[u32], copies: &mut BackupExtras) -> bool {
+        c.swa_backup(i, host, &mut copies.swa_copy)
+    }
+
+    /// A node ending in a dead SWA page (a tombstone, or one whose tail went) ends no
+    /// match.
+    fn live_end(c: &Cache, i: u32) -> bool {
+        !c.swa_dead_end(i)
+    }
+
+    /// A match needs a live window at its end: the last host page has its host SWA
+    /// page, or the node has children.
+    fn useful_on_host(c: &Cache, i: u32) -> bool {
+        let n = c.tree.node(i);
+        !n.children.is_empty()
+            || n.kv
+                .host
+                .as_deref()
+                .is_none_or(|host| c.pools.host_kv.companion_tail(host) > 0)
+    }
+
+    /// The window at the target must be live counting host-only nodes; the host pages
+    /// read are kept for [`Component::load_paired_pages`].
+    fn load_plan(c: &Cache, j: u32, _: bool, plan: &mut LoadExtras) -> Result<()> {
+        plan.window_dead = !c.swa_window_live_any(j);
+        for i in c.path_to(j) {
+            let n = c.tree.node(i);
+            if let (None, Some(host)) = (&n.kv.device, &n.kv.host) {
+                plan.host_pages.extend_from_slice(host);
+            }
+        }
+        Ok(())
+    }
+
+    /// The window's loaded pages get device SWA pages with the copies of their host
+    /// SWA pages.
+    fn load_paired_pages(
+        c: &mut Cache,
+        kv: &Pages,
+        plan: &mut LoadExtras,
+    ) -> std::result::Result<(), CallOff> {
+        let host = std::mem::take(&mut plan.host_pages);
+        plan.swa_copy = c.load_swa(&host, kv).ok_or(CallOff::Swa)?;
+        plan.held.swa_pages = plan.swa_copy.0.len() / c.page_size();
+        Ok(())
     }
 }
 
@@ -227,130 +368,6 @@ impl Cache {
         self.expand_into(src, &mut copy.0);
         self.expand_into(&dst, &mut copy.1);
         dst.len()
-    }
-
-    /// Device node `i` was left a leaf ending in a dead SWA page: deleted now, or held
-    /// until the device eviction in progress is done (it may be that very node's).
-    pub(crate) fn swa_dead_leaf(&mut self, i: u32) {
-        if self.swa.holding {
-            self.swa.dead.push(self.tree.id(i));
-        } else {
-            self.drop_dead_leaf(i);
-        }
-    }
-
-    /// Starts holding dead leaves back; true when this call started it (and must drop
-    /// them with [`Cache::swa_drop_held_dead_leaves`]).
-    pub(crate) fn swa_hold_dead_leaves(&mut self) -> bool {
-        !std::mem::replace(&mut self.swa.holding, true)
-    }
-
-    /// Stops holding dead leaves back and deletes those that still are.
-    pub(crate) fn swa_drop_held_dead_leaves(&mut self) {
-        self.swa.holding = false;
-        for id in std::mem::take(&mut self.swa.dead) {
-            if let Ok(i) = self.tree.resolve(id) {
-                if self.swa_dead_end(i) {
-                    self.drop_dead_leaf(i);
-                }
-            }
-        }
-    }
-
-    /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
-    /// and not queued yet.
-    pub(crate) fn swa_enqueue(&mut self, i: u32) {
-        if !self.has_swa() {
-            return;
-        }
-        let n = self.tree.node(i);
-        if !n.live || n.is_root() || n.swa.queued || !n.swa.locks.is_empty() {
-            return;
-        }
-        if self.swa_tail(i) == 0 {
-            return;
-        }
-        let entry = (self.lru.swa_key(n), i, n.generation);
-        self.tree.node_mut(i).swa.queued = true;
-        self.swa.queue.push(Reverse(entry));
-    }
-
-    /// Gives each of `pages` (device KV pages, held) its SWA page, evicting SWA first
-    /// when short; false (nothing given) when that cannot make room.
-    pub(crate) fn swa_attach(&mut self, pages: &[u32]) -> bool {
-        loop {
-            if self.pools.kv.attach_companion(pages) {
-                return true;
-            }
-            let short = pages.len().saturating_sub(self.pools.kv.companion_free());
-            if self.evict_swa(short.max(1)) == 0 {
-                self.stats.swa_alloc_failures += 1;
-                return false;
-            }
-        }
-    }
-
-    /// Frees at least `pages` SWA pages (or all it can), in the SWA policy's order
-    /// (least recently used node first under "lru"): an internal node becomes a tombstone, a leaf is deleted whole. Returns the
-    /// SWA pages freed.
-    pub fn evict_swa(&mut self, pages: usize) -> usize {
-        let before = self.pools.kv.companion_free();
-        let mut out = Evicted::default();
-        // Nodes whose pages a transfer reads or writes now (a backup, a load): their SWA
-        // pages stay until it ends, and they stay queued.
-        let mut in_flight = Vec::new();
-        while self.pools.kv.companion_free() < before.saturating_add(pages) {
-            let Some(Reverse(entry)) = self.swa.queue.pop() else {
-                break;
-            };
-            let (key, i, generation) = entry;
-            let n = self.tree.node(i);
-            if !n.live || n.generation != generation || !n.swa.queued {
-                continue;
-            }
-            if n.kv.state.backup_pending() || n.kv.state.loading() {
-                in_flight.push(Reverse(entry));
-                continue;
-            }
-            self.tree.node_mut(i).swa.queued = false;
-            let n = self.tree.node(i);
-            if !n.swa.locks.is_empty() || self.swa_tail(i) == 0 {
-                // Locked (its release queues it again) or dead: no candidate.
-                continue;
-            }
-            if self.lru.swa_key(n) > key {
-                // Used (or its priority raised) since it was queued: back in line at its
-                // newer place.
-                self.swa_enqueue(i);
-                continue;
-            }
-            if n.children.is_empty() {
-                // A leaf loses its KV with its SWA (a tombstone is never a leaf). It has
-                // no window lock, so no KV lock either (a lock's window covers its node).
-                if n.kv.state.in_lru() {
-                    self.lru.unlist_kv(&mut self.tree, i);
-                    self.remove_leaf(i, &mut out);
-                    // Under write-back it stays until its backup lands (its SWA pages
-                    // with it): a candidate still, in flight.
-                    if self.tree.node(i).live && self.tree.node(i).generation == generation {
-                        self.swa_enqueue(i);
-                    }
-                } else {
-                    // Out of the KV eviction set for now (its state locked or being
-                    // backed up): it stays queued.
-                    self.tree.node_mut(i).swa.queued = true;
-                    in_flight.push(Reverse((key, i, generation)));
-                }
-            } else if let Some(pages) = self.tree.node(i).kv.device.clone() {
-                self.pools.kv.detach_companion(&pages);
-                self.stats.swa_tombstones += 1;
-            }
-        }
-        self.swa.queue.extend(in_flight);
-        self.count_evicted(&out);
-        let freed = self.pools.kv.companion_free().saturating_sub(before);
-        self.stats.swa_evicted_pages += freed as u64;
-        freed
     }
 
     /// Adds a window lock ending at node `i`: an entry on every node the last `need`
@@ -539,5 +556,84 @@ impl Cache {
             }
         }
         Ok(())
+    }
+}
+
+// The window of a request's own pages.
+impl Cache {
+    /// SWA: gives back the SWA pages of the request's own pages whose tokens all left
+    /// the window (every page ending at or before `len - W`, `len` the request's
+    /// tokens): the next token attends to the last W tokens only. The window before the
+    /// request's last whole page stays too (one page more when pages are larger than
+    /// the window), so that what `checkpoint` and `finish` cache ends in a live window
+    /// and can be matched (no tombstone leaf).
+    pub(crate) fn slide_window(&mut self, id: RequestId) {
+        let w = self.config.swa_window;
+        if w == 0 {
+            return;
+        }
+        let ps = self.config.page_size;
+        let need = self.swa.need();
+        let Ok(r) = self.request_ref(id) else {
+            return;
+        };
+        let len = r.tokens.len();
+        let cut = (len.saturating_sub(w) / ps * ps).min((len / ps * ps).saturating_sub(need));
+        let from = r.held.swa_freed_to.max(r.prefix_len);
+        if cut <= from {
+            return;
+        }
+        let pages = &r.kv.pages()[(from - r.prefix_len) / ps..(cut - r.prefix_len) / ps];
+        let freed = self.pools.kv.detach_companion(pages);
+        self.stats.swa_window_freed_pages += freed as u64;
+        if let Ok(r) = self.request_mut(id) {
+            r.held.swa_freed_to = cut;
+        }
+    }
+
+    /// SWA: the window of request `id`: `(start, slots)`, the SWA slot of each of its
+    /// tokens from `start` to its end. `start` is the first token whose SWA KV the
+    /// request still holds (its own pages, or the locked prefix's window): at most the
+    /// last `swa_window` tokens before its last `extend` (what the forward pass of the
+    /// tokens that extend added reads), aligned to `tokens[start:]`. Without SWA layers
+    /// `(len, [])`.
+    pub fn request_swa_indices(&self, id: RequestId) -> Result<(usize, Vec<i64>)> {
+        let r = self.request_ref(id)?;
+        let (start, pages) = self.window_of(r);
+        let ps = self.config.page_size;
+        let slots = (start..r.tokens.len())
+            .map(|q| {
+                // Every token of the window has its SWA page (`audit()` checks it).
+                let page = pages.get(q / ps - start / ps).copied().flatten();
+                page.map_or(-1, |p| {
+                    i64::from(p) * crate::pool::as_i64(ps) + crate::pool::as_i64(q % ps)
+                })
+            })
+            .collect();
+        Ok((start, slots))
+    }
+
+    /// SWA: where request `r`'s window starts, and the SWA page of each page from there
+    /// to its end (`None`: none, a bug).
+    pub(crate) fn window_of(&self, r: &RequestState) -> (usize, Vec<Option<u32>>) {
+        let w = self.config.swa_window;
+        let len = r.tokens.len();
+        if w == 0 {
+            return (len, Vec::new());
+        }
+        let ps = self.config.page_size;
+        let start = r.held.swa_freed_to.max(r.prefix_len.saturating_sub(w));
+        // Pages of the path to the request's node, then its own.
+        let mut pages: Vec<u32> = Vec::new();
+        for i in self.path_to(r.node) {
+            if let Some(p) = &self.tree.node(i).kv.device {
+                pages.extend_from_slice(p);
+            }
+        }
+        pages.truncate(r.prefix_len / ps);
+        pages.extend_from_slice(r.kv.pages());
+        let last = len.div_ceil(ps).min(pages.len());
+        let first = (start / ps).min(last);
+        (start, self.pools.kv.companions(&pages[first..last]))
     }
 }
