@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 
+use crate::cache::components::mamba;
 use crate::cache::load::CopyOutcome;
 use crate::cache::lru::{LruSet, HOT};
 use crate::cache::report::POOLS;
@@ -171,7 +172,7 @@ fn check_announced(c: &Cache) -> Result<()> {
         for i in tree.preorder(root).into_iter().skip(1) {
             let n = tree.node(i);
             let want = if c.config().events {
-                Announced::of(n)
+                mamba::announced(n)
             } else {
                 Announced::default()
             };

@@ -268,15 +268,17 @@ pub(crate) struct Announced {
 }
 
 impl Announced {
-    /// What a router may be told of node `n` now: data that is there and not in flight
-    /// towards it.
-    pub fn of(n: &Node) -> Announced {
+    /// What a router may be told of node `n` now, which has a device state (`device_state`)
+    /// and a host state (`host_state`) or not: data that is there and not in flight
+    /// towards it. (The Mamba component says what states the node has:
+    /// `components::mamba::announced`.)
+    pub fn of(n: &Node, device_state: bool, host_state: bool) -> Announced {
         let landed = !n.kv.state.loading();
         Announced {
             device: landed && n.kv.device.is_some(),
             host: n.kv.host.is_some(),
-            device_state: landed && n.mamba.device.is_some(),
-            host_state: n.mamba.host.is_some(),
+            device_state: landed && device_state,
+            host_state,
         }
     }
 }

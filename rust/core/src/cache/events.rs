@@ -2,7 +2,7 @@
 //! keep an index of which page hashes each tier holds, and where a Mamba state sits.
 //!
 //! Every change to a node's data goes through [`Cache::edit`], which, with events on,
-//! compares what the node holds now ([`Announced::of`]: device KV that has landed, host
+//! compares what the node holds now (`Announced::of`: device KV that has landed, host
 //! KV, a device state that has landed, a host state) with what was announced of it and
 //! queues one event per difference. So an event is emitted exactly where the tree
 //! changes, per tier: a publish (insert, a request's pages), a device eviction or
@@ -16,8 +16,8 @@ use std::mem;
 
 use crate::error::{Error, Result};
 use crate::hashes::PageHash;
-use crate::tree::Announced;
 
+use super::components::mamba;
 use super::Cache;
 
 /// Where the announced data sits (the names are `SGLang`'s and `vLLM`'s `medium`).
@@ -151,7 +151,7 @@ impl Cache {
         if n.is_root() {
             return;
         }
-        let now = Announced::of(n);
+        let now = mamba::announced(n);
         let was = n.announced;
         if now == was {
             return;
@@ -346,7 +346,7 @@ impl Cache {
             let ns = ns.map(str::to_owned);
             for i in self.tree.preorder(root).into_iter().skip(1) {
                 let n = self.tree.node(i);
-                let a = Announced::of(n);
+                let a = mamba::announced(n);
                 let last = n.hashes.last().copied();
                 for (medium, kv, state) in [
                     (Medium::Device, a.device, a.device_state),

@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 
+use super::components::mamba;
 use super::{Cache, Evicted};
 
 impl Cache {
@@ -106,8 +107,11 @@ impl Cache {
     fn remove_leaf_now(&mut self, mut i: u32, out: &mut Evicted) {
         loop {
             let n = self.tree.node(i);
-            let (len, has_state, waits) =
-                (n.key.len(), n.mamba.device.is_some(), n.device_children > 0);
+            let (len, has_state, waits) = (
+                n.key.len(),
+                mamba::device_state(n).is_some(),
+                n.device_children > 0,
+            );
             let useful = self.useful_on_host(i);
             if useful && !waits {
                 self.demote(i, out);
@@ -194,7 +198,7 @@ impl Cache {
             let n = self.tree.node(i);
             if !n.kv.state.evicting()
                 || n.kv.state.backup_pending()
-                || n.mamba.backup_pending
+                || mamba::backup_pending(n)
                 || n.device_children > 0
             {
                 return;
@@ -361,7 +365,7 @@ impl Cache {
         let (mut tokens, mut states) = (0, 0);
         loop {
             let len = self.tree.node(i).key.len();
-            states += usize::from(self.tree.node(i).mamba.host.is_some());
+            states += usize::from(mamba::has_host_state(self.tree.node(i)));
             self.drop_host(i);
             let parent = self.tree.node(i).parent;
             self.tree.unlink_child(parent, i);

@@ -32,6 +32,7 @@ use crate::ids::NodeId;
 use crate::pool::{as_i64, Pages};
 use crate::tree::{KvState, NONE};
 
+use super::components::mamba;
 use super::copies::{PoolKind, SlotCopy, Tier, TransferBatch};
 use super::events::{KvEvent, Medium};
 use super::locks::LockReceipt;
@@ -144,7 +145,7 @@ impl Cache {
                 put.kv_nodes.push(self.tree.id(i));
                 put.events.extend(self.external_event(i, true));
             }
-            if let (Some(slot), Some(&last), false) = (n.mamba.host, n.hashes.last(), n.mamba.l3) {
+            if let (Some(slot), Some(&last)) = (mamba::host_state_not_in_l3(n), n.hashes.last()) {
                 st_src.push(i64::from(slot));
                 st_dst.push(as_i64(st_dst.len()));
                 state_keys.push(last);
@@ -201,7 +202,7 @@ impl Cache {
         }
         for id in put.state_nodes {
             if let Ok(i) = self.tree.resolve(id) {
-                self.edit(i, |n| n.mamba.l3 = true);
+                self.edit(i, mamba::mark_state_in_l3);
             }
         }
     }
@@ -428,8 +429,7 @@ impl Cache {
             n.kv.host = Some(rest.into_tree());
             n.kv.l3 = true;
             n.hashes = hashes;
-            n.mamba.host = state.and_then(|s| s.into_tree().first().copied());
-            n.mamba.l3 = n.mamba.host.is_some();
+            mamba::set_host_state_from_l3(n, state.and_then(|s| s.into_tree().first().copied()));
             n.kv.state = KvState::Idle;
         });
         debug_assert_ne!(at, NONE);

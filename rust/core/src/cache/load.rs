@@ -27,6 +27,7 @@ use crate::ids::{BatchId, NodeId, RequestId};
 use super::request::SavedRequest;
 use crate::pool::Pages;
 
+use super::components::mamba;
 use super::components::shares::{LoadExtraSlots, LoadExtras};
 use super::copies::{PoolKind, SlotCopy, Tier, TransferBatch};
 use super::locks::LockReceipt;
@@ -309,38 +310,6 @@ impl Cache {
         (copies, plan.share.held)
     }
 
-    /// SWA: gives the loaded device pages `kv` (one per host page of `host`, in path
-    /// order) that fall in the target's window the device SWA pages of their host SWA
-    /// pages, evicting device SWA when short, and returns the copies' `(host slots,
-    /// device slots)`. The pages hold them: dropping `kv` (a release, a failure) frees
-    /// them, a commit publishes them with the KV. `None`, having given none, when the
-    /// device cannot make room. Pages older than the window load without their SWA KV
-    /// (SWA tombstones on the device; their host copy keeps it).
-    pub(crate) fn load_swa(&mut self, host: &[u32], kv: &Pages) -> Option<(Vec<i64>, Vec<i64>)> {
-        let mut copy = (Vec::new(), Vec::new());
-        if !self.has_swa() || host.is_empty() {
-            return Some(copy);
-        }
-        let window = self.swa.need() / self.page_size();
-        let from = host.len().saturating_sub(window);
-        let (src, dst): (Vec<u32>, Vec<u32>) = self
-            .pools
-            .host_kv
-            .companions(&host[from..])
-            .iter()
-            .zip(&kv.pages()[from..])
-            .filter_map(|(s, &d)| s.map(|s| (s, d)))
-            .unzip();
-        if dst.is_empty() {
-            return Some(copy);
-        }
-        if !self.swa_attach(&dst) {
-            return None;
-        }
-        self.swa_copy_into(&src, Tier::Device, &dst, &mut copy);
-        Some(copy)
-    }
-
     /// The components' device slots for node data (state slots), then KV pages
     /// (evicting; checked feasible before), then the data paired with them (the SWA
     /// pages of the window's, see [`Cache::load_swa`]), into `share` with the slots of
@@ -604,9 +573,9 @@ impl Cache {
         }
         // The target gets the node data restored for it (its state).
         let at_end = ok && self.tree.node(j).kv.device.is_some();
-        let had_state = self.tree.node(j).mamba.device.is_some();
+        let had_state = mamba::device_state(self.tree.node(j)).is_some();
         self.keep_on_node_components(j, at_end, &mut load.held.for_target());
-        if request.is_some() && !had_state && self.tree.node(j).mamba.device.is_some() {
+        if request.is_some() && !had_state && mamba::device_state(self.tree.node(j)).is_some() {
             self.lru.state_restored(&mut self.tree, j);
         }
         let mut release = Vec::new();

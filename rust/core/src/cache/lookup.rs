@@ -3,6 +3,7 @@
 
 use crate::tree::{Probe, NONE};
 
+use super::components::mamba;
 use super::components::Cut;
 use super::lru::{Waiting, WAITING_TAIL};
 use super::results::Found;
@@ -205,7 +206,7 @@ impl Cache {
         } else {
             (end, 0)
         };
-        let mamba_slot = self.tree.node(end).mamba.device;
+        let mamba_slot = mamba::device_state(self.tree.node(end));
         if mamba_slot.is_some() {
             if priority.is_some() {
                 self.lru.stamp_state(&mut self.tree, end, true);

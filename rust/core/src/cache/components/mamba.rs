@@ -9,7 +9,7 @@
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::pool::Pages;
-use crate::tree::{StateMark, NONE};
+use crate::tree::{Announced, Node, StateMark, NONE};
 
 use super::shares::{
     BackupExtraSlots, BackupExtras, BackupOutcome, LoadExtras, NeededSlots, RequestShare,
@@ -516,4 +516,58 @@ impl Cache {
     pub(crate) fn release_state_lock(&mut self, i: u32) {
         MambaStates::release(self, i, true);
     }
+}
+
+// The node's Mamba fields (`Node.mamba`), for the shared modules that need a fact of
+// them: read and written here only (and by the sizes, eviction, report and audit
+// modules).
+
+/// Node `n`'s device state slot.
+#[inline]
+pub(crate) fn device_state(n: &Node) -> Option<u32> {
+    n.mamba.device
+}
+
+/// Whether node `n` has a host state.
+#[inline]
+pub(crate) fn has_host_state(n: &Node) -> bool {
+    n.mamba.host.is_some()
+}
+
+/// Whether node `n` has a state on some tier.
+#[inline]
+pub(crate) fn has_state_any_tier(n: &Node) -> bool {
+    n.mamba.device.is_some() || n.mamba.host.is_some()
+}
+
+/// Whether a backup of node `n`'s state is in flight.
+#[inline]
+pub(crate) fn backup_pending(n: &Node) -> bool {
+    n.mamba.backup_pending
+}
+
+/// Node `n`'s host state slot when the L3 tier does not hold that state yet.
+#[inline]
+pub(crate) fn host_state_not_in_l3(n: &Node) -> Option<u32> {
+    n.mamba.host.filter(|_| !n.mamba.l3)
+}
+
+/// An `l3_put` wrote node `n`'s host state to the L3 tier.
+#[inline]
+pub(crate) fn mark_state_in_l3(n: &mut Node) {
+    n.mamba.l3 = true;
+}
+
+/// A new host-only node fetched from the L3 tier gets `slot`, the host state fetched
+/// with it (which the L3 tier holds), if any.
+#[inline]
+pub(crate) fn set_host_state_from_l3(n: &mut Node, slot: Option<u32>) {
+    n.mamba.host = slot;
+    n.mamba.l3 = slot.is_some();
+}
+
+/// What a router may be told of node `n` now ([`Announced::of`] with its states).
+#[inline]
+pub(crate) fn announced(n: &Node) -> Announced {
+    Announced::of(n, n.mamba.device.is_some(), n.mamba.host.is_some())
 }

@@ -370,6 +370,38 @@ impl Cache {
         dst.len()
     }
 
+    /// SWA: gives the loaded device pages `kv` (one per host page of `host`, in path
+    /// order) that fall in the target's window the device SWA pages of their host SWA
+    /// pages, evicting device SWA when short, and returns the copies' `(host slots,
+    /// device slots)`. The pages hold them: dropping `kv` (a release, a failure) frees
+    /// them, a commit publishes them with the KV. `None`, having given none, when the
+    /// device cannot make room. Pages older than the window load without their SWA KV
+    /// (SWA tombstones on the device; their host copy keeps it).
+    pub(crate) fn load_swa(&mut self, host: &[u32], kv: &Pages) -> Option<(Vec<i64>, Vec<i64>)> {
+        let mut copy = (Vec::new(), Vec::new());
+        if !self.has_swa() || host.is_empty() {
+            return Some(copy);
+        }
+        let window = self.swa.need() / self.page_size();
+        let from = host.len().saturating_sub(window);
+        let (src, dst): (Vec<u32>, Vec<u32>) = self
+            .pools
+            .host_kv
+            .companions(&host[from..])
+            .iter()
+            .zip(&kv.pages()[from..])
+            .filter_map(|(s, &d)| s.map(|s| (s, d)))
+            .unzip();
+        if dst.is_empty() {
+            return Some(copy);
+        }
+        if !self.swa_attach(&dst) {
+            return None;
+        }
+        self.swa_copy_into(&src, Tier::Device, &dst, &mut copy);
+        Some(copy)
+    }
+
     /// Adds a window lock ending at node `i`: an entry on every node the last `need`
     /// tokens of its path touch.
     pub(crate) fn swa_lock(&mut self, i: u32) {

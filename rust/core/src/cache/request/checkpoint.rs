@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::ids::{BatchId, LockId, RequestId};
 
 use super::{Cow, RequestState};
+use crate::cache::components::mamba;
 use crate::cache::components::shares::RequestShare;
 use crate::cache::locks::LockReceipt;
 use crate::cache::{Cache, Payload};
@@ -68,7 +69,7 @@ impl Cache {
             return false;
         }
         let n = self.tree.node(end);
-        if n.is_root() || n.mamba.device.is_some() || n.mamba.host.is_some() {
+        if n.is_root() || mamba::has_state_any_tier(n) {
             return false;
         }
         let node = self.tree.id(end);
