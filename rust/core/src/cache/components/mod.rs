@@ -27,6 +27,8 @@
 //! pays one predictable branch for it. A new kind of layer is one new file implementing
 //! [`Component`] and one line in [`components!`]'s list.
 
+#[cfg(test)]
+pub(crate) mod balanced;
 mod full;
 pub(crate) mod mamba;
 pub(crate) mod shares;
@@ -56,6 +58,7 @@ macro_rules! components {
             full: full::FullAttention,
             mamba: mamba::MambaStates,
             swa: swa::SlidingWindow,
+            #[cfg(test)] balanced: balanced::Balanced,
         }
     };
 }

@@ -3,6 +3,7 @@
 //! `rust/core/tests/`).
 
 mod basic;
+mod components;
 mod engine;
 mod events;
 mod expect;
