@@ -1,4 +1,5 @@
-//! The component property test: random operations (insert, match, lock and unlock,
+//! The components: a model's set of them, the match cut where all accept, and the
+//! component property test: random operations (insert, match, lock and unlock,
 //! eviction, requests admitted, extended, checkpointed, finished and aborted, their
 //! copies landing or failing) on caches with and without Mamba and SWA layers, with the
 //! test-only component of `components/balanced.rs` switched on beside the model's own,
@@ -9,7 +10,7 @@
 use proptest::prelude::*;
 
 use crate::cache::components::balanced::Balanced;
-use crate::cache::{Cache, LockReceipt};
+use crate::cache::{Cache, ComponentKind, LockReceipt, Model};
 use crate::config::Config;
 use crate::ids::RequestId;
 
@@ -60,6 +61,52 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Abort),
         2 => any::<bool>().prop_map(Op::Batches),
     ]
+}
+
+fn config(mamba: usize, swa: usize) -> Config {
+    Config {
+        kv_slots: 64,
+        page_size: 4,
+        mamba_slots: mamba,
+        swa_slots: swa,
+        swa_window: if swa > 0 { 8 } else { 0 },
+        ..Config::default()
+    }
+}
+
+#[test]
+fn a_model_is_the_set_of_configured_components_full_attention_first() {
+    let names = |mamba, swa| {
+        let c = Cache::new(config(mamba, swa)).unwrap();
+        c.components()
+            .into_iter()
+            .map(ComponentKind::name)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(0, 0), ["full"]);
+    assert_eq!(names(4, 0), ["full", "mamba"]);
+    assert_eq!(names(0, 32), ["full", "swa"]);
+    assert_eq!(names(4, 32), ["full", "mamba", "swa"]);
+    assert!(Model::default().has(ComponentKind::Full));
+    assert!(!Model::default().has(ComponentKind::Swa));
+}
+
+#[test]
+fn a_match_is_cut_where_every_component_accepts() {
+    // Mamba + SWA: KV and window reach 16 tokens, the only state sits at 8; the match
+    // ends there.
+    let mut c = Cache::new(config(4, 32)).unwrap();
+    let tokens: Vec<u32> = (1..=16).collect();
+    let slots = c.alloc_kv(16).unwrap().unwrap();
+    c.insert(None, &tokens, &slots, 0).unwrap();
+    let state = c.alloc_mamba().unwrap().unwrap();
+    c.insert_with_state(None, &tokens[..8], &slots[..8], 8, Some(i64::from(state)))
+        .unwrap();
+    c.audit().unwrap();
+    let m = c.match_prefix(None, &tokens);
+    assert_eq!(m.kv_len, 16, "the KV match reaches the end");
+    assert_eq!(m.device_len, 8, "cut at the only node end with a state");
+    c.audit().unwrap();
 }
 
 /// A cache of `page_size`, with Mamba layers (`mamba`) and SWA layers (`swa`), small
