@@ -75,7 +75,7 @@ ITERATIONS = {"request": 300, "shape": 60}
 
 def _core(name: str) -> str:
     """Return the pattern of the core's `Cache` method ``name`` (``impl Cache`` in any module)."""
-    return rf"radixcache_core::cache::(\w+::<impl radixcache_core::cache::Cache>|Cache)::{name}"
+    return rf"radixcache_core::cache::((\w+::)+<impl radixcache_core::cache::Cache>|Cache)::{name}"
 
 
 #: What the tables show: a name, and the pattern of the core function it reads (the
