@@ -9,7 +9,7 @@ use crate::pool::Pages;
 use crate::cache::copies::{CopySlots, PoolKind, SlotCopy, Tier};
 use crate::cache::results::CallOff;
 
-/// What [`Component::backup`] did.
+/// What a component's `backup` hook did.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct BackupOutcome {
     /// Data of the node joins the batch.
@@ -59,7 +59,7 @@ impl BackupExtras {
 }
 
 /// What a load-back loads beyond the KV pages of the host-only nodes, per component:
-/// planned ([`Component::load_plan`]), then taken, with its copies (host to device).
+/// planned (the `load_plan` hooks), then taken, with its copies (host to device).
 #[derive(Default)]
 pub(crate) struct LoadExtras {
     /// Mamba: the target's host state, when it has no device state.
@@ -253,7 +253,8 @@ impl std::ops::AddAssign for NeededSlots {
     }
 }
 
-/// Slots taken for what requests [`NeededSlots`]; they go back to their pools as this drops.
+/// Slots taken for what requests need ([`NeededSlots`]); they go back to their pools as
+/// this drops.
 #[derive(Default)]
 pub(crate) struct TakenSlots {
     /// State slots: the first apart (one request's extend allocates nothing more).
