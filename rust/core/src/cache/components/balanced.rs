@@ -14,7 +14,8 @@ use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 
-use super::{Cache, Component, Model};
+use super::{Component, Model};
+use crate::cache::Cache;
 
 thread_local! {
     /// Whether the component is part of every model on this thread.

@@ -25,7 +25,8 @@
 //! (`shares.rs` holds these structs). Dispatch is static (a flag test per component of
 //! the model, every hook `#[inline]` where it is small), so a model without a component
 //! pays one predictable branch for it. A new kind of layer is one new file implementing
-//! [`Component`] and one line in [`components!`]'s list.
+//! [`Component`] (declared with its `mod` line above the list) and one line in
+//! [`components!`]'s list.
 
 #[cfg(test)]
 pub(crate) mod balanced;
