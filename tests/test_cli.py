@@ -1090,6 +1090,25 @@ def test_import_radixcache_loads_nothing_until_a_name_is_used() -> None:
     assert child.stdout == "[] True []\n"
 
 
+LIBRARY_ONLY = """
+for name in rc.__all__:
+    getattr(rc, name)
+import radixcache.events, radixcache.glossary, radixcache.l3
+command = ("radixcache.cli", "radixcache.serving", "rich", "matplotlib")
+loaded = [m for m in sys.modules if any(m == c or m.startswith(c + ".") for c in command)]
+print(sorted(loaded))
+"""
+
+
+def test_the_library_loads_neither_the_command_nor_serving_nor_rich() -> None:
+    """`radixcache.serving` (the replay harness), rich and matplotlib are the command's:
+    ``import radixcache``, every public name and the library's other modules load none of
+    them (they stay installed by default: the README's first command needs them)."""
+    child = run_child(LIBRARY_ONLY)
+    assert_child_ok(child)
+    assert child.stdout == "[]\n", child.stdout
+
+
 FIRST_AND_SECOND = """
 import signal
 from radixcache.cli import interrupts as cli_interrupts
