@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::tree::{StateMark, NONE};
 
-use super::lru::HOT;
+use super::eviction::HOT;
 use super::{Cache, Evicted};
 
 impl Cache {

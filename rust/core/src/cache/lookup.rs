@@ -4,7 +4,7 @@
 use crate::tree::{Probe, NONE};
 
 use super::component::Cut;
-use super::lru::{Waiting, WAITING_TAIL};
+use super::eviction::{Waiting, WAITING_TAIL};
 use super::sizes::Sizes;
 use super::{Cache, Match, Peek};
 
