@@ -24,6 +24,9 @@ import pytest
 
 import radixcache.serving.bench as bench_module
 from radixcache import ObjectStore, cli
+from radixcache.cli import checks as cli_checks
+from radixcache.cli import flags as cli_flags
+from radixcache.cli import report as cli_report
 from radixcache.serving import harness
 from radixcache.serving.workloads import Job
 
@@ -41,7 +44,7 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(harness, "replay", tripwire)
     monkeypatch.setattr(bench_module, "bench", tripwire)
-    monkeypatch.setattr(cli._workloads, "save_jsonl", tripwire)
+    monkeypatch.setattr(cli_checks._workloads, "save_jsonl", tripwire)
 
 
 def one_line(err: str) -> str:
@@ -426,7 +429,7 @@ def test_an_output_in_a_directory_that_cannot_be_written_is_refused(
     no_run: None,
 ) -> None:
     # As root every directory is writable: stand in for one that is not.
-    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(cli_checks.os, "access", lambda path, mode: False)
     out = str(tmp_path / "w.jsonl")
     refused(capsys, ["workload", "gsp", "--out", out], f"--out {out}: not writable")
 
@@ -443,7 +446,7 @@ def test_a_workload_file_that_cannot_be_read_is_named(
     def unreadable(*args: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(cli._workloads, "load_jsonl", unreadable)
+    monkeypatch.setattr(cli_checks._workloads, "load_jsonl", unreadable)
     refused(
         capsys,
         ["replay", "--workload", str(path)],
@@ -613,7 +616,7 @@ def test_each_eviction_policy_runs_and_is_reported(
 def test_the_report_names_each_components_policy_where_it_differs(
     policy: dict[str, str], model: str, value: str, note: str
 ) -> None:
-    assert cli._policy_text(policy, model) == (value, note)
+    assert cli_report._policy_text(policy, model) == (value, note)
 
 
 def test_the_schedule_policy_runs_and_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
@@ -750,18 +753,18 @@ def test_swa_needed_is_what_one_request_alone_needs(
 
 def test_the_swa_defaults_scale_with_the_kv_pools() -> None:
     args = cli._parser().parse_args(["replay", "--model", "swa", "--kv-slots", "1600"])
-    config = cli._config(args)
+    config = cli_checks._config(args)
     assert (config.swa_window, config.swa_slots) == (cli.DEFAULT_WINDOW, 400)
-    assert config.host_swa_slots == 400 * cli._D.host_kv_slots // 1600
+    assert config.host_swa_slots == 400 * cli_flags._D.host_kv_slots // 1600
     assert config.mamba_slots == 0
-    plain = cli._config(cli._parser().parse_args(["replay"]))
+    plain = cli_checks._config(cli._parser().parse_args(["replay"]))
     assert (plain.swa_slots, plain.swa_window, plain.host_swa_slots) == (0, 0, 0)
-    assert plain.mamba_slots == cli._D.mamba_slots
+    assert plain.mamba_slots == cli_flags._D.mamba_slots
 
 
 def test_the_report_names_the_states_policy_and_kvs_where_they_differ() -> None:
-    assert cli._policy_text({"kv": "lfu", "mamba": "lfu"}, "hybrid") == ("lfu", "")
-    assert cli._policy_text({"kv": "lru", "mamba": "state-value"}, "hybrid") == (
+    assert cli_report._policy_text({"kv": "lfu", "mamba": "lfu"}, "hybrid") == ("lfu", "")
+    assert cli_report._policy_text({"kv": "lru", "mamba": "state-value"}, "hybrid") == (
         "state-value",
         "states; KV lru",
     )
@@ -795,7 +798,7 @@ def test_a_request_rejected_during_the_run_fails_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
     """The safety net behind the check that every request fits: a rejection exits 1."""
-    monkeypatch.setattr(cli, "_check_fits", lambda *args: None)
+    monkeypatch.setattr(cli_checks, "_check_fits", lambda *args: None)
     argv = [command, "--requests", "3", "--kv-slots", "2048", "--quiet", "--json"]
     assert cli.main(argv) == 1
     out, err = capsys.readouterr()
@@ -807,7 +810,7 @@ def test_the_progress_bar_shows_an_eta() -> None:
     from rich.console import Console
     from rich.progress import TimeRemainingColumn
 
-    bar = cli._progress(Console(stderr=True), quiet=False)
+    bar = cli_report._progress(Console(stderr=True), quiet=False)
     assert any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
 
 
@@ -883,7 +886,7 @@ def test_every_row_of_every_report_is_in_the_glossary(capsys: pytest.CaptureFixt
     r |= {"offline_bound_hit_rate": 0.5, "offline_bound_ratio": 1.0, "lookahead": 4}
     r |= {"offline_lru_hit_rate": 0.4, "swa_window": 512, "full_attention_hit_rate": 0.5}
     r["injected_failures"] = dict.fromkeys(r["injected_failures"], 1)
-    rows = labels(cli._report_table(r))
+    rows = labels(cli_report._report_table(r))
     assert len(rows) == 34, " | ".join(rows)
     assert cli.main(["replay", *SMALL, "--servers", "2", "--json"]) == 0
     fleet = json.loads(capsys.readouterr().out)
@@ -894,10 +897,10 @@ def test_every_row_of_every_report_is_in_the_glossary(capsys: pytest.CaptureFixt
     fleet |= {"l3_error_causes": {}}
     for one in fleet["per_server"]:
         one |= {"l3_breaker": "closed", "l3_errors": 0}
-    rows += labels(cli._fleet_table(fleet))
+    rows += labels(cli_report._fleet_table(fleet))
     assert cli.main(["bench", *SMALL, "--json"]) == 0
     b = json.loads(capsys.readouterr().out)
-    rows += [*labels(cli._bench_table(b)), "operation"]
+    rows += [*labels(cli_report._bench_table(b)), "operation"]
     assert set(rows) <= set(known), set(rows) - set(known)
     # The terms the reports' notes use, and the figures they compare.
     for term in ("retractions", "computed", "overtaken", "checkpoints", "hit rate, all tiers"):
@@ -910,7 +913,7 @@ def test_the_report_says_which_tier_each_hit_rate_counts(
     monkeypatch.setenv("COLUMNS", "400")  # one line per row
     assert cli.main(["replay", *SMALL, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    text = cli._render(cli._report_table(r | {"workload": "mixed"}))
+    text = cli_report._render(cli_report._report_table(r | {"workload": "mixed"}))
     rows = {line.split("  ")[0].strip(): line for line in text.splitlines()[1:]}
     assert "on the device" in rows["device hit tokens"]
     assert "loaded back from the host" in rows["host hit tokens"]
@@ -943,10 +946,12 @@ def test_the_plots_legends_stand_outside_the_axes(
 
     from conftest import load_bench_script
 
-    cli._import_matplotlib()
+    cli_report._import_matplotlib()
     config = harness.ReplayConfig(kv_slots=8192, timeline=1, attention_only=False)
-    _, timeline = harness.replay(cli._workloads.mixed(5), config)
-    figures = drawn(monkeypatch, lambda: cli._plot(timeline, str(tmp_path / "r.png"), "mixed"))
+    _, timeline = harness.replay(cli_checks._workloads.mixed(5), config)
+    figures = drawn(
+        monkeypatch, lambda: cli_report._plot(timeline, str(tmp_path / "r.png"), "mixed")
+    )
     curves = {"per_request_us": [1.0, 2.0], "per_request_us_without_allocator": [1.0]}
     report = {"workload": "gsp", "results": [{"config": "hybrid", "system": "x", **curves}]}
     vs = load_bench_script("vs_sglang")
@@ -1085,9 +1090,28 @@ def test_import_radixcache_loads_nothing_until_a_name_is_used() -> None:
     assert child.stdout == "[] True []\n"
 
 
+LIBRARY_ONLY = """
+for name in rc.__all__:
+    getattr(rc, name)
+import radixcache.events, radixcache.glossary, radixcache.l3
+command = ("radixcache.cli", "radixcache.serving", "rich", "matplotlib")
+loaded = [m for m in sys.modules if any(m == c or m.startswith(c + ".") for c in command)]
+print(sorted(loaded))
+"""
+
+
+def test_the_library_loads_neither_the_command_nor_serving_nor_rich() -> None:
+    """`radixcache.serving` (the replay harness), rich and matplotlib are the command's:
+    ``import radixcache``, every public name and the library's other modules load none of
+    them (they stay installed by default: the README's first command needs them)."""
+    child = run_child(LIBRARY_ONLY)
+    assert_child_ok(child)
+    assert child.stdout == "[]\n", child.stdout
+
+
 FIRST_AND_SECOND = """
 import signal
-from radixcache import cli
+from radixcache.cli import interrupts as cli_interrupts
 
 # Python's own handler, as in a command run from a terminal (a process started in the
 # background of a script inherits SIGINT ignored, and `_Interrupts` then stays out).
@@ -1103,7 +1127,7 @@ def raises(f):
 
 
 def run():
-    with cli._Interrupts() as stop:
+    with cli_interrupts._Interrupts() as stop:
         signal.raise_signal(signal.SIGINT)
         assert stop.pending, "noted, not raised"
         assert raises(lambda: signal.raise_signal(signal.SIGINT)), "a second one: at once"
@@ -1112,7 +1136,7 @@ def run():
 
 assert raises(run), "the first one, raised when the run ends"
 assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-with cli._Interrupts() as stop:
+with cli_interrupts._Interrupts() as stop:
     signal.raise_signal(signal.SIGINT)
     assert raises(stop.check), "between two steps"
     stop.check()  # once only

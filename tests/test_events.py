@@ -33,6 +33,8 @@ msgpack = pytest.importorskip("msgpack", reason='needs msgpack: pip install "rad
 zmq = pytest.importorskip("zmq", reason='needs pyzmq: pip install "radixcache[events]"')
 
 from radixcache import events as ev  # noqa: E402
+from radixcache.events import codec as ev_codec  # noqa: E402
+from radixcache.events import publisher as ev_publisher  # noqa: E402
 
 LOOPBACK = "tcp://127.0.0.1:*"
 PAGE = 4
@@ -995,7 +997,7 @@ MSGPACK_VALUES = st.recursive(
     max_leaves=12,
 )
 #: Every field a stored event may carry, hybrid state fields included.
-EVENT_FIELDS = [*ev._ARRAY_FIELDS["BlockStored"], ev.STATE_KEY, ev.STATE_HASHES_KEY]
+EVENT_FIELDS = [*ev_codec._ARRAY_FIELDS["BlockStored"], ev.STATE_KEY, ev.STATE_HASHES_KEY]
 EVENT_LIKE = (
     st.fixed_dictionaries(
         {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])},
@@ -1044,7 +1046,7 @@ def publish_payload(pub: ev.KvEventPublisher, payload: bytes, monkeypatch: Any) 
     """Publish `payload` as is through the real publisher (sequence number, socket, replay
     buffer), its encoder swapped for this one call: what a buggy or newer publisher sends."""
     with monkeypatch.context() as patch:
-        patch.setattr(ev, "encode_batch", lambda events, **kwargs: payload)
+        patch.setattr(ev_publisher, "encode_batch", lambda events, **kwargs: payload)
         seq = pub.publish([Event("cleared")])
     assert seq is not None
     return seq

@@ -20,6 +20,7 @@ pytest.importorskip("msgpack", reason="the events extra (msgpack) is not install
 import radixcache as rc
 from radixcache import events as ev
 from radixcache.events import KvEventPublisher, KvEventSubscriber, wire_hash
+from radixcache.events import publisher as ev_publisher
 from radixcache.serving import workloads
 from radixcache.serving.harness import ReplayConfig, Server
 
@@ -167,7 +168,7 @@ def test_after_a_batch_it_cannot_decode_the_index_never_claims_what_the_cache_lo
             if lost is None and step >= 60 and any(e.kind == "removed" for e in events):
                 damaged = ev.encode_batch(events)[:-3]
                 with monkeypatch.context() as patch:
-                    patch.setattr(ev, "encode_batch", lambda *_, bad=damaged, **__: bad)
+                    patch.setattr(ev_publisher, "encode_batch", lambda *_, bad=damaged, **__: bad)
                     lost = wire.pub.publish(events)
             else:
                 wire.pub.publish(events)

@@ -1,102 +1,21 @@
 """A continuous-batching scheduler that drives the cache the way a serving engine does.
 
-Each step:
+Each step acknowledges the load-backs the engine finished, admits waiting requests in
+the order of the schedule policy (``"fcfs"``, or ``"lpm"``: the longest cached prefix
+first among a window of waiting requests, each overtaken a bounded number of times),
+schedules a decode token for every decoding request and a prefill chunk for the others
+(waiting for the copies in flight, then retracting the newest request, when memory runs
+out), hands the step's compute to the engine, and checkpoints and finishes requests in
+the cache. It can tell eviction the waiting queue (``lookahead``) and fetch from an L3
+tier in the background (``l3_prefetch``).
 
-1. **Acknowledge** the load-back batches the engine finished (`TransferEngine.poll`): a
-   request whose load completed goes on to prefill; one whose load failed after its
-   commit has its ``prefix_len`` dropped back by the cache and recomputes those tokens.
-2. **Admit** waiting requests while there is room (running requests, and KV memory left
-   after what the running ones will still need), in the order of the schedule policy
-   (below): ``admit`` (match, lock,
-   copy-on-write of the cached state, whose batch runs at once), then, when the rest
-   of the prefix is on the host, ``load_back`` within a memory quota, submitted to the
-   engine and committed once the engine accepted it (it completes at a later poll).
-3. **Schedule** one decode token for every decoding request (one ``extend_batch`` call
-   for all of them) and a prefill chunk for the others (at most ``chunk_size`` tokens
-   each, ``step_tokens`` in all). A chunk stops at
-   the request's ``branch_len`` (``Match.kv_len`` at admission: where its prompt leaves
-   what is cached) so that the state there is checkpointed into the tree: the next
-   request sharing that prefix reuses it (with ``lookahead``, also where a waiting
-   prompt leaves it: below). ``extend`` gives each its slots; when memory
-   runs out, the copies in flight are waited for (their slots come back as they end),
-   and then the newest running request is retracted (aborted and requeued).
-4. **Compute**: the model's forwards are enqueued, and the event recorded after them is
-   handed to the engine (``after_compute``), so that no copy runs before the compute
-   that writes its source or still reads its destination.
-5. **Cache**: ``checkpoint`` after each prefill chunk (the last one too, so that requests
-   admitted while this one decodes reuse its prompt) and when the request reaches the
-   last whole page of what it feeds (its end state, which a conversation's next turn
-   resumes from: ``finish`` at an unaligned length places none; a checkpoint there that
-   finds no state slot runs the step's batches, waits for the copies in flight and is
-   made again);
-   ``finish`` as soon as a request's last token is enqueued (the CPU runs ahead of the
-   compute, as in overlap scheduling); the batches that emits (backups, state forks)
-   run on the engine. The compute enqueued by the step before is then waited for.
-
-**Schedule policy** (the admission order). ``"fcfs"``: first come, first served.
-``"lpm"``: longest prefix match first, as serving engines order their queue (SGLang's
-``--schedule-policy lpm``): among the first ``schedule_window`` waiting requests, the one
-whose prompt reuses the most cached tokens goes first (``HybridCache.peek_prefix``: the
-match ``admit`` would get, device and host tokens, cut where a hybrid model has a state,
-with none of a match's effects, so the eviction policies' counts and order are those of
-the admissions alone); ties, and requests that reuse nothing, go in arrival order. Only
-the window is ranked, so each admission costs at most ``schedule_window`` peeks.
-Fairness is bounded: a waiting request counts the requests that arrived after it and
-were admitted before it (*overtaken*); once that reaches ``max_overtakes`` it goes next,
-before any match is ranked, so no request is overtaken more than ``max_overtakes``
-times. The scheduler knows no dependency between requests (a conversation's next turn
-is a request later in the queue, as in FCFS); ``"lpm"`` keeps their arrival order
-anyway: a later turn's prompt extends the earlier one's, so until the earlier turn ran
-the later one matches no more of the cache (a tie, in arrival order), and once overtaken
-enough both go in arrival order. The cost is reported per request: the steps it waited
-from its arrival to its first admission, and how often it was overtaken
-(`Counters.admissions`).
-
-**Lookahead** (``lookahead``). After admitting, the scheduler tells the cache the
-first ``lookahead`` waiting requests, in queue order (`HybridCache.expect`), whenever
-the queue changed since it last did (an admission, a retraction, an arrival) or a
-load-back ended. After, not before: marks made before the admissions still rank the
-requests just admitted, and the states their checkpoints place then take the slots of
-states that requests still waiting need (on `gsp` at 16 states, 0.036 of the prompt
-tokens hit instead of 0.102). Eviction keeps the nodes they will resume from until
-nothing else is left, gives out the one needed latest first, and a checkpoint whose
-state no waiting request needs sooner is let go by (the states a checkpoint or a
-finish places are ranked by the cache itself, also for a waiting prompt that goes on
-past the KV its walk saw: a conversation's next turn). While the queue is known, a
-running request holds the state it matched only while its admission copy runs, so the
-tree's slots serve the waiting requests. That is Belady's rule with the queue as
-the future: with every request of a closed batch queued, it is what the offline bound
-(`radixcache.serving.offline`) assumes known. Under ``"lpm"`` the queue order is still
-what it is told (the ranking is not repeated). The queue also shows branch points the
-tree does not know yet: at each admission the prompt is compared with the same
-waiting requests', and its prefill also stops, and checkpoints its state, where one of
-them leaves it (page-aligned, past what it matched; ``Counters.queue_cuts``), so that
-the waiting request resumes there instead of recomputing the shared part. A waiting
-prompt that holds the whole of this one (a conversation's next turn) gives no cut: the
-state this request's ``finish`` places serves it.
-
-**L3 prefetch** (``l3_prefetch``). With an L3 tier, each admission first fetches what
-the store holds of the prompt beyond both tiers, and by default waits for it
-(`L3Tier.fetch`). With ``l3_prefetch`` the fetch runs in the background instead
-(`L3Tier.start_fetch`), as SGLang HiCache's prefetch does: the request stays in the
-queue, skipped by the admission order, while other requests are admitted and computed;
-each step polls its fetch (`L3Tier.poll`, without waiting), and once it ended the
-request is admitted like any other, loading back what landed. A prefetching request
-counts towards ``max_running``, so that at most that many fetch at once and a fetch
-starts when its request could otherwise have been admitted (not at its arrival, when
-other servers have not written its prefix yet). A fetch still running
-``l3_prefetch_timeout`` seconds after it started is called off (`L3Tier.cancel`: its
-host slots go back once its read finished) and the request admitted without it
-(`Counters.l3_prefetch_timeouts`); seconds, not steps, as a store's round trip does
-not scale with a step. With nothing running, admission waits for the oldest fetch (up
-to its timeout, then calls it off) instead of stepping idle. The
-``l3_put`` batches are then written in the background too (`TransferEngine.submit`, on
-the tier's put worker thread; each step's poll ends those that finished), so neither
-direction of the store's traffic stalls a step.
-
-The scheduler uses only the public request API, `Storage` and the engine interface
-(``run``, ``submit``, ``poll``, ``after_compute``); without a model it makes exactly the
-same cache calls (for hit rates and for timing the cache alone).
+It uses only the public request API, `Storage` and the engine interface (``run``,
+``submit``, ``poll``, ``after_compute``); without a model it makes exactly the same
+cache calls (for hit rates and for timing the cache alone). What each step does and
+why, and the measurements behind the defaults: docs/serving.md, "The scheduler
+(`serving/scheduler.py`)", "Cache-aware admission (`--schedule-policy lpm`)", "Eviction
+told the waiting queue (`--lookahead`)" and, for ``l3_prefetch``, "A fleet behind a
+router: the L3 tier".
 """
 
 from __future__ import annotations
@@ -128,7 +47,8 @@ __all__ = [
     "StepSample",
 ]
 
-#: The admission orders of `Scheduler` (``schedule_policy``; see the module docstring).
+#: The admission orders of `Scheduler` (``schedule_policy``; docs/serving.md, "Cache-aware
+#: admission").
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 #: A ``schedule_policy`` name.
 SchedulePolicy = Literal["fcfs", "lpm"]
@@ -383,8 +303,8 @@ class Scheduler:
             page, to measure what branch-point checkpoints are worth).
         trace: Records each admission's state use and each state put in the tree,
             for the offline bound (`radixcache.serving.offline`); None: not recorded.
-        schedule_policy: The admission order, ``"fcfs"`` or ``"lpm"`` (see the module
-            docstring).
+        schedule_policy: The admission order, ``"fcfs"`` or ``"lpm"`` (docs/serving.md,
+            "Cache-aware admission").
         schedule_window: Waiting requests ``"lpm"`` ranks at each admission (the
             first ones in arrival order).
         max_overtakes: Under ``"lpm"``, a waiting request overtaken this many times
@@ -393,12 +313,13 @@ class Scheduler:
             beyond both tiers is fetched to the host tier (`L3Tier.fetch`), and the
             admission loads it back like any host hit; None: no L3 tier.
         l3_prefetch: Fetch from the L3 tier in the background while the request waits
-            (see the module docstring) instead of waiting at admission.
+            (docs/serving.md, "A fleet behind a router: the L3 tier") instead of waiting
+            at admission.
         l3_prefetch_timeout: Seconds a prefetch may run before it is called off.
         lookahead: Tell the cache the first this many waiting requests, in queue order,
             at each step after the queue changed (`HybridCache.expect`), and stop a
-            prefill where one of them leaves its prompt (see the module docstring); 0:
-            never.
+            prefill where one of them leaves its prompt (docs/serving.md, "Eviction told
+            the waiting queue"); 0: never.
 
     Raises:
         ValueError: A bad argument (naming it).
@@ -543,7 +464,7 @@ class Scheduler:
         self._overtaken.clear()
 
     def step(self) -> None:
-        """One scheduling step (see the module docstring)."""
+        """One scheduling step (docs/serving.md, "The scheduler")."""
         c = self.counters
         c.steps += 1
         self._end_loads(self.engine.poll())
@@ -737,10 +658,11 @@ class Scheduler:
         return tuple(sorted(cuts))
 
     def _expect(self) -> None:
-        """Tell the cache which requests come next (``lookahead``; see the module docstring).
+        """Tell the cache which requests come next (``lookahead``).
 
-        Only after the queue changed (an admission, a retraction) or a load-back ended:
-        the states a checkpoint or a finish places are ranked by the cache itself.
+        docs/serving.md, "Eviction told the waiting queue", says why. Only after the queue
+        changed (an admission, a retraction) or a load-back ended: the states a checkpoint
+        or a finish places are ranked by the cache itself.
         """
         if not self.lookahead or not self._queue_moved or not (self.waiting or self._expecting):
             return

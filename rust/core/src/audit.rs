@@ -7,8 +7,8 @@
 use std::collections::HashSet;
 
 use crate::cache::components::mamba;
+use crate::cache::eviction::{LruSet, HOT};
 use crate::cache::load::CopyOutcome;
-use crate::cache::lru::{LruSet, HOT};
 use crate::cache::report::POOLS;
 use crate::cache::sizes::Sizes;
 use crate::cache::{Cache, Payload, PoolKind, Tier};

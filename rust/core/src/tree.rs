@@ -22,15 +22,15 @@ pub(crate) const NONE: u32 = u32::MAX;
 /// | state | device KV | host KV | lock | set by |
 /// |---|---|---|---|---|
 /// | `Idle` | any | any | any | not a candidate, nothing in flight |
-/// | `Listed` | yes | any | 0 | `lru.rs` (an unlocked device leaf, or leaf to be) |
-/// | `HostListed` | no | yes | 0 | `lru.rs` (an unlocked host-only leaf) |
+/// | `Listed` | yes | any | 0 | `eviction/` (an unlocked device leaf, or leaf to be) |
+/// | `HostListed` | no | yes | 0 | `eviction/` (an unlocked host-only leaf) |
 /// | `Loading` | yes | yes | > 0 | `load.rs` (a committed load's copies in flight) |
 /// | `BackingUp` | yes | no | any | `host.rs` (a backup of its KV in flight) |
 /// | `Evicting` | yes | any | 0 | `evict.rs` (chosen by a write-back eviction; `backup`: its backup is in flight) |
 ///
 /// A node can only enter an in-flight state (`Loading`, `BackingUp`, `Evicting`) out of
 /// the eviction sets ([`crate::cache::Cache`]'s `mark_kv` unlists it first), and
-/// `lru.rs` lists only `Idle` nodes.
+/// `eviction/` lists only `Idle` nodes.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KvState {
     /// Neither an eviction candidate nor part of a transfer or eviction.
@@ -171,7 +171,7 @@ pub(crate) struct KvNode {
 }
 
 /// What became of a device state once deeper states were placed below it (the
-/// state-value policy's view; see `cache::lru`). Superseded implies continued, so the
+/// state-value policy's view; see `cache::eviction`). Superseded implies continued, so the
 /// two are one enum.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Succession {
@@ -194,7 +194,7 @@ pub(crate) enum StateMark {
     /// No device state, or one that is not a candidate (locked) and not pinned.
     #[default]
     Idle,
-    /// In the state eviction set (`lru.rs`: a device state, unlocked, not pinned).
+    /// In the state eviction set (`eviction/`: a device state, unlocked, not pinned).
     Listed,
     /// A transfer pins the device state's slot (kept by the cache from the pool's pins).
     Pinned,
@@ -222,13 +222,13 @@ pub(crate) struct MambaNode {
     /// Matches that used this state since it was cached.
     pub hits: u64,
     /// The state-value policy's aging level when the state was last used (see
-    /// `cache::lru`).
+    /// `cache::eviction`).
     pub aged: u64,
     /// Whether a state has been placed below this one (with this one the nearest state
     /// above it) since this one was placed, and whether that superseded it.
     pub succession: Succession,
     /// This state superseded the one above it, or a load-back restored it for a
-    /// request: the state-value policy counts it as used (see `cache::lru`).
+    /// request: the state-value policy counts it as used (see `cache::eviction`).
     pub resumed: bool,
     /// The state's key in the state eviction set, while it is in it.
     pub lru_key: (u64, u64),
@@ -247,7 +247,7 @@ pub(crate) struct SwaNode {
     /// upper part the entries that reach above the lower part, less the lower part's
     /// length, so a receipt's window stays exactly the nodes it covers.
     pub locks: Vec<u32>,
-    /// In the SWA eviction queue (`cache::swa`).
+    /// In the SWA eviction queue (`cache::components::swa`).
     pub queued: bool,
 }
 

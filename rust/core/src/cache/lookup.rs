@@ -5,7 +5,7 @@ use crate::tree::{Probe, NONE};
 
 use super::components::mamba;
 use super::components::Cut;
-use super::lru::{Waiting, WAITING_TAIL};
+use super::eviction::{Waiting, WAITING_TAIL};
 use super::results::Found;
 use super::sizes::Sizes;
 use super::{Cache, Match, Peek};

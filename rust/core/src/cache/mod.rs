@@ -18,7 +18,7 @@
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
-//! | `lru.rs` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order, passing over what waiting requests need |
+//! | `eviction/` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order (one file per policy), passing over what waiting requests need (`lookahead.rs`) |
 //! | `locks.rs` | live receipts | path locks, owned [`LockReceipt`]s |
 //! | `returns.rs` | the drop box | settles receipts and load records dropped unreleased |
 //! | `lookup.rs` | (the probe scratch) | `match_prefix`, path walks, splits |
@@ -40,6 +40,7 @@ pub(crate) mod components;
 pub(crate) mod copies;
 mod events;
 mod evict;
+pub(crate) mod eviction;
 mod hashing;
 pub(crate) mod host;
 mod insert;
@@ -47,7 +48,6 @@ pub(crate) mod l3;
 pub(crate) mod load;
 pub(crate) mod locks;
 mod lookup;
-pub(crate) mod lru;
 mod namespaces;
 pub(crate) mod report;
 pub(crate) mod request;
@@ -147,7 +147,7 @@ pub struct Cache {
     pools: Pools,
     roots: namespaces::Namespaces,
     sizes: sizes::Sizes,
-    lru: lru::Lru,
+    lru: eviction::Lru,
     swa: components::swa::Swa,
     locks: locks::Locks,
     returns: Arc<returns::Returns>,
@@ -223,7 +223,7 @@ impl Cache {
             pools,
             roots,
             sizes: sizes::Sizes::default(),
-            lru: lru::Lru::new(hot_cap, policy),
+            lru: eviction::Lru::new(hot_cap, policy),
             swa,
             locks: locks::Locks::default(),
             returns: Arc::default(),
@@ -297,7 +297,7 @@ impl Cache {
     }
 
     /// The eviction sets (read-only: for `audit()`).
-    pub(crate) fn lru(&self) -> &lru::Lru {
+    pub(crate) fn lru(&self) -> &eviction::Lru {
         &self.lru
     }
 

@@ -4,7 +4,7 @@
 //! lower part. Here are its hooks and its own operations: allocating state slots
 //! (evicting a state first when short), placing a state on a node, evicting and freeing
 //! one, and the map of which node holds each device state slot. The state eviction set
-//! and its policies are the eviction module's (`lru.rs`).
+//! and its policies are the eviction module's (`eviction/`).
 
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -17,7 +17,7 @@ use super::shares::{
 };
 use super::{Component, ComponentKind, Model};
 use crate::cache::copies::{PoolKind, SlotCopy, Tier};
-use crate::cache::lru::HOT;
+use crate::cache::eviction::HOT;
 use crate::cache::request::{Cow, RequestState};
 use crate::cache::results::{CallOff, Found};
 use crate::cache::{Cache, Evicted, Payload};

@@ -8,8 +8,8 @@
 //!
 //! | component | keeps per node | a match may end at a node when | evicted | a lock holds | between tiers |
 //! |---|---|---|---|---|---|
-//! | `full.rs` | KV pages (`Node.kv`), device and host | its KV is on the device (prefix-closed) | leaves only, its own order (`lru.rs`) | the path to the root | pages, both ways |
-//! | `mamba.rs` | at most one state per tier (`Node.mamba`) | it has a device state | any unlocked state (`lru.rs`) | the node's state | states, both ways |
+//! | `full.rs` | KV pages (`Node.kv`), device and host | its KV is on the device (prefix-closed) | leaves only, its own order (`eviction/`) | the path to the root | pages, both ways |
+//! | `mamba.rs` | at most one state per tier (`Node.mamba`) | it has a device state | any unlocked state (`eviction/`) | the node's state | states, both ways |
 //! | `swa.rs` | an SWA page paired with each KV page it keeps (`pool.rs`) | the last `swa_window` tokens are live | tombstones in the middle, leaves whole | the window's nodes | the paired pages |
 //!
 //! The match walk ([`Cut`]) asks every component of the model whether the match may end

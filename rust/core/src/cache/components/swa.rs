@@ -15,7 +15,7 @@
 //!   prefix is always usable.
 //! - **Eviction**: its own queue, in the SWA policy's order (`eviction_policy`'s
 //!   `"swa"`: least recently used, least often matched or lowest priority node first;
-//!   [`super::lru::Lru::swa_key`]), of the nodes with live SWA that no window lock covers. An internal node loses its SWA pages and stays as a
+//!   [`super::eviction::Lru::swa_key`]), of the nodes with live SWA that no window lock covers. An internal node loses its SWA pages and stays as a
 //!   tombstone; a leaf goes whole (with its KV: a tombstone is never a leaf). A leaf
 //!   deleted by any eviction takes its parent along when that leaves the parent an
 //!   unlocked leaf whose last page is not live (`evict.rs`).
@@ -37,7 +37,7 @@ use crate::tree::NONE;
 use super::shares::{BackupExtras, LoadExtras};
 use super::{Component, ComponentKind, Model};
 use crate::cache::copies::{PoolKind, Tier};
-use crate::cache::lru::Key;
+use crate::cache::eviction::Key;
 use crate::cache::request::RequestState;
 use crate::cache::results::CallOff;
 use crate::cache::Cache;

@@ -3,7 +3,7 @@
 //! new state go by when every state it could displace is needed sooner.
 
 use super::util::{fresh as cached, policy_cache as cache, seq, stat};
-use crate::cache::lru::WAITING_TAIL;
+use crate::cache::eviction::WAITING_TAIL;
 use crate::cache::*;
 use crate::RequestId;
 

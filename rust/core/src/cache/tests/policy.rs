@@ -155,10 +155,10 @@ fn state_value_counts_the_tokens_back_to_the_nearest_state_above() {
     cached(&mut c, &child, 0);
     let node = c.match_prefix(None, &child).node;
     let i = c.tree.resolve(node).unwrap();
-    let alone = lru::state_cost(&c.tree, i);
+    let alone = eviction::state_value::state_cost(&c.tree, i);
     // A state on the parent: the child's state saves only the last 8 tokens' compute.
     cached(&mut c, &parent, 0);
-    let below = lru::state_cost(&c.tree, i);
+    let below = eviction::state_value::state_cost(&c.tree, i);
     assert!(below < alone / 3, "{below} vs {alone}");
     c.audit().unwrap();
     // The parent's state evicted: the child's is worth all 32 tokens again (audit
@@ -169,10 +169,10 @@ fn state_value_counts_the_tokens_back_to_the_nearest_state_above() {
     c.lru.unlist_state(&mut c.tree, p);
     c.drop_state(p, &mut out);
     c.refresh(p);
-    assert_eq!(lru::state_cost(&c.tree, i), alone);
+    assert_eq!(eviction::state_value::state_cost(&c.tree, i), alone);
     c.audit().unwrap();
     // Deeper tokens weigh more: 8 tokens from depth 24 cost more than 8 from the root.
-    assert!(below > 8 * lru::DEPTH_SCALE + 7 * 8 / 2);
+    assert!(below > 8 * eviction::state_value::DEPTH_SCALE + 7 * 8 / 2);
 }
 
 #[test]
