@@ -3,7 +3,7 @@
 //!
 //! An SWA layer attends to the last `swa_window` tokens only, so a cached prefix is
 //! usable for it when the SWA KV of the last W tokens before the cut is still there.
-//! The SWA pages are paired with the KV pages by the KV pool (`pool.rs`: a KV page holds
+//! The SWA pages are paired with the KV pages by the KV pool (`pool/companion.rs`: a KV page holds
 //! at most one SWA page, which goes wherever the KV page goes and is freed with it at the
 //! latest), so the tree stores no SWA slot: a node's SWA is live on the pages that have
 //! their pair. A node none of whose pages has one is a *tombstone* for this component:
