@@ -623,23 +623,24 @@ unsafe fn convert_contiguous<S: Src, T: Target + TryFrom<S>, const SWAP: bool>(
             v
         }
     };
-    // The range check as one OR over the values' 64-bit forms: a reduction the
-    // compiler turns into vector code, where a per-element check would not be.
+    // One pass: each value is written converted (truncated) and its 64-bit form ORed
+    // into the range check, a reduction the compiler turns into vector code with the
+    // stores (a per-element check would not vectorise). The length covers the written
+    // values only once the check has passed; a value out of range is looked up again.
+    let len = out.len();
+    // SAFETY: the caller's contract: room for `n` elements past `len`; each is written
+    // below, and the length covers them only if all of them fit.
+    let dst = unsafe { out.as_mut_ptr().add(len) };
     let mut or = 0u64;
     for i in 0..n {
-        or |= get(i).widen();
+        let bits = get(i).widen();
+        or |= bits;
+        // SAFETY: `i < n`, within the room.
+        unsafe { dst.add(i).write(T::from_bits(bits)) };
     }
     if !T::all_fit(or, S::SIGNED) {
         let first = (0..n).find(|&i| T::try_from(get(i)).is_err()).unwrap_or(0);
         return Err(out_of_range::<T>(arg, get(first), first));
-    }
-    let len = out.len();
-    // SAFETY: the caller's contract: room for `n` elements past `len`; each is written
-    // below before the length covers it.
-    let dst = unsafe { out.as_mut_ptr().add(len) };
-    for i in 0..n {
-        // SAFETY: `i < n`, within the room.
-        unsafe { dst.add(i).write(T::from_bits(get(i).widen())) };
     }
     // SAFETY: the `n` elements past `len` were just written.
     unsafe { out.set_len(len + n) };
