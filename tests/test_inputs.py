@@ -430,6 +430,12 @@ def test_out_of_range_ints_name_the_argument_the_value_and_the_position(
             "tokens: token id -3 at position 1",
         ),
         (
+            # Native int64, contiguous: converted in one pass that writes each value
+            # before the range check of the whole array is known.
+            lambda: cache.match_prefix(np.array([*range(40), -1, 7], dtype=np.int64)),
+            "tokens: token id -1 at position 40",
+        ),
+        (
             lambda: cache.free_kv([0, 2**63]),
             "indices: slot 9223372036854775808 at position 1 is out of range",
         ),
