@@ -3,8 +3,8 @@
 
 use crate::tree::{Probe, NONE};
 
+use super::components::cut::Cut;
 use super::components::mamba;
-use super::components::Cut;
 use super::eviction::{Waiting, WAITING_TAIL};
 use super::results::Found;
 use super::sizes::Sizes;

@@ -10,7 +10,8 @@
 //! |---|---|---|
 //! | `copies.rs` | — (a leaf: names nothing of the cache) | the copy vocabulary: `SlotCopy`, `PoolKind`, `Tier`, `TransferBatch`, `BatchKind`, `Abandoned`, a batch's `Pins` |
 //! | `results.rs` | — (a leaf) | the plain answers: `Match`, `Peek`, `Insert`, `Evicted`, `NodeInfo`, what a match found (`Found`), why a load-back was called off (`CallOff`) |
-//! | `components/mod.rs` | the model | the `Component` trait, the match walk (`Cut`), the list of components and the one macro that dispatches every hook over it: match cut, locks, splits, a request's share (admit, extend, checkpoint, finish), what a node keeps, backup and load-back copies, eviction of a node's data, audit |
+//! | `components/mod.rs` | the model | the `Component` trait, the list of components and the one macro that dispatches every hook over it: locks, splits, a request's share (admit, extend, checkpoint, finish), what a node keeps, backup and load-back copies, eviction of a node's data, audit |
+//! | `components/cut.rs` | — | the match walk (`Cut`): every component of the model asked at each node of a matched path |
 //! | `components/shares.rs` | — (a leaf) | what a request, an insert, a backup and a load-back hold or carry per component beyond the KV |
 //! | `components/full.rs` | — | full attention (the tree's pages: the shared machinery's) |
 //! | `components/mamba.rs` | the state-slot map | the Mamba component: its hooks; allocating, placing, evicting and freeing states |

@@ -12,9 +12,10 @@
 //! | `mamba.rs` | at most one state per tier (`Node.mamba`) | it has a device state | any unlocked state (`eviction/`) | the node's state | states, both ways |
 //! | `swa.rs` | an SWA page paired with each KV page it keeps (`pool.rs`) | the last `swa_window` tokens are live | tombstones in the middle, leaves whole | the window's nodes | the paired pages |
 //!
-//! The match walk ([`Cut`]) asks every component of the model whether the match may end
-//! at each node of the path and cuts at the deepest node all accept; a lock, its release
-//! and a split call each component's hook; `audit()` runs each component's own checks.
+//! The match walk ([`Cut`](cut::Cut), in `cut.rs`) asks every component of the model
+//! whether the match may end at each node of the path and cuts at the deepest node all
+//! accept; a lock, its release and a split call each component's hook; `audit()` runs
+//! each component's own checks.
 //!
 //! The shared modules reach a component's data only through the hooks, dispatched here
 //! (`Cache::*_components`) by one macro over the list of components ([`components!`]):
@@ -50,9 +51,9 @@ use shares::{
 };
 
 /// The list of components, full attention first: `name: type` (`name` names the
-/// component's walk in [`Cut`]), each line under the attributes it needs. Calls
-/// `$then!` with `{ $args }` and the list, so that every dispatcher and [`Cut`]'s walk
-/// are generated from this one list: a new component is one more line here.
+/// component's walk in [`Cut`](cut::Cut)), each line under the attributes it needs.
+/// Calls `$then!` with `{ $args }` and the list, so that every dispatcher and the match
+/// walk are generated from this one list: a new component is one more line here.
 macro_rules! components {
     ($then:ident ! { $($args:tt)* }) => {
         $then! { { $($args)* }
@@ -87,33 +88,8 @@ macro_rules! each_component_of {
     }};
 }
 
-/// What a match walk carries per component: `Walks` with a field per component of the
-/// list, each reached through [`WalkOf`].
-macro_rules! walks_of {
-    ({} $( $(#[$a:meta])* $name:ident : $t:ty ,)*) => {
-        /// What a match walk carries from node to node, per component.
-        #[derive(Default)]
-        struct Walks {
-            $( $(#[$a])* $name: <$t as Component>::Walk, )*
-        }
-        $(
-            $(#[$a])*
-            impl WalkOf<$t> for Walks {
-                #[inline]
-                fn walk(&mut self) -> &mut <$t as Component>::Walk {
-                    &mut self.$name
-                }
-            }
-        )*
-    };
-}
-
-/// Component `C`'s part of a match walk.
-trait WalkOf<C: Component> {
-    fn walk(&mut self) -> &mut C::Walk;
-}
-
-components!(walks_of! {});
+// Declared below the macros, which it uses.
+pub(crate) mod cut;
 
 /// The kinds of layers a model may have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -393,73 +369,6 @@ pub(crate) trait Component {
     /// Node `i` loses its host data of this component (its host KV goes too).
     #[inline]
     fn drop_host(_: &mut Cache, _: u32) {}
-}
-
-/// A match walk over the model's components: cut where all of them accept.
-#[derive(Default)]
-pub(crate) struct Cut {
-    model: Model,
-    walks: Walks,
-}
-
-impl Cut {
-    /// A walk for `model`, from the root.
-    pub fn new(model: Model) -> Cut {
-        Cut {
-            model,
-            ..Cut::default()
-        }
-    }
-
-    /// Takes the path's next node (see [`Component::cut`]); true when every component
-    /// accepts a match ending there.
-    #[inline]
-    pub fn step(&mut self, c: &Cache, i: u32, depth: usize, on_device: bool) -> bool {
-        // Every component sees every node (a walk keeps its own state), so no `&&`
-        // short-circuit.
-        let mut ok = true;
-        each_component!(self.model, |C| {
-            ok &= C::cut(c, WalkOf::<C>::walk(&mut self.walks), i, depth, on_device);
-        });
-        ok
-    }
-
-    /// Whether a load-back could end a match at node `i` for every component (called
-    /// once per node, after [`Cut::step`]).
-    #[inline]
-    pub fn cut_any_tier(&mut self, c: &Cache, i: u32, depth: usize) -> bool {
-        let mut ok = true;
-        each_component!(self.model, |C| {
-            ok &= C::cut_any_tier(c, WalkOf::<C>::walk(&mut self.walks), i, depth);
-        });
-        ok
-    }
-
-    /// [`Cut::step`] and [`Cut::cut_any_tier`] for a path's last node, matched `len`
-    /// tokens into (see [`Component::cut_inside`]).
-    pub fn cut_inside(
-        &mut self,
-        c: &Cache,
-        i: u32,
-        len: usize,
-        depth: usize,
-        on_device: bool,
-    ) -> (bool, bool) {
-        let (mut device, mut any) = (true, true);
-        each_component!(self.model, |C| {
-            let (d, a) = C::cut_inside(
-                c,
-                WalkOf::<C>::walk(&mut self.walks),
-                i,
-                len,
-                depth,
-                on_device,
-            );
-            device &= d;
-            any &= a;
-        });
-        (device, any)
-    }
 }
 
 impl Cache {
