@@ -171,6 +171,48 @@ pub struct Cache {
     host_draining: [usize; 2],
 }
 
+/// The parts of the cache that a component hook works on: the nodes, the pools, the
+/// tallies, the eviction sets, the components' own books and the stats, borrowed apart
+/// from the rest ([`Cache::parts`]), so that a hook given them reaches no request, lock
+/// receipt, batch or load-back, and cannot evict (the table in `components/mod.rs`
+/// says which hooks get them). Changes to a node go through [`Parts::edit`], as they do
+/// through [`Cache::edit`], which delegates here.
+pub(crate) struct Parts<'a> {
+    config: &'a Config,
+    tree: &'a mut Tree,
+    pools: &'a mut Pools,
+    roots: &'a namespaces::Namespaces,
+    sizes: &'a mut sizes::Sizes,
+    lru: &'a mut eviction::Lru,
+    swa: &'a mut components::swa::Swa,
+    stats: &'a mut Stats,
+    state_nodes: &'a mut Vec<u32>,
+    events: &'a mut events::Events,
+}
+
+impl Parts<'_> {
+    /// Changes node `i` with `f`, keeping the size tallies right: the node's
+    /// contribution is taken out before and put back after; with events on, the node's
+    /// KV events follow (`events.rs`).
+    #[inline]
+    pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
+        let n = self.tree.node_mut(i);
+        *self.sizes -= sizes::Sizes::of(n);
+        let out = f(n);
+        *self.sizes += sizes::Sizes::of(n);
+        if self.config.events {
+            self.announce(i);
+        }
+        out
+    }
+
+    /// Puts node `i` in or out of the eviction sets according to what it is now.
+    #[inline]
+    pub(crate) fn refresh(&mut self, i: u32) {
+        self.lru.refresh(self.tree, i);
+    }
+}
+
 impl std::fmt::Debug for Cache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.summary())
@@ -365,17 +407,28 @@ impl Cache {
 
     /// Changes node `i` with `f`, keeping the size tallies right: the node's
     /// contribution is taken out before and put back after. Every change to what a node
-    /// holds or to its lock counts goes through here; with events on, so does every KV
-    /// event (`events.rs`).
+    /// holds or to its lock counts goes through here ([`Parts::edit`]); with events on,
+    /// so does every KV event (`events.rs`).
+    #[inline]
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
-        let n = self.tree.node_mut(i);
-        self.sizes -= sizes::Sizes::of(n);
-        let out = f(n);
-        self.sizes += sizes::Sizes::of(n);
-        if self.config.events {
-            self.announce(i);
+        self.parts().edit(i, f)
+    }
+
+    /// The parts of the cache a component hook works on (see [`Parts`]).
+    #[inline]
+    pub(crate) fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            config: &self.config,
+            tree: &mut self.tree,
+            pools: &mut self.pools,
+            roots: &self.roots,
+            sizes: &mut self.sizes,
+            lru: &mut self.lru,
+            swa: &mut self.swa,
+            stats: &mut self.stats,
+            state_nodes: &mut self.state_nodes,
+            events: &mut self.events,
         }
-        out
     }
 
     /// Moves node `i`'s KV state to `f` of it (a transfer or eviction starts or ends).

@@ -20,7 +20,7 @@ use crate::cache::copies::{PoolKind, SlotCopy, Tier};
 use crate::cache::eviction::HOT;
 use crate::cache::request::{Cow, RequestState};
 use crate::cache::results::{CallOff, Found};
-use crate::cache::{Cache, Evicted, Payload};
+use crate::cache::{Cache, Evicted, Parts, Payload};
 
 /// A device-to-device copy of one state slot.
 fn state_copy(src: u32, dst: u32) -> SlotCopy {
@@ -63,26 +63,26 @@ impl Component for MambaStates {
     /// Holds the node's state (a single-node lock), when the lock asks for it and the
     /// node has one.
     #[inline]
-    fn lock(c: &mut Cache, i: u32, state: bool) -> bool {
-        let has = state && c.tree.node(i).mamba.device.is_some();
+    fn lock(p: &mut Parts, i: u32, state: bool) -> bool {
+        let has = state && p.tree.node(i).mamba.device.is_some();
         if has {
-            c.edit(i, |n| n.mamba.lock += 1);
-            c.refresh(i);
+            p.edit(i, |n| n.mamba.lock += 1);
+            p.refresh(i);
         }
         has
     }
 
     #[inline]
-    fn release(c: &mut Cache, i: u32, took: bool) {
+    fn release(p: &mut Parts, i: u32, took: bool) {
         if took {
             // A locked state is never evicted: it is still there.
-            c.edit(i, |n| n.mamba.lock -= 1);
+            p.edit(i, |n| n.mamba.lock -= 1);
         }
     }
 
     /// The state stays with the lower part, which keeps the node's end.
     #[inline]
-    fn split(_: &mut Cache, _: u32, _: u32) {}
+    fn split(_: &mut Parts, _: u32, _: u32) {}
 
     /// State placement and locks are checked per node (`audit.rs`, invariant 3).
     fn audit(_: &Cache) -> Result<()> {
@@ -279,18 +279,18 @@ impl Component for MambaStates {
 
     /// The device state is freed.
     #[inline]
-    fn drop_device(c: &mut Cache, i: u32, out: &mut Evicted) {
-        c.drop_state(i, out);
+    fn drop_device(p: &mut Parts, i: u32, out: &mut Evicted) {
+        p.drop_state(i, out);
     }
 
     /// The host state is freed.
     #[inline]
-    fn drop_host(c: &mut Cache, i: u32) {
-        if c.tree.node(i).mamba.host.is_none() {
+    fn drop_host(p: &mut Parts, i: u32) {
+        if p.tree.node(i).mamba.host.is_none() {
             return;
         }
-        if let Some(slot) = c.edit(i, |n| n.mamba.host.take()) {
-            c.pools.host_mamba.release_tree(&[slot]);
+        if let Some(slot) = p.edit(i, |n| n.mamba.host.take()) {
+            p.pools.host_mamba.release_tree(&[slot]);
         }
     }
 
@@ -305,30 +305,30 @@ impl Component for MambaStates {
         Ok(())
     }
 
-    fn backup_started(c: &mut Cache, held: &BackupExtraSlots) {
+    fn backup_started(p: &mut Parts, held: &BackupExtraSlots) {
         for (id, _) in &held.states {
-            if let Ok(i) = c.tree.resolve(*id) {
-                c.edit(i, |n| n.mamba.backup_pending = true);
-                c.refresh(i);
+            if let Ok(i) = p.tree.resolve(*id) {
+                p.edit(i, |n| n.mamba.backup_pending = true);
+                p.refresh(i);
             }
         }
     }
 
     /// A node whose KV has its host copy gets the host state.
-    fn backup_settled(c: &mut Cache, held: &mut BackupExtraSlots, publish: bool) {
+    fn backup_settled(p: &mut Parts, held: &mut BackupExtraSlots, publish: bool) {
         for (id, h) in std::mem::take(&mut held.states) {
-            let Ok(i) = c.tree.resolve(id) else {
+            let Ok(i) = p.tree.resolve(id) else {
                 drop(h);
                 continue;
             };
-            c.edit(i, |n| n.mamba.backup_pending = false);
-            let n = c.tree.node(i);
+            p.edit(i, |n| n.mamba.backup_pending = false);
+            let n = p.tree.node(i);
             if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
-                c.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
+                p.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
             } else {
                 drop(h);
             }
-            c.refresh(i);
+            p.refresh(i);
         }
     }
 }
@@ -421,7 +421,7 @@ impl Cache {
         let slot = state.into_tree();
         for &s in &slot {
             // Marked pinned or not first, so that the tallies count it right at once.
-            self.place_state(s, i);
+            self.parts().place_state(s, i);
         }
         self.edit(i, |n| {
             n.mamba.device = slot.first().copied();
@@ -450,6 +450,32 @@ impl Cache {
         }
     }
 
+    /// Frees node `i`'s device state ([`Parts::drop_state`]).
+    pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
+        self.parts().drop_state(i, out);
+    }
+
+    /// After device state slots were pinned or unpinned: the nodes holding them become
+    /// eviction candidates, or stop being ones, accordingly.
+    pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
+        let mut p = self.parts();
+        for &slot in slots {
+            let i = p.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
+            if i != NONE {
+                let pinned = p.pools.mamba.pins(slot) > 0;
+                p.mark_pinned(i, pinned);
+                p.refresh(i);
+            }
+        }
+    }
+
+    /// The state's share of a lock ending at node `i` only (the path stays locked).
+    pub(crate) fn release_state_lock(&mut self, i: u32) {
+        MambaStates::release(&mut self.parts(), i, true);
+    }
+}
+
+impl Parts<'_> {
     /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
     /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
@@ -460,7 +486,7 @@ impl Cache {
             ));
             return;
         }
-        self.lru.unlist_state(&mut self.tree, i);
+        self.lru.unlist_state(self.tree, i);
         if let Some(slot) = self.edit(i, |n| {
             n.mamba.mark = StateMark::Idle;
             n.mamba.device.take()
@@ -468,7 +494,7 @@ impl Cache {
             self.place_state(slot, NONE);
             self.pools.mamba.release_tree(&[slot]);
             out.mamba_states += 1;
-            self.lru.ancestor_state_changed(&mut self.tree, i);
+            self.lru.ancestor_state_changed(self.tree, i);
         }
     }
 
@@ -488,33 +514,15 @@ impl Cache {
 
     /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
     /// the state eviction set first; an unpinned one is listed again by the next
-    /// [`Cache::refresh`].
+    /// [`Parts::refresh`].
     fn mark_pinned(&mut self, i: u32, pinned: bool) {
         let mark = self.tree.node(i).mamba.mark;
         if pinned && mark != StateMark::Pinned {
-            self.lru.unlist_state(&mut self.tree, i);
+            self.lru.unlist_state(self.tree, i);
             self.edit(i, |n| n.mamba.mark = StateMark::Pinned);
         } else if !pinned && mark == StateMark::Pinned {
             self.edit(i, |n| n.mamba.mark = StateMark::Idle);
         }
-    }
-
-    /// After device state slots were pinned or unpinned: the nodes holding them become
-    /// eviction candidates, or stop being ones, accordingly.
-    pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
-        for &slot in slots {
-            let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
-            if i != NONE {
-                let pinned = self.pools.mamba.pins(slot) > 0;
-                self.mark_pinned(i, pinned);
-                self.refresh(i);
-            }
-        }
-    }
-
-    /// The state's share of a lock ending at node `i` only (the path stays locked).
-    pub(crate) fn release_state_lock(&mut self, i: u32) {
-        MambaStates::release(self, i, true);
     }
 }
 

@@ -44,7 +44,7 @@ use crate::pool::Pages;
 use super::copies::SlotCopy;
 use super::request::RequestState;
 use super::results::{CallOff, Found};
-use super::{Cache, Evicted};
+use super::{Cache, Evicted, Parts};
 use shares::{
     BackupExtraSlots, BackupExtras, BackupOutcome, LoadExtras, NeededSlots, RequestShare,
     TakenSlots,
@@ -209,14 +209,14 @@ pub(crate) trait Component {
     /// A lock of the path ending at node `i` was taken (`state`: it holds the node's
     /// state too): takes this component's share. Returns whether it took something the
     /// receipt must give back (told to [`Component::release`]).
-    fn lock(c: &mut Cache, i: u32, state: bool) -> bool;
+    fn lock(p: &mut Parts, i: u32, state: bool) -> bool;
 
     /// The lock ending at node `i` is released; `took`: some component's
     /// [`Component::lock`] took something the receipt gives back.
-    fn release(c: &mut Cache, i: u32, took: bool);
+    fn release(p: &mut Parts, i: u32, took: bool);
 
     /// Node `lower` was split: `upper` is its new upper part.
-    fn split(c: &mut Cache, upper: u32, lower: u32);
+    fn split(p: &mut Parts, upper: u32, lower: u32);
 
     /// Checks what this component keeps (beyond the checks every pool and node gets).
     fn audit(c: &Cache) -> Result<()>;
@@ -284,7 +284,7 @@ pub(crate) trait Component {
     /// An insert passed node `i`, which has device KV, with its own copy of it (`dup`,
     /// freed afterwards).
     #[inline]
-    fn passed_duplicate(_: &mut Cache, _: u32, _: &[u32]) {}
+    fn passed_duplicate(_: &mut Parts, _: u32, _: &[u32]) {}
 
     // The host tier.
 
@@ -313,12 +313,12 @@ pub(crate) trait Component {
 
     /// A backup batch holding `held` was emitted: its nodes' data is marked in flight.
     #[inline]
-    fn backup_started(_: &mut Cache, _: &BackupExtraSlots) {}
+    fn backup_started(_: &mut Parts, _: &BackupExtraSlots) {}
 
     /// A backup batch holding `held` ended: with `publish`, the nodes get their host
     /// copies; the in-flight marks go.
     #[inline]
-    fn backup_settled(_: &mut Cache, _: &mut BackupExtraSlots, _: bool) {}
+    fn backup_settled(_: &mut Parts, _: &mut BackupExtraSlots, _: bool) {}
 
     /// Plans a load-back of the path to node `j` (for a request: `for_request`): what
     /// this component loads, into `plan`. An error refuses it (nothing taken).
@@ -364,11 +364,11 @@ pub(crate) trait Component {
     /// Node `i` (unlocked) loses its device data of this component, counted in `out`
     /// (it is demoted or deleted). The KV's paired pages go with the KV.
     #[inline]
-    fn drop_device(_: &mut Cache, _: u32, _: &mut Evicted) {}
+    fn drop_device(_: &mut Parts, _: u32, _: &mut Evicted) {}
 
     /// Node `i` loses its host data of this component (its host KV goes too).
     #[inline]
-    fn drop_host(_: &mut Cache, _: u32) {}
+    fn drop_host(_: &mut Parts, _: u32) {}
 }
 
 impl Cache {
@@ -386,9 +386,10 @@ impl Cache {
     /// Every component's share of a lock ending at node `i` (the node's state only with
     /// `state`); returns what the receipt must give back (the state lock).
     pub(crate) fn lock_components(&mut self, i: u32, state: bool) -> bool {
+        let (model, mut p) = (self.model, self.parts());
         let mut took = false;
-        each_component!(self.model, |C| {
-            took |= C::lock(self, i, state);
+        each_component!(model, |C| {
+            took |= C::lock(&mut p, i, state);
         });
         took
     }
@@ -396,15 +397,17 @@ impl Cache {
     /// Every component's share of releasing the lock ending at node `i` (`took`: what
     /// [`Cache::lock_components`] said).
     pub(crate) fn release_components(&mut self, i: u32, took: bool) {
-        each_component!(self.model, |C| {
-            C::release(self, i, took);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::release(&mut p, i, took);
         });
     }
 
     /// Every component's share of splitting node `lower` (its new upper part `upper`).
     pub(crate) fn split_components(&mut self, upper: u32, lower: u32) {
-        each_component!(self.model, |C| {
-            C::split(self, upper, lower);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::split(&mut p, upper, lower);
         });
     }
 
@@ -503,8 +506,9 @@ impl Cache {
     /// its device KV.
     #[inline]
     pub(crate) fn passed_duplicate_components(&mut self, i: u32, dup: &[u32]) {
-        each_component!(self.model, |C| {
-            C::passed_duplicate(self, i, dup);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::passed_duplicate(&mut p, i, dup);
         });
     }
 
@@ -550,15 +554,17 @@ impl Cache {
 
     /// Every component's share of emitting a backup batch that holds `held`.
     pub(crate) fn backup_started_components(&mut self, held: &BackupExtraSlots) {
-        each_component!(self.model, |C| {
-            C::backup_started(self, held);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::backup_started(&mut p, held);
         });
     }
 
     /// Every component's share of a backup batch that holds `held` ending.
     pub(crate) fn backup_settled_components(&mut self, held: &mut BackupExtraSlots, publish: bool) {
-        each_component!(self.model, |C| {
-            C::backup_settled(self, held, publish);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::backup_settled(&mut p, held, publish);
         });
     }
 
@@ -622,16 +628,18 @@ impl Cache {
     /// Every component's device data on node `i` goes ([`Component::drop_device`]).
     #[inline]
     pub(crate) fn drop_device_components(&mut self, i: u32, out: &mut Evicted) {
-        each_component!(self.model, |C| {
-            C::drop_device(self, i, out);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::drop_device(&mut p, i, out);
         });
     }
 
     /// Every component's host data on node `i` goes ([`Component::drop_host`]).
     #[inline]
     pub(crate) fn drop_host_components(&mut self, i: u32) {
-        each_component!(self.model, |C| {
-            C::drop_host(self, i);
+        let (model, mut p) = (self.model, self.parts());
+        each_component!(model, |C| {
+            C::drop_host(&mut p, i);
         });
     }
 

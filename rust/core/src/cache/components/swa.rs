@@ -40,7 +40,8 @@ use crate::cache::copies::{PoolKind, Tier};
 use crate::cache::eviction::Key;
 use crate::cache::request::RequestState;
 use crate::cache::results::CallOff;
-use crate::cache::Cache;
+use crate::cache::{Cache, Parts, Pools};
+use crate::tree::Tree;
 
 mod evict;
 
@@ -132,17 +133,17 @@ impl Component for SlidingWindow {
         )
     }
 
-    fn lock(c: &mut Cache, i: u32, _: bool) -> bool {
-        c.swa_lock(i);
+    fn lock(p: &mut Parts, i: u32, _: bool) -> bool {
+        p.swa_lock(i);
         false
     }
 
-    fn release(c: &mut Cache, i: u32, _: bool) {
-        c.swa_unlock(i);
+    fn release(p: &mut Parts, i: u32, _: bool) {
+        p.swa_unlock(i);
     }
 
-    fn split(c: &mut Cache, upper: u32, lower: u32) {
-        c.swa_split(upper, lower);
+    fn split(p: &mut Parts, upper: u32, lower: u32) {
+        p.swa_split(upper, lower);
     }
 
     fn audit(c: &Cache) -> Result<()> {
@@ -160,8 +161,8 @@ impl Component for SlidingWindow {
     }
 
     /// Dead window pages of the node revive from the duplicate's SWA pages.
-    fn passed_duplicate(c: &mut Cache, i: u32, dup: &[u32]) {
-        c.swa_revive(i, dup);
+    fn passed_duplicate(p: &mut Parts, i: u32, dup: &[u32]) {
+        p.swa_revive(i, dup);
     }
 
     /// A leaf ending in a dead SWA page would be a host tombstone leaf.
@@ -227,10 +228,9 @@ impl Cache {
 
     /// Tokens at the end of node `i` whose SWA KV is live (its trailing pages that have
     /// their SWA page).
+    #[inline]
     pub(crate) fn swa_tail(&self, i: u32) -> usize {
-        self.tree.node(i).kv.device.as_deref().map_or(0, |pages| {
-            self.pools.kv.companion_tail(pages) * self.config.page_size
-        })
+        live_tail(&self.tree, &self.pools, self.config.page_size, i)
     }
 
     /// Whether node `i` ends in a dead SWA page (a tombstone, or a node whose tail went):
@@ -400,85 +400,6 @@ impl Cache {
         }
         self.swa_copy_into(&src, Tier::Device, &dst, &mut copy);
         Some(copy)
-    }
-
-    /// Adds a window lock ending at node `i`: an entry on every node the last `need`
-    /// tokens of its path touch.
-    pub(crate) fn swa_lock(&mut self, i: u32) {
-        let mut left = self.swa.need;
-        let mut cur = i;
-        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
-            let n = self.tree.node_mut(cur);
-            n.swa.locks.push(crate::pool::index_u32(left));
-            left = left.saturating_sub(n.key.len());
-            cur = n.parent;
-        }
-    }
-
-    /// Removes the window lock ending at node `i` (exactly the entries
-    /// [`Cache::swa_lock`] added, splits since included); a node left without a window
-    /// lock becomes an eviction candidate again. An entry that is not there is a bug,
-    /// which breaks the cache (see [`Cache::fault`]).
-    pub(crate) fn swa_unlock(&mut self, i: u32) {
-        let mut left = self.swa.need;
-        let mut cur = i;
-        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
-            let want = crate::pool::index_u32(left);
-            let n = self.tree.node_mut(cur);
-            if let Some(k) = n.swa.locks.iter().position(|&e| e == want) {
-                n.swa.locks.swap_remove(k);
-            } else {
-                let id = self.tree.id(cur);
-                self.pools.kv.record_fault(format!(
-                    "illegal SWA unlock: node {id} holds no window lock of {want} tokens"
-                ));
-                return;
-            }
-            let (len, parent) = (n.key.len(), n.parent);
-            self.swa_enqueue(cur);
-            left = left.saturating_sub(len);
-            cur = parent;
-        }
-    }
-
-    /// After node `lower` was split, its new upper part `upper` takes the window locks
-    /// that reach above `lower` (less `lower`'s length), and is queued if it can be
-    /// evicted.
-    pub(crate) fn swa_split(&mut self, upper: u32, lower: u32) {
-        if !self.has_swa() {
-            return;
-        }
-        let l = self.tree.node(lower);
-        let len = crate::pool::index_u32(l.key.len());
-        let reach: Vec<u32> = l
-            .swa
-            .locks
-            .iter()
-            .filter(|&&e| e > len)
-            .map(|&e| e - len)
-            .collect();
-        self.tree.node_mut(upper).swa.locks = reach;
-        self.swa_enqueue(upper);
-    }
-
-    /// Moves the SWA pages of a caller's duplicate pages `dup` onto node `i`'s last
-    /// pages that have none (a tombstone revived by an insert of the same tokens): each
-    /// SWA page goes to the node's page of the same tokens, so its slot keeps the KV its
-    /// tokens wrote (a fresh page would hold another sequence's).
-    pub(crate) fn swa_revive(&mut self, i: u32, dup: &[u32]) {
-        let Some(pages) = self.tree.node(i).kv.device.as_deref() else {
-            return;
-        };
-        // The duplicates are the node's last pages, aligned from the end.
-        let n = dup.len().min(pages.len());
-        let moved = self
-            .pools
-            .kv
-            .move_companions(&dup[dup.len() - n..], &pages[pages.len() - n..]);
-        if moved > 0 {
-            self.stats.swa_revived_pages += moved as u64;
-            self.swa_enqueue(i);
-        }
     }
 
     /// Checks the SWA component: every request's window has its SWA pages, the window
@@ -668,4 +589,108 @@ impl Cache {
         let first = (start / ps).min(last);
         (start, self.pools.kv.companions(&pages[first..last]))
     }
+}
+
+impl Parts<'_> {
+    /// True when the model has SWA layers.
+    #[inline]
+    fn has_swa(&self) -> bool {
+        self.swa.need > 0
+    }
+
+    /// [`Cache::swa_tail`].
+    #[inline]
+    pub(crate) fn swa_tail(&self, i: u32) -> usize {
+        live_tail(self.tree, self.pools, self.config.page_size, i)
+    }
+
+    /// Adds a window lock ending at node `i`: an entry on every node the last `need`
+    /// tokens of its path touch.
+    pub(crate) fn swa_lock(&mut self, i: u32) {
+        let mut left = self.swa.need;
+        let mut cur = i;
+        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
+            let n = self.tree.node_mut(cur);
+            n.swa.locks.push(crate::pool::index_u32(left));
+            left = left.saturating_sub(n.key.len());
+            cur = n.parent;
+        }
+    }
+
+    /// Removes the window lock ending at node `i` (exactly the entries
+    /// [`Parts::swa_lock`] added, splits since included); a node left without a window
+    /// lock becomes an eviction candidate again. An entry that is not there is a bug,
+    /// which breaks the cache (see [`Cache::fault`]).
+    pub(crate) fn swa_unlock(&mut self, i: u32) {
+        let mut left = self.swa.need;
+        let mut cur = i;
+        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
+            let want = crate::pool::index_u32(left);
+            let n = self.tree.node_mut(cur);
+            if let Some(k) = n.swa.locks.iter().position(|&e| e == want) {
+                n.swa.locks.swap_remove(k);
+            } else {
+                let id = self.tree.id(cur);
+                self.pools.kv.record_fault(format!(
+                    "illegal SWA unlock: node {id} holds no window lock of {want} tokens"
+                ));
+                return;
+            }
+            let (len, parent) = (n.key.len(), n.parent);
+            self.swa_enqueue(cur);
+            left = left.saturating_sub(len);
+            cur = parent;
+        }
+    }
+
+    /// After node `lower` was split, its new upper part `upper` takes the window locks
+    /// that reach above `lower` (less `lower`'s length), and is queued if it can be
+    /// evicted.
+    pub(crate) fn swa_split(&mut self, upper: u32, lower: u32) {
+        if !self.has_swa() {
+            return;
+        }
+        let l = self.tree.node(lower);
+        let len = crate::pool::index_u32(l.key.len());
+        let reach: Vec<u32> = l
+            .swa
+            .locks
+            .iter()
+            .filter(|&&e| e > len)
+            .map(|&e| e - len)
+            .collect();
+        self.tree.node_mut(upper).swa.locks = reach;
+        self.swa_enqueue(upper);
+    }
+
+    /// Moves the SWA pages of a caller's duplicate pages `dup` onto node `i`'s last
+    /// pages that have none (a tombstone revived by an insert of the same tokens): each
+    /// SWA page goes to the node's page of the same tokens, so its slot keeps the KV its
+    /// tokens wrote (a fresh page would hold another sequence's).
+    pub(crate) fn swa_revive(&mut self, i: u32, dup: &[u32]) {
+        let Some(pages) = self.tree.node(i).kv.device.as_deref() else {
+            return;
+        };
+        // The duplicates are the node's last pages, aligned from the end.
+        let n = dup.len().min(pages.len());
+        let moved = self
+            .pools
+            .kv
+            .move_companions(&dup[dup.len() - n..], &pages[pages.len() - n..]);
+        if moved > 0 {
+            self.stats.swa_revived_pages += moved as u64;
+            self.swa_enqueue(i);
+        }
+    }
+}
+
+/// Tokens at the end of node `i` of `tree` whose SWA KV is live (its trailing device
+/// pages that have their SWA page in `pools`).
+#[inline]
+fn live_tail(tree: &Tree, pools: &Pools, page_size: usize, i: u32) -> usize {
+    tree.node(i)
+        .kv
+        .device
+        .as_deref()
+        .map_or(0, |pages| pools.kv.companion_tail(pages) * page_size)
 }
