@@ -15,7 +15,7 @@
 //! | `components/shares.rs` | — (a leaf) | what a request, an insert, a backup and a load-back hold or carry per component beyond the KV |
 //! | `components/full.rs` | — | full attention (the tree's pages: the shared machinery's) |
 //! | `components/mamba.rs` | the state-slot map | the Mamba component: its hooks; allocating, placing, evicting and freeing states |
-//! | `components/swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), window locks, SWA backup copies, a request's window; its eviction in `components/swa/evict.rs` (tombstones, the queue) |
+//! | `components/swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), window locks, SWA backup copies, a request's window; its eviction in `components/swa/evict.rs` (tombstones, the queue), its `audit()` checks in `components/swa/audit.rs` |
 //! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
@@ -190,7 +190,24 @@ pub(crate) struct Parts<'a> {
     events: &'a mut events::Events,
 }
 
+/// What a component hook that only reads works on: the nodes, the pools, the eviction
+/// sets and the components' own books, borrowed from the cache ([`Cache::view`]); the
+/// read-only twin of [`Parts`].
+pub(crate) struct View<'a> {
+    config: &'a Config,
+    tree: &'a Tree,
+    pools: &'a Pools,
+    lru: &'a eviction::Lru,
+    swa: &'a components::swa::Swa,
+}
+
 impl Parts<'_> {
+    /// [`Cache::expand_into`].
+    #[inline]
+    pub(crate) fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
+        expand_into(self.config.page_size, pages, out);
+    }
+
     /// Changes node `i` with `f`, keeping the size tallies right: the node's
     /// contribution is taken out before and put back after; with events on, the node's
     /// KV events follow (`events.rs`).
@@ -414,6 +431,18 @@ impl Cache {
         self.parts().edit(i, f)
     }
 
+    /// What a read-only component hook reads (see [`View`]).
+    #[inline]
+    pub(crate) fn view(&self) -> View<'_> {
+        View {
+            config: &self.config,
+            tree: &self.tree,
+            pools: &self.pools,
+            lru: &self.lru,
+            swa: &self.swa,
+        }
+    }
+
     /// The parts of the cache a component hook works on (see [`Parts`]).
     #[inline]
     pub(crate) fn parts(&mut self) -> Parts<'_> {
@@ -469,22 +498,9 @@ impl Cache {
     }
 
     /// Appends the slots of KV pages `pages` to `out`.
+    #[inline]
     pub(crate) fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
-        let ps = self.config.page_size;
-        if ps == 1 {
-            out.extend(pages.iter().map(|&p| i64::from(p)));
-        } else {
-            // Filled page by page in place: the inner loop over a fixed-size chunk
-            // vectorises, where extending from a range per page does not.
-            let start = out.len();
-            out.resize(start + pages.len() * ps, 0);
-            for (chunk, &p) in out[start..].chunks_exact_mut(ps).zip(pages) {
-                let base = i64::from(p) * as_i64(ps);
-                for (slot, offset) in chunk.iter_mut().zip(0..) {
-                    *slot = base + offset;
-                }
-            }
-        }
+        expand_into(self.config.page_size, pages, out);
     }
 
     /// Hands an ended batch's payload back to the module that owns it, with whether
@@ -515,6 +531,24 @@ impl Cache {
     ) {
         if let Payload::L3Get(get) = payload {
             self.l3_get_ended(get, pages, state, gone);
+        }
+    }
+}
+
+/// Appends the slots of KV pages `pages` (of `ps` tokens) to `out`.
+fn expand_into(ps: usize, pages: &[u32], out: &mut Vec<i64>) {
+    if ps == 1 {
+        out.extend(pages.iter().map(|&p| i64::from(p)));
+    } else {
+        // Filled page by page in place: the inner loop over a fixed-size chunk
+        // vectorises, where extending from a range per page does not.
+        let start = out.len();
+        out.resize(start + pages.len() * ps, 0);
+        for (chunk, &p) in out[start..].chunks_exact_mut(ps).zip(pages) {
+            let base = i64::from(p) * as_i64(ps);
+            for (slot, offset) in chunk.iter_mut().zip(0..) {
+                *slot = base + offset;
+            }
         }
     }
 }

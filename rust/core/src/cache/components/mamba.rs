@@ -20,7 +20,7 @@ use crate::cache::copies::{PoolKind, SlotCopy, Tier};
 use crate::cache::eviction::HOT;
 use crate::cache::request::{Cow, RequestState};
 use crate::cache::results::{CallOff, Found};
-use crate::cache::{Cache, Evicted, Parts, Payload};
+use crate::cache::{Cache, Evicted, Parts, Payload, View};
 
 /// A device-to-device copy of one state slot.
 fn state_copy(src: u32, dst: u32) -> SlotCopy {
@@ -117,8 +117,8 @@ impl Component for MambaStates {
     }
 
     #[inline]
-    fn slots_available(c: &Cache, needed: NeededSlots) -> bool {
-        needed.states == 0 || c.states_available(needed.states)
+    fn slots_available(v: &View, needed: NeededSlots) -> bool {
+        needed.states == 0 || v.states_available(needed.states)
     }
 
     fn take_slots(c: &mut Cache, needed: NeededSlots, taken: &mut TakenSlots) -> bool {
@@ -184,7 +184,7 @@ impl Component for MambaStates {
 
     /// The state lands on the node when the sequence ends there and the node has none.
     #[inline]
-    fn keep_on_node(c: &mut Cache, i: u32, at_end: bool, share: &mut RequestShare) -> bool {
+    fn keep_on_node(p: &mut Parts, i: u32, at_end: bool, share: &mut RequestShare) -> bool {
         let Some(state) = share.state.take() else {
             return false;
         };
@@ -192,23 +192,23 @@ impl Component for MambaStates {
             // Taken at the sequence's end, which is no node's end.
             return false;
         }
-        if c.tree.node(i).mamba.device.is_some() {
+        if p.tree.node(i).mamba.device.is_some() {
             return true;
         }
-        c.set_state(i, state);
+        p.set_state(i, state);
         // A waiting request told of (`Cache::expect`) may resume from it: marked at once,
         // as a checkpoint's state is.
-        if c.lru.expecting() {
-            let rank = c.lru.rank_of(&c.tree, i, c.tree.depth(i));
-            c.lru.mark(&mut c.tree, i, rank);
+        if p.lru.expecting() {
+            let rank = p.lru.rank_of(p.tree, i, p.tree.depth(i));
+            p.lru.mark(p.tree, i, rank);
         }
         false
     }
 
     /// A leaf without a state on any tier could not end a match on the host.
     #[inline]
-    fn backup_useless(c: &Cache, i: u32) -> bool {
-        let m = &c.tree.node(i).mamba;
+    fn backup_useless(v: &View, i: u32) -> bool {
+        let m = &v.tree.node(i).mamba;
         m.device.is_none() && m.host.is_none()
     }
 
@@ -249,8 +249,8 @@ impl Component for MambaStates {
 
     /// A target without a device state gets its host state back (and so does the
     /// request); a request cannot run from a node with a state on no tier.
-    fn load_plan(c: &Cache, j: u32, for_request: bool, plan: &mut LoadExtras) -> Result<()> {
-        let n = c.tree.node(j);
+    fn load_plan(v: &View, j: u32, for_request: bool, plan: &mut LoadExtras) -> Result<()> {
+        let n = v.tree.node(j);
         if n.mamba.device.is_none() && !n.is_root() {
             plan.restore_from = n.mamba.host;
             plan.for_request = for_request;
@@ -266,14 +266,14 @@ impl Component for MambaStates {
 
     /// A node ends a match only with a device state.
     #[inline]
-    fn live_end(c: &Cache, i: u32) -> bool {
-        c.tree.node(i).mamba.device.is_some()
+    fn live_end(v: &View, i: u32) -> bool {
+        v.tree.node(i).mamba.device.is_some()
     }
 
     /// A match needs a state on its path: a host state, or children.
     #[inline]
-    fn useful_on_host(c: &Cache, i: u32) -> bool {
-        let n = c.tree.node(i);
+    fn useful_on_host(v: &View, i: u32) -> bool {
+        let n = v.tree.node(i);
         n.mamba.host.is_some() || !n.children.is_empty()
     }
 
@@ -377,12 +377,6 @@ impl Cache {
         }
     }
 
-    /// Whether `n` state slots can be had now: free, or held by states that can be
-    /// reclaimed (unlocked, unpinned: the state eviction set).
-    pub(crate) fn states_available(&self, n: usize) -> bool {
-        self.pools.mamba.free_pages() + self.lru.state_count() >= n
-    }
-
     /// One host state slot; when none is free, evicts the least recently used unlocked
     /// host-only leaf that holds one (and nothing when there is none, or when a slot
     /// is on its way: one an eviction put still reads, see [`Cache::alloc_host_pages`]).
@@ -402,35 +396,10 @@ impl Cache {
         got
     }
 
-    /// Publishes a state slot on node `i` (which has device KV and no state). Anything
-    /// else would be a bug, which breaks the cache (see [`Cache::fault`]); the slot then
-    /// goes back to the pool.
+    /// Publishes a state slot on node `i` ([`Parts::set_state`]; the unit tests' way in).
+    #[cfg(test)]
     pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
-        let n = self.tree.node(i);
-        if n.mamba.device.is_some() || n.kv.device.is_none() || state.len() != 1 {
-            self.pools.mamba.record_fault(format!(
-                "illegal state transition: {} state slots for node {}, which has a state: {}, \
-                 device KV: {}",
-                state.len(),
-                self.tree.id(i),
-                n.mamba.device.is_some(),
-                n.kv.device.is_some()
-            ));
-            return;
-        }
-        let slot = state.into_tree();
-        for &s in &slot {
-            // Marked pinned or not first, so that the tallies count it right at once.
-            self.parts().place_state(s, i);
-        }
-        self.edit(i, |n| {
-            n.mamba.device = slot.first().copied();
-            n.mamba.hits = 0;
-        });
-        self.stats.states_cached += 1;
-        self.touch_state(i, false);
-        self.refresh(i);
-        self.lru.state_placed(&mut self.tree, i);
+        self.parts().set_state(i, state);
     }
 
     /// Evicts node `i`'s (unlocked) state: an unlocked leaf goes with its KV, any other
@@ -476,6 +445,37 @@ impl Cache {
 }
 
 impl Parts<'_> {
+    /// Publishes a state slot on node `i` (which has device KV and no state). Anything
+    /// else would be a bug, which breaks the cache (see [`Cache::fault`]); the slot then
+    /// goes back to the pool.
+    pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
+        let n = self.tree.node(i);
+        if n.mamba.device.is_some() || n.kv.device.is_none() || state.len() != 1 {
+            self.pools.mamba.record_fault(format!(
+                "illegal state transition: {} state slots for node {}, which has a state: {}, \
+                 device KV: {}",
+                state.len(),
+                self.tree.id(i),
+                n.mamba.device.is_some(),
+                n.kv.device.is_some()
+            ));
+            return;
+        }
+        let slot = state.into_tree();
+        for &s in &slot {
+            // Marked pinned or not first, so that the tallies count it right at once.
+            self.place_state(s, i);
+        }
+        self.edit(i, |n| {
+            n.mamba.device = slot.first().copied();
+            n.mamba.hits = 0;
+        });
+        self.stats.states_cached += 1;
+        self.lru.touch_state(self.tree, i, false);
+        self.refresh(i);
+        self.lru.state_placed(self.tree, i);
+    }
+
     /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
     /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
@@ -578,4 +578,12 @@ pub(crate) fn set_host_state_from_l3(n: &mut Node, slot: Option<u32>) {
 #[inline]
 pub(crate) fn announced(n: &Node) -> Announced {
     Announced::of(n, n.mamba.device.is_some(), n.mamba.host.is_some())
+}
+
+impl View<'_> {
+    /// Whether `n` state slots can be had now: free, or held by states that can be
+    /// reclaimed (unlocked, unpinned: the state eviction set).
+    pub(crate) fn states_available(&self, n: usize) -> bool {
+        self.pools.mamba.free_pages() + self.lru.state_count() >= n
+    }
 }

@@ -44,7 +44,7 @@ use crate::pool::Pages;
 use super::copies::SlotCopy;
 use super::request::RequestState;
 use super::results::{CallOff, Found};
-use super::{Cache, Evicted, Parts};
+use super::{Cache, Evicted, Parts, View};
 use shares::{
     BackupExtraSlots, BackupExtras, BackupOutcome, LoadExtras, NeededSlots, RequestShare,
     TakenSlots,
@@ -244,7 +244,7 @@ pub(crate) trait Component {
 
     /// Whether this component's part of `needed` can be had now.
     #[inline]
-    fn slots_available(_: &Cache, _: NeededSlots) -> bool {
+    fn slots_available(_: &View, _: NeededSlots) -> bool {
         true
     }
 
@@ -277,7 +277,7 @@ pub(crate) trait Component {
     /// device KV): the node keeps what it can use, the rest goes back as `share` drops.
     /// True when the node had its own already.
     #[inline]
-    fn keep_on_node(_: &mut Cache, _: u32, _: bool, _: &mut RequestShare) -> bool {
+    fn keep_on_node(_: &mut Parts, _: u32, _: bool, _: &mut RequestShare) -> bool {
         false
     }
 
@@ -291,7 +291,7 @@ pub(crate) trait Component {
     /// Whether leaf `i`, being evicted, would be of no use on the host (no match could
     /// end there), so that a write-back eviction does not back it up.
     #[inline]
-    fn backup_useless(_: &Cache, _: u32) -> bool {
+    fn backup_useless(_: &View, _: u32) -> bool {
         false
     }
 
@@ -299,7 +299,7 @@ pub(crate) trait Component {
     /// data paired with them, adding its copies to `copies`. False (having taken
     /// nothing) when short of room: the KV is then backed up without it.
     #[inline]
-    fn backup_paired_pages(_: &mut Cache, _: u32, _: &[u32], _: &mut BackupExtras) -> bool {
+    fn backup_paired_pages(_: &mut Parts, _: u32, _: &[u32], _: &mut BackupExtras) -> bool {
         true
     }
 
@@ -323,7 +323,7 @@ pub(crate) trait Component {
     /// Plans a load-back of the path to node `j` (for a request: `for_request`): what
     /// this component loads, into `plan`. An error refuses it (nothing taken).
     #[inline]
-    fn load_plan(_: &Cache, _: u32, _: bool, _: &mut LoadExtras) -> Result<()> {
+    fn load_plan(_: &View, _: u32, _: bool, _: &mut LoadExtras) -> Result<()> {
         Ok(())
     }
 
@@ -350,14 +350,14 @@ pub(crate) trait Component {
     /// Whether a match could end at node `i`'s end on the device as far as this
     /// component goes (a childless node at whose end none can is dead weight).
     #[inline]
-    fn live_end(_: &Cache, _: u32) -> bool {
+    fn live_end(_: &View, _: u32) -> bool {
         true
     }
 
     /// Whether node `i`, which has a host KV copy, is worth keeping host-only as far as
     /// this component goes (a match could end there once loaded back, or below it).
     #[inline]
-    fn useful_on_host(_: &Cache, _: u32) -> bool {
+    fn useful_on_host(_: &View, _: u32) -> bool {
         true
     }
 
@@ -448,9 +448,10 @@ impl Cache {
     /// Whether what `needed` says can be had now.
     #[inline]
     pub(crate) fn slots_available(&self, needed: NeededSlots) -> bool {
+        let v = self.view();
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::slots_available(self, needed);
+            ok = ok && C::slots_available(&v, needed);
         });
         ok
     }
@@ -495,9 +496,10 @@ impl Cache {
         at_end: bool,
         share: &mut RequestShare,
     ) -> bool {
+        let (model, mut p) = (self.model, self.parts());
         let mut had = false;
-        each_component!(self.model, |C| {
-            had |= C::keep_on_node(self, i, at_end, share);
+        each_component!(model, |C| {
+            had |= C::keep_on_node(&mut p, i, at_end, share);
         });
         had
     }
@@ -515,9 +517,10 @@ impl Cache {
     /// Whether some component finds leaf `i` of no use on the host
     /// ([`Component::backup_useless`]).
     pub(crate) fn backup_useless_components(&self, i: u32) -> bool {
+        let v = self.view();
         let mut useless = false;
         each_component!(self.model, |C| {
-            useless = useless || C::backup_useless(self, i);
+            useless = useless || C::backup_useless(&v, i);
         });
         useless
     }
@@ -530,9 +533,10 @@ impl Cache {
         host: &[u32],
         copies: &mut BackupExtras,
     ) -> bool {
+        let (model, mut p) = (self.model, self.parts());
         let mut ok = true;
-        each_component!(self.model, |C| {
-            ok &= C::backup_paired_pages(self, i, host, copies);
+        each_component!(model, |C| {
+            ok &= C::backup_paired_pages(&mut p, i, host, copies);
         });
         ok
     }
@@ -571,9 +575,10 @@ impl Cache {
     /// Every component's share of planning a load-back to node `j`
     /// ([`Component::load_plan`]).
     pub(crate) fn load_plan_components(&self, j: u32, for_request: bool) -> Result<LoadExtras> {
+        let v = self.view();
         let mut plan = LoadExtras::default();
         each_component!(self.model, |C| {
-            C::load_plan(self, j, for_request, &mut plan)?;
+            C::load_plan(&v, j, for_request, &mut plan)?;
         });
         Ok(plan)
     }
@@ -607,9 +612,10 @@ impl Cache {
     /// ([`Component::live_end`]).
     #[inline]
     pub(crate) fn live_end_components(&self, i: u32) -> bool {
+        let v = self.view();
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::live_end(self, i);
+            ok = ok && C::live_end(&v, i);
         });
         ok
     }
@@ -618,9 +624,10 @@ impl Cache {
     /// component ([`Component::useful_on_host`]).
     #[inline]
     pub(crate) fn useful_on_host_components(&self, i: u32) -> bool {
+        let v = self.view();
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::useful_on_host(self, i);
+            ok = ok && C::useful_on_host(&v, i);
         });
         ok
     }
