@@ -16,7 +16,7 @@
 //! | `components/full.rs` | — | full attention (the tree's pages: the shared machinery's) |
 //! | `components/mamba.rs` | the state-slot map | the Mamba component: its hooks; allocating, placing, evicting and freeing states |
 //! | `components/swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), window locks, SWA backup copies, a request's window; its eviction in `components/swa/evict.rs` (tombstones, the queue), its `audit()` checks in `components/swa/audit.rs` |
-//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
+//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it, as [`Parts::edit`]); what a component hook receives: [`Parts`], disjoint borrows of the fields a hook changes (nodes, pools, tallies, eviction sets, the components' books, stats), and [`View`], its read-only twin (the table in `components/mod.rs` says which hook gets which); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
 //! | `eviction/` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order (one file per policy), passing over what waiting requests need (`lookahead.rs`) |

@@ -28,6 +28,21 @@
 //! pays one predictable branch for it. A new kind of layer is one new file implementing
 //! [`Component`] (declared with its `mod` line above the list) and one line in
 //! [`components!`]'s list.
+//!
+//! A hook receives the least of the cache its work needs, so that a component reaches
+//! another's data only where that is the point:
+//!
+//! | a hook receives | hooks | why |
+//! |---|---|---|
+//! | [`Parts`] (`&mut`): the nodes (through [`Parts::edit`]), pools, tallies, eviction sets, the components' books, the stats | `lock`, `release`, `split`, `keep_on_node`, `passed_duplicate`, `backup_paired_pages`, `backup_started`, `backup_settled`, `drop_device`, `drop_host` | they change their node data, pools, eviction sets and stats only |
+//! | [`View`] (`&`): the same, read-only | `slots_available`, `backup_useless`, `load_plan`, `live_end`, `useful_on_host` | they read those only |
+//! | `&Cache` | `cut`, `cut_any_tier`, `cut_inside` | the match walk, the hottest path: the cache it already holds, with nothing built per node (they read the tree, and SWA's the pools' pairings and the window) |
+//! | `&Cache` | `audit` | it checks the component against the lock receipts and the request table |
+//! | `&mut Cache` | `admit`, `take_slots`, `load_take` | taking a slot may evict (`alloc_state`, `take_state`) |
+//! | `&mut Cache` | `backup` | taking a host state slot may evict a host leaf (`alloc_host_state`) |
+//! | `&mut Cache` | `load_paired_pages` | taking device SWA pages may evict SWA (`load_swa`) |
+//! | `&mut Cache` | `before_growth`, `checkpoint` | they read the request table (`slide_window`), and a checkpoint emits a copy-on-write batch and may evict |
+//! | the request alone | `slots_needed`, `give_slots`, `restart` | they change what the request holds |
 
 #[cfg(test)]
 pub(crate) mod balanced;
@@ -176,7 +191,8 @@ impl Model {
 
 /// What a component provides to the cache's shared machinery. Every hook but the match
 /// walk's, the locks', `split` and `audit` has a default that does nothing, so a
-/// component implements only what it keeps.
+/// component implements only what it keeps. Each hook receives [`Parts`], [`View`] or the
+/// [`Cache`], as the module's table says.
 pub(crate) trait Component {
     /// What a match walk carries from one node of the path to the next.
     type Walk: Default;
