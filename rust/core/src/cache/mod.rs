@@ -213,10 +213,7 @@ impl Parts<'_> {
     /// KV events follow (`events.rs`).
     #[inline]
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
-        let n = self.tree.node_mut(i);
-        *self.sizes -= sizes::Sizes::of(n);
-        let out = f(n);
-        *self.sizes += sizes::Sizes::of(n);
+        let out = edit_node(self.tree, self.sizes, i, f);
         if self.config.events {
             self.announce(i);
         }
@@ -424,11 +421,15 @@ impl Cache {
 
     /// Changes node `i` with `f`, keeping the size tallies right: the node's
     /// contribution is taken out before and put back after. Every change to what a node
-    /// holds or to its lock counts goes through here ([`Parts::edit`]); with events on,
-    /// so does every KV event (`events.rs`).
+    /// holds or to its lock counts goes through here or through [`Parts::edit`]; with
+    /// events on, so does every KV event (`events.rs`).
     #[inline]
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
-        self.parts().edit(i, f)
+        let out = edit_node(&mut self.tree, &mut self.sizes, i, f);
+        if self.config.events {
+            self.parts().announce(i);
+        }
+        out
     }
 
     /// What a read-only component hook reads (see [`View`]).
@@ -551,4 +552,20 @@ fn expand_into(ps: usize, pages: &[u32], out: &mut Vec<i64>) {
             }
         }
     }
+}
+
+/// Changes node `i` of `tree` with `f`, keeping the size tallies right: the node's
+/// contribution is taken out of `tally` before and put back after.
+#[inline]
+fn edit_node<R>(
+    tree: &mut Tree,
+    tally: &mut sizes::Sizes,
+    i: u32,
+    f: impl FnOnce(&mut Node) -> R,
+) -> R {
+    let n = tree.node_mut(i);
+    *tally -= sizes::Sizes::of(n);
+    let out = f(n);
+    *tally += sizes::Sizes::of(n);
+    out
 }

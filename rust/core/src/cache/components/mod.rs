@@ -402,10 +402,9 @@ impl Cache {
     /// Every component's share of a lock ending at node `i` (the node's state only with
     /// `state`); returns what the receipt must give back (the state lock).
     pub(crate) fn lock_components(&mut self, i: u32, state: bool) -> bool {
-        let (model, mut p) = (self.model, self.parts());
         let mut took = false;
-        each_component!(model, |C| {
-            took |= C::lock(&mut p, i, state);
+        each_component!(self.model, |C| {
+            took |= C::lock(&mut self.parts(), i, state);
         });
         took
     }
@@ -413,17 +412,15 @@ impl Cache {
     /// Every component's share of releasing the lock ending at node `i` (`took`: what
     /// [`Cache::lock_components`] said).
     pub(crate) fn release_components(&mut self, i: u32, took: bool) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::release(&mut p, i, took);
+        each_component!(self.model, |C| {
+            C::release(&mut self.parts(), i, took);
         });
     }
 
     /// Every component's share of splitting node `lower` (its new upper part `upper`).
     pub(crate) fn split_components(&mut self, upper: u32, lower: u32) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::split(&mut p, upper, lower);
+        each_component!(self.model, |C| {
+            C::split(&mut self.parts(), upper, lower);
         });
     }
 
@@ -464,10 +461,9 @@ impl Cache {
     /// Whether what `needed` says can be had now.
     #[inline]
     pub(crate) fn slots_available(&self, needed: NeededSlots) -> bool {
-        let v = self.view();
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::slots_available(&v, needed);
+            ok = ok && C::slots_available(&self.view(), needed);
         });
         ok
     }
@@ -512,10 +508,9 @@ impl Cache {
         at_end: bool,
         share: &mut RequestShare,
     ) -> bool {
-        let (model, mut p) = (self.model, self.parts());
         let mut had = false;
-        each_component!(model, |C| {
-            had |= C::keep_on_node(&mut p, i, at_end, share);
+        each_component!(self.model, |C| {
+            had |= C::keep_on_node(&mut self.parts(), i, at_end, share);
         });
         had
     }
@@ -524,19 +519,17 @@ impl Cache {
     /// its device KV.
     #[inline]
     pub(crate) fn passed_duplicate_components(&mut self, i: u32, dup: &[u32]) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::passed_duplicate(&mut p, i, dup);
+        each_component!(self.model, |C| {
+            C::passed_duplicate(&mut self.parts(), i, dup);
         });
     }
 
     /// Whether some component finds leaf `i` of no use on the host
     /// ([`Component::backup_useless`]).
     pub(crate) fn backup_useless_components(&self, i: u32) -> bool {
-        let v = self.view();
         let mut useless = false;
         each_component!(self.model, |C| {
-            useless = useless || C::backup_useless(&v, i);
+            useless = useless || C::backup_useless(&self.view(), i);
         });
         useless
     }
@@ -549,10 +542,9 @@ impl Cache {
         host: &[u32],
         copies: &mut BackupExtras,
     ) -> bool {
-        let (model, mut p) = (self.model, self.parts());
         let mut ok = true;
-        each_component!(model, |C| {
-            ok &= C::backup_paired_pages(&mut p, i, host, copies);
+        each_component!(self.model, |C| {
+            ok &= C::backup_paired_pages(&mut self.parts(), i, host, copies);
         });
         ok
     }
@@ -574,27 +566,24 @@ impl Cache {
 
     /// Every component's share of emitting a backup batch that holds `held`.
     pub(crate) fn backup_started_components(&mut self, held: &BackupExtraSlots) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::backup_started(&mut p, held);
+        each_component!(self.model, |C| {
+            C::backup_started(&mut self.parts(), held);
         });
     }
 
     /// Every component's share of a backup batch that holds `held` ending.
     pub(crate) fn backup_settled_components(&mut self, held: &mut BackupExtraSlots, publish: bool) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::backup_settled(&mut p, held, publish);
+        each_component!(self.model, |C| {
+            C::backup_settled(&mut self.parts(), held, publish);
         });
     }
 
     /// Every component's share of planning a load-back to node `j`
     /// ([`Component::load_plan`]).
     pub(crate) fn load_plan_components(&self, j: u32, for_request: bool) -> Result<LoadExtras> {
-        let v = self.view();
         let mut plan = LoadExtras::default();
         each_component!(self.model, |C| {
-            C::load_plan(&v, j, for_request, &mut plan)?;
+            C::load_plan(&self.view(), j, for_request, &mut plan)?;
         });
         Ok(plan)
     }
@@ -628,10 +617,9 @@ impl Cache {
     /// ([`Component::live_end`]).
     #[inline]
     pub(crate) fn live_end_components(&self, i: u32) -> bool {
-        let v = self.view();
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::live_end(&v, i);
+            ok = ok && C::live_end(&self.view(), i);
         });
         ok
     }
@@ -640,10 +628,9 @@ impl Cache {
     /// component ([`Component::useful_on_host`]).
     #[inline]
     pub(crate) fn useful_on_host_components(&self, i: u32) -> bool {
-        let v = self.view();
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::useful_on_host(&v, i);
+            ok = ok && C::useful_on_host(&self.view(), i);
         });
         ok
     }
@@ -651,18 +638,16 @@ impl Cache {
     /// Every component's device data on node `i` goes ([`Component::drop_device`]).
     #[inline]
     pub(crate) fn drop_device_components(&mut self, i: u32, out: &mut Evicted) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::drop_device(&mut p, i, out);
+        each_component!(self.model, |C| {
+            C::drop_device(&mut self.parts(), i, out);
         });
     }
 
     /// Every component's host data on node `i` goes ([`Component::drop_host`]).
     #[inline]
     pub(crate) fn drop_host_components(&mut self, i: u32) {
-        let (model, mut p) = (self.model, self.parts());
-        each_component!(model, |C| {
-            C::drop_host(&mut p, i);
+        each_component!(self.model, |C| {
+            C::drop_host(&mut self.parts(), i);
         });
     }
 
