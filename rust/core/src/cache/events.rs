@@ -20,7 +20,7 @@ use crate::hashes::PageHash;
 use super::components::mamba;
 use super::hashing::last_hash_in;
 use super::namespaces::Namespaces;
-use super::{Cache, Parts};
+use super::Cache;
 use crate::tree::Tree;
 
 /// Where the announced data sits (the names are `SGLang`'s and `vLLM`'s `medium`).
@@ -296,12 +296,19 @@ pub struct EventContents {
     pub states: Vec<(Medium, Option<String>, PageHash)>,
 }
 
-impl Parts<'_> {
-    /// Emits the events that bring what was announced of node `i` to what it holds now
-    /// (called by [`Parts::edit`] with events on). States go before their pages go, and
-    /// come after them.
-    pub(crate) fn announce(&mut self, i: u32) {
-        let n = self.tree.node(i);
+impl Events {
+    /// Emits the events that bring what was announced of node `i` of `tree` (whose
+    /// namespaces `roots` names, pages of `page_size` tokens) to what it holds now
+    /// (called by [`Cache::edit`] and [`Parts::edit`] with events on). States go before
+    /// their pages go, and come after them.
+    pub(crate) fn announce(
+        &mut self,
+        tree: &mut Tree,
+        roots: &Namespaces,
+        page_size: usize,
+        i: u32,
+    ) {
+        let n = tree.node(i);
         if n.is_root() {
             return;
         }
@@ -310,9 +317,9 @@ impl Parts<'_> {
         if now == was {
             return;
         }
-        self.tree.node_mut(i).announced = now;
-        let namespace = namespace_in(self.tree, self.roots, i);
-        let n = self.tree.node(i);
+        tree.node_mut(i).announced = now;
+        let namespace = namespace_in(tree, roots, i);
+        let n = tree.node(i);
         let last = n.hashes.last().copied().unwrap_or_default();
         let state = |medium, on: bool| {
             let namespace = namespace.clone();
@@ -360,9 +367,9 @@ impl Parts<'_> {
                     medium,
                     namespace: namespace.clone(),
                     hashes: n.hashes.clone(),
-                    parent_hash: last_hash_in(self.tree, n.parent),
+                    parent_hash: last_hash_in(tree, n.parent),
                     token_ids: n.key.clone(),
-                    block_size: self.config.page_size,
+                    block_size: page_size,
                 });
             }
         }
@@ -375,7 +382,7 @@ impl Parts<'_> {
             }
         }
         for e in out {
-            self.events.push(e);
+            self.push(e);
         }
     }
 }

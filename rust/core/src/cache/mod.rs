@@ -215,7 +215,8 @@ impl Parts<'_> {
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
         let out = edit_node(self.tree, self.sizes, i, f);
         if self.config.events {
-            self.announce(i);
+            self.events
+                .announce(self.tree, self.roots, self.config.page_size, i);
         }
         out
     }
@@ -427,7 +428,8 @@ impl Cache {
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
         let out = edit_node(&mut self.tree, &mut self.sizes, i, f);
         if self.config.events {
-            self.parts().announce(i);
+            self.events
+                .announce(&mut self.tree, &self.roots, self.config.page_size, i);
         }
         out
     }

@@ -448,6 +448,7 @@ impl Parts<'_> {
     /// Publishes a state slot on node `i` (which has device KV and no state). Anything
     /// else would be a bug, which breaks the cache (see [`Cache::fault`]); the slot then
     /// goes back to the pool.
+    #[inline]
     pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
         let n = self.tree.node(i);
         if n.mamba.device.is_some() || n.kv.device.is_none() || state.len() != 1 {
@@ -478,6 +479,7 @@ impl Parts<'_> {
 
     /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
     /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
+    #[inline]
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
         if self.tree.node(i).mamba.lock != 0 {
             self.pools.mamba.record_fault(format!(
@@ -500,6 +502,7 @@ impl Parts<'_> {
 
     /// Records that device state `slot` now sits on node `node` (`NONE`: left the tree),
     /// with whether a transfer pins it.
+    #[inline]
     pub(crate) fn place_state(&mut self, slot: u32, node: u32) {
         let i = slot as usize;
         if i >= self.state_nodes.len() {
@@ -515,6 +518,7 @@ impl Parts<'_> {
     /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
     /// the state eviction set first; an unpinned one is listed again by the next
     /// [`Parts::refresh`].
+    #[inline]
     fn mark_pinned(&mut self, i: u32, pinned: bool) {
         let mark = self.tree.node(i).mamba.mark;
         if pinned && mark != StateMark::Pinned {
