@@ -55,7 +55,10 @@ impl Cut {
 
     /// Takes the path's next node (see [`Component::cut`]); true when every component
     /// accepts a match ending there.
-    #[inline]
+    // Always inlined: the match walk calls it per node, and out of line it costs a
+    // match more (benches/instructions.py).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub fn step(&mut self, c: &Cache, i: u32, depth: usize, on_device: bool) -> bool {
         // Every component sees every node (a walk keeps its own state), so no `&&`
         // short-circuit.

@@ -518,7 +518,9 @@ impl Parts<'_> {
     /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
     /// the state eviction set first; an unpinned one is listed again by the next
     /// [`Parts::refresh`].
-    #[inline]
+    // Always inlined, as `Parts::edit` is (the batches' pin changes call it per slot).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn mark_pinned(&mut self, i: u32, pinned: bool) {
         let mark = self.tree.node(i).mamba.mark;
         if pinned && mark != StateMark::Pinned {
