@@ -427,7 +427,6 @@ impl Cache {
     /// contribution is taken out before and put back after. Every change to what a node
     /// holds or to its lock counts goes through here or through [`Parts::edit`]; with
     /// events on, so does every KV event (`events.rs`).
-    #[inline]
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
         let out = edit_node(&mut self.tree, &mut self.sizes, i, f);
         if self.config.events {
@@ -560,8 +559,10 @@ fn expand_into(ps: usize, pages: &[u32], out: &mut Vec<i64>) {
 }
 
 /// Changes node `i` of `tree` with `f`, keeping the size tallies right: the node's
-/// contribution is taken out of `tally` before and put back after.
-#[inline]
+/// contribution is taken out of `tally` before and put back after. Always inlined: the
+/// body of [`Cache::edit`] and [`Parts::edit`], not a call of its own.
+#[allow(clippy::inline_always)]
+#[inline(always)]
 fn edit_node<R>(
     tree: &mut Tree,
     tally: &mut sizes::Sizes,

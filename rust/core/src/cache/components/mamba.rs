@@ -427,13 +427,12 @@ impl Cache {
     /// After device state slots were pinned or unpinned: the nodes holding them become
     /// eviction candidates, or stop being ones, accordingly.
     pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
-        let mut p = self.parts();
         for &slot in slots {
-            let i = p.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
+            let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
             if i != NONE {
-                let pinned = p.pools.mamba.pins(slot) > 0;
-                p.mark_pinned(i, pinned);
-                p.refresh(i);
+                let pinned = self.pools.mamba.pins(slot) > 0;
+                self.parts().mark_pinned(i, pinned);
+                self.refresh(i);
             }
         }
     }
