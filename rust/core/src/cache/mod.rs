@@ -175,8 +175,8 @@ pub struct Cache {
 /// tallies, the eviction sets, the components' own books and the stats, borrowed apart
 /// from the rest ([`Cache::parts`]), so that a hook given them reaches no request, lock
 /// receipt, batch or load-back, and cannot evict (the table in `components/mod.rs`
-/// says which hooks get them). Changes to a node go through [`Parts::edit`], as they do
-/// through [`Cache::edit`], which delegates here.
+/// says which hooks get them). Changes to a node go through [`Parts::edit`], which does
+/// what [`Cache::edit`] does (the same body, `edit_node`, and the same events).
 pub(crate) struct Parts<'a> {
     config: &'a Config,
     tree: &'a mut Tree,
