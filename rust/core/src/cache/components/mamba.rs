@@ -426,6 +426,7 @@ impl Cache {
 
     /// After device state slots were pinned or unpinned: the nodes holding them become
     /// eviction candidates, or stop being ones, accordingly.
+    #[inline]
     pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
         for &slot in slots {
             let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
@@ -478,7 +479,9 @@ impl Parts<'_> {
 
     /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
     /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
-    #[inline]
+    // Always inlined, as `Parts::edit` is (eviction calls it per state).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
         if self.tree.node(i).mamba.lock != 0 {
             self.pools.mamba.record_fault(format!(
