@@ -18,7 +18,10 @@ use crate::error::{Error, Result};
 use crate::hashes::PageHash;
 
 use super::components::mamba;
+use super::hashing::last_hash_in;
+use super::namespaces::Namespaces;
 use super::Cache;
+use crate::tree::Tree;
 
 /// Where the announced data sits (the names are `SGLang`'s and `vLLM`'s `medium`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -143,94 +146,9 @@ impl Cache {
         Ok(mem::take(&mut self.events.queue))
     }
 
-    /// Emits the events that bring what was announced of node `i` to what it holds now
-    /// (called by [`Cache::edit`] with events on). States go before their pages go, and
-    /// come after them.
-    pub(crate) fn announce(&mut self, i: u32) {
-        let n = self.tree.node(i);
-        if n.is_root() {
-            return;
-        }
-        let now = mamba::announced(n);
-        let was = n.announced;
-        if now == was {
-            return;
-        }
-        self.tree.node_mut(i).announced = now;
-        let namespace = self.namespace_of(i);
-        let n = self.tree.node(i);
-        let last = n.hashes.last().copied().unwrap_or_default();
-        let state = |medium, on: bool| {
-            let namespace = namespace.clone();
-            if on {
-                KvEvent::StateStored {
-                    medium,
-                    namespace,
-                    hash: last,
-                }
-            } else {
-                KvEvent::StateRemoved {
-                    medium,
-                    namespace,
-                    hash: last,
-                }
-            }
-        };
-        let mut out = Vec::new();
-        for (medium, on, off) in [
-            (Medium::Device, now.device_state, was.device_state),
-            (Medium::Host, now.host_state, was.host_state),
-        ] {
-            if off && !on {
-                out.push(state(medium, false));
-            }
-        }
-        for (medium, on, off) in [
-            (Medium::Device, now.device, was.device),
-            (Medium::Host, now.host, was.host),
-        ] {
-            if off && !on {
-                out.push(KvEvent::Removed {
-                    medium,
-                    namespace: namespace.clone(),
-                    hashes: n.hashes.clone(),
-                });
-            }
-        }
-        for (medium, on, off) in [
-            (Medium::Device, now.device, was.device),
-            (Medium::Host, now.host, was.host),
-        ] {
-            if on && !off {
-                out.push(KvEvent::Stored {
-                    medium,
-                    namespace: namespace.clone(),
-                    hashes: n.hashes.clone(),
-                    parent_hash: self.last_hash(n.parent),
-                    token_ids: n.key.clone(),
-                    block_size: self.config.page_size,
-                });
-            }
-        }
-        for (medium, on, off) in [
-            (Medium::Device, now.device_state, was.device_state),
-            (Medium::Host, now.host_state, was.host_state),
-        ] {
-            if on && !off {
-                out.push(state(medium, true));
-            }
-        }
-        for e in out {
-            self.events.push(e);
-        }
-    }
-
     /// The namespace node `i` belongs to (`None`: the default one).
-    pub(crate) fn namespace_of(&self, mut i: u32) -> Option<String> {
-        while !self.tree.node(i).is_root() {
-            i = self.tree.node(i).parent;
-        }
-        self.roots.name_of(i).map(str::to_owned)
+    pub(crate) fn namespace_of(&self, i: u32) -> Option<String> {
+        namespace_in(&self.tree, &self.roots, i)
     }
 
     /// With events on, what a landed `l3_put` of node `i`'s pages (`kv`) or of the state
@@ -376,4 +294,103 @@ pub struct EventContents {
     pub pages: Vec<(Medium, Option<String>, PageHash)>,
     /// Every node end with a state on each medium.
     pub states: Vec<(Medium, Option<String>, PageHash)>,
+}
+
+impl Events {
+    /// Emits the events that bring what was announced of node `i` of `tree` (whose
+    /// namespaces `roots` names, pages of `page_size` tokens) to what it holds now
+    /// (called by [`Cache::edit`] and [`Parts::edit`] with events on). States go before
+    /// their pages go, and come after them.
+    pub(crate) fn announce(
+        &mut self,
+        tree: &mut Tree,
+        roots: &Namespaces,
+        page_size: usize,
+        i: u32,
+    ) {
+        let n = tree.node(i);
+        if n.is_root() {
+            return;
+        }
+        let now = mamba::announced(n);
+        let was = n.announced;
+        if now == was {
+            return;
+        }
+        tree.node_mut(i).announced = now;
+        let namespace = namespace_in(tree, roots, i);
+        let n = tree.node(i);
+        let last = n.hashes.last().copied().unwrap_or_default();
+        let state = |medium, on: bool| {
+            let namespace = namespace.clone();
+            if on {
+                KvEvent::StateStored {
+                    medium,
+                    namespace,
+                    hash: last,
+                }
+            } else {
+                KvEvent::StateRemoved {
+                    medium,
+                    namespace,
+                    hash: last,
+                }
+            }
+        };
+        let mut out = Vec::new();
+        for (medium, on, off) in [
+            (Medium::Device, now.device_state, was.device_state),
+            (Medium::Host, now.host_state, was.host_state),
+        ] {
+            if off && !on {
+                out.push(state(medium, false));
+            }
+        }
+        for (medium, on, off) in [
+            (Medium::Device, now.device, was.device),
+            (Medium::Host, now.host, was.host),
+        ] {
+            if off && !on {
+                out.push(KvEvent::Removed {
+                    medium,
+                    namespace: namespace.clone(),
+                    hashes: n.hashes.clone(),
+                });
+            }
+        }
+        for (medium, on, off) in [
+            (Medium::Device, now.device, was.device),
+            (Medium::Host, now.host, was.host),
+        ] {
+            if on && !off {
+                out.push(KvEvent::Stored {
+                    medium,
+                    namespace: namespace.clone(),
+                    hashes: n.hashes.clone(),
+                    parent_hash: last_hash_in(tree, n.parent),
+                    token_ids: n.key.clone(),
+                    block_size: page_size,
+                });
+            }
+        }
+        for (medium, on, off) in [
+            (Medium::Device, now.device_state, was.device_state),
+            (Medium::Host, now.host_state, was.host_state),
+        ] {
+            if on && !off {
+                out.push(state(medium, true));
+            }
+        }
+        for e in out {
+            self.push(e);
+        }
+    }
+}
+
+/// The namespace node `i` of `tree` belongs to (`None`: the default one).
+fn namespace_in(tree: &Tree, roots: &Namespaces, mut i: u32) -> Option<String> {
+    while !tree.node(i).is_root() {
+        i = tree.node(i).parent;
+    }
+    roots.name_of(i).map(str::to_owned)
 }

@@ -8,6 +8,7 @@ use crate::hashes::{self, PageHash};
 use crate::ids::NodeId;
 
 use super::Cache;
+use crate::tree::Tree;
 
 impl Cache {
     /// The seed of `namespace`'s chains (the prior of its first page), from the
@@ -38,11 +39,7 @@ impl Cache {
     /// The hash of node `i`'s last page (`None` for a root, or with page hashes off):
     /// read from the node, nothing is hashed.
     pub(crate) fn last_hash(&self, i: u32) -> Option<PageHash> {
-        let n = self.tree.node(i);
-        if n.is_root() {
-            return None;
-        }
-        n.hashes.last().copied()
+        last_hash_in(&self.tree, i)
     }
 
     /// The hashes of `node`'s pages, one per page, in order (empty for a root). Refused
@@ -73,6 +70,16 @@ impl Cache {
         let prior = parent_hash.or_else(|| self.namespace_seed(namespace));
         hashes::chain(prior.as_ref(), tokens, self.config.page_size)
     }
+}
+
+/// The hash of the last page of node `i` of `tree` (`None` for a root, or with page
+/// hashes off).
+pub(crate) fn last_hash_in(tree: &Tree, i: u32) -> Option<PageHash> {
+    let n = tree.node(i);
+    if n.is_root() {
+        return None;
+    }
+    n.hashes.last().copied()
 }
 
 #[cfg(test)]

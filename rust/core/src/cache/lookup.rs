@@ -3,12 +3,12 @@
 
 use crate::tree::{Probe, NONE};
 
+use super::components::cut::Cut;
 use super::components::mamba;
-use super::components::Cut;
 use super::eviction::{Waiting, WAITING_TAIL};
 use super::results::Found;
 use super::sizes::Sizes;
-use super::{Cache, Match, Peek};
+use super::{Cache, Match, Peek, View};
 
 impl Cache {
     /// Longest cached prefix of `tokens` in `namespace`. Splits the last node when the
@@ -270,16 +270,10 @@ impl Cache {
         out
     }
 
-    /// Nodes from the root (excluded) to `i`, in order.
+    /// Nodes from the root (excluded) to `i`, in order ([`View::path_to`]).
+    #[inline]
     pub(crate) fn path_to(&self, i: u32) -> Vec<u32> {
-        let mut path = Vec::new();
-        let mut cur = i;
-        while cur != NONE && !self.tree.node(cur).is_root() {
-            path.push(cur);
-            cur = self.tree.node(cur).parent;
-        }
-        path.reverse();
-        path
+        self.view().path_to(i)
     }
 
     /// Every token from the root to the end of node `i`.
@@ -317,6 +311,20 @@ impl Cache {
         self.sizes += Sizes::of(self.tree.node(i));
         self.split_components(u, i);
         u
+    }
+}
+
+impl View<'_> {
+    /// Nodes from the root (excluded) to `i`, in order.
+    pub(crate) fn path_to(&self, i: u32) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut cur = i;
+        while cur != NONE && !self.tree.node(cur).is_root() {
+            path.push(cur);
+            cur = self.tree.node(cur).parent;
+        }
+        path.reverse();
+        path
     }
 }
 

@@ -10,12 +10,13 @@
 //! |---|---|---|
 //! | `copies.rs` | — (a leaf: names nothing of the cache) | the copy vocabulary: `SlotCopy`, `PoolKind`, `Tier`, `TransferBatch`, `BatchKind`, `Abandoned`, a batch's `Pins` |
 //! | `results.rs` | — (a leaf) | the plain answers: `Match`, `Peek`, `Insert`, `Evicted`, `NodeInfo`, what a match found (`Found`), why a load-back was called off (`CallOff`) |
-//! | `components/mod.rs` | the model | the `Component` trait, the match walk (`Cut`), the list of components and the one macro that dispatches every hook over it: match cut, locks, splits, a request's share (admit, extend, checkpoint, finish), what a node keeps, backup and load-back copies, eviction of a node's data, audit |
+//! | `components/mod.rs` | the model | the `Component` trait, the list of components and the one macro that dispatches every hook over it: locks, splits, a request's share (admit, extend, checkpoint, finish), what a node keeps, backup and load-back copies, eviction of a node's data, audit |
+//! | `components/cut.rs` | — | the match walk (`Cut`): every component of the model asked at each node of a matched path |
 //! | `components/shares.rs` | — (a leaf) | what a request, an insert, a backup and a load-back hold or carry per component beyond the KV |
 //! | `components/full.rs` | — | full attention (the tree's pages: the shared machinery's) |
 //! | `components/mamba.rs` | the state-slot map | the Mamba component: its hooks; allocating, placing, evicting and freeing states |
-//! | `components/swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), window locks, SWA backup copies, a request's window; its eviction in `components/swa/evict.rs` (tombstones, the queue) |
-//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
+//! | `components/swa.rs` | the window, the SWA eviction queue, dead leaves held during a device eviction | the sliding-window component: match cut (device and host), window locks, SWA backup copies, a request's window; its eviction in `components/swa/evict.rs` (tombstones, the queue), its `audit()` checks in `components/swa/audit.rs` |
+//! | `mod.rs` | config, pools, the tree | construction, [`Cache::edit`] (every change to a node's data goes through it, as [`Parts::edit`]); what a component hook receives: [`Parts`], disjoint borrows of the fields a hook changes (nodes, pools, tallies, eviction sets, the components' books, stats), and [`View`], its read-only twin (the table in `components/mod.rs` says which hook gets which); the composition root: a batch's `Payload` names each client of the batches and `Cache::settle` hands it back |
 //! | `namespaces.rs` | the roots | one tree per namespace |
 //! | `sizes.rs` | evictable/protected/host tallies | what a node contributes |
 //! | `eviction/` | the eviction sets, the clock, the marks of `expect` | which nodes eviction may take, in each policy's order (one file per policy), passing over what waiting requests need (`lookahead.rs`) |
@@ -168,6 +169,66 @@ pub struct Cache {
     /// batches still read (`l3_write="host_eviction"`): room on its way, free once
     /// they end (`[kv pages, states]`).
     host_draining: [usize; 2],
+}
+
+/// The parts of the cache that a component hook works on: the nodes, the pools, the
+/// tallies, the eviction sets, the components' own books and the stats, borrowed apart
+/// from the rest ([`Cache::parts`]), so that a hook given them reaches no request, lock
+/// receipt, batch or load-back, and cannot evict (the table in `components/mod.rs`
+/// says which hooks get them). Changes to a node go through [`Parts::edit`], which does
+/// what [`Cache::edit`] does (the same body, `edit_node`, and the same events).
+pub(crate) struct Parts<'a> {
+    config: &'a Config,
+    tree: &'a mut Tree,
+    pools: &'a mut Pools,
+    roots: &'a namespaces::Namespaces,
+    sizes: &'a mut sizes::Sizes,
+    lru: &'a mut eviction::Lru,
+    swa: &'a mut components::swa::Swa,
+    stats: &'a mut Stats,
+    state_nodes: &'a mut Vec<u32>,
+    events: &'a mut events::Events,
+}
+
+/// What a component hook that only reads works on: the nodes, the pools, the eviction
+/// sets and the components' own books, borrowed from the cache ([`Cache::view`]); the
+/// read-only twin of [`Parts`].
+pub(crate) struct View<'a> {
+    config: &'a Config,
+    tree: &'a Tree,
+    pools: &'a Pools,
+    lru: &'a eviction::Lru,
+    swa: &'a components::swa::Swa,
+}
+
+impl Parts<'_> {
+    /// [`Cache::expand_into`].
+    #[inline]
+    pub(crate) fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
+        expand_into(self.config.page_size, pages, out);
+    }
+
+    /// Changes node `i` with `f`, keeping the size tallies right: the node's
+    /// contribution is taken out before and put back after; with events on, the node's
+    /// KV events follow (`events.rs`).
+    // Always inlined: out of line, the hook calling it must lay its `Parts` out in
+    // memory and every access goes through it (benches/instructions.py: admit +3%).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
+        let out = edit_node(self.tree, self.sizes, i, f);
+        if self.config.events {
+            self.events
+                .announce(self.tree, self.roots, self.config.page_size, i);
+        }
+        out
+    }
+
+    /// Puts node `i` in or out of the eviction sets according to what it is now.
+    #[inline]
+    pub(crate) fn refresh(&mut self, i: u32) {
+        self.lru.refresh(self.tree, i);
+    }
 }
 
 impl std::fmt::Debug for Cache {
@@ -364,17 +425,44 @@ impl Cache {
 
     /// Changes node `i` with `f`, keeping the size tallies right: the node's
     /// contribution is taken out before and put back after. Every change to what a node
-    /// holds or to its lock counts goes through here; with events on, so does every KV
-    /// event (`events.rs`).
+    /// holds or to its lock counts goes through here or through [`Parts::edit`]; with
+    /// events on, so does every KV event (`events.rs`).
     pub(crate) fn edit<R>(&mut self, i: u32, f: impl FnOnce(&mut Node) -> R) -> R {
-        let n = self.tree.node_mut(i);
-        self.sizes -= sizes::Sizes::of(n);
-        let out = f(n);
-        self.sizes += sizes::Sizes::of(n);
+        let out = edit_node(&mut self.tree, &mut self.sizes, i, f);
         if self.config.events {
-            self.announce(i);
+            self.events
+                .announce(&mut self.tree, &self.roots, self.config.page_size, i);
         }
         out
+    }
+
+    /// What a read-only component hook reads (see [`View`]).
+    #[inline]
+    pub(crate) fn view(&self) -> View<'_> {
+        View {
+            config: &self.config,
+            tree: &self.tree,
+            pools: &self.pools,
+            lru: &self.lru,
+            swa: &self.swa,
+        }
+    }
+
+    /// The parts of the cache a component hook works on (see [`Parts`]).
+    #[inline]
+    pub(crate) fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            config: &self.config,
+            tree: &mut self.tree,
+            pools: &mut self.pools,
+            roots: &self.roots,
+            sizes: &mut self.sizes,
+            lru: &mut self.lru,
+            swa: &mut self.swa,
+            stats: &mut self.stats,
+            state_nodes: &mut self.state_nodes,
+            events: &mut self.events,
+        }
     }
 
     /// Moves node `i`'s KV state to `f` of it (a transfer or eviction starts or ends).
@@ -415,22 +503,9 @@ impl Cache {
     }
 
     /// Appends the slots of KV pages `pages` to `out`.
+    #[inline]
     pub(crate) fn expand_into(&self, pages: &[u32], out: &mut Vec<i64>) {
-        let ps = self.config.page_size;
-        if ps == 1 {
-            out.extend(pages.iter().map(|&p| i64::from(p)));
-        } else {
-            // Filled page by page in place: the inner loop over a fixed-size chunk
-            // vectorises, where extending from a range per page does not.
-            let start = out.len();
-            out.resize(start + pages.len() * ps, 0);
-            for (chunk, &p) in out[start..].chunks_exact_mut(ps).zip(pages) {
-                let base = i64::from(p) * as_i64(ps);
-                for (slot, offset) in chunk.iter_mut().zip(0..) {
-                    *slot = base + offset;
-                }
-            }
-        }
+        expand_into(self.config.page_size, pages, out);
     }
 
     /// Hands an ended batch's payload back to the module that owns it, with whether
@@ -463,4 +538,40 @@ impl Cache {
             self.l3_get_ended(get, pages, state, gone);
         }
     }
+}
+
+/// Appends the slots of KV pages `pages` (of `ps` tokens) to `out`.
+fn expand_into(ps: usize, pages: &[u32], out: &mut Vec<i64>) {
+    if ps == 1 {
+        out.extend(pages.iter().map(|&p| i64::from(p)));
+    } else {
+        // Filled page by page in place: the inner loop over a fixed-size chunk
+        // vectorises, where extending from a range per page does not.
+        let start = out.len();
+        out.resize(start + pages.len() * ps, 0);
+        for (chunk, &p) in out[start..].chunks_exact_mut(ps).zip(pages) {
+            let base = i64::from(p) * as_i64(ps);
+            for (slot, offset) in chunk.iter_mut().zip(0..) {
+                *slot = base + offset;
+            }
+        }
+    }
+}
+
+/// Changes node `i` of `tree` with `f`, keeping the size tallies right: the node's
+/// contribution is taken out of `tally` before and put back after. Always inlined: the
+/// body of [`Cache::edit`] and [`Parts::edit`], not a call of its own.
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn edit_node<R>(
+    tree: &mut Tree,
+    tally: &mut sizes::Sizes,
+    i: u32,
+    f: impl FnOnce(&mut Node) -> R,
+) -> R {
+    let n = tree.node_mut(i);
+    *tally -= sizes::Sizes::of(n);
+    let out = f(n);
+    *tally += sizes::Sizes::of(n);
+    out
 }

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use crate::error::{Error, Result};
 
 use super::{Component, Model};
-use crate::cache::Cache;
+use crate::cache::{Cache, Parts};
 
 thread_local! {
     /// Whether the component is part of every model on this thread.
@@ -89,12 +89,12 @@ impl Component for Balanced {
         (true, true)
     }
 
-    fn lock(_: &mut Cache, i: u32, _: bool) -> bool {
+    fn lock(_: &mut Parts, i: u32, _: bool) -> bool {
         BOOKS.with(|b| *b.borrow_mut().locks.entry(i).or_default() += 1);
         false
     }
 
-    fn release(_: &mut Cache, i: u32, _: bool) {
+    fn release(_: &mut Parts, i: u32, _: bool) {
         let known = BOOKS.with(|b| {
             let mut b = b.borrow_mut();
             let Some(n) = b.locks.get_mut(&i) else {
@@ -113,9 +113,9 @@ impl Component for Balanced {
         }
     }
 
-    fn split(c: &mut Cache, upper: u32, lower: u32) {
+    fn split(p: &mut Parts, upper: u32, lower: u32) {
         BOOKS.with(|b| b.borrow_mut().splits += 1);
-        if c.tree().node(lower).parent != upper {
+        if p.tree.node(lower).parent != upper {
             Balanced::wrong(format!("split of {lower}: {upper} is not its upper part"));
         }
     }

@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 
-use super::{Cache, Component, Model};
+use super::{Cache, Component, Model, Parts};
 
 /// Full-attention KV: the tree's pages themselves.
 pub(crate) struct FullAttention;
@@ -43,16 +43,16 @@ impl Component for FullAttention {
 
     /// The path lock is the shared part of every lock ([`Cache::lock_index`]).
     #[inline]
-    fn lock(_: &mut Cache, _: u32, _: bool) -> bool {
+    fn lock(_: &mut Parts, _: u32, _: bool) -> bool {
         false
     }
 
     #[inline]
-    fn release(_: &mut Cache, _: u32, _: bool) {}
+    fn release(_: &mut Parts, _: u32, _: bool) {}
 
     /// A split shares the KV pages between the parts ([`crate::tree::Tree::split`]).
     #[inline]
-    fn split(_: &mut Cache, _: u32, _: u32) {}
+    fn split(_: &mut Parts, _: u32, _: u32) {}
 
     /// Pages, path locks and the eviction sets are checked for every node (`audit.rs`).
     fn audit(_: &Cache) -> Result<()> {

@@ -20,7 +20,7 @@ use crate::cache::copies::{PoolKind, SlotCopy, Tier};
 use crate::cache::eviction::HOT;
 use crate::cache::request::{Cow, RequestState};
 use crate::cache::results::{CallOff, Found};
-use crate::cache::{Cache, Evicted, Payload};
+use crate::cache::{Cache, Evicted, Parts, Payload, View};
 
 /// A device-to-device copy of one state slot.
 fn state_copy(src: u32, dst: u32) -> SlotCopy {
@@ -63,26 +63,26 @@ impl Component for MambaStates {
     /// Holds the node's state (a single-node lock), when the lock asks for it and the
     /// node has one.
     #[inline]
-    fn lock(c: &mut Cache, i: u32, state: bool) -> bool {
-        let has = state && c.tree.node(i).mamba.device.is_some();
+    fn lock(p: &mut Parts, i: u32, state: bool) -> bool {
+        let has = state && p.tree.node(i).mamba.device.is_some();
         if has {
-            c.edit(i, |n| n.mamba.lock += 1);
-            c.refresh(i);
+            p.edit(i, |n| n.mamba.lock += 1);
+            p.refresh(i);
         }
         has
     }
 
     #[inline]
-    fn release(c: &mut Cache, i: u32, took: bool) {
+    fn release(p: &mut Parts, i: u32, took: bool) {
         if took {
             // A locked state is never evicted: it is still there.
-            c.edit(i, |n| n.mamba.lock -= 1);
+            p.edit(i, |n| n.mamba.lock -= 1);
         }
     }
 
     /// The state stays with the lower part, which keeps the node's end.
     #[inline]
-    fn split(_: &mut Cache, _: u32, _: u32) {}
+    fn split(_: &mut Parts, _: u32, _: u32) {}
 
     /// State placement and locks are checked per node (`audit.rs`, invariant 3).
     fn audit(_: &Cache) -> Result<()> {
@@ -117,8 +117,8 @@ impl Component for MambaStates {
     }
 
     #[inline]
-    fn slots_available(c: &Cache, needed: NeededSlots) -> bool {
-        needed.states == 0 || c.states_available(needed.states)
+    fn slots_available(v: &View, needed: NeededSlots) -> bool {
+        needed.states == 0 || v.states_available(needed.states)
     }
 
     fn take_slots(c: &mut Cache, needed: NeededSlots, taken: &mut TakenSlots) -> bool {
@@ -184,7 +184,7 @@ impl Component for MambaStates {
 
     /// The state lands on the node when the sequence ends there and the node has none.
     #[inline]
-    fn keep_on_node(c: &mut Cache, i: u32, at_end: bool, share: &mut RequestShare) -> bool {
+    fn keep_on_node(p: &mut Parts, i: u32, at_end: bool, share: &mut RequestShare) -> bool {
         let Some(state) = share.state.take() else {
             return false;
         };
@@ -192,23 +192,23 @@ impl Component for MambaStates {
             // Taken at the sequence's end, which is no node's end.
             return false;
         }
-        if c.tree.node(i).mamba.device.is_some() {
+        if p.tree.node(i).mamba.device.is_some() {
             return true;
         }
-        c.set_state(i, state);
+        p.set_state(i, state);
         // A waiting request told of (`Cache::expect`) may resume from it: marked at once,
         // as a checkpoint's state is.
-        if c.lru.expecting() {
-            let rank = c.lru.rank_of(&c.tree, i, c.tree.depth(i));
-            c.lru.mark(&mut c.tree, i, rank);
+        if p.lru.expecting() {
+            let rank = p.lru.rank_of(p.tree, i, p.tree.depth(i));
+            p.lru.mark(p.tree, i, rank);
         }
         false
     }
 
     /// A leaf without a state on any tier could not end a match on the host.
     #[inline]
-    fn backup_useless(c: &Cache, i: u32) -> bool {
-        let m = &c.tree.node(i).mamba;
+    fn backup_useless(v: &View, i: u32) -> bool {
+        let m = &v.tree.node(i).mamba;
         m.device.is_none() && m.host.is_none()
     }
 
@@ -249,8 +249,8 @@ impl Component for MambaStates {
 
     /// A target without a device state gets its host state back (and so does the
     /// request); a request cannot run from a node with a state on no tier.
-    fn load_plan(c: &Cache, j: u32, for_request: bool, plan: &mut LoadExtras) -> Result<()> {
-        let n = c.tree.node(j);
+    fn load_plan(v: &View, j: u32, for_request: bool, plan: &mut LoadExtras) -> Result<()> {
+        let n = v.tree.node(j);
         if n.mamba.device.is_none() && !n.is_root() {
             plan.restore_from = n.mamba.host;
             plan.for_request = for_request;
@@ -266,31 +266,31 @@ impl Component for MambaStates {
 
     /// A node ends a match only with a device state.
     #[inline]
-    fn live_end(c: &Cache, i: u32) -> bool {
-        c.tree.node(i).mamba.device.is_some()
+    fn live_end(v: &View, i: u32) -> bool {
+        v.tree.node(i).mamba.device.is_some()
     }
 
     /// A match needs a state on its path: a host state, or children.
     #[inline]
-    fn useful_on_host(c: &Cache, i: u32) -> bool {
-        let n = c.tree.node(i);
+    fn useful_on_host(v: &View, i: u32) -> bool {
+        let n = v.tree.node(i);
         n.mamba.host.is_some() || !n.children.is_empty()
     }
 
     /// The device state is freed.
     #[inline]
-    fn drop_device(c: &mut Cache, i: u32, out: &mut Evicted) {
-        c.drop_state(i, out);
+    fn drop_device(p: &mut Parts, i: u32, out: &mut Evicted) {
+        p.drop_state(i, out);
     }
 
     /// The host state is freed.
     #[inline]
-    fn drop_host(c: &mut Cache, i: u32) {
-        if c.tree.node(i).mamba.host.is_none() {
+    fn drop_host(p: &mut Parts, i: u32) {
+        if p.tree.node(i).mamba.host.is_none() {
             return;
         }
-        if let Some(slot) = c.edit(i, |n| n.mamba.host.take()) {
-            c.pools.host_mamba.release_tree(&[slot]);
+        if let Some(slot) = p.edit(i, |n| n.mamba.host.take()) {
+            p.pools.host_mamba.release_tree(&[slot]);
         }
     }
 
@@ -305,30 +305,30 @@ impl Component for MambaStates {
         Ok(())
     }
 
-    fn backup_started(c: &mut Cache, held: &BackupExtraSlots) {
+    fn backup_started(p: &mut Parts, held: &BackupExtraSlots) {
         for (id, _) in &held.states {
-            if let Ok(i) = c.tree.resolve(*id) {
-                c.edit(i, |n| n.mamba.backup_pending = true);
-                c.refresh(i);
+            if let Ok(i) = p.tree.resolve(*id) {
+                p.edit(i, |n| n.mamba.backup_pending = true);
+                p.refresh(i);
             }
         }
     }
 
     /// A node whose KV has its host copy gets the host state.
-    fn backup_settled(c: &mut Cache, held: &mut BackupExtraSlots, publish: bool) {
+    fn backup_settled(p: &mut Parts, held: &mut BackupExtraSlots, publish: bool) {
         for (id, h) in std::mem::take(&mut held.states) {
-            let Ok(i) = c.tree.resolve(id) else {
+            let Ok(i) = p.tree.resolve(id) else {
                 drop(h);
                 continue;
             };
-            c.edit(i, |n| n.mamba.backup_pending = false);
-            let n = c.tree.node(i);
+            p.edit(i, |n| n.mamba.backup_pending = false);
+            let n = p.tree.node(i);
             if publish && n.kv.host.is_some() && n.mamba.host.is_none() {
-                c.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
+                p.edit(i, |n| n.mamba.host = h.into_tree().first().copied());
             } else {
                 drop(h);
             }
-            c.refresh(i);
+            p.refresh(i);
         }
     }
 }
@@ -377,12 +377,6 @@ impl Cache {
         }
     }
 
-    /// Whether `n` state slots can be had now: free, or held by states that can be
-    /// reclaimed (unlocked, unpinned: the state eviction set).
-    pub(crate) fn states_available(&self, n: usize) -> bool {
-        self.pools.mamba.free_pages() + self.lru.state_count() >= n
-    }
-
     /// One host state slot; when none is free, evicts the least recently used unlocked
     /// host-only leaf that holds one (and nothing when there is none, or when a slot
     /// is on its way: one an eviction put still reads, see [`Cache::alloc_host_pages`]).
@@ -402,9 +396,59 @@ impl Cache {
         got
     }
 
+    /// Publishes a state slot on node `i` ([`Parts::set_state`]; the unit tests' way in).
+    #[cfg(test)]
+    pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
+        self.parts().set_state(i, state);
+    }
+
+    /// Evicts node `i`'s (unlocked) state: an unlocked leaf goes with its KV, any other
+    /// node stays as a tombstone.
+    pub(crate) fn evict_state_of(&mut self, i: u32, out: &mut Evicted) {
+        if self.tree.node(i).mamba.last_access & HOT != 0 {
+            self.stats.evicted_used_states += 1;
+        }
+        self.lru.unlist_state(&mut self.tree, i);
+        if self.tree.node(i).kv.state.in_lru() {
+            self.lru.unlist_kv(&mut self.tree, i);
+            self.remove_leaf(i, out);
+        } else {
+            self.drop_state(i, out);
+            self.stats.tombstones += 1;
+            self.refresh(i);
+        }
+    }
+
+    /// Frees node `i`'s device state ([`Parts::drop_state`]).
+    pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
+        self.parts().drop_state(i, out);
+    }
+
+    /// After device state slots were pinned or unpinned: the nodes holding them become
+    /// eviction candidates, or stop being ones, accordingly.
+    #[inline]
+    pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
+        for &slot in slots {
+            let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
+            if i != NONE {
+                let pinned = self.pools.mamba.pins(slot) > 0;
+                self.parts().mark_pinned(i, pinned);
+                self.refresh(i);
+            }
+        }
+    }
+
+    /// The state's share of a lock ending at node `i` only (the path stays locked).
+    pub(crate) fn release_state_lock(&mut self, i: u32) {
+        MambaStates::release(&mut self.parts(), i, true);
+    }
+}
+
+impl Parts<'_> {
     /// Publishes a state slot on node `i` (which has device KV and no state). Anything
     /// else would be a bug, which breaks the cache (see [`Cache::fault`]); the slot then
     /// goes back to the pool.
+    #[inline]
     pub(crate) fn set_state(&mut self, i: u32, state: Pages) {
         let n = self.tree.node(i);
         if n.mamba.device.is_some() || n.kv.device.is_none() || state.len() != 1 {
@@ -428,30 +472,16 @@ impl Cache {
             n.mamba.hits = 0;
         });
         self.stats.states_cached += 1;
-        self.touch_state(i, false);
+        self.lru.touch_state(self.tree, i, false);
         self.refresh(i);
-        self.lru.state_placed(&mut self.tree, i);
-    }
-
-    /// Evicts node `i`'s (unlocked) state: an unlocked leaf goes with its KV, any other
-    /// node stays as a tombstone.
-    pub(crate) fn evict_state_of(&mut self, i: u32, out: &mut Evicted) {
-        if self.tree.node(i).mamba.last_access & HOT != 0 {
-            self.stats.evicted_used_states += 1;
-        }
-        self.lru.unlist_state(&mut self.tree, i);
-        if self.tree.node(i).kv.state.in_lru() {
-            self.lru.unlist_kv(&mut self.tree, i);
-            self.remove_leaf(i, out);
-        } else {
-            self.drop_state(i, out);
-            self.stats.tombstones += 1;
-            self.refresh(i);
-        }
+        self.lru.state_placed(self.tree, i);
     }
 
     /// Frees node `i`'s device state (evictable: unlocked). A locked state is never
     /// freed: that would be a bug, which breaks the cache (see [`Cache::fault`]).
+    // Always inlined, as `Parts::edit` is (eviction calls it per state).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn drop_state(&mut self, i: u32, out: &mut Evicted) {
         if self.tree.node(i).mamba.lock != 0 {
             self.pools.mamba.record_fault(format!(
@@ -460,7 +490,7 @@ impl Cache {
             ));
             return;
         }
-        self.lru.unlist_state(&mut self.tree, i);
+        self.lru.unlist_state(self.tree, i);
         if let Some(slot) = self.edit(i, |n| {
             n.mamba.mark = StateMark::Idle;
             n.mamba.device.take()
@@ -468,12 +498,13 @@ impl Cache {
             self.place_state(slot, NONE);
             self.pools.mamba.release_tree(&[slot]);
             out.mamba_states += 1;
-            self.lru.ancestor_state_changed(&mut self.tree, i);
+            self.lru.ancestor_state_changed(self.tree, i);
         }
     }
 
     /// Records that device state `slot` now sits on node `node` (`NONE`: left the tree),
     /// with whether a transfer pins it.
+    #[inline]
     pub(crate) fn place_state(&mut self, slot: u32, node: u32) {
         let i = slot as usize;
         if i >= self.state_nodes.len() {
@@ -488,33 +519,18 @@ impl Cache {
 
     /// Marks node `i`'s device state pinned by a transfer or not: a pinned state leaves
     /// the state eviction set first; an unpinned one is listed again by the next
-    /// [`Cache::refresh`].
+    /// [`Parts::refresh`].
+    // Always inlined, as `Parts::edit` is (the batches' pin changes call it per slot).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn mark_pinned(&mut self, i: u32, pinned: bool) {
         let mark = self.tree.node(i).mamba.mark;
         if pinned && mark != StateMark::Pinned {
-            self.lru.unlist_state(&mut self.tree, i);
+            self.lru.unlist_state(self.tree, i);
             self.edit(i, |n| n.mamba.mark = StateMark::Pinned);
         } else if !pinned && mark == StateMark::Pinned {
             self.edit(i, |n| n.mamba.mark = StateMark::Idle);
         }
-    }
-
-    /// After device state slots were pinned or unpinned: the nodes holding them become
-    /// eviction candidates, or stop being ones, accordingly.
-    pub(crate) fn refresh_pinned(&mut self, slots: &[u32]) {
-        for &slot in slots {
-            let i = self.state_nodes.get(slot as usize).copied().unwrap_or(NONE);
-            if i != NONE {
-                let pinned = self.pools.mamba.pins(slot) > 0;
-                self.mark_pinned(i, pinned);
-                self.refresh(i);
-            }
-        }
-    }
-
-    /// The state's share of a lock ending at node `i` only (the path stays locked).
-    pub(crate) fn release_state_lock(&mut self, i: u32) {
-        MambaStates::release(self, i, true);
     }
 }
 
@@ -570,4 +586,12 @@ pub(crate) fn set_host_state_from_l3(n: &mut Node, slot: Option<u32>) {
 #[inline]
 pub(crate) fn announced(n: &Node) -> Announced {
     Announced::of(n, n.mamba.device.is_some(), n.mamba.host.is_some())
+}
+
+impl View<'_> {
+    /// Whether `n` state slots can be had now: free, or held by states that can be
+    /// reclaimed (unlocked, unpinned: the state eviction set).
+    pub(crate) fn states_available(&self, n: usize) -> bool {
+        self.pools.mamba.free_pages() + self.lru.state_count() >= n
+    }
 }

@@ -12,9 +12,10 @@
 //! | `mamba.rs` | at most one state per tier (`Node.mamba`) | it has a device state | any unlocked state (`eviction/`) | the node's state | states, both ways |
 //! | `swa.rs` | an SWA page paired with each KV page it keeps (`pool.rs`) | the last `swa_window` tokens are live | tombstones in the middle, leaves whole | the window's nodes | the paired pages |
 //!
-//! The match walk ([`Cut`]) asks every component of the model whether the match may end
-//! at each node of the path and cuts at the deepest node all accept; a lock, its release
-//! and a split call each component's hook; `audit()` runs each component's own checks.
+//! The match walk ([`Cut`](cut::Cut), in `cut.rs`) asks every component of the model
+//! whether the match may end at each node of the path and cuts at the deepest node all
+//! accept; a lock, its release and a split call each component's hook; `audit()` runs
+//! each component's own checks.
 //!
 //! The shared modules reach a component's data only through the hooks, dispatched here
 //! (`Cache::*_components`) by one macro over the list of components ([`components!`]):
@@ -27,6 +28,21 @@
 //! pays one predictable branch for it. A new kind of layer is one new file implementing
 //! [`Component`] (declared with its `mod` line above the list) and one line in
 //! [`components!`]'s list.
+//!
+//! A hook receives the least of the cache its work needs, so that a component reaches
+//! another's data only where that is the point:
+//!
+//! | a hook receives | hooks | why |
+//! |---|---|---|
+//! | [`Parts`] (`&mut`): the nodes (through [`Parts::edit`]), pools, tallies, eviction sets, the components' books, the stats | `lock`, `release`, `split`, `keep_on_node`, `passed_duplicate`, `backup_paired_pages`, `backup_started`, `backup_settled`, `drop_device`, `drop_host` | they change their node data, pools, eviction sets and stats only |
+//! | [`View`] (`&`): the same, read-only | `slots_available`, `backup_useless`, `load_plan`, `live_end`, `useful_on_host` | they read those only |
+//! | `&Cache` | `cut`, `cut_any_tier`, `cut_inside` | the match walk, the hottest path: the cache it already holds, with nothing built per node (they read the tree, and SWA's the pools' pairings and the window) |
+//! | `&Cache` | `audit` | it checks the component against the lock receipts and the request table |
+//! | `&mut Cache` | `admit`, `take_slots`, `load_take` | taking a slot may evict (`alloc_state`, `take_state`) |
+//! | `&mut Cache` | `backup` | taking a host state slot may evict a host leaf (`alloc_host_state`) |
+//! | `&mut Cache` | `load_paired_pages` | taking device SWA pages may evict SWA (`load_swa`) |
+//! | `&mut Cache` | `before_growth`, `checkpoint` | they read the request table (`slide_window`), and a checkpoint emits a copy-on-write batch and may evict |
+//! | the request alone | `slots_needed`, `give_slots`, `restart` | they change what the request holds |
 
 #[cfg(test)]
 pub(crate) mod balanced;
@@ -43,16 +59,16 @@ use crate::pool::Pages;
 use super::copies::SlotCopy;
 use super::request::RequestState;
 use super::results::{CallOff, Found};
-use super::{Cache, Evicted};
+use super::{Cache, Evicted, Parts, View};
 use shares::{
     BackupExtraSlots, BackupExtras, BackupOutcome, LoadExtras, NeededSlots, RequestShare,
     TakenSlots,
 };
 
 /// The list of components, full attention first: `name: type` (`name` names the
-/// component's walk in [`Cut`]), each line under the attributes it needs. Calls
-/// `$then!` with `{ $args }` and the list, so that every dispatcher and [`Cut`]'s walk
-/// are generated from this one list: a new component is one more line here.
+/// component's walk in [`Cut`](cut::Cut)), each line under the attributes it needs.
+/// Calls `$then!` with `{ $args }` and the list, so that every dispatcher and the match
+/// walk are generated from this one list: a new component is one more line here.
 macro_rules! components {
     ($then:ident ! { $($args:tt)* }) => {
         $then! { { $($args)* }
@@ -87,33 +103,8 @@ macro_rules! each_component_of {
     }};
 }
 
-/// What a match walk carries per component: `Walks` with a field per component of the
-/// list, each reached through [`WalkOf`].
-macro_rules! walks_of {
-    ({} $( $(#[$a:meta])* $name:ident : $t:ty ,)*) => {
-        /// What a match walk carries from node to node, per component.
-        #[derive(Default)]
-        struct Walks {
-            $( $(#[$a])* $name: <$t as Component>::Walk, )*
-        }
-        $(
-            $(#[$a])*
-            impl WalkOf<$t> for Walks {
-                #[inline]
-                fn walk(&mut self) -> &mut <$t as Component>::Walk {
-                    &mut self.$name
-                }
-            }
-        )*
-    };
-}
-
-/// Component `C`'s part of a match walk.
-trait WalkOf<C: Component> {
-    fn walk(&mut self) -> &mut C::Walk;
-}
-
-components!(walks_of! {});
+// Declared below the macros, which it uses.
+pub(crate) mod cut;
 
 /// The kinds of layers a model may have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,7 +191,8 @@ impl Model {
 
 /// What a component provides to the cache's shared machinery. Every hook but the match
 /// walk's, the locks', `split` and `audit` has a default that does nothing, so a
-/// component implements only what it keeps.
+/// component implements only what it keeps. Each hook receives [`Parts`], [`View`] or the
+/// [`Cache`], as the module's table says.
 pub(crate) trait Component {
     /// What a match walk carries from one node of the path to the next.
     type Walk: Default;
@@ -233,14 +225,14 @@ pub(crate) trait Component {
     /// A lock of the path ending at node `i` was taken (`state`: it holds the node's
     /// state too): takes this component's share. Returns whether it took something the
     /// receipt must give back (told to [`Component::release`]).
-    fn lock(c: &mut Cache, i: u32, state: bool) -> bool;
+    fn lock(p: &mut Parts, i: u32, state: bool) -> bool;
 
     /// The lock ending at node `i` is released; `took`: some component's
     /// [`Component::lock`] took something the receipt gives back.
-    fn release(c: &mut Cache, i: u32, took: bool);
+    fn release(p: &mut Parts, i: u32, took: bool);
 
     /// Node `lower` was split: `upper` is its new upper part.
-    fn split(c: &mut Cache, upper: u32, lower: u32);
+    fn split(p: &mut Parts, upper: u32, lower: u32);
 
     /// Checks what this component keeps (beyond the checks every pool and node gets).
     fn audit(c: &Cache) -> Result<()>;
@@ -268,7 +260,7 @@ pub(crate) trait Component {
 
     /// Whether this component's part of `needed` can be had now.
     #[inline]
-    fn slots_available(_: &Cache, _: NeededSlots) -> bool {
+    fn slots_available(_: &View, _: NeededSlots) -> bool {
         true
     }
 
@@ -301,21 +293,21 @@ pub(crate) trait Component {
     /// device KV): the node keeps what it can use, the rest goes back as `share` drops.
     /// True when the node had its own already.
     #[inline]
-    fn keep_on_node(_: &mut Cache, _: u32, _: bool, _: &mut RequestShare) -> bool {
+    fn keep_on_node(_: &mut Parts, _: u32, _: bool, _: &mut RequestShare) -> bool {
         false
     }
 
     /// An insert passed node `i`, which has device KV, with its own copy of it (`dup`,
     /// freed afterwards).
     #[inline]
-    fn passed_duplicate(_: &mut Cache, _: u32, _: &[u32]) {}
+    fn passed_duplicate(_: &mut Parts, _: u32, _: &[u32]) {}
 
     // The host tier.
 
     /// Whether leaf `i`, being evicted, would be of no use on the host (no match could
     /// end there), so that a write-back eviction does not back it up.
     #[inline]
-    fn backup_useless(_: &Cache, _: u32) -> bool {
+    fn backup_useless(_: &View, _: u32) -> bool {
         false
     }
 
@@ -323,7 +315,7 @@ pub(crate) trait Component {
     /// data paired with them, adding its copies to `copies`. False (having taken
     /// nothing) when short of room: the KV is then backed up without it.
     #[inline]
-    fn backup_paired_pages(_: &mut Cache, _: u32, _: &[u32], _: &mut BackupExtras) -> bool {
+    fn backup_paired_pages(_: &mut Parts, _: u32, _: &[u32], _: &mut BackupExtras) -> bool {
         true
     }
 
@@ -337,17 +329,17 @@ pub(crate) trait Component {
 
     /// A backup batch holding `held` was emitted: its nodes' data is marked in flight.
     #[inline]
-    fn backup_started(_: &mut Cache, _: &BackupExtraSlots) {}
+    fn backup_started(_: &mut Parts, _: &BackupExtraSlots) {}
 
     /// A backup batch holding `held` ended: with `publish`, the nodes get their host
     /// copies; the in-flight marks go.
     #[inline]
-    fn backup_settled(_: &mut Cache, _: &mut BackupExtraSlots, _: bool) {}
+    fn backup_settled(_: &mut Parts, _: &mut BackupExtraSlots, _: bool) {}
 
     /// Plans a load-back of the path to node `j` (for a request: `for_request`): what
     /// this component loads, into `plan`. An error refuses it (nothing taken).
     #[inline]
-    fn load_plan(_: &Cache, _: u32, _: bool, _: &mut LoadExtras) -> Result<()> {
+    fn load_plan(_: &View, _: u32, _: bool, _: &mut LoadExtras) -> Result<()> {
         Ok(())
     }
 
@@ -374,92 +366,25 @@ pub(crate) trait Component {
     /// Whether a match could end at node `i`'s end on the device as far as this
     /// component goes (a childless node at whose end none can is dead weight).
     #[inline]
-    fn live_end(_: &Cache, _: u32) -> bool {
+    fn live_end(_: &View, _: u32) -> bool {
         true
     }
 
     /// Whether node `i`, which has a host KV copy, is worth keeping host-only as far as
     /// this component goes (a match could end there once loaded back, or below it).
     #[inline]
-    fn useful_on_host(_: &Cache, _: u32) -> bool {
+    fn useful_on_host(_: &View, _: u32) -> bool {
         true
     }
 
     /// Node `i` (unlocked) loses its device data of this component, counted in `out`
     /// (it is demoted or deleted). The KV's paired pages go with the KV.
     #[inline]
-    fn drop_device(_: &mut Cache, _: u32, _: &mut Evicted) {}
+    fn drop_device(_: &mut Parts, _: u32, _: &mut Evicted) {}
 
     /// Node `i` loses its host data of this component (its host KV goes too).
     #[inline]
-    fn drop_host(_: &mut Cache, _: u32) {}
-}
-
-/// A match walk over the model's components: cut where all of them accept.
-#[derive(Default)]
-pub(crate) struct Cut {
-    model: Model,
-    walks: Walks,
-}
-
-impl Cut {
-    /// A walk for `model`, from the root.
-    pub fn new(model: Model) -> Cut {
-        Cut {
-            model,
-            ..Cut::default()
-        }
-    }
-
-    /// Takes the path's next node (see [`Component::cut`]); true when every component
-    /// accepts a match ending there.
-    #[inline]
-    pub fn step(&mut self, c: &Cache, i: u32, depth: usize, on_device: bool) -> bool {
-        // Every component sees every node (a walk keeps its own state), so no `&&`
-        // short-circuit.
-        let mut ok = true;
-        each_component!(self.model, |C| {
-            ok &= C::cut(c, WalkOf::<C>::walk(&mut self.walks), i, depth, on_device);
-        });
-        ok
-    }
-
-    /// Whether a load-back could end a match at node `i` for every component (called
-    /// once per node, after [`Cut::step`]).
-    #[inline]
-    pub fn cut_any_tier(&mut self, c: &Cache, i: u32, depth: usize) -> bool {
-        let mut ok = true;
-        each_component!(self.model, |C| {
-            ok &= C::cut_any_tier(c, WalkOf::<C>::walk(&mut self.walks), i, depth);
-        });
-        ok
-    }
-
-    /// [`Cut::step`] and [`Cut::cut_any_tier`] for a path's last node, matched `len`
-    /// tokens into (see [`Component::cut_inside`]).
-    pub fn cut_inside(
-        &mut self,
-        c: &Cache,
-        i: u32,
-        len: usize,
-        depth: usize,
-        on_device: bool,
-    ) -> (bool, bool) {
-        let (mut device, mut any) = (true, true);
-        each_component!(self.model, |C| {
-            let (d, a) = C::cut_inside(
-                c,
-                WalkOf::<C>::walk(&mut self.walks),
-                i,
-                len,
-                depth,
-                on_device,
-            );
-            device &= d;
-            any &= a;
-        });
-        (device, any)
-    }
+    fn drop_host(_: &mut Parts, _: u32) {}
 }
 
 impl Cache {
@@ -479,7 +404,7 @@ impl Cache {
     pub(crate) fn lock_components(&mut self, i: u32, state: bool) -> bool {
         let mut took = false;
         each_component!(self.model, |C| {
-            took |= C::lock(self, i, state);
+            took |= C::lock(&mut self.parts(), i, state);
         });
         took
     }
@@ -488,14 +413,14 @@ impl Cache {
     /// [`Cache::lock_components`] said).
     pub(crate) fn release_components(&mut self, i: u32, took: bool) {
         each_component!(self.model, |C| {
-            C::release(self, i, took);
+            C::release(&mut self.parts(), i, took);
         });
     }
 
     /// Every component's share of splitting node `lower` (its new upper part `upper`).
     pub(crate) fn split_components(&mut self, upper: u32, lower: u32) {
         each_component!(self.model, |C| {
-            C::split(self, upper, lower);
+            C::split(&mut self.parts(), upper, lower);
         });
     }
 
@@ -538,7 +463,7 @@ impl Cache {
     pub(crate) fn slots_available(&self, needed: NeededSlots) -> bool {
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::slots_available(self, needed);
+            ok = ok && C::slots_available(&self.view(), needed);
         });
         ok
     }
@@ -585,7 +510,7 @@ impl Cache {
     ) -> bool {
         let mut had = false;
         each_component!(self.model, |C| {
-            had |= C::keep_on_node(self, i, at_end, share);
+            had |= C::keep_on_node(&mut self.parts(), i, at_end, share);
         });
         had
     }
@@ -595,7 +520,7 @@ impl Cache {
     #[inline]
     pub(crate) fn passed_duplicate_components(&mut self, i: u32, dup: &[u32]) {
         each_component!(self.model, |C| {
-            C::passed_duplicate(self, i, dup);
+            C::passed_duplicate(&mut self.parts(), i, dup);
         });
     }
 
@@ -604,7 +529,7 @@ impl Cache {
     pub(crate) fn backup_useless_components(&self, i: u32) -> bool {
         let mut useless = false;
         each_component!(self.model, |C| {
-            useless = useless || C::backup_useless(self, i);
+            useless = useless || C::backup_useless(&self.view(), i);
         });
         useless
     }
@@ -619,7 +544,7 @@ impl Cache {
     ) -> bool {
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok &= C::backup_paired_pages(self, i, host, copies);
+            ok &= C::backup_paired_pages(&mut self.parts(), i, host, copies);
         });
         ok
     }
@@ -642,14 +567,14 @@ impl Cache {
     /// Every component's share of emitting a backup batch that holds `held`.
     pub(crate) fn backup_started_components(&mut self, held: &BackupExtraSlots) {
         each_component!(self.model, |C| {
-            C::backup_started(self, held);
+            C::backup_started(&mut self.parts(), held);
         });
     }
 
     /// Every component's share of a backup batch that holds `held` ending.
     pub(crate) fn backup_settled_components(&mut self, held: &mut BackupExtraSlots, publish: bool) {
         each_component!(self.model, |C| {
-            C::backup_settled(self, held, publish);
+            C::backup_settled(&mut self.parts(), held, publish);
         });
     }
 
@@ -658,7 +583,7 @@ impl Cache {
     pub(crate) fn load_plan_components(&self, j: u32, for_request: bool) -> Result<LoadExtras> {
         let mut plan = LoadExtras::default();
         each_component!(self.model, |C| {
-            C::load_plan(self, j, for_request, &mut plan)?;
+            C::load_plan(&self.view(), j, for_request, &mut plan)?;
         });
         Ok(plan)
     }
@@ -694,7 +619,7 @@ impl Cache {
     pub(crate) fn live_end_components(&self, i: u32) -> bool {
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::live_end(self, i);
+            ok = ok && C::live_end(&self.view(), i);
         });
         ok
     }
@@ -705,7 +630,7 @@ impl Cache {
     pub(crate) fn useful_on_host_components(&self, i: u32) -> bool {
         let mut ok = true;
         each_component!(self.model, |C| {
-            ok = ok && C::useful_on_host(self, i);
+            ok = ok && C::useful_on_host(&self.view(), i);
         });
         ok
     }
@@ -714,7 +639,7 @@ impl Cache {
     #[inline]
     pub(crate) fn drop_device_components(&mut self, i: u32, out: &mut Evicted) {
         each_component!(self.model, |C| {
-            C::drop_device(self, i, out);
+            C::drop_device(&mut self.parts(), i, out);
         });
     }
 
@@ -722,7 +647,7 @@ impl Cache {
     #[inline]
     pub(crate) fn drop_host_components(&mut self, i: u32) {
         each_component!(self.model, |C| {
-            C::drop_host(self, i);
+            C::drop_host(&mut self.parts(), i);
         });
     }
 

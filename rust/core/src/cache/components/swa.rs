@@ -29,7 +29,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ids::{NodeId, RequestId};
 use crate::pool::Pages;
 use crate::tree::NONE;
@@ -40,8 +40,10 @@ use crate::cache::copies::{PoolKind, Tier};
 use crate::cache::eviction::Key;
 use crate::cache::request::RequestState;
 use crate::cache::results::CallOff;
-use crate::cache::Cache;
+use crate::cache::{Cache, Parts, Pools, View};
+use crate::tree::Tree;
 
+mod audit;
 mod evict;
 
 /// An SWA eviction queue entry: `(key, node index, node generation)`.
@@ -132,17 +134,17 @@ impl Component for SlidingWindow {
         )
     }
 
-    fn lock(c: &mut Cache, i: u32, _: bool) -> bool {
-        c.swa_lock(i);
+    fn lock(p: &mut Parts, i: u32, _: bool) -> bool {
+        p.swa_lock(i);
         false
     }
 
-    fn release(c: &mut Cache, i: u32, _: bool) {
-        c.swa_unlock(i);
+    fn release(p: &mut Parts, i: u32, _: bool) {
+        p.swa_unlock(i);
     }
 
-    fn split(c: &mut Cache, upper: u32, lower: u32) {
-        c.swa_split(upper, lower);
+    fn split(p: &mut Parts, upper: u32, lower: u32) {
+        p.swa_split(upper, lower);
     }
 
     fn audit(c: &Cache) -> Result<()> {
@@ -160,43 +162,43 @@ impl Component for SlidingWindow {
     }
 
     /// Dead window pages of the node revive from the duplicate's SWA pages.
-    fn passed_duplicate(c: &mut Cache, i: u32, dup: &[u32]) {
-        c.swa_revive(i, dup);
+    fn passed_duplicate(p: &mut Parts, i: u32, dup: &[u32]) {
+        p.swa_revive(i, dup);
     }
 
     /// A leaf ending in a dead SWA page would be a host tombstone leaf.
-    fn backup_useless(c: &Cache, i: u32) -> bool {
-        c.swa_dead_end(i)
+    fn backup_useless(v: &View, i: u32) -> bool {
+        v.swa_dead_end(i)
     }
 
     /// The host SWA pages of the device pages that have an SWA page (all or nothing).
-    fn backup_paired_pages(c: &mut Cache, i: u32, host: &[u32], copies: &mut BackupExtras) -> bool {
-        c.swa_backup(i, host, &mut copies.swa_copy)
+    fn backup_paired_pages(p: &mut Parts, i: u32, host: &[u32], copies: &mut BackupExtras) -> bool {
+        p.swa_backup(i, host, &mut copies.swa_copy)
     }
 
     /// A node ending in a dead SWA page (a tombstone, or one whose tail went) ends no
     /// match.
-    fn live_end(c: &Cache, i: u32) -> bool {
-        !c.swa_dead_end(i)
+    fn live_end(v: &View, i: u32) -> bool {
+        !v.swa_dead_end(i)
     }
 
     /// A match needs a live window at its end: the last host page has its host SWA
     /// page, or the node has children.
-    fn useful_on_host(c: &Cache, i: u32) -> bool {
-        let n = c.tree.node(i);
+    fn useful_on_host(v: &View, i: u32) -> bool {
+        let n = v.tree.node(i);
         !n.children.is_empty()
             || n.kv
                 .host
                 .as_deref()
-                .is_none_or(|host| c.pools.host_kv.companion_tail(host) > 0)
+                .is_none_or(|host| v.pools.host_kv.companion_tail(host) > 0)
     }
 
     /// The window at the target must be live counting host-only nodes; the host pages
     /// read are kept for [`Component::load_paired_pages`].
-    fn load_plan(c: &Cache, j: u32, _: bool, plan: &mut LoadExtras) -> Result<()> {
-        plan.window_dead = !c.swa_window_live_any(j);
-        for i in c.path_to(j) {
-            let n = c.tree.node(i);
+    fn load_plan(v: &View, j: u32, _: bool, plan: &mut LoadExtras) -> Result<()> {
+        plan.window_dead = !v.swa_window_live_any(j);
+        for i in v.path_to(j) {
+            let n = v.tree.node(i);
             if let (None, Some(host)) = (&n.kv.device, &n.kv.host) {
                 plan.host_pages.extend_from_slice(host);
             }
@@ -227,16 +229,16 @@ impl Cache {
 
     /// Tokens at the end of node `i` whose SWA KV is live (its trailing pages that have
     /// their SWA page).
+    #[inline]
     pub(crate) fn swa_tail(&self, i: u32) -> usize {
-        self.tree.node(i).kv.device.as_deref().map_or(0, |pages| {
-            self.pools.kv.companion_tail(pages) * self.config.page_size
-        })
+        live_tail(&self.tree, &self.pools, self.config.page_size, i)
     }
 
     /// Whether node `i` ends in a dead SWA page (a tombstone, or a node whose tail went):
     /// no match can be cut at its end.
+    #[inline]
     pub(crate) fn swa_dead_end(&self, i: u32) -> bool {
-        self.has_swa() && !self.tree.node(i).is_root() && self.swa_tail(i) == 0
+        self.view().swa_dead_end(i)
     }
 
     /// The live SWA tokens ending at node `i`'s end, given `run` ending at its start.
@@ -254,26 +256,16 @@ impl Cache {
     /// Tokens at the end of node `i` whose SWA KV is there where the node's KV is read
     /// from: on the device when it has device KV, else on the host (its host pages that
     /// have their host SWA page). What a match through host-only nodes counts.
+    #[inline]
     pub(crate) fn swa_tail_any(&self, i: u32) -> usize {
-        let n = self.tree.node(i);
-        let ps = self.config.page_size;
-        match (&n.kv.device, &n.kv.host) {
-            (Some(_), _) => self.swa_tail(i),
-            (None, Some(host)) => self.pools.host_kv.companion_tail(host) * ps,
-            (None, None) => 0,
-        }
+        tail_any(&self.tree, &self.pools, self.config.page_size, i)
     }
 
     /// [`Cache::swa_run`] counting host-only nodes by their host SWA pages
     /// ([`Cache::swa_tail_any`]).
+    #[inline]
     pub(crate) fn swa_run_any(&self, i: u32, run: usize) -> usize {
-        let len = self.tree.node(i).key.len();
-        let tail = self.swa_tail_any(i);
-        if tail == len {
-            run + len
-        } else {
-            tail
-        }
+        run_any(&self.tree, &self.pools, self.config.page_size, i, run)
     }
 
     /// [`Cache::swa_run`] (with `any`, [`Cache::swa_run_any`]) for the first `len` tokens
@@ -295,79 +287,11 @@ impl Cache {
         }
     }
 
-    /// Whether the path to node `i` ends in a live window counting host-only nodes by
-    /// their host SWA pages: what a load-back to `i` needs (always, without SWA layers).
-    pub(crate) fn swa_window_live_any(&self, i: u32) -> bool {
-        if !self.has_swa() {
-            return true;
-        }
-        let (mut run, mut depth) = (0, 0);
-        for j in self.path_to(i) {
-            run = self.swa_run_any(j, run);
-            depth += self.tree.node(j).key.len();
-        }
-        run >= self.swa.need || run == depth
-    }
-
     /// Whether host-only node `i` ends in a host page without its host SWA page: as a
     /// leaf no match could end there (a host tombstone leaf), so it is not kept.
     pub(crate) fn swa_host_dead_end(&self, i: u32) -> bool {
         let n = self.tree.node(i);
         self.has_swa() && !n.is_root() && n.kv.device.is_none() && self.swa_tail_any(i) == 0
-    }
-
-    /// Backup of node `i`: gives host pages `host` (new, one per device page of the
-    /// node) the host SWA pages of the device pages that have an SWA page, and appends
-    /// the SWA copies (device slots to host slots) to `copy`. All or nothing: false,
-    /// having given none, when the host SWA pages are short (the KV is then backed up
-    /// without its SWA KV).
-    pub(crate) fn swa_backup(
-        &mut self,
-        i: u32,
-        host: &[u32],
-        copy: &mut (Vec<i64>, Vec<i64>),
-    ) -> bool {
-        if !self.has_swa() || !self.has_host_tier() {
-            return true;
-        }
-        let device = self.tree.node(i).kv.device.as_deref().unwrap_or_default();
-        let (src, dst): (Vec<u32>, Vec<u32>) = self
-            .pools
-            .kv
-            .companions(device)
-            .iter()
-            .zip(host)
-            .filter_map(|(s, &h)| s.map(|s| (s, h)))
-            .unzip();
-        if dst.is_empty() {
-            return true;
-        }
-        if !self.pools.host_kv.attach_companion(&dst) {
-            self.stats.swa_backup_skipped_pages += dst.len() as u64;
-            return false;
-        }
-        let pages = self.swa_copy_into(&src, Tier::Host, &dst, copy);
-        self.stats.swa_backed_up_pages += pages as u64;
-        true
-    }
-
-    /// Adds to `copy` the SWA slots of a copy from SWA pages `src` to the SWA pages the
-    /// KV pages `dst` (of `tier`, given theirs already) hold; returns the pages copied.
-    pub(crate) fn swa_copy_into(
-        &self,
-        src: &[u32],
-        tier: Tier,
-        dst: &[u32],
-        copy: &mut (Vec<i64>, Vec<i64>),
-    ) -> usize {
-        // SWA pages have no L3 copies (the L3 tier refuses SWA models).
-        let Some(pool) = self.pools.of(PoolKind::Kv, tier) else {
-            return 0;
-        };
-        let dst: Vec<u32> = pool.companions(dst).into_iter().flatten().collect();
-        self.expand_into(src, &mut copy.0);
-        self.expand_into(&dst, &mut copy.1);
-        dst.len()
     }
 
     /// SWA: gives the loaded device pages `kv` (one per host page of `host`, in path
@@ -398,196 +322,9 @@ impl Cache {
         if !self.swa_attach(&dst) {
             return None;
         }
-        self.swa_copy_into(&src, Tier::Device, &dst, &mut copy);
+        self.parts()
+            .swa_copy_into(&src, Tier::Device, &dst, &mut copy);
         Some(copy)
-    }
-
-    /// Adds a window lock ending at node `i`: an entry on every node the last `need`
-    /// tokens of its path touch.
-    pub(crate) fn swa_lock(&mut self, i: u32) {
-        let mut left = self.swa.need;
-        let mut cur = i;
-        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
-            let n = self.tree.node_mut(cur);
-            n.swa.locks.push(crate::pool::index_u32(left));
-            left = left.saturating_sub(n.key.len());
-            cur = n.parent;
-        }
-    }
-
-    /// Removes the window lock ending at node `i` (exactly the entries
-    /// [`Cache::swa_lock`] added, splits since included); a node left without a window
-    /// lock becomes an eviction candidate again. An entry that is not there is a bug,
-    /// which breaks the cache (see [`Cache::fault`]).
-    pub(crate) fn swa_unlock(&mut self, i: u32) {
-        let mut left = self.swa.need;
-        let mut cur = i;
-        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
-            let want = crate::pool::index_u32(left);
-            let n = self.tree.node_mut(cur);
-            if let Some(k) = n.swa.locks.iter().position(|&e| e == want) {
-                n.swa.locks.swap_remove(k);
-            } else {
-                let id = self.tree.id(cur);
-                self.pools.kv.record_fault(format!(
-                    "illegal SWA unlock: node {id} holds no window lock of {want} tokens"
-                ));
-                return;
-            }
-            let (len, parent) = (n.key.len(), n.parent);
-            self.swa_enqueue(cur);
-            left = left.saturating_sub(len);
-            cur = parent;
-        }
-    }
-
-    /// After node `lower` was split, its new upper part `upper` takes the window locks
-    /// that reach above `lower` (less `lower`'s length), and is queued if it can be
-    /// evicted.
-    pub(crate) fn swa_split(&mut self, upper: u32, lower: u32) {
-        if !self.has_swa() {
-            return;
-        }
-        let l = self.tree.node(lower);
-        let len = crate::pool::index_u32(l.key.len());
-        let reach: Vec<u32> = l
-            .swa
-            .locks
-            .iter()
-            .filter(|&&e| e > len)
-            .map(|&e| e - len)
-            .collect();
-        self.tree.node_mut(upper).swa.locks = reach;
-        self.swa_enqueue(upper);
-    }
-
-    /// Moves the SWA pages of a caller's duplicate pages `dup` onto node `i`'s last
-    /// pages that have none (a tombstone revived by an insert of the same tokens): each
-    /// SWA page goes to the node's page of the same tokens, so its slot keeps the KV its
-    /// tokens wrote (a fresh page would hold another sequence's).
-    pub(crate) fn swa_revive(&mut self, i: u32, dup: &[u32]) {
-        let Some(pages) = self.tree.node(i).kv.device.as_deref() else {
-            return;
-        };
-        // The duplicates are the node's last pages, aligned from the end.
-        let n = dup.len().min(pages.len());
-        let moved = self
-            .pools
-            .kv
-            .move_companions(&dup[dup.len() - n..], &pages[pages.len() - n..]);
-        if moved > 0 {
-            self.stats.swa_revived_pages += moved as u64;
-            self.swa_enqueue(i);
-        }
-    }
-
-    /// Checks the SWA component: every request's window has its SWA pages, the window
-    /// locks each node holds are exactly those of the live receipts, every candidate is
-    /// queued, once, at or before its place under the SWA policy, and no unlocked leaf ends in a dead page (a tombstone is never a leaf, on
-    /// the device or, by its host SWA pages, on the host). The pairings themselves (every
-    /// SWA page free or with exactly one KV page that is not free, device and host) are
-    /// the pools' audit.
-    pub(crate) fn audit_swa(&self) -> Result<()> {
-        if !self.has_swa() {
-            return Ok(());
-        }
-        let nodes = &self.tree.nodes;
-        let mut want: Vec<Vec<u32>> = vec![Vec::new(); nodes.len()];
-        for held in self.locks.held() {
-            let mut left = self.swa.need;
-            let mut cur = held.node;
-            while left > 0 && cur != NONE && !nodes[cur as usize].is_root() {
-                want[cur as usize].push(crate::pool::index_u32(left));
-                left = left.saturating_sub(nodes[cur as usize].key.len());
-                cur = nodes[cur as usize].parent;
-            }
-        }
-        for r in self.requests.iter() {
-            let (start, pages) = self.window_of(r);
-            if let Some(k) = pages.iter().position(Option::is_none) {
-                return Err(Error::Invariant(format!(
-                    "request at node {}: page {k} of its window (from token {start}) has no \
-                     SWA KV",
-                    self.tree.id(r.node)
-                )));
-            }
-        }
-        // Each live node's queue entries (of its generation): at most one, and one
-        // exactly when it is marked queued, keyed at most its key now.
-        let mut entries: Vec<Option<Key>> = vec![None; nodes.len()];
-        for Reverse((key, i, generation)) in &self.swa.queue {
-            let n = &nodes[*i as usize];
-            if !n.live || n.generation != *generation {
-                continue;
-            }
-            let id = self.tree.id(*i);
-            if entries[*i as usize].replace(*key).is_some() {
-                return Err(Error::Invariant(format!(
-                    "node {id}: queued twice for SWA eviction"
-                )));
-            }
-            if !n.swa.queued {
-                return Err(Error::Invariant(format!(
-                    "node {id}: in the SWA eviction queue, not marked queued"
-                )));
-            }
-            let now = self.lru.swa_key(n);
-            if *key > now {
-                return Err(Error::Invariant(format!(
-                    "node {id}: SWA eviction queue key {key:?} past the SWA policy's key \
-                     {now:?} (keys only grow)"
-                )));
-            }
-        }
-        for (i, n) in nodes.iter().enumerate() {
-            let index = crate::pool::index_u32(i);
-            if n.live && n.swa.queued && entries[i].is_none() {
-                return Err(Error::Invariant(format!(
-                    "node {}: marked queued, not in the SWA eviction queue",
-                    self.tree.id(index)
-                )));
-            }
-            let mut have = n.swa.locks.clone();
-            have.sort_unstable();
-            want[i].sort_unstable();
-            if have != want[i] {
-                return Err(Error::Invariant(format!(
-                    "node {i}: window locks {have:?}, the live receipts make {:?}",
-                    want[i]
-                )));
-            }
-            if !n.live || n.is_root() {
-                continue;
-            }
-            let live = self.swa_tail(index) > 0;
-            if live && n.swa.locks.is_empty() && !n.swa.queued {
-                return Err(Error::Invariant(format!(
-                    "node {}: live SWA, no window lock, not in the SWA eviction queue",
-                    self.tree.id(index)
-                )));
-            }
-            if n.children.is_empty() && n.kv.lock == 0 && self.swa_host_dead_end(index) {
-                return Err(Error::Invariant(format!(
-                    "node {}: an unlocked host-only leaf whose last host page has no host \
-                     SWA page (a host tombstone leaf)",
-                    self.tree.id(index)
-                )));
-            }
-            // A leaf being evicted is exempt: it goes when its backup ends.
-            if n.kv.device.is_some()
-                && n.children.is_empty()
-                && n.kv.lock == 0
-                && !live
-                && !n.kv.state.evicting()
-            {
-                return Err(Error::Invariant(format!(
-                    "node {}: an unlocked leaf whose last page has no SWA KV (a tombstone \
-                     leaf)",
-                    self.tree.id(index)
-                )));
-            }
-        }
-        Ok(())
     }
 }
 
@@ -667,5 +404,218 @@ impl Cache {
         let last = len.div_ceil(ps).min(pages.len());
         let first = (start / ps).min(last);
         (start, self.pools.kv.companions(&pages[first..last]))
+    }
+}
+
+impl Parts<'_> {
+    /// True when the model has SWA layers.
+    #[inline]
+    fn has_swa(&self) -> bool {
+        self.swa.need > 0
+    }
+
+    /// Backup of node `i`: gives host pages `host` (new, one per device page of the
+    /// node) the host SWA pages of the device pages that have an SWA page, and appends
+    /// the SWA copies (device slots to host slots) to `copy`. All or nothing: false,
+    /// having given none, when the host SWA pages are short (the KV is then backed up
+    /// without its SWA KV).
+    pub(crate) fn swa_backup(
+        &mut self,
+        i: u32,
+        host: &[u32],
+        copy: &mut (Vec<i64>, Vec<i64>),
+    ) -> bool {
+        if !self.has_swa() || self.config.host_kv_slots == 0 {
+            return true;
+        }
+        let device = self.tree.node(i).kv.device.as_deref().unwrap_or_default();
+        let (src, dst): (Vec<u32>, Vec<u32>) = self
+            .pools
+            .kv
+            .companions(device)
+            .iter()
+            .zip(host)
+            .filter_map(|(s, &h)| s.map(|s| (s, h)))
+            .unzip();
+        if dst.is_empty() {
+            return true;
+        }
+        if !self.pools.host_kv.attach_companion(&dst) {
+            self.stats.swa_backup_skipped_pages += dst.len() as u64;
+            return false;
+        }
+        let pages = self.swa_copy_into(&src, Tier::Host, &dst, copy);
+        self.stats.swa_backed_up_pages += pages as u64;
+        true
+    }
+
+    /// Adds to `copy` the SWA slots of a copy from SWA pages `src` to the SWA pages the
+    /// KV pages `dst` (of `tier`, given theirs already) hold; returns the pages copied.
+    pub(crate) fn swa_copy_into(
+        &self,
+        src: &[u32],
+        tier: Tier,
+        dst: &[u32],
+        copy: &mut (Vec<i64>, Vec<i64>),
+    ) -> usize {
+        // SWA pages have no L3 copies (the L3 tier refuses SWA models).
+        let Some(pool) = self.pools.of(PoolKind::Kv, tier) else {
+            return 0;
+        };
+        let dst: Vec<u32> = pool.companions(dst).into_iter().flatten().collect();
+        self.expand_into(src, &mut copy.0);
+        self.expand_into(&dst, &mut copy.1);
+        dst.len()
+    }
+
+    /// [`Cache::swa_tail`].
+    #[inline]
+    pub(crate) fn swa_tail(&self, i: u32) -> usize {
+        live_tail(self.tree, self.pools, self.config.page_size, i)
+    }
+
+    /// Adds a window lock ending at node `i`: an entry on every node the last `need`
+    /// tokens of its path touch.
+    pub(crate) fn swa_lock(&mut self, i: u32) {
+        let mut left = self.swa.need;
+        let mut cur = i;
+        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
+            let n = self.tree.node_mut(cur);
+            n.swa.locks.push(crate::pool::index_u32(left));
+            left = left.saturating_sub(n.key.len());
+            cur = n.parent;
+        }
+    }
+
+    /// Removes the window lock ending at node `i` (exactly the entries
+    /// [`Parts::swa_lock`] added, splits since included); a node left without a window
+    /// lock becomes an eviction candidate again. An entry that is not there is a bug,
+    /// which breaks the cache (see [`Cache::fault`]).
+    pub(crate) fn swa_unlock(&mut self, i: u32) {
+        let mut left = self.swa.need;
+        let mut cur = i;
+        while left > 0 && cur != NONE && !self.tree.node(cur).is_root() {
+            let want = crate::pool::index_u32(left);
+            let n = self.tree.node_mut(cur);
+            if let Some(k) = n.swa.locks.iter().position(|&e| e == want) {
+                n.swa.locks.swap_remove(k);
+            } else {
+                let id = self.tree.id(cur);
+                self.pools.kv.record_fault(format!(
+                    "illegal SWA unlock: node {id} holds no window lock of {want} tokens"
+                ));
+                return;
+            }
+            let (len, parent) = (n.key.len(), n.parent);
+            self.swa_enqueue(cur);
+            left = left.saturating_sub(len);
+            cur = parent;
+        }
+    }
+
+    /// After node `lower` was split, its new upper part `upper` takes the window locks
+    /// that reach above `lower` (less `lower`'s length), and is queued if it can be
+    /// evicted.
+    pub(crate) fn swa_split(&mut self, upper: u32, lower: u32) {
+        if !self.has_swa() {
+            return;
+        }
+        let l = self.tree.node(lower);
+        let len = crate::pool::index_u32(l.key.len());
+        let reach: Vec<u32> = l
+            .swa
+            .locks
+            .iter()
+            .filter(|&&e| e > len)
+            .map(|&e| e - len)
+            .collect();
+        self.tree.node_mut(upper).swa.locks = reach;
+        self.swa_enqueue(upper);
+    }
+
+    /// Moves the SWA pages of a caller's duplicate pages `dup` onto node `i`'s last
+    /// pages that have none (a tombstone revived by an insert of the same tokens): each
+    /// SWA page goes to the node's page of the same tokens, so its slot keeps the KV its
+    /// tokens wrote (a fresh page would hold another sequence's).
+    pub(crate) fn swa_revive(&mut self, i: u32, dup: &[u32]) {
+        let Some(pages) = self.tree.node(i).kv.device.as_deref() else {
+            return;
+        };
+        // The duplicates are the node's last pages, aligned from the end.
+        let n = dup.len().min(pages.len());
+        let moved = self
+            .pools
+            .kv
+            .move_companions(&dup[dup.len() - n..], &pages[pages.len() - n..]);
+        if moved > 0 {
+            self.stats.swa_revived_pages += moved as u64;
+            self.swa_enqueue(i);
+        }
+    }
+}
+
+/// Tokens at the end of node `i` of `tree` whose SWA KV is live (its trailing device
+/// pages that have their SWA page in `pools`).
+#[inline]
+fn live_tail(tree: &Tree, pools: &Pools, page_size: usize, i: u32) -> usize {
+    tree.node(i)
+        .kv
+        .device
+        .as_deref()
+        .map_or(0, |pages| pools.kv.companion_tail(pages) * page_size)
+}
+
+impl View<'_> {
+    /// True when the model has SWA layers.
+    #[inline]
+    fn has_swa(&self) -> bool {
+        self.swa.need > 0
+    }
+
+    /// [`Cache::swa_dead_end`].
+    #[inline]
+    pub(crate) fn swa_dead_end(&self, i: u32) -> bool {
+        self.has_swa()
+            && !self.tree.node(i).is_root()
+            && live_tail(self.tree, self.pools, self.config.page_size, i) == 0
+    }
+
+    /// Whether the path to node `i` ends in a live window counting host-only nodes by
+    /// their host SWA pages: what a load-back to `i` needs (always, without SWA layers).
+    pub(crate) fn swa_window_live_any(&self, i: u32) -> bool {
+        if !self.has_swa() {
+            return true;
+        }
+        let (mut run, mut depth) = (0, 0);
+        for j in self.path_to(i) {
+            run = run_any(self.tree, self.pools, self.config.page_size, j, run);
+            depth += self.tree.node(j).key.len();
+        }
+        run >= self.swa.need || run == depth
+    }
+}
+
+/// Tokens at the end of node `i` of `tree` whose SWA KV is there where the node's KV is
+/// read from: on the device when it has device KV, else on the host (its host pages
+/// that have their host SWA page). What a match through host-only nodes counts.
+#[inline]
+fn tail_any(tree: &Tree, pools: &Pools, page_size: usize, i: u32) -> usize {
+    let n = tree.node(i);
+    match (&n.kv.device, &n.kv.host) {
+        (Some(_), _) => live_tail(tree, pools, page_size, i),
+        (None, Some(host)) => pools.host_kv.companion_tail(host) * page_size,
+        (None, None) => 0,
+    }
+}
+
+/// The live SWA tokens ending at node `i`'s end, given `run` ending at its start,
+/// counting host-only nodes by their host SWA pages ([`tail_any`]).
+fn run_any(tree: &Tree, pools: &Pools, page_size: usize, i: u32, run: usize) -> usize {
+    let len = tree.node(i).key.len();
+    let tail = tail_any(tree, pools, page_size, i);
+    if tail == len {
+        run + len
+    } else {
+        tail
     }
 }

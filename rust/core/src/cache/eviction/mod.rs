@@ -171,6 +171,7 @@ impl Lru {
     /// [`Lru::ancestor_state_changed`]). Under state-value, the nearest state above it
     /// may be superseded by `i`, which then counts as used in its place (see
     /// `state_value::supersede`); both move.
+    #[inline]
     pub fn state_placed(&mut self, tree: &mut Tree, i: u32) {
         self.ancestor_state_changed(tree, i);
         if self.policy.mamba != EvictionPolicy::StateValue {

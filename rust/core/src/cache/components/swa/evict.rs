@@ -4,7 +4,7 @@
 
 use std::cmp::Reverse;
 
-use crate::cache::{Cache, Evicted};
+use crate::cache::{Cache, Evicted, Parts};
 
 impl Cache {
     /// Device node `i` was left a leaf ending in a dead SWA page: deleted now, or held
@@ -35,22 +35,9 @@ impl Cache {
         }
     }
 
-    /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
-    /// and not queued yet.
+    /// Queues node `i` for SWA eviction when it is a candidate ([`Parts::swa_enqueue`]).
     pub(crate) fn swa_enqueue(&mut self, i: u32) {
-        if !self.has_swa() {
-            return;
-        }
-        let n = self.tree.node(i);
-        if !n.live || n.is_root() || n.swa.queued || !n.swa.locks.is_empty() {
-            return;
-        }
-        if self.swa_tail(i) == 0 {
-            return;
-        }
-        let entry = (self.lru.swa_key(n), i, n.generation);
-        self.tree.node_mut(i).swa.queued = true;
-        self.swa.queue.push(Reverse(entry));
+        self.parts().swa_enqueue(i);
     }
 
     /// Gives each of `pages` (device KV pages, held) its SWA page, evicting SWA first
@@ -129,5 +116,25 @@ impl Cache {
         let freed = self.pools.kv.companion_free().saturating_sub(before);
         self.stats.swa_evicted_pages += freed as u64;
         freed
+    }
+}
+
+impl Parts<'_> {
+    /// Queues node `i` for SWA eviction when it is a candidate (live SWA, no window lock)
+    /// and not queued yet.
+    pub(crate) fn swa_enqueue(&mut self, i: u32) {
+        if !self.has_swa() {
+            return;
+        }
+        let n = self.tree.node(i);
+        if !n.live || n.is_root() || n.swa.queued || !n.swa.locks.is_empty() {
+            return;
+        }
+        if self.swa_tail(i) == 0 {
+            return;
+        }
+        let entry = (self.lru.swa_key(n), i, n.generation);
+        self.tree.node_mut(i).swa.queued = true;
+        self.swa.queue.push(Reverse(entry));
     }
 }
