@@ -3,10 +3,13 @@
 //!
 //! The tree knows nothing about eviction policy or pools; it stores, per node, the data
 //! of each component ([`KvNode`] for the attention KV cache) and the bookkeeping the
-//! components need (last access, hit count, how many children hold device KV).
+//! components need (last access, hit count, how many children hold device KV). The
+//! eviction policies' data on a state (`cache/eviction/on_node.rs`) and the node's key in
+//! the KV eviction set ride along, changed only by `cache/eviction/`.
 
 use hashbrown::HashTable;
 
+use crate::cache::eviction::on_node::StatePolicy;
 use crate::error::{Error, Result};
 use crate::hashes::PageHash;
 use crate::ids::{CacheId, NodeId, Slot};
@@ -170,22 +173,6 @@ pub(crate) struct KvNode {
     pub l3: bool,
 }
 
-/// What became of a device state once deeper states were placed below it (the
-/// state-value policy's view; see `cache::eviction`). Superseded implies continued, so the
-/// two are one enum.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Succession {
-    /// No state has been placed below it since it was placed.
-    #[default]
-    Fresh,
-    /// A state has been placed below it.
-    Continued,
-    /// A match had used it, and the first state placed below it lies on its path with
-    /// nothing branching off between the two: it serves only a request that leaves
-    /// that path in between, until a match uses it again.
-    Superseded,
-}
-
 /// Where a node's device state stands for eviction: listed, pinned by a transfer, or
 /// neither. A pinned state is never an eviction candidate (evicting it would only leave
 /// its slot draining), so the two cannot be written down together.
@@ -221,17 +208,9 @@ pub(crate) struct MambaNode {
     pub last_access: u64,
     /// Matches that used this state since it was cached.
     pub hits: u64,
-    /// The state-value policy's aging level when the state was last used (see
-    /// `cache::eviction`).
-    pub aged: u64,
-    /// Whether a state has been placed below this one (with this one the nearest state
-    /// above it) since this one was placed, and whether that superseded it.
-    pub succession: Succession,
-    /// This state superseded the one above it, or a load-back restored it for a
-    /// request: the state-value policy counts it as used (see `cache::eviction`).
-    pub resumed: bool,
-    /// The state's key in the state eviction set, while it is in it.
-    pub lru_key: (u64, u64),
+    /// The eviction policies' data on this state: its key in the state eviction set and
+    /// the state-value policy's marks, changed only by `cache/eviction/`.
+    pub policy: StatePolicy,
     /// The host state was written to the L3 tier once, or came from there (`cache::l3`).
     pub l3: bool,
 }

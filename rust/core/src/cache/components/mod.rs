@@ -10,7 +10,7 @@
 //! |---|---|---|---|---|---|
 //! | `full.rs` | KV pages (`Node.kv`), device and host | its KV is on the device (prefix-closed) | leaves only, its own order (`eviction/`) | the path to the root | pages, both ways |
 //! | `mamba.rs` | at most one state per tier (`Node.mamba`) | it has a device state | any unlocked state (`eviction/`) | the node's state | states, both ways |
-//! | `swa.rs` | an SWA page paired with each KV page it keeps (`pool.rs`) | the last `swa_window` tokens are live | tombstones in the middle, leaves whole | the window's nodes | the paired pages |
+//! | `swa.rs` | an SWA page paired with each KV page it keeps (`pool/companion.rs`) | the last `swa_window` tokens are live | tombstones in the middle, leaves whole | the window's nodes | the paired pages |
 //!
 //! The match walk ([`Cut`](cut::Cut), in `cut.rs`) asks every component of the model
 //! whether the match may end at each node of the path and cuts at the deepest node all

@@ -32,6 +32,7 @@ mod keys;
 mod lfu;
 mod lookahead;
 mod lru;
+pub(crate) mod on_node;
 mod priority;
 pub(crate) mod state_value;
 
@@ -224,8 +225,8 @@ impl Lru {
         if n.mamba.mark != StateMark::Listed {
             return;
         }
-        let (old, new) = (n.mamba.lru_key, self.state_key(tree, i));
-        tree.node_mut(i).mamba.lru_key = new;
+        let (old, new) = (n.mamba.policy.lru_key, self.state_key(tree, i));
+        tree.node_mut(i).mamba.policy.lru_key = new;
         self.remove_state((old.0, old.1, i));
         self.add_state((new.0, new.1, i));
     }
@@ -336,7 +337,7 @@ impl Lru {
         if now && !was {
             let key = self.state_key(tree, i);
             let m = &mut tree.node_mut(i).mamba;
-            m.lru_key = key;
+            m.policy.lru_key = key;
             m.mark = StateMark::Listed;
             self.add_state((key.0, key.1, i));
         } else if was && !now {
@@ -358,7 +359,7 @@ impl Lru {
         let n = tree.node_mut(i);
         if n.mamba.mark == StateMark::Listed {
             n.mamba.mark = StateMark::Idle;
-            let key = n.mamba.lru_key;
+            let key = n.mamba.policy.lru_key;
             self.remove_state((key.0, key.1, i));
         }
     }

@@ -14,7 +14,8 @@
 //! move ([`states_below`]).
 
 use super::keys::Key;
-use crate::tree::{MambaNode, Succession, Tree, NONE};
+use super::on_node::Succession;
+use crate::tree::{MambaNode, Tree, NONE};
 
 /// Set in a state-value key once a match has used the state: used states go after
 /// unused ones, each segment in value order with its own aging level.
@@ -33,11 +34,15 @@ pub(crate) const DEPTH_SCALE: u64 = 1 << 16;
 #[inline]
 pub(super) fn state_key(tree: &Tree, i: u32) -> Key {
     let m = &tree.node(i).mamba;
-    if m.succession == Succession::Superseded {
+    if m.policy.succession == Succession::Superseded {
         return (0, m.last_access);
     }
-    let aged = m.aged.saturating_add(state_cost(tree, i)).min(USED - 1);
-    let used = m.hits > 0 || m.resumed;
+    let aged = m
+        .policy
+        .aged
+        .saturating_add(state_cost(tree, i))
+        .min(USED - 1);
+    let used = m.hits > 0 || m.policy.resumed;
     (aged | if used { USED } else { 0 }, m.last_access)
 }
 
@@ -55,22 +60,22 @@ impl Aging {
     #[inline]
     pub(super) fn stamped(&self, m: &mut MambaNode, hit: bool) {
         if hit {
-            if m.succession == Succession::Superseded {
-                m.succession = Succession::Continued;
+            if m.policy.succession == Succession::Superseded {
+                m.policy.succession = Succession::Continued;
             }
         } else {
-            m.succession = Succession::Fresh;
-            m.resumed = false;
+            m.policy.succession = Succession::Fresh;
+            m.policy.resumed = false;
         }
-        m.aged = self.level[usize::from(m.hits > 0)];
+        m.policy.aged = self.level[usize::from(m.hits > 0)];
     }
 
     /// State `m` counts as used (it superseded the one above it, or a load-back
     /// restored it for a request), at the used level.
     #[inline]
     pub(super) fn resumed(&self, m: &mut MambaNode) {
-        m.resumed = true;
-        m.aged = self.level[1];
+        m.policy.resumed = true;
+        m.policy.aged = self.level[1];
     }
 
     /// The policy evicted a state listed under a key whose first word is `key`: its
@@ -118,14 +123,14 @@ pub(super) fn supersede(tree: &mut Tree, i: u32, aging: &Aging) -> Option<u32> {
         let n = tree.node(cur);
         branch |= n.children.len() != 1 || n.kv.lock != tree.node(below).kv.lock;
         if n.mamba.device.is_some() {
-            let fresh = n.mamba.succession == Succession::Fresh;
+            let fresh = n.mamba.policy.succession == Succession::Fresh;
             if fresh && n.mamba.hits > 0 && !branch {
-                tree.node_mut(cur).mamba.succession = Succession::Superseded;
+                tree.node_mut(cur).mamba.policy.succession = Succession::Superseded;
                 aging.resumed(&mut tree.node_mut(i).mamba);
                 return Some(cur);
             }
             if fresh {
-                tree.node_mut(cur).mamba.succession = Succession::Continued;
+                tree.node_mut(cur).mamba.policy.succession = Succession::Continued;
             }
             return None;
         }

@@ -1,10 +1,10 @@
 //! Unit tests of the eviction policies: the order each gives on small hand-built trees.
 
 use super::util::policy_cache as cache;
+use crate::cache::eviction::on_node::Succession;
 use crate::cache::*;
 use crate::config::{EvictionPolicies, EvictionPolicy};
 use crate::error::Error;
-use crate::tree::Succession;
 
 /// Caches `toks` (KV, and a state at the end when the cache has a state pool) with
 /// `priority`, through the low-level API and without a match (an insert is no hit):
@@ -287,7 +287,11 @@ fn succession(c: &Cache, toks: &[u32]) -> Succession {
         .find(|n| n.prefix == toks)
         .unwrap()
         .id;
-    c.tree.node(c.tree.resolve(node).unwrap()).mamba.succession
+    c.tree
+        .node(c.tree.resolve(node).unwrap())
+        .mamba
+        .policy
+        .succession
 }
 
 #[test]
